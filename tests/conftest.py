@@ -1,0 +1,48 @@
+"""Guards every test: no leaked environment, process group or child process."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_environment():
+    before = dict(os.environ)
+    yield
+    changed = {k for k in os.environ if os.environ.get(k) != before.get(k)} | (set(before) - set(os.environ))
+    leaked = changed - {"PYTEST_CURRENT_TEST"}  # pytest's own bookkeeping
+    os.environ.clear()
+    os.environ.update(before)
+    assert not leaked, f"test changed environment variables {sorted(leaked)}"
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    yield
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        dist.destroy_process_group()
+    assert not initialized, "test left a torch.distributed process group initialized"
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_children():
+    yield
+    children = [c for c in psutil.Process().children(recursive=True) if _is_alive(c)]
+    for child in children:
+        child.kill()
+    assert not children, f"test left child processes running: {[c.pid for c in children]}"
+
+
+def _is_alive(proc: psutil.Process) -> bool:
+    try:
+        # multiprocessing's resource tracker lives as long as the test session.
+        return proc.status() != psutil.STATUS_ZOMBIE and not any(
+            "resource_tracker" in part for part in proc.cmdline()
+        )
+    except psutil.NoSuchProcess:
+        return False
