@@ -1,0 +1,54 @@
+"""The reference ddpkit's overhead is measured against: a bare PyTorch loop.
+
+Same model, optimizer, global batches and in-memory tensors as ``ddpkit
+train`` with one worker, and nothing else: no process group, no sampler
+object, no metrics. Run as ``python -m ddpkit.bench.bare_loop key=value ...``
+(the TrainConfig words); prints one JSON line with the train time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ddpkit.cli import parse_train_config
+from ddpkit.data.datasets import load_dataset
+from ddpkit.data.sampler import epoch_permutation
+from ddpkit.distributed import default_num_threads
+from ddpkit.models.registry import get_model_spec
+from ddpkit.train.loop import build_optimizer, seed_everything
+from ddpkit.train.run import data_options
+
+
+def bare_loop(words: list[str]) -> dict[str, float]:
+    """Train as a textbook loop and return train time and test accuracy."""
+    cfg = parse_train_config(words)
+    torch.set_num_threads(cfg.threads or default_num_threads(1))
+    spec = get_model_spec(cfg.model)
+    assert spec.task == "classification" and spec.normalize is None, "the bare loop covers W1-like models"
+    data = load_dataset(cfg.dataset, data_options(cfg))
+    seed_everything(cfg.seed)
+    model = spec.build()
+    optimizer = build_optimizer(cfg, model.parameters(), 1)
+    images, labels = data.train_images, data.train_labels
+    start = time.perf_counter()
+    for epoch in range(cfg.epochs):
+        order = epoch_permutation(len(labels), cfg.seed, epoch)
+        for batch in order.split(cfg.batch_size):
+            x = images[batch].float().div_(255.0)
+            loss = F.cross_entropy(model(x), labels[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    train_time = time.perf_counter() - start
+    with torch.no_grad():
+        accuracy = (model(data.test_images.float() / 255.0).argmax(1) == data.test_labels).float().mean().item()
+    return {"train_time_s": train_time, "test_accuracy": accuracy}
+
+
+if __name__ == "__main__":
+    print(json.dumps(bare_loop(sys.argv[1:])))

@@ -1,0 +1,213 @@
+"""Typed configuration: dataclass schemas overridden by YAML files and key=value words.
+
+One mechanism everywhere (OmegaConf structured configs): a schema dataclass
+gives every field a type, a default and a docstring; YAML files and
+``key=value`` words from the command line are merged on top, in the order
+given, and validated against the schema. Dotted keys reach nested groups
+(``checkpoint.every_steps=100``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration word or file is invalid; the message names it and the fix."""
+
+
+def parse(
+    schema: type[T],
+    args: Sequence[str],
+    presets: Mapping[str, Any] | None = None,
+) -> T:
+    """Build a ``schema`` instance from YAML files and ``key=value`` words.
+
+    Args:
+        schema: a dataclass type whose fields all have defaults.
+        args: words from the command line: ``key=value`` overrides, or paths of
+            YAML files (ending in .yaml or .yml), merged in the order given.
+        presets: values merged between the schema defaults and ``args``.
+
+    Returns:
+        The validated configuration as a ``schema`` instance.
+
+    Raises:
+        ConfigError: unknown key, bad value or unreadable file.
+    """
+    merged = OmegaConf.structured(schema)
+    layers = [dict(presets or {})] + [_layer(word, schema) for word in args]
+    for layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise ConfigError(_explain(e, schema)) from None
+    return OmegaConf.to_object(merged)
+
+
+def peek(args: Sequence[str], key: str) -> str | None:
+    """The last value given for ``key`` by ``args`` (words or YAML files), if any."""
+    value = None
+    for word in args:
+        layer = OmegaConf.create(_read_layer(word))
+        found = OmegaConf.select(layer, key, default=None)
+        if found is not None:
+            value = str(found)
+    return value
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A plain, JSON-serialisable dict of a config dataclass."""
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Any) -> str:
+    """The config as YAML text, as printed at start and stored with checkpoints."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _layer(word: str, schema: type) -> DictConfig:
+    return OmegaConf.create(_read_layer(word))
+
+
+def _read_layer(word: str) -> dict[str, Any]:
+    if word.endswith((".yaml", ".yml")) and "=" not in word:
+        if not os.path.isfile(word):
+            raise ConfigError(f"config file {word!r} does not exist; pass an existing YAML file or key=value words")
+        try:
+            loaded = OmegaConf.load(word)
+        except Exception as e:  # YAML syntax errors come in several types
+            raise ConfigError(f"config file {word!r} is not valid YAML: {e}".splitlines()[0]) from None
+        return OmegaConf.to_container(loaded)
+    if "=" not in word:
+        raise ConfigError(f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. epochs=5")
+    key, value = word.split("=", 1)
+    if not key:
+        raise ConfigError(f"{word!r} has an empty key; write it as key=value, e.g. epochs=5")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot read {word!r}: {e}".splitlines()[0]) from None
+
+
+def _explain(error: OmegaConfBaseException, schema: type) -> str:
+    key = getattr(error, "full_key", None) or ""
+    message = str(error).splitlines()[0]
+    if "not in struct" in message or "Key '" in message and "not in" in message:
+        valid = _field_names(schema)
+        close = difflib.get_close_matches(key.split(".")[-1], [v.split(".")[-1] for v in valid], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}"
+    return f"bad value for {key!r}: {message}"
+
+
+def _field_names(schema: type, prefix: str = "") -> list[str]:
+    names = []
+    for field in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(field.type) or (isinstance(field.default_factory, type)
+                                                    and dataclasses.is_dataclass(field.default_factory)):
+            nested = field.default_factory if field.default_factory is not dataclasses.MISSING else field.type
+            names += _field_names(nested, f"{prefix}{field.name}.")
+        else:
+            names.append(prefix + field.name)
+    return names
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    """Raise ConfigError unless ``value`` > 0 (or >= 0 with ``allow_zero``)."""
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name}={value} is not valid; it must be {bound}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``ddpkit train`` needs; every field can be set as key=value."""
+
+    model: str = "mlp"
+    """Model name from the registry: mlp (W1), cnn (W2), autoencoder (W3), or one you registered."""
+    dataset: str = "fashion-mnist"
+    """Dataset name: fashion-mnist, mnist or synthetic."""
+    data_dir: str = ""
+    """Folder holding the dataset's IDX files; empty searches the usual places (see README)."""
+    download: bool = True
+    """Download the dataset from its official mirrors when it is found nowhere."""
+    synthetic_samples: int = 60000
+    """Number of training samples of the synthetic dataset (test set: one sixth)."""
+    epochs: int = 5
+    """Number of passes over the training set."""
+    batch_size: int = 64
+    """Batch size: global (split across workers) or per worker, see batch_scope."""
+    batch_scope: str = "global"
+    """global: batch_size is the global batch; per_worker: each worker takes batch_size."""
+    optimizer: str = "adam"
+    """adam or sgd (with momentum)."""
+    lr: float = 1e-3
+    """Learning rate (before scale_lr)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 weight decay."""
+    scale_lr: bool = False
+    """Multiply lr by the number of workers (linear scaling rule)."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (gradients synchronised once, via no_sync)."""
+    precision: str = "fp32"
+    """fp32, or bf16 / fp16 mixed precision (autocast; fp16 uses a gradient scaler on CUDA)."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm."""
+    seed: int = 0
+    """Seed of the model initialisation and of the global sample order."""
+    nproc: int = 1
+    """Workers to start on this machine; ignored when started by torchrun, srun or mpirun."""
+    backend: str = "auto"
+    """Process-group backend: auto (gloo on CPU, nccl on CUDA), gloo, nccl, or cpu:gloo,cuda:nccl."""
+    device: str = "auto"
+    """auto (CUDA when available, bound to the local rank), cpu or cuda."""
+    allreduce: str = "auto"
+    """Gradient all_reduce: auto (shm on CPU when all workers share a node, else builtin), builtin, shm, ring, ..."""
+    grad_sync: str = "ddp"
+    """ddp (DistributedDataParallel with the chosen all_reduce as its hook) or manual (per-parameter all_reduce)."""
+    timeout: float = 300.0
+    """Seconds a collective or the rendezvous may wait for a peer before failing."""
+    threads: int = 0
+    """Torch threads per worker; 0 shares this machine's cores among the local workers."""
+    master_port: int = 0
+    """Rendezvous port for nproc > 1 on this machine; 0 asks the OS for a free one."""
+    output_dir: str = "runs/latest"
+    """Folder for metrics.jsonl and the run summary."""
+    log_every: int = 50
+    """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    eval_every_epoch: bool = True
+    """Evaluate on the test set after every epoch (always after the last)."""
+
+    def __post_init__(self) -> None:
+        check_choice("batch_scope", self.batch_scope, ("global", "per_worker"))
+        check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("grad_sync", self.grad_sync, ("ddp", "manual"))
+        for name in ("epochs", "batch_size", "grad_accum_steps", "nproc", "log_every", "synthetic_samples"):
+            check_positive(name, getattr(self, name))
+        for name in ("lr", "timeout"):
+            check_positive(name, getattr(self, name))
+        check_positive("threads", self.threads, allow_zero=True)
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port={self.master_port} is not a TCP port; use 1-65535, or 0 for a free one")

@@ -1,0 +1,224 @@
+"""Joining the job: device, backend, network interface and process group.
+
+``ddpkit.init()`` is the one call a worker makes, whatever started it
+(ddpkit's own launcher, torchrun, srun, mpirun, or plain ``python``)::
+
+    ctx = ddpkit.init()          # detects the environment, joins the group
+    model = model.to(ctx.device)
+    ...
+    ddpkit.shutdown()            # also registered to run at exit
+
+It detects who the process is (``ddpkit.env``), binds the CUDA device of the
+local rank before any CUDA tensor exists, resolves the backend (gloo on CPU,
+nccl on CUDA), chooses the network interface gloo should use (the one that
+routes to the master) unless ``GLOO_SOCKET_IFNAME`` is set, and initialises
+the process group with a timeout, so that a missing peer is an error rather
+than a hang. This module is the boundary where ddpkit writes ``os.environ``
+(the variables torch.distributed reads); nothing deeper does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.detect import detect_environment
+from ddpkit.env.network import gloo_interface_environ
+
+BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a worker needs to know after joining the job."""
+
+    env: ClusterEnvironment
+    """The resolved environment: ranks, sizes, master."""
+    device: torch.device
+    """The device this worker trains on (its local GPU, or the CPU)."""
+    backend: str
+    """The process-group backend in use."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers in the job."""
+        return self.env.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of workers on this node."""
+        return self.env.local_world_size
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this worker's node."""
+        return self.env.node_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0, the one that logs and writes."""
+        return self.env.rank == 0
+
+
+def resolve_device(requested: str, local_rank: int, cuda_available: bool) -> torch.device:
+    """The device for ``requested`` (auto, cpu, cuda) on this local rank.
+
+    Raises:
+        ValueError: cuda was asked for on a machine without CUDA.
+    """
+    if requested == "cuda" and not cuda_available:
+        raise ValueError("device=cuda but CUDA is not available here; use device=cpu or device=auto")
+    if requested == "cpu" or not cuda_available:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """The process-group backend for ``requested`` on ``device``.
+
+    Raises:
+        ValueError: unknown backend, or nccl without a CUDA device.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend={requested!r} is not valid; choose one of: {', '.join(BACKENDS)}")
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise ValueError("backend=nccl needs CUDA devices; use backend=gloo (or auto) on CPU")
+    return requested
+
+
+def default_num_threads(local_world_size: int) -> int:
+    """Torch threads per worker: this machine's cores shared among its workers."""
+    return max(1, len(os.sched_getaffinity(0)) // local_world_size)
+
+
+def init(
+    backend: str = "auto",
+    device: str = "auto",
+    timeout: float = 300.0,
+    threads: int = 0,
+    environ: MutableMapping[str, str] | None = None,
+) -> Context:
+    """Join the job this process belongs to and return its context.
+
+    Args:
+        backend: auto, gloo, nccl or cpu:gloo,cuda:nccl.
+        device: auto (the local rank's GPU when CUDA is available), cpu or cuda.
+        timeout: seconds a rendezvous or collective waits for peers before failing.
+        threads: torch threads for this worker; 0 shares the cores among local workers.
+        environ: the environment to read and complete (defaults to ``os.environ``).
+
+    Returns:
+        The worker's Context. Calling init again returns the same context.
+
+    Raises:
+        ValueError: inconsistent environment or options.
+        RuntimeError: the process group could not be formed (peer missing,
+            port taken); the message names the rank, the master and the fix.
+    """
+    global _context
+    if _context is not None:
+        return _context
+    environ = os.environ if environ is None else environ
+    env = detect_environment(environ)
+    resolved_device = resolve_device(device, env.local_rank, torch.cuda.is_available())
+    if resolved_device.type == "cuda":
+        torch.cuda.set_device(resolved_device)  # before any CUDA tensor: one GPU per local rank
+    resolved_backend = resolve_backend(backend, resolved_device)
+    torch.set_num_threads(threads or default_num_threads(env.local_world_size))
+    _init_process_group(env, resolved_backend, timeout, environ)
+    _context = Context(env, resolved_device, resolved_backend)
+    atexit.register(shutdown)
+    return _context
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call more than once)."""
+    global _context
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _context = None
+
+
+def context() -> Context:
+    """The context of the current worker.
+
+    Raises:
+        RuntimeError: ddpkit.init() has not been called.
+    """
+    if _context is None:
+        raise RuntimeError("ddpkit.init() has not been called in this process; call it first")
+    return _context
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = True) -> Iterator[None]:
+    """Run the enclosed block on the main process first, then on the others.
+
+    With ``local=True`` the main process is local rank 0 of each node (for
+    node-local work such as downloading data); otherwise global rank 0.
+    """
+    ctx = context()
+    is_first = (ctx.local_rank if local else ctx.rank) == 0
+    if not is_first:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if is_first:
+            dist.barrier()
+
+
+_context: Context | None = None
+
+
+def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:
+    if env.world_size == 1:
+        # One worker needs no network: a store in memory keeps collectives callable.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+        return
+    if "gloo" in backend:
+        environ.update(gloo_interface_environ(environ, env.master_addr))
+    environ.update(
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+    )
+    try:
+        # env:// reuses the store torchrun's agent already runs (TORCHELASTIC_USE_AGENT_STORE).
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
+        raise RuntimeError(_explain_init_failure(env, timeout, e)) from e
+
+
+def _explain_init_failure(env: ClusterEnvironment, timeout: float, error: Exception) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    where = f"{env.master_addr}:{env.master_port}"
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        fix = f"port {env.master_port} is taken on the master; set MASTER_PORT to a free port"
+    elif env.rank == 0:
+        fix = f"not every one of the {env.world_size} workers joined within {timeout:.0f}s; check that all were started"
+    else:
+        fix = f"cannot reach the master at {where} within {timeout:.0f}s; check that rank 0 runs and the address routes here"
+    return f"rank {env.rank}/{env.world_size} could not join the process group at {where} ({env.source}): {text}; {fix}"

@@ -1,0 +1,43 @@
+"""Rank-aware logging: every line says ``[rank r/w]``; rank 0 speaks by default."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_LOGGER_NAME = "ddpkit"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int, world_size: int):
+        super().__init__()
+        self.prefix = f"[rank {rank}/{world_size}]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank_prefix = self.prefix
+        return True
+
+
+def setup_logging(rank: int, world_size: int, all_ranks: bool = False) -> logging.Logger:
+    """Configure ddpkit's logger for this worker and return it.
+
+    Args:
+        rank: this worker's global rank.
+        world_size: number of workers.
+        all_ranks: let every rank log at INFO (otherwise only rank 0 does;
+            the others log warnings and errors).
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(rank_prefix)s %(message)s"))
+    handler.addFilter(_RankFilter(rank, world_size))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
+    logger.propagate = False
+    return logger
+
+
+def get_logger() -> logging.Logger:
+    """ddpkit's logger (configured by setup_logging)."""
+    return logging.getLogger(_LOGGER_NAME)

@@ -1,0 +1,5 @@
+"""Models by name: the reference workloads and any the user registers."""
+
+from ddpkit.models.registry import MODELS, ModelSpec, get_model_spec, register_model
+
+__all__ = ["MODELS", "ModelSpec", "get_model_spec", "register_model"]

@@ -1,0 +1,263 @@
+"""The training loop: one readable file, lean enough that the framework costs little.
+
+Each optimizer step takes this rank's share of one global batch (see
+``ddpkit.data.sampler``), runs forward and backward (gradients synchronised
+by DDP or the manual loop), and steps the optimizer. The loss of each rank is
+a *sum* scaled by ``world_size / global_batch_length``: after DDP averages the
+gradients over ranks, they are the mean over the global batch, exactly, even
+when the last batch of an epoch does not split evenly.
+
+Per step the loop does no host synchronisation: the running loss stays a
+tensor and is read every ``log_every`` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from ddpkit.config import TrainConfig, to_dict
+from ddpkit.data.datasets import TensorDataset
+from ddpkit.data.sampler import GlobalBatchSampler, shard_range
+from ddpkit.distributed import Context
+from ddpkit.log import get_logger
+from ddpkit.models.registry import ModelSpec
+from ddpkit.train import grad_sync
+from ddpkit.train.metrics import MetricsWriter, reduce_sums
+from ddpkit.train.state import TrainState
+
+EVAL_BATCH = 2000
+
+
+def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Samples per optimizer step over all workers, from batch_size and batch_scope."""
+    return cfg.batch_size * world_size if cfg.batch_scope == "per_worker" else cfg.batch_size
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(cfg: TrainConfig, params: Any, world_size: int) -> torch.optim.Optimizer:
+    """Adam or SGD with momentum, the learning rate scaled by world_size if asked."""
+    lr = cfg.lr * (world_size if cfg.scale_lr else 1)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+@dataclass
+class Trainer:
+    """Trains one registered model on one in-memory dataset, on this worker's shard.
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this worker's context (ranks, device).
+        dataset: the whole dataset (every worker holds it; batches are indexed).
+        spec: the registered model.
+    """
+
+    cfg: TrainConfig
+    ctx: Context
+    dataset: TensorDataset
+    spec: ModelSpec
+    state: TrainState = field(default_factory=TrainState)
+    step_callbacks: list[Callable[[Trainer], None]] = field(default_factory=list)
+    """Called after every optimizer step (checkpointing hooks in here)."""
+
+    def __post_init__(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        seed_everything(cfg.seed)
+        model = self.spec.build().to(ctx.device)
+        if cfg.sync_batchnorm and ctx.world_size > 1:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.allreduce = grad_sync.choose_allreduce(cfg.allreduce, ctx)
+        self.module = model
+        self.model = grad_sync.wrap_model(model, ctx, self.allreduce, cfg.grad_sync)
+        self.manual_sync = grad_sync.manual_sync_fn(ctx, self.allreduce, cfg.grad_sync)
+        self.optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16" and ctx.device.type == "cuda")
+        self.sampler = GlobalBatchSampler(
+            len(self.dataset.train_labels), global_batch_size(cfg, ctx.world_size), ctx.rank, ctx.world_size, cfg.seed
+        )
+        self.dataset = self.dataset.to(ctx.device)
+        self.metrics = MetricsWriter(cfg.output_dir, enabled=ctx.is_main_process)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+
+    # -- batches and losses -------------------------------------------------
+
+    def inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images -> float32 in [0, 1], normalized as the model asks."""
+        x = images.float().div_(255.0)
+        if self.spec.normalize is not None:
+            mean, std = self.spec.normalize
+            x = x.sub_(mean).div_(std)
+        return x
+
+    def summed_loss(self, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the samples of the batch (MSE: per-sample mean over pixels)."""
+        if self.spec.task == "classification":
+            return F.cross_entropy(output.float(), y, reduction="sum")
+        return F.mse_loss(output.float(), x, reduction="sum") / x[0].numel()
+
+    def _forward_context(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+
+    # -- training -------------------------------------------------------------
+
+    def train_step(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
+        """One optimizer step on this rank's ``indices``; returns the summed loss (a tensor)."""
+        scale = self.ctx.world_size / global_count
+        micro_batches = torch.tensor_split(indices, self.cfg.grad_accum_steps) if self.cfg.grad_accum_steps > 1 else (indices,)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.ctx.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                x = self.inputs(self.dataset.train_images[micro])
+                y = self.dataset.train_labels[micro]
+                with self._forward_context():
+                    loss = self.summed_loss(self.model(x), x, y)
+                self.scaler.scale(loss * scale).backward()
+            total += loss.detach()
+        if self.manual_sync is not None:
+            self.manual_sync(self.module)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return total
+
+    def train_epoch(self) -> None:
+        """Train the rest of epoch ``state.completed_epochs`` from ``state.step_in_epoch``."""
+        state, sampler = self.state, self.sampler
+        epoch = state.completed_epochs
+        self.model.train()
+        bar = self._progress_bar(epoch)
+        running = torch.zeros((), device=self.ctx.device)
+        window_samples, window_start = 0, time.perf_counter()
+        start = time.perf_counter()
+        for indices in sampler.epoch(epoch, state.step_in_epoch):
+            global_count = sampler.global_batch_length(state.step_in_epoch)
+            running += self.train_step(indices, global_count)
+            state.step_in_epoch += 1
+            state.global_step += 1
+            state.samples_seen += global_count
+            window_samples += global_count
+            if state.global_step % self.cfg.log_every == 0:
+                window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
+            for callback in self.step_callbacks:
+                callback(self)
+        state.train_time += time.perf_counter() - start
+        state.completed_epochs += 1
+        state.step_in_epoch = 0
+        if bar is not None:
+            bar.close()
+
+    def _log_window(self, bar, running, window_samples, window_start):
+        now = time.perf_counter()
+        if self.ctx.is_main_process:
+            # Rank 0's local loss sum over the window, per global sample: a cheap, noisy estimate.
+            loss = running.item() * self.ctx.world_size / max(window_samples, 1)
+            rate = window_samples / max(now - window_start, 1e-9)
+            self.metrics.write(
+                "train", epoch=self.state.completed_epochs, global_step=self.state.global_step,
+                loss=round(loss, 6), samples_per_s=round(rate, 1),
+            )
+            if bar is not None:
+                bar.update(self.cfg.log_every)
+                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+        return now, 0, torch.zeros((), device=self.ctx.device)
+
+    def _progress_bar(self, epoch: int):
+        if not (self.ctx.is_main_process and self.cfg.progress and sys.stderr.isatty()):
+            return None
+        return tqdm(
+            total=self.sampler.steps_per_epoch, initial=self.state.step_in_epoch,
+            desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="step", leave=False, file=sys.stderr,
+        )
+
+    # -- evaluation -----------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, split: str = "test") -> dict[str, float]:
+        """Exact loss and accuracy (classification) or MSE (reconstruction) on ``split``.
+
+        Each rank evaluates a contiguous shard; sums and counts are reduced,
+        so every sample counts once whatever the world size.
+        """
+        images = getattr(self.dataset, f"{split}_images")
+        labels = getattr(self.dataset, f"{split}_labels")
+        start, stop = shard_range(len(labels), self.ctx.rank, self.ctx.world_size)
+        self.model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
+        for begin in range(start, stop, EVAL_BATCH):
+            end = min(begin + EVAL_BATCH, stop)
+            x, y = self.inputs(images[begin:end]), labels[begin:end]
+            with self._forward_context():
+                output = self.module(x)
+            loss_sum += self.summed_loss(output, x, y).double()
+            if self.spec.task == "classification":
+                correct += (output.argmax(1) == y).sum()
+        sums = reduce_sums({"loss": loss_sum.item(), "correct": correct.item(), "count": stop - start})
+        result = {"loss": sums["loss"] / sums["count"]}
+        if self.spec.task == "classification":
+            result["accuracy"] = sums["correct"] / sums["count"]
+        else:
+            result["mse"] = result["loss"]
+        return result
+
+    # -- the whole run --------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``cfg.epochs`` are complete and return the run summary."""
+        log = get_logger()
+        log.info(grad_sync.describe(self.allreduce, self.cfg.grad_sync, self.ctx))
+        test: dict[str, float] = {}
+        while self.state.completed_epochs < self.cfg.epochs:
+            self.train_epoch()
+            epoch = self.state.completed_epochs
+            if self.cfg.eval_every_epoch or epoch == self.cfg.epochs:
+                test = self.evaluate("test")
+                self.metrics.write("eval", epoch=epoch, global_step=self.state.global_step, split="test", **test)
+                log.info(f"epoch {epoch}/{self.cfg.epochs}: test " + _format(test) + f" (train time {self.state.train_time:.2f}s)")
+        summary = self.summary(test)
+        self.metrics.write("summary", **summary)
+        self.metrics.close()
+        return summary
+
+    def summary(self, test: dict[str, float]) -> dict[str, Any]:
+        """Train time, throughput and final metrics of the run."""
+        train = self.evaluate("train")
+        return {
+            "model": self.cfg.model,
+            "dataset": self.dataset.name,
+            "world_size": self.ctx.world_size,
+            "allreduce": self.allreduce if self.ctx.world_size > 1 else "none",
+            "epochs": self.state.completed_epochs,
+            "global_steps": self.state.global_step,
+            "train_time_s": round(self.state.train_time, 4),
+            "samples_per_s": round(self.state.samples_seen / max(self.state.train_time, 1e-9), 1),
+            "train": train,
+            "test": test,
+            "config": to_dict(self.cfg),
+        }
+
+
+def _format(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4f}" if k != "accuracy" else f"accuracy {100 * v:.2f}%" for k, v in metrics.items())

@@ -1,0 +1,39 @@
+"""Config words and files: overrides, presets and one-line errors."""
+
+import pytest
+
+from ddpkit.cli import parse_train_config
+from ddpkit.config import ConfigError, TrainConfig, parse
+
+
+def test_words_files_and_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epochs: 3\nlr: 0.5\n")
+    cfg = parse(TrainConfig, [str(path), "lr=0.25"])
+    assert (cfg.epochs, cfg.lr) == (3, 0.25)
+
+
+def test_model_recipe_is_default_and_overridable():
+    cnn = parse_train_config(["model=cnn"])
+    assert (cnn.optimizer, cnn.lr, cnn.momentum, cnn.batch_size, cnn.batch_scope) == ("sgd", 0.01, 0.5, 16, "per_worker")
+    assert parse_train_config(["model=cnn", "lr=0.1"]).lr == 0.1
+
+
+@pytest.mark.parametrize("words,message", [
+    (["epoch=3"], "unknown config key 'epoch' (did you mean 'epochs'?)"),
+    (["epochs=many"], "bad value for 'epochs'"),
+    (["nproc=0"], "nproc=0 is not valid; it must be > 0"),
+    (["optimizer=rmsprop"], "optimizer='rmsprop' is not valid; choose one of: adam, sgd"),
+    (["fast"], "'fast' is neither key=value nor a .yaml file"),
+    (["missing.yaml"], "config file 'missing.yaml' does not exist"),
+    (["master_port=70000"], "master_port=70000 is not a TCP port"),
+])
+def test_bad_words_give_one_line(words, message):
+    with pytest.raises(ConfigError) as info:
+        parse(TrainConfig, words)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_model_lists_choices():
+    with pytest.raises(ValueError, match="unknown model 'resnet'; choose one of: autoencoder, cnn, mlp, or give module:function"):
+        parse_train_config(["model=resnet"])

@@ -1,0 +1,63 @@
+"""The training loop on real gloo ranks: same result for any number of workers."""
+
+import pytest
+import torch
+
+from ddpkit.config import TrainConfig
+from ddpkit.data.datasets import DataOptions, load_dataset
+from ddpkit.distributed import Context
+from ddpkit.env.base import ClusterEnvironment
+from ddpkit.models.registry import get_model_spec
+from ddpkit.train.loop import Trainer
+from tests.helpers.workers import run_on_ranks
+
+
+def _context(rank: int, world_size: int) -> Context:
+    env = ClusterEnvironment("test", rank, rank, world_size, world_size, 0, 1, "127.0.0.1", 1)
+    return Context(env, torch.device("cpu"), "gloo")
+
+
+def _train(rank, world_size, words, output_dir):
+    cfg = TrainConfig(**words, output_dir=output_dir, progress=False)
+    data = load_dataset("synthetic", DataOptions(synthetic_samples=cfg.synthetic_samples, seed=1))
+    trainer = Trainer(cfg, _context(rank, world_size), data, get_model_spec(cfg.model))
+    summary = trainer.fit()
+    return summary, [p.detach().clone() for p in trainer.module.parameters()]
+
+
+# 101 training samples, global batch 6: the last batch of each epoch has 5 samples
+# and splits unevenly over 2 or 3 workers.
+WORDS = {"model": "mlp", "synthetic_samples": 101, "batch_size": 6, "epochs": 2, "allreduce": "builtin"}
+
+
+@pytest.mark.slow
+def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path):
+    results = {n: run_on_ranks(_train, n, WORDS, str(tmp_path / str(n))) for n in (1, 2, 3)}
+    reference_summary, reference_params = results[1][0]
+    for n in (2, 3):
+        for rank, (summary, params) in enumerate(results[n]):
+            for p, q in zip(params, reference_params):
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+            assert summary["test"]["accuracy"] == pytest.approx(reference_summary["test"]["accuracy"], abs=1e-3)
+            assert summary["global_steps"] == reference_summary["global_steps"] == 2 * 17
+
+
+def test_gradient_accumulation_matches_one_big_step(tmp_path):
+    plain = run_on_ranks(_train, 2, WORDS, str(tmp_path / "a"))
+    accumulated = run_on_ranks(_train, 2, {**WORDS, "grad_accum_steps": 3}, str(tmp_path / "b"))
+    for p, q in zip(plain[0][1], accumulated[0][1]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_manual_grad_sync_matches_ddp(tmp_path):
+    ddp = run_on_ranks(_train, 2, WORDS, str(tmp_path / "a"))
+    manual = run_on_ranks(_train, 2, {**WORDS, "grad_sync": "manual"}, str(tmp_path / "b"))
+    for p, q in zip(ddp[1][1], manual[1][1]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_metrics_file_written_by_rank_zero(tmp_path):
+    run_on_ranks(_train, 2, {**WORDS, "log_every": 5}, str(tmp_path))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    events = [line.split('"event": "')[1].split('"')[0] for line in lines]
+    assert events.count("train") == 6 and events.count("eval") == 2 and events[-1] == "summary"
