@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -44,7 +45,9 @@ def _worker(
         if init_process_group:
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
+        # Plain pickle copies tensors; the queue's own pickler would share them
+        # through file descriptors that die with this process.
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -115,7 +118,7 @@ def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) ->
             continue
         if status == "error":
             raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
-        values[rank] = value
+        values[rank] = pickle.loads(value)
     return [values[r] for r in range(world_size)]
 
 

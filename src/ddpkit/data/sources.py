@@ -142,7 +142,7 @@ def _download_verified(file: RemoteFile, target: Path, mirrors: Sequence[str]) -
             errors.append(f"{url}: {getattr(e, 'reason', e)}")
     raise DataNotFoundError(
         f"could not download {file.name} ({'; '.join(errors)}); "
-        f"without network, copy the files into {target} or pass data_dir=FOLDER"
+        f"without network, copy the files into {target} (or set data_dir to a folder that has them)"
     )
 
 

@@ -63,6 +63,15 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
             raise ValueError(f"master_port={port} is already in use on {host}; choose another port or master_port=0") from None
 
 
+def _quiet_elastic_logs() -> None:
+    # The agent logs every lifecycle step, and each failure with a traceback of
+    # its own polling code; ddpkit reports the root cause itself.
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*prefixes, *logging.root.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``spec.nproc`` workers; return their results by rank.
 
@@ -90,8 +99,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         monitor_interval=spec.monitor_interval,
         start_method="spawn",
     )
-    # The agent logs every lifecycle step at INFO; the user sees ddpkit's own lines.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    _quiet_elastic_logs()
     try:
         return elastic_launch(config, run_reporting_failure)(fn, *args)
     except ChildFailedError as e:

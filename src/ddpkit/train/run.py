@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit import distributed
-from ddpkit.config import TrainConfig, to_yaml
+from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.datasets import DataOptions, TensorDataset, load_dataset
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import get_model_spec
@@ -33,7 +33,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             f"{ctx.env.source}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
             f"master {ctx.env.master_addr}:{ctx.env.master_port}, backend {ctx.backend}, device {ctx.device}"
         )
-        log.info("config:\n" + to_yaml(cfg).rstrip())
+        log.info("config: " + " ".join(f"{k}={v}" for k, v in to_dict(cfg).items()))
         spec = get_model_spec(cfg.model)
         with distributed.main_process_first(local=True):  # one download per node
             dataset: TensorDataset = load_dataset(cfg.dataset, data_options(cfg))

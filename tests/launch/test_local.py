@@ -1,0 +1,50 @@
+"""Local launch through torch's elastic agent: one report per failure, never a hang."""
+
+import socket
+
+import pytest
+
+from tests.cli_runner import run_ddpkit
+
+SMALL = ["dataset=synthetic", "synthetic_samples=256", "epochs=1", "progress=false"]
+
+
+def test_failing_rank_reported_once(tmp_path):
+    out = run_ddpkit("train", "nproc=2", "model=tests.launch.failing_model:fails_on_rank_one", *SMALL, cwd=tmp_path)
+    assert out.returncode == 1
+    error_lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert error_lines == [
+        "error: worker rank 1 failed (exit code 1): RuntimeError: model construction failed on purpose"
+    ], out.stderr
+    assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr
+    assert "fails_on_rank_one" in out.stderr
+
+
+def test_killed_rank_reported_with_signal(tmp_path):
+    out = run_ddpkit("train", "nproc=2", "model=tests.launch.failing_model:killed_on_rank_one", *SMALL,
+                     "timeout=30", cwd=tmp_path, timeout=120)
+    assert out.returncode == 1
+    assert "error: worker rank 1 failed (exit code -9): Signal 9 (SIGKILL) received by PID" in out.stderr, out.stderr
+
+
+def test_port_taken_is_one_line(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        out = run_ddpkit("train", "nproc=2", f"master_port={port}", *SMALL, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"error: master_port={port} is already in use on 127.0.0.1; choose another port or master_port=0"
+
+
+@pytest.mark.slow
+def test_w1_two_workers_real_fashion_mnist(tmp_path):
+    """The README's main job: W1 on real Fashion-MNIST with 2 workers reaches 86%."""
+    out = run_ddpkit("train", "nproc=2", "progress=false", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["dataset"] == "fashion-mnist" and summary["epochs"] == 5
+    assert summary["test"]["accuracy"] >= 0.86
+    assert "test accuracy" in out.stderr and "train time" in out.stderr

@@ -1,0 +1,36 @@
+"""Bad input to the ddpkit command: one clear line, a non-zero exit, nothing lost."""
+
+import pytest
+
+from tests.cli_runner import run_ddpkit
+
+
+@pytest.mark.parametrize("words,message", [
+    (["train", "model=resnet"], "error: unknown model 'resnet'; choose one of: autoencoder, cnn, mlp"),
+    (["train", "nproc=0"], "error: nproc=0 is not valid; it must be > 0"),
+    (["train", "nproc=3"], "error: global batch size 64 does not divide among 3 workers"),
+    (["train", "epoch=2"], "error: unknown config key 'epoch' (did you mean 'epochs'?)"),
+    (["fly"], "error: unknown command 'fly'"),
+])
+def test_bad_input_is_one_line(tmp_path, words, message):
+    out = run_ddpkit(*words, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_missing_data_offline_and_corrupt_file(tmp_path):
+    out = run_ddpkit("train", f"data_dir={tmp_path / 'none'}", "download=false", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "fashion-mnist not found in" in out.stderr
+    folder = tmp_path / "fm"
+    folder.mkdir()
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (folder / name).write_bytes((__import__("pathlib").Path("/usr/share/datasets/fashion-mnist") / name).read_bytes())
+    damaged = folder / "train-labels-idx1-ubyte.gz"
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    before = damaged.read_bytes()
+    out = run_ddpkit("train", f"data_dir={folder}", "progress=false", cwd=tmp_path, timeout=120)
+    assert out.returncode in (1, 2)
+    assert "train-labels-idx1-ubyte.gz is not a complete gzip file" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert damaged.read_bytes() == before, "ddpkit must not touch the user's files"
