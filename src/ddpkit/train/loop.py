@@ -2,10 +2,11 @@
 
 Each optimizer step takes this rank's share of one global batch (see
 ``ddpkit.data.sampler``), runs forward and backward (gradients synchronised
-by DDP or the manual loop), and steps the optimizer. The loss of each rank is
-a *sum* scaled by ``world_size / global_batch_length``: after DDP averages the
-gradients over ranks, they are the mean over the global batch, exactly, even
-when the last batch of an epoch does not split evenly.
+by DDP or the manual loop), and steps the optimizer. When the global batch
+splits evenly, each rank's loss is the mean over its samples; otherwise (the
+last batch of an epoch) it is the sum scaled by ``world_size /
+global_batch_length``. Either way, after DDP averages the gradients over
+ranks, they are exactly the mean over the global batch.
 
 Per step the loop does no host synchronisation: the running loss stays a
 tensor and is read every ``log_every`` steps.
@@ -107,11 +108,12 @@ class Trainer:
             x = x.sub_(mean).div_(std)
         return x
 
-    def summed_loss(self, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss summed over the samples of the batch (MSE: per-sample mean over pixels)."""
+    def batch_loss(self, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
+        """The loss of a batch, summed or averaged over samples (MSE: per-sample mean over pixels)."""
         if self.spec.task == "classification":
-            return F.cross_entropy(output.float(), y, reduction="sum")
-        return F.mse_loss(output.float(), x, reduction="sum") / x[0].numel()
+            return F.cross_entropy(output.float(), y, reduction=reduction)
+        loss = F.mse_loss(output.float(), x, reduction=reduction)
+        return loss / x[0].numel() if reduction == "sum" else loss
 
     def _forward_context(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -121,10 +123,39 @@ class Trainer:
     # -- training -------------------------------------------------------------
 
     def train_step(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
-        """One optimizer step on this rank's ``indices``; returns the summed loss (a tensor)."""
-        scale = self.ctx.world_size / global_count
-        micro_batches = torch.tensor_split(indices, self.cfg.grad_accum_steps) if self.cfg.grad_accum_steps > 1 else (indices,)
+        """One optimizer step on this rank's ``indices``; returns the mean loss of its samples (a tensor)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.grad_accum_steps == 1:
+            loss = self._forward_backward(indices, global_count)
+        else:
+            loss = self._accumulate(indices, global_count)
+        if self.manual_sync is not None:
+            self.manual_sync(self.module)
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss
+
+    def _forward_backward(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
+        x = self.inputs(self.dataset.train_images[indices])
+        y = self.dataset.train_labels[indices]
+        with self._forward_context():
+            output = self.model(x)
+        if len(indices) * self.ctx.world_size == global_count:
+            # Even split: the per-rank mean, averaged over ranks by DDP, is the global mean.
+            loss = self.batch_loss(output, x, y, "mean")
+            self.scaler.scale(loss).backward()
+            return loss.detach()
+        # Uneven last batch: weight each rank by its share of the global batch.
+        summed = self.batch_loss(output, x, y, "sum")
+        self.scaler.scale(summed * (self.ctx.world_size / global_count)).backward()
+        return summed.detach() / max(len(indices), 1)
+
+    def _accumulate(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
+        scale = self.ctx.world_size / global_count
+        micro_batches = torch.tensor_split(indices, self.cfg.grad_accum_steps)
         total = torch.zeros((), device=self.ctx.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -133,14 +164,10 @@ class Trainer:
                 x = self.inputs(self.dataset.train_images[micro])
                 y = self.dataset.train_labels[micro]
                 with self._forward_context():
-                    loss = self.summed_loss(self.model(x), x, y)
-                self.scaler.scale(loss * scale).backward()
-            total += loss.detach()
-        if self.manual_sync is not None:
-            self.manual_sync(self.module)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return total
+                    summed = self.batch_loss(self.model(x), x, y, "sum")
+                self.scaler.scale(summed * scale).backward()
+            total += summed.detach()
+        return total / max(len(indices), 1)
 
     def train_epoch(self) -> None:
         """Train the rest of epoch ``state.completed_epochs`` from ``state.step_in_epoch``."""
@@ -171,8 +198,8 @@ class Trainer:
     def _log_window(self, bar, running, window_samples, window_start):
         now = time.perf_counter()
         if self.ctx.is_main_process:
-            # Rank 0's local loss sum over the window, per global sample: a cheap, noisy estimate.
-            loss = running.item() * self.ctx.world_size / max(window_samples, 1)
+            # Rank 0's mean loss over the window's steps: a cheap estimate of the global loss.
+            loss = running.item() / self.cfg.log_every
             rate = window_samples / max(now - window_start, 1e-9)
             self.metrics.write(
                 "train", epoch=self.state.completed_epochs, global_step=self.state.global_step,
@@ -211,7 +238,7 @@ class Trainer:
             x, y = self.inputs(images[begin:end]), labels[begin:end]
             with self._forward_context():
                 output = self.module(x)
-            loss_sum += self.summed_loss(output, x, y).double()
+            loss_sum += self.batch_loss(output, x, y, "sum").double()
             if self.spec.task == "classification":
                 correct += (output.argmax(1) == y).sum()
         sums = reduce_sums({"loss": loss_sum.item(), "correct": correct.item(), "count": stop - start})

@@ -1,0 +1,64 @@
+"""Choosing the environment source of this process: the first in SOURCES that detects itself.
+
+Launchers nest and a process inherits the variables of every launcher above
+it, so the launcher that started the process directly must be asked first:
+
+- torchrun runs inside Slurm steps, sbatch scripts and mpirun, and its
+  workers inherit SLURM_* or OMPI_* variables that describe torchrun itself;
+- mpirun / mpiexec run inside Slurm allocations and batch scripts, whose
+  SLURM_* variables they pass on to their ranks;
+- Slurm tasks (see SlurmEnvironment.detect for what counts as one);
+- local, which always matches: a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.local import LocalEnvironment
+from ddpkit.env.mpi import MPICHEnvironment, OpenMPIEnvironment
+from ddpkit.env.slurm import SlurmEnvironment
+from ddpkit.env.torchrun import TorchrunEnvironment
+
+
+class EnvironmentSource(Protocol):
+    """One launcher's variables: recognize them, then resolve them."""
+
+    name: str
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool: ...
+
+    @staticmethod
+    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment: ...
+
+
+# Innermost launcher first, as explained in the module docstring.
+SOURCES: tuple[type[EnvironmentSource], ...] = (
+    TorchrunEnvironment,
+    OpenMPIEnvironment,
+    MPICHEnvironment,
+    SlurmEnvironment,
+    LocalEnvironment,
+)
+
+
+def detect_environment(environ: Mapping[str, str]) -> ClusterEnvironment:
+    """Resolve who this process is from the variables of the launcher that started it.
+
+    Args:
+        environ: The process environment, e.g. os.environ; read, never written.
+
+    Returns:
+        The resolved environment of the first source in SOURCES that detects
+        itself (LocalEnvironment always does).
+
+    Raises:
+        InconsistentEnvironment: the detected source's variables are missing,
+            malformed or contradict each other; the message names the
+            variable and the fix.
+    """
+    source = next(source for source in SOURCES if source.detect(environ))
+    return source.from_env(environ)
