@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ddpkit.config import TrainConfig, parse, peek
-from ddpkit.launch.failure import USER_ERRORS
+from ddpkit.launch.failure import USER_ERRORS, record_for_launcher
 from ddpkit.launch.local import LaunchError
 
 USAGE = """usage: ddpkit COMMAND [key=value ...] [config.yaml ...]
@@ -95,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(e.failure.report(), file=sys.stderr)
         return EXIT_WORKER_FAILED
     except USER_ERRORS as e:
+        record_for_launcher(e)  # under torchrun, its failure summary then names the error
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

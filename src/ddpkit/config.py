@@ -147,6 +147,8 @@ class TrainConfig:
     """Folder holding the dataset's IDX files; empty searches the usual places (see README)."""
     download: bool = True
     """Download the dataset from its official mirrors when it is found nowhere."""
+    data_mirror: str = ""
+    """A base URL tried before the official mirrors (e.g. a local copy of them)."""
     synthetic_samples: int = 60000
     """Number of training samples of the synthetic dataset (test set: one sixth)."""
     epochs: int = 5

@@ -1,54 +1,23 @@
 """Finding and downloading dataset files, against a real HTTP server on loopback."""
 
-import hashlib
-import http.server
-import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ddpkit.data.datasets import DataOptions, load_dataset
-from ddpkit.data.idx import CorruptDataError, write_idx
+from ddpkit.data.idx import CorruptDataError
 from ddpkit.data.sources import DataNotFoundError, DatasetSource, RemoteFile, candidate_dirs, locate
-
-
-def _make_files(folder: Path, num_train=12, num_test=5) -> None:
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_idx(folder / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (num_train, 28, 28)))
-    write_idx(folder / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, num_train))
-    write_idx(folder / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (num_test, 28, 28)))
-    write_idx(folder / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, num_test))
-
-
-def _source(folder: Path, mirror: str = "") -> DatasetSource:
-    names = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-             "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
-    files = tuple(RemoteFile(n, hashlib.md5((folder / n).read_bytes()).hexdigest()) for n in names)
-    return DatasetSource("tiny", files, mirrors=(mirror,) if mirror else ())
+from tests.helpers.mirror import FILE_NAMES, make_idx_files, serve_folder, source_for
+from tests.helpers.workers import run_on_ranks
 
 
 @pytest.fixture
 def mirror(tmp_path):
-    """A real HTTP server on 127.0.0.1 serving a tiny dataset; yields (url, folder, request log)."""
+    """A tiny dataset served over real HTTP on loopback; yields (url, folder, request log)."""
     served = tmp_path / "served"
-    _make_files(served)
-    requests = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(served), **kwargs)
-
-        def log_message(self, *args):
-            requests.append(self.path)
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/", served, requests
-    server.shutdown()
-    thread.join()
+    make_idx_files(served)
+    with serve_folder(served) as (url, requests):
+        yield url, served, requests
 
 
 def test_search_order(tmp_path):
@@ -62,16 +31,16 @@ def test_search_order(tmp_path):
 def test_downloads_once_and_verifies(tmp_path, mirror):
     url, served, requests = mirror
     environ = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    folder = locate(_source(served, url), environ=environ)
+    folder = locate(source_for(served, url), environ=environ)
     assert folder == tmp_path / "cache" / "ddpkit" / "tiny"
     assert len(requests) == 4
-    locate(_source(served, url), environ=environ)
+    locate(source_for(served, url), environ=environ)
     assert len(requests) == 4, "files already in the cache must not be downloaded again"
 
 
 def test_checksum_mismatch_leaves_nothing(tmp_path, mirror):
     url, served, _ = mirror
-    source = _source(served, url)
+    source = source_for(served, url)
     bad = DatasetSource("tiny", (RemoteFile(source.files[0].name, "0" * 32),) + source.files[1:], (url,))
     with pytest.raises(DataNotFoundError, match="checksum mismatch"):
         locate(bad, environ={"XDG_CACHE_HOME": str(tmp_path)})
@@ -87,7 +56,7 @@ def test_missing_data_without_network_is_one_clear_error(tmp_path):
 
 
 def test_load_from_data_dir_and_corrupt_file(tmp_path):
-    _make_files(tmp_path / "d", num_train=12, num_test=5)
+    make_idx_files(tmp_path / "d", num_train=12, num_test=5)
     data = load_dataset("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
     assert data.train_images.shape == (12, 1, 28, 28) and data.test_labels.shape == (5,)
     path = tmp_path / "d" / "train-images-idx3-ubyte.gz"
@@ -106,3 +75,16 @@ def test_real_fashion_mnist_is_found():
 def test_unknown_dataset_lists_choices():
     with pytest.raises(ValueError, match="unknown dataset 'cifar'; choose one of: fashion-mnist, mnist, synthetic"):
         load_dataset("cifar", DataOptions())
+
+
+def _locate_concurrently(rank, world_size, url, served, cache):
+    return str(locate(source_for(Path(served), url), environ={"XDG_CACHE_HOME": cache}))
+
+
+def test_concurrent_workers_download_once(tmp_path, mirror):
+    """Three processes ask at once: the file lock lets one download, the others find the files."""
+    url, served, requests = mirror
+    folders = run_on_ranks(_locate_concurrently, 3, url, str(served), str(tmp_path / "cache"),
+                           init_process_group=False, timeout=60)
+    assert len(set(folders)) == 1
+    assert sorted(requests) == sorted(f"/{name}" for name in FILE_NAMES)

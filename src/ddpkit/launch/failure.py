@@ -56,6 +56,18 @@ def run_reporting_failure(fn: Callable[..., Any], *args: Any) -> Any:
         sys.exit(1)
 
 
+def record_for_launcher(error: Exception) -> bool:
+    """Write ``error`` into the error file of an elastic agent (torchrun), if this process has one.
+
+    Returns:
+        True if an error file was written (the launcher will report it).
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
+    _record(error)
+    return True
+
+
 def _record(error: Exception) -> None:
     user_error = isinstance(error, USER_ERRORS)
     message = f"{type(error).__name__}: {error}" if not user_error else str(error)

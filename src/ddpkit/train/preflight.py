@@ -7,6 +7,7 @@ from ddpkit.data.datasets import DATASETS, FASHION_MNIST, MNIST
 from ddpkit.data.sources import locate
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
+from ddpkit.train.run import data_options
 
 _FILE_DATASETS = {"fashion-mnist": FASHION_MNIST, "mnist": MNIST}
 
@@ -29,4 +30,5 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         )
     if cfg.dataset in _FILE_DATASETS:
         # Here, once, rather than in N workers at the same time.
-        locate(_FILE_DATASETS[cfg.dataset], cfg.data_dir, cfg.download)
+        options = data_options(cfg)
+        locate(_FILE_DATASETS[cfg.dataset], options.data_dir, options.download, options.mirrors)

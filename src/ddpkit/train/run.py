@@ -17,7 +17,11 @@ from ddpkit.train.loop import Trainer
 def data_options(cfg: TrainConfig) -> DataOptions:
     """The dataset options of a training config."""
     return DataOptions(
-        data_dir=cfg.data_dir, download=cfg.download, synthetic_samples=cfg.synthetic_samples, seed=cfg.seed
+        data_dir=cfg.data_dir,
+        download=cfg.download,
+        mirrors=(cfg.data_mirror,) if cfg.data_mirror else (),
+        synthetic_samples=cfg.synthetic_samples,
+        seed=cfg.seed,
     )
 
 

@@ -1,0 +1,23 @@
+"""`ddpkit train` runs unchanged as the workers of a real torchrun job."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli_runner import REPO
+
+
+@pytest.mark.slow
+def test_torchrun_two_workers(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "ddpkit", "train", "dataset=synthetic", "synthetic_samples=512", "epochs=1",
+               "progress=false", f"output_dir={tmp_path}"]
+    out = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_steps"] == 8
+    assert "[rank 0/2] torchrun: world_size 2" in out.stderr
