@@ -19,9 +19,6 @@ venv="${DDPKIT_VENV:-.venv}"
 torch_req="${DDPKIT_TORCH:-torch==2.13.0}"
 
 apt_packages=(dataset-fashion-mnist)
-if (( with_tests )); then
-  apt_packages+=(slurmctld slurmd slurm-client munge openmpi-bin iproute2)
-fi
 
 if command -v apt-get >/dev/null 2>&1; then
   missing=()
@@ -36,6 +33,10 @@ if command -v apt-get >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
       || echo "setup: could not install ${missing[*]} with apt-get; ddpkit will download the dataset instead" >&2
   fi
+fi
+
+if (( with_tests )); then
+  bash scripts/cluster-setup.sh   # Slurm, munge, OpenMPI, iproute2: the tests start them for real
 fi
 
 if [[ ! -x "$venv/bin/python" ]]; then

@@ -11,9 +11,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from ddpkit.config import TrainConfig, parse, peek
-from ddpkit.launch.failure import USER_ERRORS, record_for_launcher
-from ddpkit.launch.local import LaunchError
+from ddpkit.config import TrainConfig, parse, peek  # no torch import: `ddpkit slurm` starts fast
+from ddpkit.launch.failure import USER_ERRORS, LaunchError, record_for_launcher
 
 USAGE = """usage: ddpkit COMMAND [key=value ...] [config.yaml ...]
 

@@ -43,6 +43,14 @@ class WorkerFailure:
         return line + ("\n" + self.traceback.rstrip() if self.traceback else "")
 
 
+class LaunchError(RuntimeError):
+    """The job failed; ``failure`` names the root-cause rank."""
+
+    def __init__(self, failure: WorkerFailure):
+        super().__init__(failure.report())
+        self.failure = failure
+
+
 def run_reporting_failure(fn: Callable[..., Any], *args: Any) -> Any:
     """Call ``fn(*args)``; on an exception, record it for the launcher and exit 1.
 

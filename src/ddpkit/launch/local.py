@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddpkit.env.ports import free_port
-from ddpkit.launch.failure import WorkerFailure, root_cause, run_reporting_failure
+from ddpkit.launch.failure import LaunchError, root_cause, run_reporting_failure
 
 LOOPBACK = "127.0.0.1"
 
@@ -44,14 +44,6 @@ class LaunchSpec:
     """Times the whole group is restarted after a worker fails."""
     monitor_interval: float = 0.1
     """Seconds between the agent's checks of its workers."""
-
-
-class LaunchError(RuntimeError):
-    """The job failed; ``failure`` names the root-cause rank."""
-
-    def __init__(self, failure: WorkerFailure):
-        super().__init__(failure.report())
-        self.failure = failure
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
