@@ -43,15 +43,16 @@ def wrap_model(model: nn.Module, ctx: Context, allreduce: str, grad_sync: str) -
     if ctx.world_size == 1:
         return model
     if grad_sync == "manual":
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
+        from ddpkit.comm.hooks import broadcast_parameters
+
+        broadcast_parameters(model)  # start from rank 0's weights, as DDP does
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
     if allreduce != "builtin":
-        from ddpkit.comm.hooks import allreduce_hook
+        from ddpkit.comm.hooks import register_allreduce_hook
 
-        ddp.register_comm_hook(None, allreduce_hook(_resolve(allreduce)))
+        register_allreduce_hook(ddp, _resolve(allreduce))
     return ddp
 
 

@@ -1,0 +1,124 @@
+"""Plug any all_reduce into training: a DDP communication hook, and the manual textbook loop.
+
+``allreduce_hook(fn)`` makes a DDP communication hook: DDP still buckets the
+gradients and starts each bucket's communication as soon as the bucket's
+gradients are ready during ``backward()``; the hook averages the bucket with
+``fn`` instead of gloo's or nccl's all_reduce. ``fn`` is synchronous, so the
+hook runs it on one background thread per hook and returns a future at once:
+backward keeps computing the next buckets while earlier ones are reduced,
+which is the overlap DDP exists for. Buckets are reduced in the order DDP
+hands them over, which is the same on every rank, so the point-to-point
+messages of different buckets never cross::
+
+    backward:  grads of bucket 2 | grads of bucket 1 | grads of bucket 0 | wait
+    hook thread:                 | all_reduce b2     | all_reduce b1     | b0
+
+``manual_gradient_sync`` is the baseline without DDP: after ``backward()``,
+all-reduce every parameter's gradient one at a time and divide by the
+world size. No buckets, no overlap: one message round per parameter, after
+all computation. Start it from identical weights on every rank
+(``broadcast_parameters``, what DDP does when it wraps a model).
+"""
+
+# No `from __future__ import annotations` here: DDP's register_comm_hook checks
+# the hook's annotations against dist.GradBucket and Future[Tensor] by identity.
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.tree import broadcast
+
+AllReduce = Callable[..., None]
+CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
+
+
+def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
+    """Make a DDP communication hook that averages each gradient bucket with ``all_reduce_fn``.
+
+    Register it with ``ddp_model.register_comm_hook(state, hook)``, where
+    ``state`` is the process group to reduce over (None for the world group,
+    which is what DDP uses unless it was given ``process_group``).
+
+    Args:
+        all_reduce_fn: ``fn(tensor, op=ReduceOp.SUM, group=None)`` reducing in place,
+            e.g. ``ddpkit.comm.resolve_allreduce("ring")``.
+
+    Returns:
+        ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` resolving to
+        the bucket's averaged gradients.
+    """
+    lock = threading.Lock()
+    executor: list[ThreadPoolExecutor] = []  # created on first use, one worker: buckets stay in order
+
+    def hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                all_reduce_fn(buffer, op=ReduceOp.SUM, group=state)
+                buffer.div_(dist.get_world_size(state))
+            except BaseException as e:  # surface the failure to DDP's wait() on the training thread
+                future.set_exception(e)
+                return
+            future.set_result(buffer)
+
+        with lock:
+            if not executor:
+                executor.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-comm-hook"))
+        executor[0].submit(run)
+        return future
+
+    return hook
+
+
+def register_allreduce_hook(
+    model: nn.parallel.DistributedDataParallel, all_reduce_fn: AllReduce, group: dist.ProcessGroup | None = None
+) -> None:
+    """Make ``model`` (a DDP module) average its gradients with ``all_reduce_fn``.
+
+    Args:
+        model: the DistributedDataParallel module, before its first backward.
+        all_reduce_fn: ``fn(tensor, op=ReduceOp.SUM, group=None)`` reducing in place.
+        group: the group DDP was built with (None for the world group).
+    """
+    model.register_comm_hook(group, allreduce_hook(all_reduce_fn))
+
+
+def manual_gradient_sync(
+    model: nn.Module, all_reduce_fn: AllReduce, world_size: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """Average every parameter's ``.grad`` over the ranks, one parameter at a time (call after ``backward()``).
+
+    Parameters whose ``.grad`` is None are skipped; every rank must then have
+    None for the same parameters, or the ranks wait on each other forever.
+
+    Args:
+        model: the plain (not DDP-wrapped) model, identical on every rank.
+        all_reduce_fn: ``fn(tensor, op=ReduceOp.SUM, group=None)`` reducing in place.
+        world_size: number of ranks in ``group``.
+        group: process group, or None for the world group.
+    """
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        all_reduce_fn(param.grad, op=ReduceOp.SUM, group=group)
+        param.grad.div_(world_size)
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank, as DDP does when it wraps a model.
+
+    Args:
+        model: the model, same architecture on every rank.
+        src: rank in ``group`` whose values win.
+        group: process group, or None for the world group.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            broadcast(tensor, src, group=group)
