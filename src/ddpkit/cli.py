@@ -42,8 +42,14 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
 
 def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from ddpkit.env.detect import detect_environment
     from ddpkit.launch.local import LaunchSpec, launch_local
+    from ddpkit.train.checkpointing import check_checkpoints_before_launch
+    from ddpkit.train.preemption import EXIT_PREEMPTED
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
 
@@ -53,10 +59,30 @@ def train_command(args: Sequence[str]) -> int:
         run_worker(cfg)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
     check_before_launch(cfg, cfg.nproc)
-    if cfg.nproc == 1:
-        run_worker(cfg)
-    else:
-        launch_local(LaunchSpec(cfg.nproc, cfg.master_port), run_worker, cfg)
+    check_checkpoints_before_launch(cfg)
+    if cfg.nproc == 1 and not cfg.max_restarts:
+        run_worker(cfg)  # a preemption ends it with SystemExit(EXIT_PREEMPTED)
+        return 0
+    signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
+    try:
+        launch_local(LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals), run_worker, cfg)
+    except LaunchError as e:
+        if e.failure.exitcode == EXIT_PREEMPTED:
+            print("ddpkit: preempted: the workers wrote a checkpoint and stopped; "
+                  "run the same command with resume=auto to continue", file=sys.stderr)
+            return EXIT_PREEMPTED
+        if cfg.max_restarts:
+            print(f"error: the job failed after {cfg.max_restarts} restart(s) (max_restarts={cfg.max_restarts})",
+                  file=sys.stderr)
+        raise
+    except SignalException as e:  # the launcher itself got the signal and passed it on to the workers
+        name = signal.Signals(e.sigval).name
+        if name in signals:
+            print(f"ddpkit: stopped by {name}: the workers wrote a checkpoint on their way out; "
+                  "run the same command with resume=auto to continue", file=sys.stderr)
+            return EXIT_PREEMPTED
+        print(f"error: stopped by {name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 
@@ -74,6 +100,13 @@ def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
         commands["slurm"] = slurm_main
     except ImportError:
         pass
+    from ddpkit.doctor import main as doctor_main
+
+    commands["doctor"] = doctor_main
+    from ddpkit.train.checkpoint_cli import checkpoints_command, export_command
+
+    commands["export"] = export_command
+    commands["checkpoints"] = checkpoints_command
     return commands
 
 

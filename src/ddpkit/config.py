@@ -135,6 +135,56 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name}={value} is not valid; it must be {bound}")
 
 
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+"""Signals that may be configured to mean "checkpoint now and exit" (checkpoint.preempt_signals)."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """When and where checkpoints are written; set as checkpoint.KEY=VALUE."""
+
+    enabled: bool = True
+    """Write checkpoints (and handle preemption signals); false turns both off."""
+    dir: str = ""
+    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it."""
+    every_steps: int = 0
+    """Also write one every this many optimizer steps (0: off)."""
+    every_seconds: float = 0.0
+    """Also write one when this many seconds have passed since the last (0: off)."""
+    on_epoch_end: bool = True
+    """Write one at the end of every epoch."""
+    keep: int = 2
+    """Complete checkpoints kept (the newest ones); older ones are deleted once a newer one is complete."""
+    readable_by: str = "user"
+    """Who may read checkpoint files: user (mode 0600), group (0640) or all (0644)."""
+    best_metric: str = "auto"
+    """Test metric that picks the best checkpoint (accuracy, loss, mse; auto: accuracy or mse by task; empty: off)."""
+    best_mode: str = "auto"
+    """max or min of best_metric (auto: max for accuracy, min otherwise)."""
+    preempt_signals: str = "SIGTERM,SIGUSR1,SIGUSR2"
+    """Signals that make every worker finish its step, write a checkpoint and exit with status 75."""
+    requeue: bool = False
+    """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
+    sync_seconds: float = 1.0
+    """Target seconds between the ranks' agreements on preemption and on every_seconds (one tiny all_reduce each)."""
+
+    def __post_init__(self) -> None:
+        check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        check_positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
+        check_positive("checkpoint.keep", self.keep)
+        check_positive("checkpoint.sync_seconds", self.sync_seconds)
+        check_choice("checkpoint.readable_by", self.readable_by, ("user", "group", "all"))
+        check_choice("checkpoint.best_mode", self.best_mode, ("auto", "max", "min"))
+        check_choice("checkpoint.best_metric", self.best_metric, ("", "auto", "accuracy", "loss", "mse"))
+        for name in self.signal_names():
+            check_choice("checkpoint.preempt_signals", name, PREEMPTION_SIGNALS)
+
+    def signal_names(self) -> tuple[str, ...]:
+        """The preemption signals as names, e.g. ("SIGTERM", "SIGUSR1"); USR1 is accepted for SIGUSR1."""
+        names = [word.strip().upper() for word in self.preempt_signals.split(",") if word.strip()]
+        return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything ``ddpkit train`` needs; every field can be set as key=value."""
@@ -199,6 +249,18 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     eval_every_epoch: bool = True
     """Evaluate on the test set after every epoch (always after the last)."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, folder, retention, best checkpoint and preemption (checkpoint.KEY=VALUE)."""
+    resume: str = "never"
+    """never (start fresh), auto (the newest complete, verified checkpoint) or the path of one checkpoint."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps in total, with a checkpoint (0: train all epochs)."""
+    max_restarts: int = 0
+    """Times the workers are restarted (from the latest checkpoint) after one fails; nproc workers here only."""
+    init_from: str = ""
+    """Start from the weights of this checkpoint or export (matching names and shapes; the rest is reported)."""
+    freeze: str = ""
+    """Comma-separated parameter name prefixes not to train, e.g. freeze=0,2 or freeze=encoder."""
 
     def __post_init__(self) -> None:
         check_choice("batch_scope", self.batch_scope, ("global", "per_worker"))
@@ -211,5 +273,9 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             check_positive(name, getattr(self, name))
         check_positive("threads", self.threads, allow_zero=True)
+        check_positive("max_steps", self.max_steps, allow_zero=True)
+        check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        if not self.resume:
+            raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port; use 1-65535, or 0 for a free one")

@@ -16,10 +16,13 @@ by rank, or LaunchError carrying the root cause.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,8 @@ from ddpkit.env.ports import free_port
 from ddpkit.launch.failure import LaunchError, root_cause, run_reporting_failure
 
 LOOPBACK = "127.0.0.1"
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""Signals torch's elastic agent handles by default: passed on to the workers, which are then stopped."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class LaunchSpec:
     """Times the whole group is restarted after a worker fails."""
     monitor_interval: float = 0.1
     """Seconds between the agent's checks of its workers."""
+    forward_signals: tuple[str, ...] = ()
+    """Signals, besides SIGTERM, SIGINT, SIGHUP and SIGQUIT, that the agent passes on to the workers
+    (then waits for them, then stops them) instead of dying of them: the preemption signals."""
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
@@ -62,6 +70,26 @@ def _quiet_elastic_logs() -> None:
     for name in [*prefixes, *logging.root.manager.loggerDict]:
         if name.startswith(prefixes):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+@contextlib.contextmanager
+def _fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
+    # torch's c10d rendezvous shares one TCPStore, hosted by the agent, across
+    # restarts: restarted workers can read the dead workers' gloo addresses
+    # left in it and fail to connect (pytorch/pytorch#135712). With restarts,
+    # rank 0 of each round hosts a new store instead (read by the agent at
+    # each rendezvous, so set for the launch only).
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    previous = os.environ.get(key)
+    if max_restarts:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
 
 
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
@@ -91,8 +119,13 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         monitor_interval=spec.monitor_interval,
         start_method="spawn",
     )
+    if spec.forward_signals and "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # torch >= 2.7; older agents handle only their own list.
+        names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in AGENT_SIGNALS)
+        config.signals_to_handle = ",".join(names)
     _quiet_elastic_logs()
     try:
-        return elastic_launch(config, run_reporting_failure)(fn, *args)
+        with _fresh_store_per_restart(spec.max_restarts):
+            return elastic_launch(config, run_reporting_failure)(fn, *args)
     except ChildFailedError as e:
         raise LaunchError(root_cause(e.failures)) from None

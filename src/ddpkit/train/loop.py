@@ -40,6 +40,10 @@ from ddpkit.train.state import TrainState
 EVAL_BATCH = 2000
 
 
+class StopTraining(Exception):
+    """Raised by a step or epoch callback to end training after the current step (fit returns its summary)."""
+
+
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
     """Samples per optimizer step over all workers, from batch_size and batch_scope."""
     return cfg.batch_size * world_size if cfg.batch_scope == "per_worker" else cfg.batch_size
@@ -53,11 +57,13 @@ def seed_everything(seed: int) -> None:
 
 
 def build_optimizer(cfg: TrainConfig, params: Any, world_size: int) -> torch.optim.Optimizer:
-    """Adam or SGD with momentum, the learning rate scaled by world_size if asked."""
+    """Adam or SGD with momentum (fused kernels), the learning rate scaled by world_size if asked."""
     lr = cfg.lr * (world_size if cfg.scale_lr else 1)
+    # fused: one kernel for all parameters instead of ~8 small ops each; on a
+    # small model (W1) the optimizer step is otherwise a third of the step time.
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
 
 
 @dataclass
@@ -78,11 +84,19 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     step_callbacks: list[Callable[[Trainer], None]] = field(default_factory=list)
     """Called after every optimizer step (checkpointing hooks in here)."""
+    epoch_callbacks: list[Callable[[Trainer, dict[str, float]], None]] = field(default_factory=list)
+    """Called after every epoch and its evaluation, with the test metrics ({} when not evaluated)."""
 
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         seed_everything(cfg.seed)
         model = self.spec.build().to(ctx.device)
+        if cfg.init_from or cfg.freeze:
+            # Before wrapping: DDP must not expect gradients of frozen parameters.
+            from ddpkit.train.transfer import prepare_model
+
+            for line in prepare_model(model, cfg.init_from, cfg.freeze).lines():
+                get_logger().info(line)
         if cfg.sync_batchnorm and ctx.world_size > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.allreduce = grad_sync.choose_allreduce(cfg.allreduce, ctx)
@@ -97,6 +111,9 @@ class Trainer:
         self.dataset = self.dataset.to(ctx.device)
         self.metrics = MetricsWriter(cfg.output_dir, enabled=ctx.is_main_process)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.epoch_start_time = time.perf_counter()
+        if cfg.max_steps:
+            self.step_callbacks.append(_stop_at_max_steps)
 
     # -- batches and losses -------------------------------------------------
 
@@ -177,23 +194,25 @@ class Trainer:
         bar = self._progress_bar(epoch)
         running = torch.zeros((), device=self.ctx.device)
         window_samples, window_start = 0, time.perf_counter()
-        start = time.perf_counter()
-        for indices in sampler.epoch(epoch, state.step_in_epoch):
-            global_count = sampler.global_batch_length(state.step_in_epoch)
-            running += self.train_step(indices, global_count)
-            state.step_in_epoch += 1
-            state.global_step += 1
-            state.samples_seen += global_count
-            window_samples += global_count
-            if state.global_step % self.cfg.log_every == 0:
-                window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
-            for callback in self.step_callbacks:
-                callback(self)
-        state.train_time += time.perf_counter() - start
+        start = self.epoch_start_time = time.perf_counter()
+        try:
+            for indices in sampler.epoch(epoch, state.step_in_epoch):
+                global_count = sampler.global_batch_length(state.step_in_epoch)
+                running += self.train_step(indices, global_count)
+                state.step_in_epoch += 1
+                state.global_step += 1
+                state.samples_seen += global_count
+                window_samples += global_count
+                if state.global_step % self.cfg.log_every == 0:
+                    window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
+                for callback in self.step_callbacks:
+                    callback(self)
+        finally:  # also when a callback stops training mid-epoch
+            state.train_time += time.perf_counter() - start
+            if bar is not None:
+                bar.close()
         state.completed_epochs += 1
         state.step_in_epoch = 0
-        if bar is not None:
-            bar.close()
 
     def _log_window(self, bar, running, window_samples, window_start):
         now = time.perf_counter()
@@ -256,13 +275,27 @@ class Trainer:
         log = get_logger()
         log.info(grad_sync.describe(self.allreduce, self.cfg.grad_sync, self.ctx))
         test: dict[str, float] = {}
-        while self.state.completed_epochs < self.cfg.epochs:
-            self.train_epoch()
-            epoch = self.state.completed_epochs
-            if self.cfg.eval_every_epoch or epoch == self.cfg.epochs:
-                test = self.evaluate("test")
-                self.metrics.write("eval", epoch=epoch, global_step=self.state.global_step, split="test", **test)
-                log.info(f"epoch {epoch}/{self.cfg.epochs}: test " + _format(test) + f" (train time {self.state.train_time:.2f}s)")
+        tested_at = -1
+        try:
+            while self.state.completed_epochs < self.cfg.epochs:
+                if self.cfg.max_steps and self.state.global_step >= self.cfg.max_steps:
+                    raise StopTraining(f"max_steps={self.cfg.max_steps} reached")
+                self.train_epoch()
+                epoch = self.state.completed_epochs
+                evaluated: dict[str, float] = {}
+                if self.cfg.eval_every_epoch or epoch == self.cfg.epochs:
+                    test = evaluated = self.evaluate("test")
+                    tested_at = self.state.global_step
+                    self.metrics.write("eval", epoch=epoch, global_step=self.state.global_step, split="test", **test)
+                    log.info(f"epoch {epoch}/{self.cfg.epochs}: test " + _format(test) + f" (train time {self.state.train_time:.2f}s)")
+                for callback in self.epoch_callbacks:
+                    callback(self, evaluated)
+        except StopTraining as stop:
+            log.info(f"stopped after global step {self.state.global_step} (epoch {self.state.completed_epochs + 1}, "
+                     f"step {self.state.step_in_epoch}): {stop}")
+        if tested_at != self.state.global_step:  # stopped mid-epoch, or resumed with nothing left to train
+            test = self.evaluate("test")
+            log.info("test " + _format(test))
         summary = self.summary(test)
         self.metrics.write("summary", **summary)
         self.metrics.close()
@@ -284,6 +317,13 @@ class Trainer:
             "test": test,
             "config": to_dict(self.cfg),
         }
+
+
+def _stop_at_max_steps(trainer: Trainer) -> None:
+    # At an epoch's last step the epoch ends first (evaluation, epoch callbacks); fit stops after it.
+    state = trainer.state
+    if state.global_step >= trainer.cfg.max_steps and state.step_in_epoch < trainer.sampler.steps_per_epoch:
+        raise StopTraining(f"max_steps={trainer.cfg.max_steps} reached")
 
 
 def _format(metrics: dict[str, float]) -> str:

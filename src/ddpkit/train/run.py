@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.datasets import DataOptions, TensorDataset, load_dataset
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import get_model_spec
+from ddpkit.train.checkpointing import attach_checkpointing
 from ddpkit.train.loop import Trainer
 
 
@@ -41,7 +43,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         spec = get_model_spec(cfg.model)
         with distributed.main_process_first(local=True):  # one download per node
             dataset: TensorDataset = load_dataset(cfg.dataset, data_options(cfg))
-        summary = Trainer(cfg, ctx, dataset, spec).fit()
+        trainer = Trainer(cfg, ctx, dataset, spec)
+        checkpoints = attach_checkpointing(trainer, os.environ)
+        try:
+            summary = trainer.fit()
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
             path.write_text(json.dumps(summary, indent=2) + "\n")

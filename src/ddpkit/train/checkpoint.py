@@ -1,0 +1,422 @@
+"""Checkpoints on disk: crash-safe writes, a manifest that marks them complete, verified reads.
+
+A checkpoint is one folder, named by the global step it was taken after::
+
+    checkpoints/
+      step-000000120/
+        model.pt         the model's state_dict
+        optimizer.pt     the optimizer's state_dict
+        train.pt         train state, sampler, grad scaler, LR scheduler, metrics
+        rng.pt           every rank's RNG states (Python, NumPy, torch CPU, each CUDA device)
+        config.yaml      the resolved config, for people
+        manifest.json    written last: size and SHA-256 of every file, step, epoch, metrics,
+                         world size, library versions. No manifest: not a checkpoint.
+      step-000000240/
+      best-000000120/    the best checkpoint so far (hard links to the files of step-000000120)
+
+How a write cannot corrupt (one writer: rank 0):
+
+1. each file goes to a temporary name in the checkpoint's own folder, created
+   private to the user (``readable_by``), is fsynced, then renamed over its
+   final name (rename is atomic within one file system);
+2. the folder is fsynced, so the renames are on disk;
+3. ``manifest.json`` is written the same way, then the folder and its parent
+   are fsynced. A crash at any point leaves either no manifest (the folder is
+   an incomplete leftover, ignored and later removed) or a complete one.
+
+Only then are older checkpoints deleted, counting complete ones only, so the
+last ``keep`` complete checkpoints always exist.
+
+Reads trust nothing: :func:`verify_checkpoint` checks every file's size and
+SHA-256 against the manifest and loads it with ``torch.load(weights_only=True)``
+(tensors and plain containers only, never arbitrary pickled objects; there is
+no fallback to an unsafe load), so a truncated file, a bit flip or a crafted
+pickle is found before anything is restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import platform
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+FORMAT = "ddpkit-checkpoint/1"
+"""Value of the manifest's ``format`` key."""
+MANIFEST = "manifest.json"
+STEP_PREFIX = "step-"
+BEST_PREFIX = "best-"
+CORRUPT_SUFFIX = ".corrupt"
+_NAME = re.compile(r"^(step|best)-(\d{9,})$")
+_CHUNK = 1 << 20
+
+READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
+"""File modes of checkpoint files for each ``checkpoint.readable_by`` value."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or refused; the message names the file and the fix."""
+
+
+def checkpoint_name(global_step: int) -> str:
+    """The folder name of the checkpoint taken after ``global_step`` steps."""
+    return f"{STEP_PREFIX}{global_step:09d}"
+
+
+def folder_mode(file_mode: int) -> int:
+    """The folder mode for ``file_mode``: every read permission also gets search permission."""
+    return file_mode | ((file_mode & 0o444) >> 2)
+
+
+# -- writing ------------------------------------------------------------------
+
+
+class _HashingFile:
+    """A write-only file object that hashes and counts what passes through it."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.raw.write(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(folder: Path, name: str, write: Callable[[Any], None], mode: int = 0o600) -> dict[str, Any]:
+    """Write ``folder/name`` through a temporary file, fsync and atomic rename.
+
+    Args:
+        folder: the destination folder (the temporary file lives there too, so
+            the rename stays within one file system).
+        name: the final file name.
+        write: called with a binary file object to write the contents.
+        mode: permission bits of the file, applied whatever the umask.
+
+    Returns:
+        ``{"bytes": size, "sha256": hex digest}`` of what was written.
+    """
+    tmp = folder / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as raw:
+            fd = -1
+            hashing = _HashingFile(raw)
+            write(hashing)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, folder / name)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"bytes": hashing.size, "sha256": hashing.sha256.hexdigest()}
+
+
+def write_checkpoint(
+    root: str | Path,
+    name: str,
+    objects: Mapping[str, Any],
+    texts: Mapping[str, str],
+    meta: Mapping[str, Any],
+    mode: int = 0o600,
+) -> Path:
+    """Write one complete checkpoint folder ``root/name`` (see the module docstring for the steps).
+
+    Args:
+        root: the checkpoints folder (created if missing).
+        name: the checkpoint's folder name, e.g. ``checkpoint_name(step)``.
+        objects: file name -> object for ``torch.save`` (tensors and plain containers).
+        texts: file name -> text, written as UTF-8.
+        meta: JSON-serialisable facts stored in the manifest (step, epoch, metrics...).
+        mode: permission bits of the files (folders get matching search bits).
+
+    Returns:
+        The path of the complete checkpoint.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
+    folder = root / name
+    if folder.exists():
+        # A leftover of a save that crashed (a complete one is never rewritten: see Checkpointing).
+        shutil.rmtree(folder)
+    folder.mkdir(mode=folder_mode(mode))
+    os.chmod(folder, folder_mode(mode))
+    files: dict[str, dict[str, Any]] = {}
+    for file_name, obj in objects.items():
+        files[file_name] = write_file_atomic(folder, file_name, lambda f, obj=obj: torch.save(obj, f), mode)
+    for file_name, text in texts.items():
+        files[file_name] = write_file_atomic(folder, file_name, lambda f, text=text: f.write(text.encode()), mode)
+    _fsync_folder(folder)
+    manifest = {"format": FORMAT, "name": name, "created": time.time(), **meta, "files": files}
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    write_file_atomic(folder, MANIFEST, lambda f: f.write(text.encode()), mode)
+    _fsync_folder(folder)
+    _fsync_folder(root)
+    return folder
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries a checkpoint depends on, stored in its manifest."""
+    import numpy
+
+    from ddpkit import __version__
+
+    return {"ddpkit": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+            "python": platform.python_version()}
+
+
+def mark_best(root: str | Path, checkpoint: str | Path, mode: int = 0o600) -> Path:
+    """Make ``checkpoint`` the ``best-<step>`` checkpoint of ``root``, then delete older best ones.
+
+    The files are hard links (copies where the file system has none): no data
+    is written twice, and deleting the step folder later leaves the best one whole.
+    """
+    root, checkpoint = Path(root), Path(checkpoint)
+    step = int(_NAME.match(checkpoint.name).group(2))
+    target = root / f"{BEST_PREFIX}{step:09d}"
+    if target.exists():
+        shutil.rmtree(target)
+    staging = root / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(mode=folder_mode(mode))
+    os.chmod(staging, folder_mode(mode))
+    # The manifest last, so the best folder is complete only once all its files are there.
+    names = sorted(p.name for p in checkpoint.iterdir() if not p.name.startswith("."))
+    for file_name in sorted(names, key=lambda n: n == MANIFEST):
+        try:
+            os.link(checkpoint / file_name, staging / file_name)
+        except OSError:
+            shutil.copy2(checkpoint / file_name, staging / file_name)
+    _fsync_folder(staging)
+    os.rename(staging, target)
+    _fsync_folder(root)
+    for info in list_checkpoints(root, prefix=BEST_PREFIX):
+        if info.path != target:
+            shutil.rmtree(info.path, ignore_errors=True)
+    return target
+
+
+# -- finding and verifying ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint folder as found on disk (complete or not)."""
+
+    path: Path
+    """The folder."""
+    global_step: int
+    """The step in its name."""
+    manifest: dict[str, Any] | None = field(default=None, compare=False)
+    """The parsed manifest, or None when the folder has none (an incomplete write)."""
+    problem: str = ""
+    """Why the manifest could not be read, if it exists but is unreadable."""
+
+    @property
+    def complete(self) -> bool:
+        """True when a manifest marks the write as finished."""
+        return self.manifest is not None or bool(self.problem)
+
+    @property
+    def size(self) -> int:
+        """Bytes of all its files, as listed by the manifest (on-disk size without one)."""
+        if self.manifest:
+            return sum(f["bytes"] for f in self.manifest.get("files", {}).values()) + _file_size(self.path / MANIFEST)
+        return sum(_file_size(p) for p in self.path.iterdir()) if self.path.is_dir() else 0
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint folder.
+
+    Raises:
+        CheckpointError: no manifest (the write never finished), or an unreadable one.
+    """
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} is not a complete checkpoint: it has no {MANIFEST} "
+                              "(its write never finished); use an earlier checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is damaged ({e}); use an earlier checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path} is not a {FORMAT} manifest; use a checkpoint written by this ddpkit version")
+    return manifest
+
+
+def list_checkpoints(root: str | Path, prefix: str = STEP_PREFIX) -> list[CheckpointInfo]:
+    """The checkpoint folders of ``root`` named ``<prefix><step>``, oldest first.
+
+    Incomplete folders (no manifest) are listed too, with ``manifest=None``.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _NAME.match(path.name)
+        if not match or not path.name.startswith(prefix) or not path.is_dir():
+            continue
+        manifest, problem = None, ""
+        if (path / MANIFEST).exists():
+            try:
+                manifest = read_manifest(path)
+            except CheckpointError as e:
+                problem = str(e)
+        found.append(CheckpointInfo(path, int(match.group(2)), manifest, problem))
+    return sorted(found, key=lambda info: info.global_step)
+
+
+def load_file(path: str | Path, map_location: str | torch.device | None = "cpu", data: bytes | None = None) -> Any:
+    """``torch.load(path, weights_only=True)``, with errors that name the file and the fix.
+
+    Args:
+        path: the file.
+        map_location: where tensors go (the optimizer's state follows its parameters anyway).
+        data: the file's bytes, when already read (to load exactly what was checksummed).
+
+    Raises:
+        CheckpointError: the file is missing, damaged, or holds anything but
+            tensors and plain containers (a pickle that would run code is refused, never executed).
+    """
+    try:
+        source = io.BytesIO(data) if data is not None else path
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist; pass an existing checkpoint") from None
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+        raise CheckpointError(
+            f"refused to load {path}: it holds objects other than tensors and plain containers "
+            f"({reason}); ddpkit loads only weights_only=True files and never runs code from a checkpoint. "
+            "Use a checkpoint written by ddpkit, or re-save plain tensors from a source you trust"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is damaged and cannot be loaded ({reason}); use an earlier checkpoint") from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
+    """Check a checkpoint completely; return the loaded ``.pt`` files by name (and ``"manifest"``).
+
+    Args:
+        folder: the checkpoint folder.
+        load: also load every ``.pt`` file with ``weights_only=True`` (refusing
+            crafted pickles); without it only sizes and checksums are checked.
+
+    Raises:
+        CheckpointError: no manifest, a file missing, truncated or changed
+            (size or SHA-256), or refused by the safe loader. The message names the file.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} does not exist; pass a checkpoint folder (e.g. .../step-000000120)")
+    manifest = read_manifest(folder)
+    loaded: dict[str, Any] = {"manifest": manifest}
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        size = _file_size(path) if path.exists() else None
+        if size is None:
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete; use an earlier checkpoint")
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path} is truncated or damaged: {size} bytes on disk, "
+                                  f"{expected['bytes']} in the manifest; use an earlier checkpoint")
+        # .pt files are read once: the bytes checksummed are the bytes loaded.
+        data = path.read_bytes() if load and name.endswith(".pt") else None
+        digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(path)
+        if digest != expected["sha256"]:
+            raise CheckpointError(f"{path} is damaged: its SHA-256 does not match the manifest; use an earlier checkpoint")
+        if data is not None:
+            loaded[name] = load_file(path, data=data)
+    return loaded
+
+
+# -- retention ----------------------------------------------------------------
+
+
+def prune(root: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete leftovers older than them.
+
+    Args:
+        root: the checkpoints folder.
+        keep: number of complete checkpoints to keep (>= 1).
+        protect: a folder never deleted (the one just written).
+
+    Returns:
+        The deleted folders.
+    """
+    infos = list_checkpoints(root)
+    complete = [info for info in infos if info.complete]
+    kept = {info.path for info in complete[-keep:]} | ({protect} if protect else set())
+    oldest_kept = min((info.global_step for info in complete if info.path in kept), default=None)
+    deleted = []
+    for info in infos:
+        if info.path in kept:
+            continue
+        # Complete ones beyond `keep`, and incomplete leftovers of crashed writes older than what is kept
+        # (a newer leftover is removed when that step is saved again).
+        if info.complete or (oldest_kept is not None and info.global_step < oldest_kept):
+            shutil.rmtree(info.path, ignore_errors=True)
+            deleted.append(info.path)
+    return deleted
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a corrupt checkpoint to ``<name>.corrupt`` (kept for inspection, never loaded again)."""
+    target = folder.with_name(folder.name + CORRUPT_SUFFIX)
+    n = 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}{CORRUPT_SUFFIX}{n}")
+    os.rename(folder, target)
+    return target
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """The checkpoints folder for ``path``: itself, or ``path/checkpoints`` when that exists (an output_dir)."""
+    path = Path(path)
+    if not list_checkpoints(path) and (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path

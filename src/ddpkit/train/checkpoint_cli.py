@@ -1,0 +1,119 @@
+"""``ddpkit export`` and ``ddpkit checkpoints``: publish a checkpoint, list a folder of them.
+
+::
+
+    ddpkit checkpoints runs/latest                       # or runs/latest/checkpoints
+    ddpkit export runs/latest/checkpoints/best-000000940 exported/
+    ddpkit export runs/latest exported/ readable_by=all   # the newest verified checkpoint
+
+torch is imported only when a command runs, so ``ddpkit --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+EXPORT_USAGE = "usage: ddpkit export CHECKPOINT OUT [readable_by=user|group|all]"
+CHECKPOINTS_USAGE = "usage: ddpkit checkpoints DIR [verify=true|false]"
+
+
+def _split(args: Sequence[str], usage: str, num_positional: int) -> tuple[list[str], dict[str, str]]:
+    positional = [a for a in args if "=" not in a]
+    options = dict(a.split("=", 1) for a in args if "=" in a)
+    if any(a in ("-h", "--help") for a in args):
+        print(usage)
+        raise SystemExit(0)
+    if len(positional) != num_positional:
+        raise ValueError(f"expected {num_positional} path(s), got {len(positional)}; {usage}")
+    return positional, options
+
+
+def export_command(args: Sequence[str]) -> int:
+    """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
+    from ddpkit.train.export import export_checkpoint
+
+    (checkpoint, out), options = _split(args, EXPORT_USAGE, 2)
+    unknown = set(options) - {"readable_by"}
+    if unknown:
+        raise ValueError(f"unknown option {sorted(unknown)[0]!r}; {EXPORT_USAGE}")
+    folder = export_checkpoint(checkpoint, out, options.get("readable_by", "user"))
+    source = json.loads((folder / "model.json").read_text())["source"]["checkpoint"]
+    print(f"exported {source} to {folder} (model.pt, model.json)")
+    return 0
+
+
+def checkpoints_command(args: Sequence[str]) -> int:
+    """``ddpkit checkpoints DIR``: one line per checkpoint: step, epoch, metric, size, whether it verifies."""
+    from pathlib import Path
+
+    from ddpkit.train.checkpoint import (
+        BEST_PREFIX,
+        CheckpointError,
+        list_checkpoints,
+        resolve_checkpoint_dir,
+        verify_checkpoint,
+    )
+
+    (folder,), options = _split(args, CHECKPOINTS_USAGE, 1)
+    verify = options.pop("verify", "true").lower() not in ("false", "0", "no")
+    if options:
+        raise ValueError(f"unknown option {sorted(options)[0]!r}; {CHECKPOINTS_USAGE}")
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
+    root = resolve_checkpoint_dir(folder)
+    infos = list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
+    if not infos:
+        print(f"no checkpoints in {root}")
+        return 0
+    newest_complete = max((i.global_step for i in infos if i.manifest and i.path.name.startswith("step-")), default=None)
+    rows = [("checkpoint", "step", "epoch", "metric", "size", "status")]
+    for info in infos:
+        manifest = info.manifest or {}
+        if not info.complete:
+            status = "incomplete (interrupted write; ignored)"
+        elif info.problem:
+            status = "CORRUPT: " + info.problem
+        elif verify:
+            try:
+                verify_checkpoint(info.path)
+                status = "ok"
+            except CheckpointError as e:
+                status = "CORRUPT: " + str(e)
+        else:
+            status = "complete (not verified)"
+        if info.path.name.startswith(BEST_PREFIX):
+            status += ", best"
+        elif info.global_step == newest_complete and info.manifest:
+            status += ", newest"
+        rows.append((info.path.name, str(info.global_step), _epoch(manifest), _metric(manifest),
+                     _size(info.size), status))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    print(f"{root}:")
+    for row in rows:
+        print("  ".join(cell.ljust(width) if i in (0, 3) else cell.rjust(width)
+                        for i, (cell, width) in enumerate(zip(row[:5], widths))) + "  " + row[5])
+    return 0
+
+
+def _epoch(manifest: dict) -> str:
+    if "completed_epochs" not in manifest:
+        return "-"
+    done, step, per_epoch = manifest["completed_epochs"], manifest.get("step_in_epoch", 0), manifest.get("steps_per_epoch")
+    return f"{done}" if not step else f"{done}+{step}/{per_epoch}"
+
+
+def _metric(manifest: dict) -> str:
+    metrics = manifest.get("metrics") or {}
+    for name in ("accuracy", "mse", "loss"):
+        if name in metrics:
+            return f"{name} {metrics[name]:.4f}"
+    return "-"
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} TB"

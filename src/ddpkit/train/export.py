@@ -1,0 +1,134 @@
+"""Publishing a trained model: weights plus what is needed to rebuild it, without training state.
+
+``ddpkit export CHECKPOINT OUT`` writes a folder::
+
+    OUT/
+      model.pt      the model's state_dict: torch.load(..., weights_only=True) and load_state_dict
+      model.json    model name, task, input normalization, the checkpoint it came from
+                    (step, epoch, metrics), the training config, and the SHA-256 of model.pt
+
+Optimizer, RNG and train state stay behind: an export is for inference and
+for ``init_from``. :func:`load_exported` rebuilds the model from the registry
+and loads the weights in one call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.train.checkpoint import (
+    MANIFEST,
+    READABLE_BY,
+    CheckpointError,
+    folder_mode,
+    load_file,
+    read_manifest,
+    verify_checkpoint,
+    write_file_atomic,
+)
+from ddpkit.train.transfer import EXPORT_INFO, newest_verified
+
+EXPORT_FORMAT = "ddpkit-export/1"
+"""Value of model.json's ``format`` key."""
+WEIGHTS = "model.pt"
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str = "user") -> Path:
+    """Write the weights and model description of ``checkpoint`` to the folder ``out``.
+
+    Args:
+        checkpoint: a checkpoint folder, or a checkpoints folder / output_dir
+            (its newest verified checkpoint).
+        out: the export folder (created; an earlier export there is replaced).
+        readable_by: user, group or all: who may read the files.
+
+    Returns:
+        The export folder.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, corrupt or refused.
+        ValueError: ``out`` exists and is not an export, or a bad ``readable_by``.
+    """
+    if readable_by not in READABLE_BY:
+        raise ValueError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
+    mode = READABLE_BY[readable_by]
+    source = Path(checkpoint)
+    if not (source / MANIFEST).exists():
+        source = newest_verified(source)
+    verify_checkpoint(source, load=False)
+    manifest = read_manifest(source)
+    state = load_file(source / WEIGHTS)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_INFO).exists())):
+        raise ValueError(f"{out} exists and is not a ddpkit export; choose a new or empty folder for the export")
+    out.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
+    weights = write_file_atomic(out, WEIGHTS, lambda f: torch.save(state, f), mode)
+    info = {
+        "format": EXPORT_FORMAT,
+        "created": time.time(),
+        "model": manifest.get("model", {}),
+        "files": {WEIGHTS: weights},
+        "num_parameters": int(sum(t.numel() for t in state.values())),
+        "source": {
+            "checkpoint": str(source.resolve()),
+            "global_step": manifest.get("global_step"),
+            "completed_epochs": manifest.get("completed_epochs"),
+            "metrics": manifest.get("metrics", {}),
+        },
+        "versions": manifest.get("versions", {}),
+        "config": manifest.get("config", {}),
+    }
+    text = json.dumps(info, indent=2, sort_keys=True) + "\n"
+    write_file_atomic(out, EXPORT_INFO, lambda f: f.write(text.encode()), mode)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return out
+
+
+def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The description and the verified weights of an export folder.
+
+    Raises:
+        CheckpointError: not an export, or its weights are damaged or refused.
+    """
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / EXPORT_INFO).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder} is not a readable ddpkit export ({e}); run ddpkit export first") from None
+    if not isinstance(info, dict) or info.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{folder / EXPORT_INFO} is not a {EXPORT_FORMAT} file; run ddpkit export again")
+    expected = info["files"][WEIGHTS]
+    data = (folder / WEIGHTS).read_bytes()
+    if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"{folder / WEIGHTS} is damaged (size or SHA-256 differs from {EXPORT_INFO}); export it again")
+    return info, load_file(folder / WEIGHTS, data=data)
+
+
+def load_exported(folder: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the exported model from the registry and load its weights (for inference).
+
+    Returns:
+        (the model in eval mode, the export's description).
+
+    Raises:
+        CheckpointError: damaged or refused weights.
+        ValueError: the model is not registered (nor importable) here.
+    """
+    from ddpkit.models.registry import get_model_spec
+
+    info, state = read_export(folder)
+    model = get_model_spec(info["model"]["name"]).build()
+    model.load_state_dict(state)
+    return model.to(device).eval(), info

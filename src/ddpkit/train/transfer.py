@@ -1,0 +1,171 @@
+"""Starting a new model from trained weights: ``init_from=PATH`` and ``freeze=...``.
+
+``init_from`` takes the weights of a checkpoint folder, a checkpoints folder
+(its newest verified checkpoint), an export (``ddpkit export``) or a file
+holding a state_dict, and copies into the new model every tensor whose name
+and shape match. The rest is reported, never silently dropped:
+
+- *missing*: in the model, not in the file (they keep their fresh initialisation);
+- *unexpected*: in the file, not in the model (ignored);
+- *shape mismatch*: same name, other shape (e.g. a new classifier head).
+
+``freeze`` names parameters not to train, as comma-separated prefixes of
+their names (``freeze=0,2`` freezes the layers ``0`` and ``2`` of an
+``nn.Sequential``; ``freeze=encoder`` every parameter under ``encoder.``).
+Both happen before the model is wrapped for data parallelism, so DDP never
+waits for gradients of frozen parameters.
+
+Every file is read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddpkit.train.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    list_checkpoints,
+    load_file,
+    resolve_checkpoint_dir,
+    verify_checkpoint,
+)
+
+EXPORT_INFO = "model.json"
+"""The file that marks an export folder (written by ``ddpkit export``)."""
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What ``init_from`` and ``freeze`` did to a new model."""
+
+    source: str
+    """Where the weights came from ("" when only freezing)."""
+    loaded: tuple[str, ...] = ()
+    """Tensors copied (same name and shape)."""
+    missing: tuple[str, ...] = ()
+    """Model tensors absent from the source; they keep their fresh initialisation."""
+    unexpected: tuple[str, ...] = ()
+    """Source tensors the model does not have; ignored."""
+    mismatched: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """(name, shape in the source, shape in the model) of tensors not copied."""
+    frozen: tuple[str, ...] = ()
+    """Parameters excluded from training."""
+
+    def lines(self) -> list[str]:
+        """The report as log lines."""
+        out = []
+        if self.source:
+            out.append(f"init_from {self.source}: loaded {len(self.loaded)} tensor(s)")
+            if self.missing:
+                out.append("  missing (kept their initialisation): " + ", ".join(self.missing))
+            if self.unexpected:
+                out.append("  unexpected (ignored): " + ", ".join(self.unexpected))
+            for name, source_shape, model_shape in self.mismatched:
+                out.append(f"  shape mismatch (not loaded): {name}: {tuple(source_shape)} in the source, "
+                           f"{tuple(model_shape)} in the model")
+        if self.frozen:
+            out.append("frozen (not trained): " + ", ".join(self.frozen))
+        return out
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state_dict stored at ``path`` (checkpoint, checkpoints folder, export, or .pt file).
+
+    Raises:
+        CheckpointError: nothing usable there, a damaged file, or a refused (unsafe) one.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if (path / MANIFEST).exists():
+            state = verify_checkpoint(path)["model.pt"]
+        elif (path / EXPORT_INFO).exists():
+            from ddpkit.train.export import read_export
+
+            state = read_export(path)[1]
+        else:
+            state = verify_checkpoint(newest_verified(path))["model.pt"]
+    elif path.is_file():
+        state = load_file(path)
+        if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
+            state = state["state_dict"]
+    else:
+        raise CheckpointError(f"init_from={path} does not exist; pass a checkpoint, an export or a .pt file")
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} holds no state_dict (a mapping of names to tensors); "
+                              "pass a checkpoint, an export or a file saved with torch.save(model.state_dict())")
+    return dict(state)
+
+
+def newest_verified(folder: str | Path) -> Path:
+    """The newest checkpoint of a checkpoints folder (or output_dir) that verifies.
+
+    Raises:
+        CheckpointError: the folder holds no complete, verified checkpoint.
+    """
+    root = resolve_checkpoint_dir(folder)
+    problems = []
+    for info in reversed([i for i in list_checkpoints(root) if i.complete]):
+        try:
+            verify_checkpoint(info.path, load=False)
+            return info.path
+        except CheckpointError as e:
+            problems.append(str(e))
+    detail = f" ({'; '.join(problems)})" if problems else ""
+    raise CheckpointError(f"{folder} holds no complete, verified checkpoint{detail}; pass a checkpoint folder")
+
+
+def load_matching(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> TransferReport:
+    """Copy the tensors of ``state`` whose name and shape match into ``model``; report the rest."""
+    own = model.state_dict()
+    loaded, mismatched = [], []
+    for name, tensor in state.items():
+        if name in own:
+            if tuple(own[name].shape) == tuple(tensor.shape):
+                loaded.append(name)
+            else:
+                mismatched.append((name, tuple(tensor.shape), tuple(own[name].shape)))
+    model.load_state_dict({name: state[name] for name in loaded}, strict=False)
+    return TransferReport(
+        source=source,
+        loaded=tuple(loaded),
+        missing=tuple(name for name in own if name not in state),
+        unexpected=tuple(name for name in state if name not in own),
+        mismatched=tuple(mismatched),
+    )
+
+
+def freeze_parameters(model: nn.Module, prefixes: str) -> tuple[str, ...]:
+    """Set ``requires_grad=False`` on parameters named by comma-separated ``prefixes``; return their names.
+
+    Raises:
+        ValueError: a prefix matches no parameter (the message lists the names there are).
+    """
+    wanted = [p.strip() for p in str(prefixes).split(",") if p.strip()]
+    names = [name for name, _ in model.named_parameters()]
+    frozen = []
+    for prefix in wanted:
+        matches = [name for name in names if name == prefix or name.startswith(prefix + ".")]
+        if not matches:
+            raise ValueError(f"freeze={prefix!r} matches no parameter of the model; "
+                             f"its parameters are: {', '.join(names)}")
+        frozen += [name for name in matches if name not in frozen]
+    parameters = dict(model.named_parameters())
+    for name in frozen:
+        parameters[name].requires_grad_(False)
+    return tuple(frozen)
+
+
+def prepare_model(model: nn.Module, init_from: str, freeze: str) -> TransferReport:
+    """Apply ``init_from`` then ``freeze`` to a freshly built model; return what was done."""
+    report = TransferReport(source="")
+    if init_from:
+        report = load_matching(model, read_weights(init_from), init_from)
+    if freeze:
+        report = TransferReport(**{**report.__dict__, "frozen": freeze_parameters(model, freeze)})
+    return report

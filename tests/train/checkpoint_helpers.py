@@ -1,0 +1,218 @@
+"""Models and helpers for the checkpoint, resume, elastic, preemption and export tests.
+
+Models are named by import path (``model=tests.train.checkpoint_helpers:mlp_dropout``).
+The ``signalled`` model sends a signal to its own process at a chosen training
+step on the first run only (restart count 0), driven by environment variables:
+
+- DDPKIT_TEST_SIGNAL_STEP: the global step (1-based) whose forward sends it;
+- DDPKIT_TEST_SIGNAL_RANK: the rank that sends it (default 1);
+- DDPKIT_TEST_SIGNAL: the signal name (default SIGKILL);
+- DDPKIT_TEST_SIGNAL_TARGET: "self" (default) or "parent" (the launcher);
+- DDPKIT_TEST_STEP_SLEEP: seconds each training forward sleeps (default 0).
+
+``always_fails`` appends its restart count to DDPKIT_TEST_ATTEMPTS on every
+attempt and fails on rank 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import torch
+import torch._dynamo  # noqa: F401  # sets TORCHINDUCTOR_CACHE_DIR when first imported: here, not inside a test
+from torch import nn
+
+from ddpkit.config import TrainConfig, parse
+from ddpkit.data.datasets import DataOptions, load_dataset
+from ddpkit.distributed import Context
+from ddpkit.env.base import ClusterEnvironment
+from ddpkit.models.registry import get_model_spec
+from ddpkit.train.loop import Trainer
+
+
+def mlp_dropout() -> nn.Module:
+    """A small MLP with dropout, so that a resume must restore the RNG to be exact."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+
+
+def mlp_dropout_new_head() -> nn.Module:
+    """mlp_dropout with a different last layer (5 classes) and one extra layer: a transfer target."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5),
+                         nn.Linear(5, 10))
+
+
+class _Signalled(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.step = int(os.environ.get("DDPKIT_TEST_SIGNAL_STEP", "0"))
+        self.first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.mine = os.environ.get("RANK", "0") == os.environ.get("DDPKIT_TEST_SIGNAL_RANK", "1")
+        self.signal = getattr(signal, os.environ.get("DDPKIT_TEST_SIGNAL", "SIGKILL"))
+        self.target = os.environ.get("DDPKIT_TEST_SIGNAL_TARGET", "self")
+        self.sleep = float(os.environ.get("DDPKIT_TEST_STEP_SLEEP", "0"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.step and self.first_run and self.mine:
+                os.kill(os.getppid() if self.target == "parent" else os.getpid(), self.signal)
+            if self.sleep:
+                time.sleep(self.sleep)
+        return self.inner(x)
+
+
+def signalled() -> nn.Module:
+    """mlp_dropout that signals its own process at DDPKIT_TEST_SIGNAL_STEP (see the module docstring)."""
+    return _Signalled(mlp_dropout())
+
+
+def always_fails() -> nn.Module:
+    """Fails on rank 1 at every attempt, after noting the attempt's restart count in DDPKIT_TEST_ATTEMPTS."""
+    if os.environ.get("RANK") == "1":
+        with open(os.environ["DDPKIT_TEST_ATTEMPTS"], "a") as f:
+            f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "?") + "\n")
+        raise RuntimeError("rank 1 fails on purpose")
+    return mlp_dropout()
+
+
+def ballast() -> nn.Module:
+    """An MLP carrying 48 MB of frozen weights: its checkpoints take long enough to be killed mid-write."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+    model.register_parameter("ballast", nn.Parameter(torch.zeros(12 << 20), requires_grad=False))
+    return model
+
+
+# -- in-process trainers --------------------------------------------------------
+
+
+def context(rank: int, world_size: int) -> Context:
+    """A CPU/gloo context for ``rank`` (the process group, if any, is the caller's)."""
+    env = ClusterEnvironment("test", rank, rank, world_size, world_size, 0, 1, "127.0.0.1", 1)
+    return Context(env, torch.device("cpu"), "gloo")
+
+
+def make_trainer(rank: int, world_size: int, words: list[str]) -> Trainer:
+    """A Trainer for ``words`` (key=value) on synthetic data, on this rank."""
+    cfg = parse(TrainConfig, ["dataset=synthetic", "progress=false", "allreduce=builtin", *words])
+    data = load_dataset("synthetic", DataOptions(synthetic_samples=cfg.synthetic_samples, seed=1))
+    return Trainer(cfg, context(rank, world_size), data, get_model_spec(cfg.model))
+
+
+def final_state(trainer: Trainer) -> dict:
+    """Model, optimizer and RNG state at the end of training, for bit-exact comparison."""
+    from ddpkit.train.rng import capture_rng_state
+
+    optimizer = trainer.optimizer.state_dict()["state"]
+    return {
+        "model": {k: v.clone() for k, v in trainer.module.state_dict().items()},
+        "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.items()},
+        "rng": capture_rng_state(),
+        "state": trainer.state.state_dict(),
+    }
+
+
+def assert_bit_equal(a: dict, b: dict, what: str = "") -> None:
+    """Model, optimizer and RNG states are equal bit for bit."""
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{what}: model tensor {name} differs"
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for index in a["optimizer"]:
+        for key in a["optimizer"][index]:
+            assert torch.equal(a["optimizer"][index][key], b["optimizer"][index][key]), \
+                f"{what}: optimizer state {index}.{key} differs"
+    ra, rb = a["rng"], b["rng"]
+    assert torch.equal(ra["torch"], rb["torch"]), f"{what}: torch RNG differs"
+    assert ra["python"] == rb["python"], f"{what}: Python RNG differs"
+    assert torch.equal(ra["numpy"]["keys"], rb["numpy"]["keys"]) and ra["numpy"]["pos"] == rb["numpy"]["pos"], \
+        f"{what}: NumPy RNG differs"
+    for key in ("global_step", "completed_epochs", "step_in_epoch", "samples_seen"):
+        assert a["state"][key] == b["state"][key], f"{what}: {key} differs"
+
+
+class LogRecords(logging.Handler):
+    """Collects the messages of ddpkit's logger while installed (``with LogRecords() as logs``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append((record.levelname, record.getMessage()))
+
+    def __enter__(self) -> LogRecords:
+        logger = logging.getLogger("ddpkit")
+        self._level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger("ddpkit")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+    def warnings(self) -> list[str]:
+        """The warning messages."""
+        return [message for level, message in self.messages if level == "WARNING"]
+
+
+# -- whole jobs through the ddpkit command -----------------------------------------
+
+CLI_WORDS = [
+    "nproc=2", "model=tests.train.checkpoint_helpers:signalled", "dataset=synthetic", "synthetic_samples=256",
+    "batch_size=16", "epochs=2", "allreduce=builtin", "threads=1", "progress=false",
+    "checkpoint.every_steps=4", "checkpoint.keep=100", "checkpoint.sync_seconds=0.001",
+]
+"""A 2-worker job of 2 x 16 steps; agreement on signals after every step, every checkpoint kept."""
+CLI_TOTAL_STEPS = 32
+
+
+def run_job(output_dir, *words: str, env: dict[str, str] | None = None, timeout: float = 240):
+    """``ddpkit train CLI_WORDS... output_dir=...`` as a user runs it."""
+    from tests.cli_runner import run_ddpkit
+
+    return run_ddpkit("train", *CLI_WORDS, f"output_dir={output_dir}", *words, cwd=output_dir, env=env,
+                      timeout=timeout)
+
+
+def manifests(output_dir) -> list[dict]:
+    """The manifests of the complete step checkpoints under ``output_dir``, oldest first."""
+    from ddpkit.train.checkpoint import list_checkpoints
+
+    return [info.manifest for info in list_checkpoints(os.path.join(output_dir, "checkpoints")) if info.manifest]
+
+
+def final_weights(output_dir) -> dict[str, torch.Tensor]:
+    """The model weights of the newest checkpoint under ``output_dir`` (verified, weights_only)."""
+    from ddpkit.train.checkpoint import list_checkpoints, verify_checkpoint
+
+    newest = [i for i in list_checkpoints(os.path.join(output_dir, "checkpoints")) if i.manifest][-1]
+    assert newest.manifest["global_step"] == CLI_TOTAL_STEPS, newest.path
+    return verify_checkpoint(newest.path)["model.pt"]
+
+
+@functools.lru_cache(maxsize=1)
+def reference_weights() -> dict[str, torch.Tensor]:
+    """Final weights of the uninterrupted CLI_WORDS job (run once per test session)."""
+    folder = tempfile.mkdtemp(prefix="ddpkit-reference-")
+    atexit.register(shutil.rmtree, folder, True)
+    out = run_job(folder)
+    assert out.returncode == 0, out.stderr
+    return final_weights(folder)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    """Equal bit for bit."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{what}: {name} differs"

@@ -1,0 +1,36 @@
+"""Elastic restarts through ddpkit's launcher: a killed worker costs a restart, not the run."""
+
+import random
+
+import pytest
+
+from tests.train.checkpoint_helpers import (
+    CLI_TOTAL_STEPS,
+    assert_same_weights,
+    final_weights,
+    reference_weights,
+    run_job,
+)
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_worker_at_a_random_step_restarts_and_ends_bit_equal(tmp_path):
+    step = random.randrange(1, CLI_TOTAL_STEPS + 1)
+    out = run_job(tmp_path, "max_restarts=1",
+                  env={"DDPKIT_TEST_SIGNAL_STEP": str(step), "DDPKIT_TEST_SIGNAL": "SIGKILL"})
+    assert out.returncode == 0, f"killed at step {step}:\n{out.stderr}"
+    if step > 4:  # a checkpoint existed when rank 1 died
+        assert "restart 1: resuming from the newest checkpoint" in out.stderr, out.stderr
+        assert "resumed from" in out.stderr, out.stderr
+    assert_same_weights(final_weights(tmp_path), reference_weights(), f"rank 1 killed at step {step}")
+
+
+@pytest.mark.slow
+def test_always_failing_worker_gives_up_after_exactly_max_restarts(tmp_path):
+    attempts = tmp_path / "attempts"
+    out = run_job(tmp_path, "max_restarts=2", "model=tests.train.checkpoint_helpers:always_fails",
+                  env={"DDPKIT_TEST_ATTEMPTS": str(attempts)})
+    assert out.returncode == 1, out.stderr
+    assert attempts.read_text().split() == ["0", "1", "2"]  # the first run and exactly 2 restarts
+    assert "error: the job failed after 2 restart(s) (max_restarts=2)" in out.stderr, out.stderr
+    assert "error: worker rank 1 failed (exit code 1): RuntimeError: rank 1 fails on purpose" in out.stderr

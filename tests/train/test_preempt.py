@@ -1,0 +1,82 @@
+"""Preemption: a signal to any worker or to the launcher ends in one checkpoint and a clean resume."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from ddpkit.train.checkpoint import checkpoint_name
+from ddpkit.train.preemption import EXIT_PREEMPTED, Agreement, PreemptionSignals, requeue_slurm_job
+from tests.train.checkpoint_helpers import (
+    assert_same_weights,
+    final_weights,
+    manifests,
+    reference_weights,
+    run_job,
+)
+
+
+def test_handler_records_the_signal_and_close_restores_the_previous_one():
+    before = signal.getsignal(signal.SIGUSR2)
+    signals = PreemptionSignals(["SIGUSR2"])
+    signals.install()
+    try:
+        assert signals.received == 0
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert signals.received == signal.SIGUSR2
+    finally:
+        signals.close()
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_agreement_adapts_its_interval_to_the_step_time():
+    agreement = Agreement(1, True, torch.device("cpu"), sync_seconds=3600.0, every_seconds=0.0)
+    agreement.start(100)
+    assert agreement.next_step == 101  # the first agreement right after the first step
+    assert agreement.agree(101, 0) == (0, False)
+    assert agreement.next_step > 101 + 1000  # an hour of (fast) steps, capped
+    assert agreement.agree(agreement.next_step, signal.SIGTERM)[0] == signal.SIGTERM
+
+
+def test_timed_checkpoint_comes_due():
+    agreement = Agreement(1, True, torch.device("cpu"), sync_seconds=1.0, every_seconds=1e-9)
+    assert agreement.agree(1, 0) == (0, True)
+
+
+def test_requeue_outside_slurm_and_failed_requeue_are_reported_not_raised():
+    assert "not a Slurm job" in requeue_slurm_job({})
+    message = requeue_slurm_job({"SLURM_JOB_ID": "999999"})  # no such job (and maybe no Slurm at all)
+    assert "999999" in message and "resubmit it with resume=auto" in message
+
+
+@pytest.mark.slow
+def test_signal_to_one_worker_checkpoints_once_and_the_restart_continues_there(tmp_path):
+    # Rank 1 alone gets SIGUSR1 during step 6: both ranks agree after step 6, save it, exit 75;
+    # the launcher restarts them (max_restarts=1) and they resume from that checkpoint.
+    out = run_job(tmp_path, "max_restarts=1",
+                  env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGUSR1"})
+    assert out.returncode == 0, out.stderr
+    preempted = [m for m in manifests(tmp_path) if m["reason"] == "preempted"]
+    assert [m["global_step"] for m in preempted] == [6], out.stderr
+    assert "preempted by SIGUSR1 after global step 6" in out.stderr, out.stderr
+    assert f"resumed from {tmp_path}/checkpoints/{checkpoint_name(6)}" in out.stderr, out.stderr
+    assert_same_weights(final_weights(tmp_path), reference_weights(), "preempted at step 6")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_with_75_and_resume_auto_continues(tmp_path):
+    # Rank 1 sends SIGTERM to the launcher during step 6; torch's agent passes it to the workers.
+    out = run_job(tmp_path, env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGTERM",
+                                 "DDPKIT_TEST_SIGNAL_TARGET": "parent", "DDPKIT_TEST_STEP_SLEEP": "0.05"})
+    assert out.returncode == EXIT_PREEMPTED, out.stderr
+    assert "stopped by SIGTERM" in out.stderr and "resume=auto" in out.stderr, out.stderr
+    preempted = [m for m in manifests(tmp_path) if m["reason"] == "preempted"]
+    assert len(preempted) == 1 and 6 <= preempted[0]["global_step"] < 32, out.stderr
+    step = preempted[0]["global_step"]
+    assert manifests(tmp_path)[-1]["global_step"] == step  # nothing was trained or saved after it
+
+    again = run_job(tmp_path, "resume=auto")
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {tmp_path}/checkpoints/{checkpoint_name(step)}" in again.stderr, again.stderr
+    assert_same_weights(final_weights(tmp_path), reference_weights(), f"preempted at step {step}")

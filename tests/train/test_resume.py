@@ -1,0 +1,173 @@
+"""Resuming: bit-exact at any step, corrupt checkpoints skipped loudly, other world sizes sample-exact."""
+
+import random
+
+import pytest
+
+from ddpkit.train.checkpoint import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints
+from ddpkit.train.checkpointing import attach_checkpointing
+from tests.helpers.workers import run_on_ranks
+from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, final_state, make_trainer
+from tests.train.test_checkpoint import plant_payload
+
+# 90 samples, global batch 8: 12 steps per epoch, the last one of 2 samples (split 1 + 1 on 2 ranks).
+WORDS = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8", "epochs=2",
+         "checkpoint.every_steps=5"]
+STEPS_PER_EPOCH = 12
+
+
+def _train(rank, world_size, words, environ=None):
+    trainer = make_trainer(rank, world_size, words)
+    checkpoints = attach_checkpointing(trainer, environ or {})
+    try:
+        trainer.fit()
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()
+    return trainer, checkpoints
+
+
+def _stop_and_resume(rank, world_size, tmp, stops):
+    full, _ = _train(rank, world_size, [*WORDS, f"output_dir={tmp}/full"])
+    reference = final_state(full)
+    resumed_from = []
+    for stop in stops:
+        out = f"output_dir={tmp}/stop{stop}"
+        stopped, _ = _train(rank, world_size, [*WORDS, out, f"max_steps={stop}"])
+        assert stopped.state.global_step == stop
+        resumed, checkpoints = _train(rank, world_size, [*WORDS, out, "resume=auto"])
+        resumed_from.append(checkpoints.resumed_from.name)
+        assert_bit_equal(final_state(resumed), reference, f"stopped at step {stop}")
+    return resumed_from
+
+
+@pytest.mark.slow
+def test_stop_anywhere_and_resume_is_bit_exact(tmp_path):
+    mid_epoch = random.Random().randrange(1, STEPS_PER_EPOCH)  # 1..11: inside the first epoch
+    later = random.Random().randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # inside the second
+    stops = [mid_epoch, STEPS_PER_EPOCH, later]  # and exactly at the epoch boundary
+    resumed_from = run_on_ranks(_stop_and_resume, 2, str(tmp_path), stops, timeout=240)
+    assert resumed_from[0] == resumed_from[1] == [checkpoint_name(s) for s in stops], f"stops {stops}"
+
+
+# -- corrupt and unsafe checkpoints (one process, no process group) ----------------
+
+
+def _checkpointed_run(tmp_path, *extra):
+    trainer, _ = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "max_steps=7", "checkpoint.every_steps=3", *extra])
+    return tmp_path / "checkpoints"
+
+
+def test_truncated_newest_falls_back_with_a_warning_naming_it(tmp_path):
+    root = _checkpointed_run(tmp_path)
+    assert [i.path.name for i in list_checkpoints(root)] == [checkpoint_name(6), checkpoint_name(7)]
+    newest = root / checkpoint_name(7) / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with LogRecords() as logs:
+        trainer, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto"])
+    assert checkpoints.resumed_from == root / checkpoint_name(6)
+    warnings = "\n".join(logs.warnings())
+    assert f"{newest} is truncated" in warnings, warnings
+    assert f"using the previous good one, {root / checkpoint_name(6)}" in warnings, warnings
+    assert (root / (checkpoint_name(7) + CORRUPT_SUFFIX)).is_dir()  # kept for inspection, never loaded again
+    assert trainer.state.completed_epochs == 2
+
+
+def test_crafted_pickle_is_refused_strictly_and_skipped_by_auto(tmp_path):
+    root = _checkpointed_run(tmp_path)
+    sentinel = tmp_path / "sentinel"
+    plant_payload(root / checkpoint_name(7), sentinel, "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"refused to load .*optimizer\.pt"):
+        _train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}"])
+    assert not sentinel.exists()
+    with LogRecords() as logs:
+        _, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "epochs=1"])
+    assert checkpoints.resumed_from == root / checkpoint_name(6)
+    assert any("refused to load" in w and "optimizer.pt" in w for w in logs.warnings())
+    assert not sentinel.exists()
+
+
+def test_all_corrupt_is_an_error_never_a_fresh_start(tmp_path):
+    root = _checkpointed_run(tmp_path)
+    for info in list_checkpoints(root):
+        (info.path / "train.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no checkpoint in .* verifies"):
+        _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto"])
+
+
+def test_fresh_start_refuses_a_folder_with_checkpoints_but_a_restart_resumes(tmp_path):
+    _checkpointed_run(tmp_path)
+    with pytest.raises(CheckpointError, match="already holds checkpoints .* resume=auto"):
+        _train(0, 1, [*WORDS, f"output_dir={tmp_path}"])
+    _, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}"], environ={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert checkpoints.resumed_from.name == checkpoint_name(7)
+
+
+def test_interrupted_write_alone_means_a_fresh_start(tmp_path):
+    (tmp_path / "checkpoints" / checkpoint_name(4)).mkdir(parents=True)  # a first save that never finished
+    with LogRecords() as logs:
+        trainer, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "epochs=1"])
+    assert checkpoints.resumed_from is None and trainer.state.global_step == STEPS_PER_EPOCH
+    assert any("no checkpoint in" in m and "starting from the beginning" in m for _, m in logs.messages)
+
+
+# -- another world size: the same global sample order ---------------------------
+
+
+def _phases(rank, world_size, phases):
+    """Run each (words, record) phase in turn; return the sample indices each rank trained on, and warnings."""
+    results = []
+    for words in phases:
+        with LogRecords() as logs:
+            trainer = make_trainer(rank, world_size, words)
+            seen = []
+            epoch_fn = trainer.sampler.epoch
+
+            def recording(epoch, start_step=0, epoch_fn=epoch_fn, seen=seen):
+                for indices in epoch_fn(epoch, start_step):
+                    seen.extend(indices.tolist())
+                    yield indices
+
+            trainer.sampler.epoch = recording
+            checkpoints = attach_checkpointing(trainer, {})
+            try:
+                trainer.fit()
+            finally:
+                checkpoints.close()
+        results.append((seen, logs.warnings()))
+    return results
+
+
+@pytest.mark.slow
+def test_other_world_size_sees_every_sample_once(tmp_path):
+    words = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8", "epochs=1"]
+    a, b = f"output_dir={tmp_path}/a", f"output_dir={tmp_path}/b"
+    # One worker needs no process group: those phases run here; the two-worker ones on spawned ranks.
+    (one_first, no_warnings), = _phases(0, 1, [[*words, b, "max_steps=7"]])
+    two = run_on_ranks(_phases, 2, [[*words, b, "resume=auto"], [*words, a, "max_steps=5"]])
+    (one_then, warnings_2_to_1), = _phases(0, 1, [[*words, a, "resume=auto"]])
+
+    samples_1_to_2 = one_first + two[0][0][0] + two[1][0][0]
+    assert sorted(samples_1_to_2) == list(range(90))
+    samples_2_to_1 = two[0][1][0] + two[1][1][0] + one_then
+    assert sorted(samples_2_to_1) == list(range(90))
+    for warnings in (two[0][0][1], warnings_2_to_1):
+        assert any("not bit-identical" in w and "no sample skipped or repeated" in w for w in warnings), warnings
+    assert no_warnings == [] and two[0][1][1] == []
+
+
+def test_changed_global_batch_is_refused(tmp_path):
+    _checkpointed_run(tmp_path)
+    with pytest.raises(CheckpointError, match="global batch of 8 samples, this run 16"):
+        _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "batch_size=16"])
+
+
+def test_optimizer_state_lands_on_the_parameters_device(tmp_path):
+    root = _checkpointed_run(tmp_path)
+    trainer, _ = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}", "epochs=1",
+                               "checkpoint.enabled=false"])
+    for param in trainer.module.parameters():
+        for value in trainer.optimizer.state[param].values():
+            if value.dim():
+                assert value.device == param.device
+    assert trainer.state.global_step == STEPS_PER_EPOCH  # continued from step 7 to the end of epoch 1
