@@ -21,6 +21,8 @@ commands:
   bench        benchmarks: bench train | bench comm | bench scaling
   slurm        write or submit an sbatch script for a training job
   doctor       print the detected environment and check the network between workers
+  checkpoints  list the checkpoints of a folder, with step, epoch, metric and whether each verifies
+  export       write a checkpoint's weights and model config for inference
 
 examples:
   ddpkit train nproc=2                         # W1: MLP on Fashion-MNIST, 2 workers
