@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from tests.cli_runner import run_ddpkit
+from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
 SMALL = ["dataset=synthetic", "synthetic_samples=256", "epochs=1", "progress=false"]
 
@@ -39,12 +40,12 @@ def test_port_taken_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_w1_two_workers_real_fashion_mnist(tmp_path):
-    """The README's main job: W1 on real Fashion-MNIST with 2 workers reaches 86%."""
+    """The README's main job: W1 on real Fashion-MNIST with 2 workers trains to its quality floor."""
     out = run_ddpkit("train", "nproc=2", "progress=false", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     import json
 
     summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["dataset"] == "fashion-mnist" and summary["epochs"] == 5
-    assert summary["test"]["accuracy"] >= 0.86
+    assert summary["test"]["accuracy"] >= W1_ACCURACY_FLOOR
     assert "test accuracy" in out.stderr and "train time" in out.stderr

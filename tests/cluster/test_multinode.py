@@ -1,0 +1,236 @@
+"""Two hosts made of network namespaces: torchrun on each trains W1 and runs the doctor.
+
+    namespace A  10.77.0.1 <--- veth ---> 10.77.0.2  namespace B
+    torchrun --node-rank 0                 torchrun --node-rank 1
+
+No GLOO_SOCKET_IFNAME reaches the workers: ddpkit must choose the veth
+interface (the one that routes to the master) by itself. Left to itself,
+gloo binds to the address the host name resolves to (127.0.0.1 here) and
+connectFullMesh fails.
+
+torchrun's own rendezvous needs two flags here, and on real clusters whose
+nodes have several addresses:
+
+- ``--rdzv-backend c10d``: the agent hosts the rendezvous store only if the
+  endpoint's host matches its host name or the host name's addresses; the
+  veth address 10.77.0.1 does not, so nobody hosts it and every agent times
+  out. ``--rdzv-conf is_host=true`` on the endpoint's node (false on the
+  others) says who hosts it.
+- The agent that becomes rank 0 of the rendezvous names the master for the
+  workers by ``--local-addr``, else by socket.getfqdn(), which is
+  "localhost" here: the other host's workers would connect to themselves.
+  ``--local-addr <this node's address>`` on every node fixes it.
+
+The static form (``--master-addr 10.77.0.1 --master-port P --node-rank R``)
+needs neither: node rank 0 hosts the store, on every address, and the
+workers get --master-addr as MASTER_ADDR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ddpkit.env.ports import free_port
+from tests.cli_runner import REPO
+from tests.helpers.netns import Host, TwoHosts, netns_hosts  # noqa: F401  (netns_hosts is a fixture)
+from tests.helpers.workloads import W1_ACCURACY_FLOOR
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+# Both "hosts" share this machine's cores, but each sees all of them: by default a lone
+# worker per host would run one torch thread per core, twice the cores in all, and
+# oversubscribed threads spin-wait on each other (one epoch of W1: ~200 s instead of ~5 s).
+SHARED_CORES = ("threads=1",)
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """How the torchrun of one host ended."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def worker_environment(**extra: str) -> dict[str, str]:
+    """This environment without any launcher or interface variable, plus extra."""
+    drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    launchers = ("SLURM_", "OMPI_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(launchers)}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def rendezvous_flags(host: Host, node_rank: int, master: Host, port: int, form: str) -> list[str]:
+    """torchrun's flags for one node: the static form, or c10d with the two fixes of the module docstring."""
+    if form == "static":
+        return ["--node-rank", str(node_rank), "--master-addr", master.address, "--master-port", str(port)]
+    return [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master.address}:{port}", "--rdzv-id", "multinode",
+        "--rdzv-conf", f"is_host={'true' if host is master else 'false'}", "--local-addr", host.address,
+    ]
+
+
+def run_on_two_hosts(
+    hosts: TwoHosts,
+    nproc_per_node: int,
+    words: Sequence[str],
+    cwd: Path,
+    *,
+    form: str = "static",
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    local_addr: bool = True,
+) -> tuple[NodeResult, NodeResult]:
+    """``torchrun ... -m ddpkit WORDS`` in both namespaces at once; wait for both (killed at timeout).
+
+    env is both nodes' environment (default: worker_environment()); local_addr=False leaves
+    --local-addr out of the c10d form.
+    """
+    # Any port is free in a namespace this test just created; this one is merely unlikely to be special.
+    port = free_port()
+    env = worker_environment() if env is None else env
+    procs = []
+    for node_rank, host in enumerate((hosts.a, hosts.b)):
+        flags = rendezvous_flags(host, node_rank, hosts.a, port, form)
+        if not local_addr:
+            flags = flags[:-2]
+        argv = host.command(
+            [TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), *flags, "-m", "ddpkit", *words]
+        )
+        # A session per node: on timeout the whole tree goes (torchrun and its workers).
+        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(NodeResult(proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return results[0], results[1]
+
+
+def test_no_interface_variable_reaches_the_workers():
+    # The premise of this module: ddpkit alone chooses gloo's interface.
+    assert "GLOO_SOCKET_IFNAME" not in worker_environment()
+
+
+@pytest.mark.timeout(900)
+def test_two_hosts_one_worker_each_train_w1(netns_hosts: TwoHosts, tmp_path):
+    a, b = run_on_two_hosts(netns_hosts, 1, ["train", "progress=false", *SHARED_CORES], tmp_path, form="static")
+
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
+    assert f"[rank 0/2] torchrun: world_size 2 on 2 node(s), master {netns_hosts.a.address}:" in a.stderr
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 5
+    assert summary["test"]["accuracy"] >= W1_ACCURACY_FLOOR, summary["test"]
+    assert re.search(r"\[rank 0/2\] done: mlp on fashion-mnist, 2 worker\(s\), test accuracy", a.stderr)
+
+
+@pytest.mark.timeout(900)
+def test_two_hosts_two_workers_each_train_w1_one_epoch(netns_hosts: TwoHosts, tmp_path):
+    # Four workers on two cores: one epoch keeps the test short; one epoch of W1 reaches about 82.8%.
+    a, b = run_on_two_hosts(netns_hosts, 2, ["train", "progress=false", "epochs=1", *SHARED_CORES], tmp_path,
+                            form="c10d")
+
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
+    log = a.stderr + b.stderr
+    assert "[rank 0/4] torchrun: world_size 4 on 2 node(s)" in log
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["epochs"] == 1
+    assert summary["test"]["accuracy"] >= 0.80, summary["test"]
+
+
+def doctor_report(result: NodeResult) -> dict:
+    """Rank 0's JSON report from the stdout of the node it ran on."""
+    return json.loads(result.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_doctor_reports_both_hosts(netns_hosts: TwoHosts, tmp_path):
+    a, b = run_on_two_hosts(netns_hosts, 1, ["doctor", "json=true", "bandwidth_mib=4"], tmp_path, timeout=240)
+
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
+    assert b.stdout == ""  # only rank 0 prints the report
+    report = doctor_report(a)
+    assert report["ok"] is True, report["problem"]
+    assert report["environment"]["num_nodes"] == 2 and report["environment"]["master_addr"] == netns_hosts.a.address
+    assert report["network"] == {
+        "interface": netns_hosts.a.interface, "address": netns_hosts.a.address, "reason": "route to the master",
+    }
+    workers = [(w["rank"], w["node_rank"], w["interface"], w["address"]) for w in report["workers"]]
+    assert workers == [
+        (0, 0, netns_hosts.a.interface, netns_hosts.a.address),
+        (1, 1, netns_hosts.b.interface, netns_hosts.b.address),
+    ]
+    assert report["workers"][0]["stack"] != report["workers"][1]["stack"]  # two network namespaces
+    (peer,) = report["peers"]
+    assert peer["rank"] == 1 and 0 < peer["latency_us"] < 1e6 and peer["bandwidth_gbps"] > 0
+    assert all(check["ok"] for check in report["checks"])
+
+
+@pytest.mark.timeout(300)
+def test_doctor_text_table_on_two_hosts_with_two_workers_each(netns_hosts: TwoHosts, tmp_path):
+    a, b = run_on_two_hosts(netns_hosts, 2, ["doctor", "bandwidth_mib=1", "latency_iterations=5"], tmp_path,
+                            form="c10d", timeout=240)
+
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
+    text = a.stdout + b.stdout  # rank 0 runs on whichever node the c10d rendezvous made first
+    assert "roll call: 4 of 4 workers arrived, on 2 host(s)" in text
+    rows = [line.split() for line in text[text.index("workers\n"):].splitlines()[2:6]]
+    assert [(r[0], r[1], r[4]) for r in rows] == [
+        ("0", "0", netns_hosts.a.address), ("1", "0", netns_hosts.a.address),
+        ("2", "1", netns_hosts.b.address), ("3", "1", netns_hosts.b.address),
+    ] or [(r[0], r[1], r[4]) for r in rows] == [
+        ("0", "0", netns_hosts.b.address), ("1", "0", netns_hosts.b.address),
+        ("2", "1", netns_hosts.a.address), ("3", "1", netns_hosts.a.address),
+    ]
+    assert text.rstrip().endswith("result: OK")
+
+
+@pytest.mark.timeout(300)
+def test_doctor_diagnoses_gloo_bound_to_loopback(netns_hosts: TwoHosts, tmp_path):
+    env = worker_environment(GLOO_SOCKET_IFNAME="lo")
+    a, b = run_on_two_hosts(netns_hosts, 1, ["doctor", "json=true", "timeout=20"], tmp_path, env=env, timeout=240)
+
+    assert a.returncode != 0 and b.returncode != 0
+    report = doctor_report(a)
+    assert report["network"] == {"interface": "lo", "address": "127.0.0.1", "reason": "GLOO_SOCKET_IFNAME"}
+    assert [c["name"] for c in report["checks"] if not c["ok"]] == ["roll call"]
+    assert report["problem"].startswith(
+        "rank 0 binds gloo to 127.0.0.1 (lo), a loopback address, but rank 1 on another host cannot connect to it"
+    )
+    assert "set GLOO_SOCKET_IFNAME to the interface whose address the other hosts reach" in report["problem"]
+    # Rank 1 gets the same diagnosis from rank 0 and stops too, rather than hang in gloo.
+    assert f"[rank 1/2] problem: {report['problem']}" in b.stderr
+
+
+@pytest.mark.timeout(300)
+def test_doctor_explains_c10d_rendezvous_without_local_addr(netns_hosts: TwoHosts, tmp_path):
+    # Without --local-addr the workers learn MASTER_ADDR=localhost (see the module docstring).
+    a, b = run_on_two_hosts(netns_hosts, 1, ["doctor", "timeout=5"], tmp_path, form="c10d", local_addr=False,
+                            timeout=240)
+
+    assert a.returncode != 0 and b.returncode != 0
+    stderr = a.stderr + b.stderr
+    (problem,) = re.findall(r"\[rank 1/2\] problem: (.*)", stderr)
+    assert problem.startswith("rank 1/2 cannot reach the master at localhost:")
+    assert "MASTER_ADDR=localhost is a loopback address, but the job spans 2 nodes" in problem
+    assert "pass --local-addr <this node's address> on every node" in problem
+    assert "problem: rank 1 of 2 did not arrive at localhost:" in a.stdout + b.stdout
+

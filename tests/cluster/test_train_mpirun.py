@@ -1,0 +1,37 @@
+"""``mpirun -np 2 python -m ddpkit train``: OpenMPI's ranks train W1 as one job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from tests.cli_runner import REPO
+from tests.helpers.mpi import run_mpirun
+from tests.helpers.workloads import W1_ACCURACY_FLOOR
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.mark.timeout(900)
+def test_mpirun_trains_w1(tmp_path):
+    output_dir = tmp_path / "runs" / "latest"
+    command = [sys.executable, "-m", "ddpkit", "train", "progress=false", f"output_dir={output_dir}"]
+    # No MASTER_ADDR/MASTER_PORT: ddpkit derives both from OpenMPI's variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "OMPI_", "PMIX_", "SLURM_"))}
+
+    result = run_mpirun(2, command, env={**env, "PYTHONPATH": str(REPO)}, timeout=600)
+
+    assert result.returncode == 0, result.stderr
+    log = result.stdout + result.stderr
+    assert "[rank 0/2] openmpi: world_size 2 on 1 node(s)" in log
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert (summary["model"], summary["dataset"], summary["epochs"]) == ("mlp", "fashion-mnist", 5)
+    # W1's quality bar, in the summary and in rank 0's last line.
+    assert summary["test"]["accuracy"] >= W1_ACCURACY_FLOOR, summary["test"]
+    (printed,) = re.findall(r"\[rank 0/2\] done: .* test accuracy ([0-9.]+)%, train time", log)
+    assert float(printed) == pytest.approx(100 * summary["test"]["accuracy"], abs=0.006)

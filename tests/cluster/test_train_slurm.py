@@ -1,0 +1,40 @@
+"""``ddpkit slurm --submit`` on a real one-node Slurm cluster trains W1 with 2 srun tasks."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from tests.cli_runner import REPO
+from tests.helpers.slurm import SlurmCluster
+from tests.helpers.workloads import W1_ACCURACY_FLOOR
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.mark.timeout(1200)
+def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path):
+    argv = [
+        sys.executable, "-m", "ddpkit", "slurm", "--submit", "--launch", "srun", "--tasks-per-node", "2",
+        "--project-root", str(tmp_path), "--output", "logs/train-%j.out", "--job-name", "w1",
+        "progress=false",
+    ]
+    # sbatch passes its environment on to the job: the workers import this checkout.
+    submitted = slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": str(REPO)})
+    job_id = int(submitted.stdout)
+
+    result = slurm_cluster.wait(job_id, timeout=900)
+
+    assert result.state == "COMPLETED", result.output
+    assert result.exit_code == "0:0"
+    assert result.info["StdOut"] == str(tmp_path / "logs" / f"train-{job_id}.out")
+    assert "[rank 0/2] slurm: world_size 2 on 1 node(s)" in result.output
+    done = r"\[rank 0/2\] done: mlp on fashion-mnist, 2 worker\(s\), test accuracy ([0-9.]+)%"
+    (accuracy,) = re.findall(done, result.output)
+    assert float(accuracy) >= 100 * W1_ACCURACY_FLOOR, result.output
+    # The job ran in the project root: its default output_dir is there.
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 5
