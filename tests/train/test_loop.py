@@ -61,3 +61,21 @@ def test_metrics_file_written_by_rank_zero(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     events = [line.split('"event": "')[1].split('"')[0] for line in lines]
     assert events.count("train") == 6 and events.count("eval") == 2 and events[-1] == "summary"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("words", [
+    {"model": "cnn", "batch_size": 8, "batch_scope": "per_worker", "optimizer": "sgd", "lr": 0.01, "momentum": 0.5},
+    {"model": "autoencoder", "batch_size": 16, "precision": "bf16"},
+    {"model": "mlp", "batch_size": 16, "precision": "bf16", "sync_batchnorm": True, "scale_lr": True},
+])
+def test_reference_models_and_options_train(tmp_path, words):
+    """W2 and W3 train for a few steps on 2 ranks; replicas stay identical; metrics are finite."""
+    config = {"synthetic_samples": 64, "epochs": 1, "allreduce": "builtin", **words}
+    results = run_on_ranks(_train, 2, config, str(tmp_path))
+    (summary0, params0), (summary1, params1) = results
+    for p, q in zip(params0, params1):
+        assert torch.equal(p, q)
+    metric = "accuracy" if words["model"] != "autoencoder" else "mse"
+    assert torch.isfinite(torch.tensor(summary0["test"][metric]))
+    assert summary0["test"] == summary1["test"]
