@@ -1,0 +1,919 @@
+"""``ddpkit bench scaling``: where a workload's step time goes as workers, nodes and all_reduce change.
+
+For every configuration of the matrix ``workers x allreduce x nodes`` it
+starts fresh workers, trains the workload for a fixed number of steps and
+reports the time per step split into data, forward, backward, optimizer and
+the communication that backward does not hide; samples/s; speedup and
+efficiency against 1 worker. An alpha-beta model fitted in the same run
+predicts every step time, and projects the workload onto other networks up
+to 1,000 nodes::
+
+    ddpkit bench scaling                                  # W1, workers [1,2] x [builtin,shm] x nodes [1,2]
+    ddpkit bench scaling workload=W3 workers=[1,2,4] allreduce=[builtin,shm,ring] nodes=[1]
+    ddpkit bench scaling smoke=true output_dir=/tmp/out   # a check that it works (about a minute)
+
+Nodes
+    ``nodes=1``: the workers are started on this machine by ddpkit's launcher
+    (torch's elastic agent). ``nodes=2``: two emulated hosts, network
+    namespaces joined by a veth pair (:mod:`ddpkit.bench.netns`, needs root),
+    with one ``torchrun`` in each and ``workers / 2`` workers per host. The
+    hosts still share the cores, memory and ``/dev/shm``: the shm all_reduce
+    works across them only because of that, which real nodes never allow.
+    Every worker gets ``cores / workers`` torch threads (at least one), or ``threads``.
+
+How a step is split (each rank, ``perf_counter``)
+    Up to four passes over the same batches, interleaved in blocks of
+    ``block_steps`` steps (a barrier before each block) so that load from
+    elsewhere on a shared machine hits them alike:
+
+    (a) compute: a copy of the model, *not* wrapped by DDP, with its own
+        optimizer; timed are data (index the in-memory images and convert
+        them), forward (with the loss), backward and optimizer (step and
+        zero_grad);
+    (b) real: ``Trainer.train_step`` with DDP and the all_reduce algorithm,
+        timed as a whole;
+    (c) DDP without communication: DDP around another copy, with a
+        communication hook that hands the bucket back untouched; (c) - (a)
+        is DDP's own cost (autograd hooks, copies into and out of buckets);
+    (d) probes: a compute step (a), then one timed all_reduce call, the
+        sizes of the fit taken in turn.
+
+    Exposed communication = (b) - (a): the all_reduce time that backward did
+    not hide, DDP's bookkeeping and the wait for the slowest rank. Each
+    figure is the median over the measured steps, then the maximum over
+    ranks (the slowest rank sets the pace).
+
+The model (:mod:`ddpkit.bench.perfmodel`)
+    ``t(n) = alpha + beta n`` is fitted by least squares to the probes (d):
+    all_reduce calls made the way training makes them, one per step after
+    the step's compute, ranks arriving apart by their compute's jitter,
+    caches cold, a waiting rank possibly descheduled. On a loaded 2-core
+    machine these cost several times what back-to-back calls after a
+    barrier cost (``ddpkit bench comm``'s method, measured too and reported
+    as "isolated"): fitted to those, the model under-predicts by 30-70%.
+    The predicted step is (a) + ((c) - (a)) + ``t(gradient bytes)``, with
+    no credit for overlap with backward (W1's gradients fill one DDP
+    bucket, so there is nothing to overlap). The projection fits compute
+    against the per-worker batch, timed in the 1-worker run at the batch
+    halved down to 1 sample (one process: no contention between workers, as
+    on nodes with their own cores), and uses the ring all_reduce cost on
+    each named network, one worker per node.
+
+Results go to ``<output_dir>/scaling-<model>-<machine>-<date>[-smoke]`` ``.json``, ``.md`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddpkit.bench import perfmodel
+from ddpkit.bench.plot import format_bytes, new_figure, save_figure
+from ddpkit.bench.system import machine_info, machine_tag
+from ddpkit.config import ConfigError, check_positive, parse
+
+WORKLOADS = {"W1": "mlp", "W2": "cnn", "W3": "autoencoder"}
+"""Reference workloads (WORKLOADS.md) by id, and the registered model each trains."""
+
+PARTS = ("data", "forward", "backward", "optimizer", "exposed_comm")
+"""The parts a step is split into, in order."""
+
+SMOKE_PRESETS = {"warmup": 2, "steps": 8, "block_steps": 4, "comm_iterations": 3, "comm_repeats": 2}
+"""What ``smoke=true`` changes; words on the command line still win."""
+
+SMOKE_SAMPLES = 2048
+"""Synthetic training samples of a smoke run."""
+
+TOLERANCE = 0.25
+"""Prediction error the report flags as within the model (|predicted / measured - 1|)."""
+
+
+@dataclasses.dataclass
+class ScalingBenchConfig:
+    """Options of ``ddpkit bench scaling``."""
+
+    workload: str = "W1"
+    """W1, W2, W3 (see WORKLOADS.md) or a registered model name, trained with its recipe."""
+    dataset: str = "fashion-mnist"
+    """Dataset to train on (smoke runs use synthetic data)."""
+    train: list[str] = dataclasses.field(default_factory=list)
+    """Extra ``ddpkit train`` words for every run, e.g. [batch_size=128,optimizer=sgd]."""
+    workers: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    """Worker counts (in all, over the nodes); more workers than cores are time-shared."""
+    allreduce: list[str] = dataclasses.field(default_factory=lambda: ["builtin", "shm"])
+    """all_reduce algorithms for runs with more than one worker (builtin, shm, ring, tree, ...)."""
+    nodes: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    """Node counts: 1 (this machine) or 2 (two emulated hosts, network namespaces; needs root)."""
+    warmup: int = 20
+    """Untimed steps of each pass before measuring."""
+    steps: int = 200
+    """Measured steps of each pass (compute-only and real)."""
+    block_steps: int = 50
+    """Steps per block; the two passes alternate block by block."""
+    comm_iterations: int = 20
+    """all_reduce calls per timed batch, for the alpha-beta fit."""
+    comm_repeats: int = 5
+    """Timed batches per all_reduce size."""
+    threads: int = 0
+    """Torch threads per worker; 0 shares this machine's cores among all the workers (at least 1 each)."""
+    repeats: int = 1
+    """Rounds of the whole matrix (each configuration once per round, in order); figures are medians over rounds."""
+    max_nodes: int = 1000
+    """Largest node count of the projection."""
+    smoke: bool = False
+    """A tiny run (synthetic data, a few steps) to check that the benchmark works."""
+    output_dir: str = "benchmarks"
+    """Folder for the JSON, Markdown and PNG results."""
+    tag: str = ""
+    """Suffix of the result files' names, after the date."""
+    timeout: float = 600.0
+    """Seconds one configuration may take (and a collective may wait) before the benchmark fails."""
+
+    def __post_init__(self) -> None:
+        from ddpkit.comm.registry import ALLREDUCE_ALGORITHMS
+
+        check_positive("threads", self.threads, allow_zero=True)
+        for name in ("warmup", "steps", "block_steps", "comm_iterations", "comm_repeats", "repeats", "max_nodes",
+                     "timeout"):
+            check_positive(name, getattr(self, name))
+        if not self.workers or any(n < 1 for n in self.workers):
+            raise ConfigError(f"workers={self.workers} is not valid; give worker counts >= 1, e.g. workers=[1,2]")
+        if not self.nodes or any(n not in (1, 2) for n in self.nodes):
+            raise ConfigError(f"nodes={self.nodes} is not valid; emulated node counts are 1 and 2, e.g. nodes=[1,2]")
+        for name in self.allreduce:
+            if name not in ALLREDUCE_ALGORITHMS:
+                raise ConfigError(f"allreduce: {name!r} is not an all_reduce algorithm; "
+                                  f"choose among: {', '.join(ALLREDUCE_ALGORITHMS)}")
+        if not self.allreduce and any(n > 1 for n in self.workers):
+            raise ConfigError("allreduce is empty; name at least one algorithm, e.g. allreduce=[builtin]")
+        if "/" in self.tag or self.tag.startswith("."):
+            raise ConfigError(f"tag={self.tag!r} is not valid in a file name; use letters, digits and '-'")
+
+    @property
+    def model(self) -> str:
+        """The registered model name of the workload."""
+        return WORKLOADS.get(self.workload, self.workload)
+
+
+def parse_config(words: Sequence[str]) -> ScalingBenchConfig:
+    """The configuration from ``key=value`` words, with the smoke presets under ``smoke=true``.
+
+    Raises:
+        ConfigError: unknown key or invalid value.
+    """
+    smoke = parse(ScalingBenchConfig, words).smoke
+    return parse(ScalingBenchConfig, words, presets=SMOKE_PRESETS if smoke else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One configuration of the matrix."""
+
+    workers: int
+    nodes: int
+    allreduce: str
+    """Algorithm name; "none" for one worker."""
+
+    @property
+    def name(self) -> str:
+        """How tables name it, e.g. ``2 workers, 2 nodes, shm``."""
+        if self.workers == 1:
+            return "1 worker"
+        return f"{self.workers} workers, {self.nodes} node{'s' if self.nodes > 1 else ''}, {self.allreduce}"
+
+
+def configurations(cfg: ScalingBenchConfig) -> list[RunSpec]:
+    """The matrix, in run order: one 1-worker baseline, then workers x nodes x allreduce.
+
+    Combinations with fewer workers than nodes, or workers not divisible by nodes, are left out.
+    """
+    runs = []
+    for workers in sorted(set(cfg.workers)):
+        if workers == 1:
+            runs.append(RunSpec(1, 1, "none"))
+            continue
+        for nodes in sorted(set(cfg.nodes)):
+            if workers % nodes:
+                continue
+            runs.extend(RunSpec(workers, nodes, name) for name in cfg.allreduce)
+    return runs
+
+
+# --- inside each worker --------------------------------------------------------------------------
+
+
+def _train_words(cfg: ScalingBenchConfig, allreduce: str, output_dir: str, threads: int) -> list[str]:
+    words = [f"model={cfg.model}", f"dataset={cfg.dataset}", "progress=false", f"output_dir={output_dir}",
+             f"threads={threads}", "eval_every_epoch=false"]
+    if cfg.smoke:
+        words += ["dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}"]
+    words += list(cfg.train)
+    return words + [f"allreduce={allreduce}"]
+
+
+def _batches(trainer: Any) -> Iterator[tuple[Any, int]]:
+    """This rank's indices and the global batch length, epoch after epoch."""
+    epoch = 0
+    while True:
+        for step, indices in enumerate(trainer.sampler.epoch(epoch)):
+            yield indices, trainer.sampler.global_batch_length(step)
+        epoch += 1
+
+
+def _time_allreduce(fn: Any, sizes: Sequence[int], iterations: int, repeats: int) -> list[float]:
+    """Median seconds per all_reduce call at each size on this rank: batches of back-to-back calls
+    after a barrier, as ``ddpkit bench comm`` times them (for reference beside the in-step probes)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for num_bytes in sizes:
+        tensor = torch.zeros(max(1, num_bytes // 4))
+        for _ in range(2):
+            fn(tensor)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iterations):
+                fn(tensor)
+            samples.append((time.perf_counter() - start) / iterations)
+        times.append(statistics.median(samples))
+    return times
+
+
+def batch_ladder(batch: int) -> list[int]:
+    """Per-worker batches whose compute the 1-worker run times for the projection: batch, batch/2, ..., 1."""
+    sizes = []
+    while batch >= 1:
+        sizes.append(batch)
+        batch //= 2
+    return sizes
+
+
+def fit_sizes(gradient_bytes: int) -> list[int]:
+    """all_reduce sizes for the fit: 4 KiB, a quarter, half and all of the gradients (float32 multiples).
+
+    None above the gradients: an algorithm may switch there (shm does at 256 KiB), and a line
+    fitted across the switch would bend the prediction at the one size that matters.
+    """
+    sizes = {min(4096, gradient_bytes), gradient_bytes // 4, gradient_bytes // 2, gradient_bytes}
+    return sorted({max(4, s - s % 4) for s in sizes})
+
+
+def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, sizes: Sequence[int]) -> list[Any]:
+    """The timed passes, each a function of (indices, global_count) returning its times.
+
+    - compute: an unwrapped copy of the model with its own optimizer (data, forward, backward, optimizer);
+    - real: ``Trainer.train_step`` (DDP and the all_reduce algorithm);
+    and with several workers:
+    - ddp_noop: DDP around another copy with a communication hook that returns the bucket untouched
+      (DDP's own bookkeeping: autograd hooks, bucket copies, no communication);
+    - probe: a compute step, then one timed ``allreduce`` call, sizes taken in turn (key ``comm_<i>``).
+    """
+    import itertools
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpkit.train.loop import build_optimizer
+
+    module = copy.deepcopy(trainer.module)
+    optimizer = build_optimizer(train_cfg, module.parameters(), world_size)
+    images, labels = trainer.dataset.train_images, trainer.dataset.train_labels
+    clock = time.perf_counter
+
+    def compute_only(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+        t0 = clock()
+        x = trainer.inputs(images[indices])
+        y = labels[indices]
+        t1 = clock()
+        loss = trainer.batch_loss(module(x), x, y, "mean")
+        t2 = clock()
+        loss.backward()
+        t3 = clock()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t4 = clock()
+        return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3, "compute": t4 - t0}
+
+    def real(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+        t0 = clock()
+        trainer.train_step(indices, global_count)
+        return {"step": clock() - t0}
+
+    if world_size == 1:
+        # The compute of a smaller share, for the projection: the batch halved down to 1 sample.
+        ladder = itertools.cycle(batch_ladder(int(trainer.sampler.global_batch_length(0))))
+
+        def share(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+            b = next(ladder)
+            return {f"compute_b{b}": compute_only(indices[:b], global_count)["compute"]}
+
+        return [compute_only, real, share]
+
+    noop_model = DDP(copy.deepcopy(trainer.module))
+
+    # Unannotated on purpose: DDP checks a hook's annotations against the real classes,
+    # and this module's annotations are strings (from __future__ import annotations).
+    def untouched(state, bucket):  # noqa: ANN001, ANN202
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    noop_model.register_comm_hook(None, untouched)
+    noop_optimizer = build_optimizer(train_cfg, noop_model.parameters(), world_size)
+
+    def ddp_noop(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+        t0 = clock()
+        x = trainer.inputs(images[indices])
+        trainer.batch_loss(noop_model(x), x, labels[indices], "mean").backward()
+        noop_optimizer.step()
+        noop_optimizer.zero_grad(set_to_none=True)
+        return {"ddp_noop": clock() - t0}
+
+    tensors = [torch.zeros(max(1, n // 4)) for n in sizes]
+    turn = itertools.cycle(range(len(sizes)))
+
+    def probe(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+        compute_only(indices, global_count)
+        i = next(turn)
+        t0 = clock()
+        allreduce(tensors[i])
+        return {f"comm_{i}": clock() - t0}
+
+    return [compute_only, real, ddp_noop, probe]
+
+
+def _measure_steps(trainer: Any, cfg: ScalingBenchConfig, timers: Sequence[Any]) -> dict[str, float]:
+    """Medians over the measured steps of every key the timers return, on this rank.
+
+    The passes alternate block by block, so that a burst of load from
+    elsewhere hits them alike; every block starts after a barrier.
+    """
+    import torch.distributed as dist
+
+    batches = _batches(trainer)
+    for timer in timers:
+        for _ in range(cfg.warmup):
+            timer(*next(batches))
+    samples: dict[str, list[float]] = {}
+    done = 0
+    while done < cfg.steps:
+        block = min(cfg.block_steps, cfg.steps - done)
+        for timer in timers:
+            dist.barrier()
+            for _ in range(block):
+                for key, value in timer(*next(batches)).items():
+                    samples.setdefault(key, []).append(value)
+        done += block
+    result = {key: statistics.median(values) for key, values in samples.items()}
+    result["step_min"], result["step_max"] = min(samples["step"]), max(samples["step"])
+    return result
+
+
+def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
+    """Measure one configuration as one worker of its job; rank 0 writes and returns the result.
+
+    Args:
+        job: ``{"bench": asdict(ScalingBenchConfig), "allreduce", "scratch_dir", "result_path"}``.
+
+    Returns:
+        The configuration's measurements on rank 0, None elsewhere.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit import distributed
+    from ddpkit.comm.registry import resolve_allreduce
+    from ddpkit.config import TrainConfig
+    from ddpkit.data.datasets import load_dataset
+    from ddpkit.env.detect import detect_environment
+    from ddpkit.models.registry import get_model_spec
+    from ddpkit.train.loop import Trainer
+    from ddpkit.train.run import data_options
+
+    cfg = ScalingBenchConfig(**job["bench"])
+    world_size = detect_environment(os.environ).world_size
+    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // world_size)
+    ctx = distributed.init("gloo", "cpu", cfg.timeout, threads)
+    try:
+        spec = get_model_spec(cfg.model)
+        words = _train_words(cfg, job["allreduce"] if world_size > 1 else "builtin", job["scratch_dir"], threads)
+        train_cfg = parse(TrainConfig, words, presets=dict(spec.recipe))
+        dataset = load_dataset(train_cfg.dataset, data_options(train_cfg))
+        trainer = Trainer(train_cfg, ctx, dataset, spec)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
+        sizes, comm_isolated = fit_sizes(gradient_bytes), []
+        fn = dist.all_reduce if trainer.allreduce == "builtin" else resolve_allreduce(trainer.allreduce)
+        if world_size > 1:
+            comm_isolated = _time_allreduce(fn, sizes, cfg.comm_iterations, cfg.comm_repeats)
+        steps = _measure_steps(trainer, cfg, _step_timers(trainer, train_cfg, world_size, fn, sizes))
+        per_rank: list[Any] = [None] * world_size
+        dist.all_gather_object(per_rank, {"steps": steps, "comm_isolated": comm_isolated})
+        if ctx.rank != 0:
+            return None
+        slowest = {key: max(r["steps"][key] for r in per_rank) for key in steps}
+        comm_slowest = [slowest[f"comm_{i}"] for i in range(len(sizes))] if world_size > 1 else []
+        isolated_slowest = [max(r["comm_isolated"][i] for r in per_rank) for i in range(len(comm_isolated))]
+        result = {
+            "world_size": world_size,
+            "num_nodes": ctx.env.num_nodes,
+            "threads": threads,
+            "allreduce": trainer.allreduce if world_size > 1 else "none",
+            "batch_per_worker": len(next(_batches(trainer))[0]),
+            "global_batch": trainer.sampler.global_batch_length(0),
+            "gradient_bytes": gradient_bytes,
+            "slowest_rank": slowest,
+            "comm_sizes": sizes if comm_slowest else [],
+            "comm_s": comm_slowest,
+            "comm_isolated_s": isolated_slowest,
+            "torch_threads": torch.get_num_threads(),
+        }
+        Path(job["result_path"]).write_text(json.dumps(result))
+        return result
+    finally:
+        distributed.shutdown()
+
+
+# --- starting the workers ----------------------------------------------------------------------
+
+
+def _worker_environment() -> dict[str, str]:
+    # No interface or launcher variable may leak in: ddpkit picks gloo's interface itself.
+    drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    launchers = ("SLURM_", "OMPI_", "TORCHELASTIC_", "PMI_")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(launchers)}
+
+
+def _run_on_two_hosts(job: dict[str, Any], workers: int, timeout: float) -> None:
+    from ddpkit.bench import netns
+    from ddpkit.env.ports import free_port
+
+    reason = netns.unavailable_reason()
+    if reason:
+        raise ValueError(f"nodes=2 emulates two hosts with network namespaces, but {reason}; run with nodes=[1]")
+    job_path = Path(job["scratch_dir"]) / "job.json"
+    job_path.write_text(json.dumps(job))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    # Any port is free in namespaces just created; the static rendezvous: node rank 0 hosts the store.
+    port = free_port()
+    with netns.two_hosts() as (a, b):
+        procs = []
+        for node_rank, host in enumerate((a, b)):
+            argv = host.command([torchrun, "--nnodes", "2", "--nproc-per-node", str(workers // 2),
+                                 "--node-rank", str(node_rank), "--master-addr", a.address,
+                                 "--master-port", str(port), "-m", "ddpkit.bench.scaling", "worker", str(job_path)])
+            procs.append(subprocess.Popen(argv, env=_worker_environment(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+        outputs = []
+        try:
+            for proc in procs:
+                outputs.append(proc.communicate(timeout=timeout))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+        for proc, (_, stderr) in zip(procs, outputs):
+            if proc.returncode != 0:
+                raise RuntimeError(f"a torchrun on an emulated host failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+
+
+def measure(cfg: ScalingBenchConfig, run: RunSpec) -> dict[str, Any]:
+    """Start fresh workers for ``run``, measure, and return rank 0's result.
+
+    Raises:
+        ValueError: nodes=2 where namespaces cannot be created.
+        RuntimeError, ddpkit.launch.failure.LaunchError: a worker failed.
+    """
+    from ddpkit.launch.local import LaunchSpec, launch_local
+
+    with tempfile.TemporaryDirectory(prefix="ddpkit-scaling-") as scratch:
+        job = {"bench": dataclasses.asdict(cfg), "allreduce": run.allreduce, "scratch_dir": scratch,
+               "result_path": str(Path(scratch) / "result.json")}
+        if run.nodes == 1:
+            launch_local(LaunchSpec(run.workers), run_configuration, job)
+        else:
+            _run_on_two_hosts(job, run.workers, cfg.timeout)
+        return json.loads(Path(job["result_path"]).read_text())
+
+
+# --- the analysis ------------------------------------------------------------------------------
+
+
+def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's rounds as one result: the median of every time over rounds.
+
+    ``step_min`` and ``step_max`` are the extremes over all rounds; ``step_by_round`` keeps each round's median.
+    """
+    merged = dict(results[0])
+    keys = results[0]["slowest_rank"]
+    slowest = {key: statistics.median(r["slowest_rank"][key] for r in results) for key in keys}
+    slowest["step_min"] = min(r["slowest_rank"]["step_min"] for r in results)
+    slowest["step_max"] = max(r["slowest_rank"]["step_max"] for r in results)
+    merged["slowest_rank"] = slowest
+    for key in ("comm_s", "comm_isolated_s"):
+        merged[key] = [statistics.median(values) for values in zip(*(r[key] for r in results))]
+    merged["step_by_round"] = [r["slowest_rank"]["step"] for r in results]
+    return merged
+
+
+def analyse_row(run: RunSpec, measured: dict[str, Any], baseline_rate: float | None, cores: int) -> dict[str, Any]:
+    """The report row of one configuration: breakdown, rate, speedup, fit, prediction and bottleneck.
+
+    Args:
+        run: the configuration.
+        measured: :func:`run_configuration`'s result.
+        baseline_rate: samples/s of the 1-worker row (None when it was not run).
+        cores: this machine's cores (to say when workers are time-shared).
+    """
+    s = measured["slowest_rank"]
+    step = s["step"]
+    compute = s["compute"]
+    breakdown = {part: s[part] for part in PARTS[:-1]}
+    breakdown["exposed_comm"] = max(0.0, step - compute)
+    rate = measured["global_batch"] / step
+    row: dict[str, Any] = {
+        "name": run.name, "workers": run.workers, "nodes": run.nodes, "allreduce": measured["allreduce"],
+        "threads_per_worker": measured["threads"], "batch_per_worker": measured["batch_per_worker"],
+        "global_batch": measured["global_batch"], "gradient_bytes": measured["gradient_bytes"],
+        "step_s": {"median": step, "min": s["step_min"], "max": s["step_max"],
+                   "by_round": measured.get("step_by_round", [step])},
+        "compute_s": compute, "breakdown_s": breakdown, "samples_per_s": rate,
+        "speedup": rate / baseline_rate if baseline_rate else None,
+    }
+    row["efficiency"] = row["speedup"] / run.workers if row["speedup"] is not None else None
+    ladder = {int(k[len("compute_b"):]): v for k, v in s.items() if k.startswith("compute_b")}
+    if ladder:
+        row["compute_by_batch_s"] = {b: ladder[b] for b in sorted(ladder)}
+    comm_pred = 0.0
+    if measured["comm_s"]:
+        fit = perfmodel.fit_line(measured["comm_sizes"], measured["comm_s"])
+        comm_pred = fit(measured["gradient_bytes"])
+        isolated = perfmodel.fit_line(measured["comm_sizes"], measured["comm_isolated_s"])
+        row["comm_fit"] = {"sizes": measured["comm_sizes"], "seconds": measured["comm_s"],
+                           "alpha_s": fit.intercept, "beta_s_per_byte": fit.slope,
+                           "allreduce_gradient_s": comm_pred,
+                           "isolated": {"seconds": measured["comm_isolated_s"], "alpha_s": isolated.intercept,
+                                        "beta_s_per_byte": isolated.slope,
+                                        "allreduce_gradient_s": isolated(measured["gradient_bytes"])}}
+    row["ddp_overhead_s"] = max(0.0, s["ddp_noop"] - compute) if "ddp_noop" in s else 0.0
+    row["predicted_step_s"] = compute + row["ddp_overhead_s"] + comm_pred
+    row["prediction_error"] = row["predicted_step_s"] / step - 1
+    row["bottleneck"] = bottleneck(row, cores)
+    return row
+
+
+def bottleneck(row: dict[str, Any], cores: int) -> str:
+    """One plain sentence naming what limits a configuration's step."""
+    parts = row["breakdown_s"]
+    step = row["step_s"]["median"]
+    share = {part: value / step for part, value in parts.items()}
+    largest = max(parts, key=parts.get)
+    notes = []
+    if row["workers"] > cores:
+        notes.append(f"{row['workers']} workers share {cores} cores, so compute is time-shared")
+    if largest == "exposed_comm" or share["exposed_comm"] >= 0.4:
+        fit = row.get("comm_fit")
+        kind = ""
+        if fit:
+            latency_share = fit["alpha_s"] / max(fit["allreduce_gradient_s"], 1e-12)
+            kind = (f"; the all_reduce of {format_bytes(row['gradient_bytes'])} is latency-bound "
+                    f"(alpha {fit['alpha_s'] * 1e6:.0f} us is {100 * latency_share:.0f}% of it)"
+                    if latency_share >= 0.5 else
+                    f"; the all_reduce of {format_bytes(row['gradient_bytes'])} is bandwidth-bound "
+                    f"({1 / max(fit['beta_s_per_byte'], 1e-15) / 1e9:.2f} GB/s)")
+        if row["allreduce"] == "shm":
+            where = ("through shared memory (the emulated hosts share this machine's memory)"
+                     if row["nodes"] > 1 else "through shared memory")
+        else:
+            where = "between emulated hosts (veth, TCP)" if row["nodes"] > 1 else "over TCP loopback"
+        text = (f"communication: {100 * share['exposed_comm']:.0f}% of the step is all_reduce ({row['allreduce']}) "
+                f"{where} not hidden by backward{kind}")
+    else:
+        compute_share = sum(share[p] for p in PARTS[:-1])
+        text = (f"compute: {100 * compute_share:.0f}% of the step, most of it {largest} "
+                f"({100 * share[largest]:.0f}%)")
+        if row["workers"] > 1:
+            text += f"; communication adds {100 * share['exposed_comm']:.0f}%"
+    return text + ("; " + "; ".join(notes) if notes else "")
+
+
+def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int,
+               max_nodes: int) -> dict[str, Any]:
+    """Projected speedup and efficiency on the default networks, one worker per node, up to ``max_nodes``.
+
+    Compute per step is fitted linearly against the per-worker batch: on the 1-worker row's batch ladder
+    (one process, the batch halved down to 1 sample), else over the measured rows.
+    """
+    ladder = next((r["compute_by_batch_s"] for r in rows if r.get("compute_by_batch_s")), None)
+    if ladder:
+        fit = perfmodel.fit_line([float(b) for b in ladder], list(ladder.values()))
+    else:
+        fit = perfmodel.fit_line([r["batch_per_worker"] for r in rows], [r["compute_s"] for r in rows])
+    workload = perfmodel.Workload(batch_size, per_worker, rows[0]["gradient_bytes"], fit)
+    sizes = perfmodel.projection_world_sizes(max_nodes)
+    networks = []
+    for network in perfmodel.NETWORKS:
+        points = perfmodel.project(workload, network, sizes)
+        limit = perfmodel.scaling_limit(points)
+        networks.append({**dataclasses.asdict(network), "points": [dataclasses.asdict(p) for p in points],
+                         "limit": dataclasses.asdict(limit)})
+    return {"compute_fit": {"c0_s": fit.intercept, "c1_s_per_sample": fit.slope},
+            "batch_size": batch_size, "per_worker": per_worker, "gradient_bytes": workload.gradient_bytes,
+            "max_world_size": min(max_nodes, workload.max_workers()), "networks": networks}
+
+
+def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) -> dict[str, Any]:
+    """Measure every configuration in turn and build the report."""
+    from ddpkit.config import TrainConfig
+    from ddpkit.models.registry import get_model_spec
+
+    cores = len(os.sched_getaffinity(0))
+    runs = configurations(cfg)
+    start = time.perf_counter()
+    load_before = os.getloadavg()
+    rounds: list[list[dict[str, Any]]] = [[] for _ in runs]
+    for round_index in range(cfg.repeats):
+        for run, results in zip(runs, rounds):
+            t0 = time.perf_counter()
+            results.append(measure(cfg, run))
+            step = results[-1]["slowest_rank"]["step"]
+            print(f"round {round_index + 1}: {run.name:<32} step {step * 1e3:8.3f} ms  "
+                  f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    measured = [merge_rounds(results) for results in rounds]
+    baseline = next((m for r, m in zip(runs, measured) if r.workers == 1), None)
+    baseline_rate = baseline["global_batch"] / baseline["slowest_rank"]["step"] if baseline else None
+    rows = [analyse_row(r, m, baseline_rate, cores) for r, m in zip(runs, measured)]
+    spec = get_model_spec(cfg.model)
+    train_cfg = parse(TrainConfig, [f"model={cfg.model}", *cfg.train], presets=dict(spec.recipe))
+    return {
+        "benchmark": "scaling",
+        "machine": machine_info(),
+        "config": dataclasses.asdict(cfg),
+        "command_words": list(words),
+        "workload": {"id": cfg.workload, "model": cfg.model, "dataset": "synthetic" if cfg.smoke else cfg.dataset,
+                     "batch_size": train_cfg.batch_size, "batch_scope": train_cfg.batch_scope,
+                     "optimizer": train_cfg.optimizer},
+        "method": {
+            "breakdown": "compute-only pass (unwrapped copy of the model) for data/forward/backward/optimizer; "
+                         "exposed_comm = real DDP step - compute-only step; median over steps, max over ranks",
+            "comm_fit": "one all_reduce call with the run's algorithm after each compute-only step, sizes in turn, "
+                        "interleaved with the other passes; t(n) = alpha + beta n by least squares; slowest rank "
+                        "(isolated: back-to-back calls after a barrier, before training, for reference)",
+            "prediction": "compute-only step + DDP overhead (DDP with a no-op communication hook - compute-only) "
+                          "+ t(gradient bytes), no overlap credit",
+            "projection": "compute fitted against per-worker batch; ring all_reduce 2(p-1) alpha + 2(p-1)/p n / bw; "
+                          "one worker per node",
+        },
+        "rows": rows,
+        "projection": projection(rows, train_cfg.batch_scope == "per_worker", train_cfg.batch_size, cfg.max_nodes),
+        "runtime_s": time.perf_counter() - start,
+        # The machine may be shared: 1-minute load averages before and after the run.
+        "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
+    }
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The terminal table: one line per configuration, times in milliseconds."""
+    head = (f"{'configuration':<28} {'data':>6} {'fwd':>6} {'bwd':>6} {'optim':>6} {'comm':>6} {'step':>7} "
+            f"{'pred':>7} {'err':>5} {'samples/s':>10} {'speedup':>7} {'eff':>5}")
+    lines = [f"scaling: {report['workload']['id']} ({report['workload']['model']}), times in ms per step", head,
+             "-" * len(head)]
+    for r in report["rows"]:
+        b = r["breakdown_s"]
+        lines.append(
+            f"{r['name']:<28} " + " ".join(f"{b[p] * 1e3:6.3f}" for p in PARTS)
+            + f" {r['step_s']['median'] * 1e3:7.3f} {r['predicted_step_s'] * 1e3:7.3f} "
+            f"{100 * r['prediction_error']:+4.0f}% {r['samples_per_s']:10,.0f} {_num(r['speedup']):>7} "
+            f"{_pct(r['efficiency']):>5}")
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any], png_name: str | None = None) -> str:
+    """The Markdown report: method, measured table, model vs measured, bottlenecks, projection."""
+    m, w = report["machine"], report["workload"]
+    rows = report["rows"]
+    lines = [
+        f"# Scaling: {w['id']} ({w['model']} on {w['dataset']}, batch {w['batch_size']} {w['batch_scope']})",
+        "",
+        f"{m['date']} · torch {m['torch']} · {m['cpu_model']} · {m['cores']} cores · {report['runtime_s']:.0f} s · "
+        f"load average {report['load_average']['before']:.1f} before, {report['load_average']['after']:.1f} after "
+        "(other users' processes share the cores)",
+        "",
+        f"Command: `ddpkit bench scaling {' '.join(report['command_words'])}`",
+        "",
+        "Method: " + "; ".join(f"{k}: {v}" for k, v in report["method"].items()) + ".",
+        "",
+        "## Measured (ms per step; median over steps, slowest rank)",
+        "",
+        "| configuration | data | forward | backward | optimizer | exposed comm | step (min-max) | samples/s "
+        "| speedup | efficiency |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b, s = r["breakdown_s"], r["step_s"]
+        lines.append(f"| {r['name']} | " + " | ".join(f"{b[p] * 1e3:.3f}" for p in PARTS)
+                     + f" | {s['median'] * 1e3:.3f} ({s['min'] * 1e3:.3f}-{s['max'] * 1e3:.3f}) "
+                     f"| {r['samples_per_s']:,.0f} | {_num(r['speedup'])} | {_pct(r['efficiency'])} |")
+    within = sum(abs(r["prediction_error"]) <= TOLERANCE for r in rows)
+    lines += [
+        "",
+        f"## Model against measurement ({within} of {len(rows)} within {100 * TOLERANCE:.0f}%)",
+        "",
+        "| configuration | alpha (us) | beta (GB/s) | all_reduce of gradients (ms) | isolated (ms) | compute (ms) "
+        "| DDP overhead (ms) | predicted (ms) | measured (ms) | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = r.get("comm_fit")
+        lines.append(
+            f"| {r['name']} | {_num(f and f['alpha_s'] * 1e6, '.1f')} "
+            f"| {_num(f and 1 / f['beta_s_per_byte'] / 1e9 if f and f['beta_s_per_byte'] else None)} "
+            f"| {_num(f and f['allreduce_gradient_s'] * 1e3, '.3f')} "
+            f"| {_num(f and f['isolated']['allreduce_gradient_s'] * 1e3, '.3f')} | {r['compute_s'] * 1e3:.3f} "
+            f"| {r['ddp_overhead_s'] * 1e3:.3f} "
+            f"| {r['predicted_step_s'] * 1e3:.3f} | {r['step_s']['median'] * 1e3:.3f} "
+            f"| {100 * r['prediction_error']:+.1f}% |")
+    lines += ["", "## Bottleneck of each configuration", ""]
+    lines += [f"- **{r['name']}**: {r['bottleneck']}." for r in rows]
+    p = report["projection"]
+    lines += [
+        "",
+        f"## Projection beyond this machine (one worker per node, up to {p['max_world_size']} nodes)",
+        "",
+        f"Compute per step = {p['compute_fit']['c0_s'] * 1e3:.3f} ms + "
+        f"{p['compute_fit']['c1_s_per_sample'] * 1e6:.2f} us x samples per worker (fitted on one worker's compute-only step at per-worker batches halved down to 1); "
+        f"gradients {format_bytes(p['gradient_bytes'])}; ring all_reduce. Networks are projected, not emulated "
+        "(this kernel has no netem).",
+        "",
+        "| network | alpha (us) | bandwidth (Gb/s) | speedup at 2 / 8 / 64 | best speedup (at nodes) "
+        "| efficiency < 50% from |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in p["networks"]:
+        by_size = {q["world_size"]: q for q in n["points"]}
+        at = " / ".join(_num(by_size[s]["speedup"]) if s in by_size else "-" for s in (2, 8, 64))
+        limit = n["limit"]
+        half = limit["half_efficiency_world_size"]
+        lines.append(f"| {n['name']} | {n['latency_s'] * 1e6:.0f} | {n['bandwidth_bytes_per_s'] * 8 / 1e9:.0f} "
+                     f"| {at} | {limit['best_speedup']:.2f} ({limit['best_world_size']}) "
+                     f"| {half if half else 'never'} nodes |")
+    lines += ["", _projection_sentence(report)]
+    if png_name:
+        lines += ["", f"![scaling plots]({png_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _projection_sentence(report: dict[str, Any]) -> str:
+    p = report["projection"]
+    words = []
+    for n in p["networks"]:
+        limit = n["limit"]
+        half = limit["half_efficiency_world_size"]
+        words.append(f"on {n['name']} it stops scaling at about {limit['best_world_size']} nodes "
+                     f"(speedup {limit['best_speedup']:.1f})"
+                     + (f" and falls below 50% efficiency from {half} nodes" if half else ""))
+    cap = "" if p["per_worker"] else (f" With a global batch of {p['batch_size']}, more than {p['batch_size']} "
+                                      "nodes would have workers without a sample.")
+    c0, c1 = p["compute_fit"]["c0_s"], p["compute_fit"]["c1_s_per_sample"]
+    if not p["per_worker"] and c0 > 0:
+        # Even a free network cannot shrink the per-step cost that does not depend on the batch.
+        ceiling = (c0 + c1 * p["batch_size"]) / (c0 + c1)
+        cap += (f" Whatever the network, the per-step compute that does not shrink with the batch "
+                f"({c0 * 1e3:.3f} ms of {(c0 + c1 * p['batch_size']) * 1e3:.3f} ms) caps the speedup at "
+                f"{ceiling:.1f}.")
+    return "In words: " + "; ".join(words) + "." + cap
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """Five panels: speedup, efficiency, time breakdown, predicted vs measured, projection."""
+    made = new_figure(5, ncols=3)
+    if made is None:
+        return None
+    figure, (ax_speed, ax_eff, ax_parts, ax_pred, ax_proj) = made
+    rows = report["rows"]
+    base = next((r for r in rows if r["workers"] == 1), None)
+    series: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["workers"] > 1:
+            series.setdefault((r["nodes"], r["allreduce"]), []).append(r)
+    max_workers = max(r["workers"] for r in rows)
+    for (nodes, algorithm), points in series.items():
+        points = ([base] if base else []) + sorted(points, key=lambda r: r["workers"])
+        label = f"{algorithm}, {nodes} node{'s' if nodes > 1 else ''}"
+        if points[0]["speedup"] is not None:
+            ax_speed.plot([r["workers"] for r in points], [r["speedup"] for r in points], marker="o", label=label)
+            ax_eff.plot([r["workers"] for r in points], [r["efficiency"] for r in points], marker="o", label=label)
+    ax_speed.plot([1, max_workers], [1, max_workers], "k:", label="ideal")
+    ax_eff.axhline(1.0, color="k", linestyle=":")
+    for ax, title, ylabel in ((ax_speed, "speedup vs 1 worker", "speedup"),
+                              (ax_eff, "efficiency (speedup / workers)", "efficiency")):
+        ax.set_title(title)
+        ax.set_xlabel("workers")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(sorted({r["workers"] for r in rows}))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    names = [r["name"].replace(", ", "\n") for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in PARTS:
+        heights = [r["breakdown_s"][part] * 1e3 for r in rows]
+        ax_parts.bar(names, heights, bottom=bottom, label=part.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_parts.set_title("time per step")
+    ax_parts.set_ylabel("ms")
+    ax_parts.tick_params(axis="x", labelsize=6)
+    ax_parts.legend(fontsize=7)
+    measured = [r["step_s"]["median"] * 1e3 for r in rows]
+    predicted = [r["predicted_step_s"] * 1e3 for r in rows]
+    ax_pred.scatter(measured, predicted)
+    for r, x, y in zip(rows, measured, predicted):
+        ax_pred.annotate(r["name"], (x, y), fontsize=6)
+    top = max(measured + predicted) * 1.15
+    ax_pred.plot([0, top], [0, top], "k:", label="exact")
+    ax_pred.fill_between([0, top], [0, top * (1 - TOLERANCE)], [0, top * (1 + TOLERANCE)], alpha=0.15,
+                         label=f"±{100 * TOLERANCE:.0f}%")
+    ax_pred.set_xlim(0, top)
+    ax_pred.set_ylim(0, top)
+    ax_pred.set_title("model vs measured step")
+    ax_pred.set_xlabel("measured (ms)")
+    ax_pred.set_ylabel("predicted (ms)")
+    ax_pred.legend(fontsize=7)
+    for n in report["projection"]["networks"]:
+        ax_proj.plot([q["world_size"] for q in n["points"]], [q["speedup"] for q in n["points"]], label=n["name"])
+    ax_proj.set_xscale("log")
+    ax_proj.set_yscale("log")
+    ax_proj.set_title(f"projected speedup ({report['workload']['id']}, one worker per node)")
+    ax_proj.set_xlabel("nodes")
+    ax_proj.set_ylabel("speedup")
+    ax_proj.grid(True, alpha=0.3, which="both")
+    ax_proj.legend(fontsize=7)
+    return save_figure(figure, path)
+
+
+def result_stem(report: dict[str, Any]) -> str:
+    """``scaling-<model>-<machine>-<date>[-smoke][-<tag>]``."""
+    cfg = report["config"]
+    stem = f"scaling-{report['workload']['model']}-{machine_tag()}-{report['machine']['date'][:10]}"
+    return stem + ("-smoke" if cfg["smoke"] else "") + (f"-{cfg['tag']}" if cfg["tag"] else "")
+
+
+def write_report(report: dict[str, Any], output_dir: str, stem: str) -> list[Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib) ``<stem>.png``; return the paths."""
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = folder / f"{stem}.json", folder / f"{stem}.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png_path = plot_report(report, folder / f"{stem}.png")
+    md_path.write_text(render_markdown(report, png_path.name if png_path else None))
+    return [json_path, md_path] + ([png_path] if png_path else [])
+
+
+def main(words: list[str]) -> int:
+    """``ddpkit bench scaling [key=value ...]``.
+
+    Returns:
+        The exit status, 0.
+
+    Raises:
+        ValueError: bad options, or nodes=2 where namespaces cannot be created.
+        RuntimeError, ddpkit.launch.failure.LaunchError: a worker failed.
+    """
+    cfg = parse_config(words)
+    report = run_scaling_benchmark(cfg, words)
+    paths = write_report(report, cfg.output_dir, result_stem(report))
+    print(render_table(report))
+    print(_projection_sentence(report))
+    print(f"wrote {', '.join(str(p) for p in paths)} in {report['runtime_s']:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    # torchrun -m ddpkit.bench.scaling worker JOB.json: one worker on an emulated host.
+    if len(sys.argv) != 3 or sys.argv[1] != "worker":
+        sys.exit("usage: python -m ddpkit.bench.scaling worker JOB.json (run `ddpkit bench scaling` instead)")
+    run_configuration(json.loads(Path(sys.argv[2]).read_text()))
