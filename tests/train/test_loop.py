@@ -79,3 +79,13 @@ def test_reference_models_and_options_train(tmp_path, words):
     metric = "accuracy" if words["model"] != "autoencoder" else "mse"
     assert torch.isfinite(torch.tensor(summary0["test"][metric]))
     assert summary0["test"] == summary1["test"]
+
+
+@pytest.mark.parametrize("allreduce", ["shm", "ring"])
+def test_allreduce_algorithms_train_like_builtin(tmp_path, allreduce):
+    """shm (its DDP hook runs inline) and ring (on the hook's thread) give the builtin's weights."""
+    builtin = run_on_ranks(_train, 2, WORDS, str(tmp_path / "builtin"))
+    other = run_on_ranks(_train, 2, {**WORDS, "allreduce": allreduce}, str(tmp_path / allreduce))
+    assert other[0][0]["allreduce"] == allreduce
+    for p, q in zip(builtin[0][1], other[0][1]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

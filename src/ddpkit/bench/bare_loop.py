@@ -1,8 +1,8 @@
 """The reference ddpkit's overhead is measured against: a bare PyTorch loop.
 
-Same model, optimizer, global batches and in-memory tensors as ``ddpkit
-train`` with one worker, and nothing else: no process group, no sampler
-object, no metrics. Run as ``python -m ddpkit.bench.bare_loop key=value ...``
+Same model, optimizer, global batches, in-memory tensors and batch
+indexing (``index_select``) as ``ddpkit train`` with one worker, and nothing
+else: no process group, no sampler object, no metrics, no checkpoints. Run as ``python -m ddpkit.bench.bare_loop key=value ...``
 (the TrainConfig words); prints one JSON line with the train time.
 """
 
@@ -39,8 +39,8 @@ def bare_loop(words: list[str]) -> dict[str, float]:
     for epoch in range(cfg.epochs):
         order = epoch_permutation(len(labels), cfg.seed, epoch)
         for batch in order.split(cfg.batch_size):
-            x = images[batch].float().div_(255.0)
-            loss = F.cross_entropy(model(x), labels[batch])
+            x = images.index_select(0, batch).float().div_(255.0)
+            loss = F.cross_entropy(model(x), labels.index_select(0, batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -291,13 +291,11 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
 
     module = copy.deepcopy(trainer.module)
     optimizer = build_optimizer(train_cfg, module.parameters(), world_size)
-    images, labels = trainer.dataset.train_images, trainer.dataset.train_labels
     clock = time.perf_counter
 
     def compute_only(indices: torch.Tensor, global_count: int) -> dict[str, float]:
         t0 = clock()
-        x = trainer.inputs(images[indices])
-        y = labels[indices]
+        x, y = trainer.batch(indices)
         t1 = clock()
         loss = trainer.batch_loss(module(x), x, y, "mean")
         t2 = clock()
@@ -337,8 +335,8 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
 
     def ddp_noop(indices: torch.Tensor, global_count: int) -> dict[str, float]:
         t0 = clock()
-        x = trainer.inputs(images[indices])
-        trainer.batch_loss(noop_model(x), x, labels[indices], "mean").backward()
+        x, y = trainer.batch(indices)
+        trainer.batch_loss(noop_model(x), x, y, "mean").backward()
         noop_optimizer.step()
         noop_optimizer.zero_grad(set_to_none=True)
         return {"ddp_noop": clock() - t0}

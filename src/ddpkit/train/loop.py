@@ -117,6 +117,15 @@ class Trainer:
 
     # -- batches and losses -------------------------------------------------
 
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of the training samples ``indices``.
+
+        ``index_select`` rather than ``tensor[indices]``: advanced indexing of
+        a 4-D tensor costs several times more, a visible share of a W1 step.
+        """
+        images = self.dataset.train_images.index_select(0, indices)
+        return self.inputs(images), self.dataset.train_labels.index_select(0, indices)
+
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32 in [0, 1], normalized as the model asks."""
         x = images.float().div_(255.0)
@@ -156,8 +165,7 @@ class Trainer:
         return loss
 
     def _forward_backward(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
-        x = self.inputs(self.dataset.train_images[indices])
-        y = self.dataset.train_labels[indices]
+        x, y = self.batch(indices)
         with self._forward_context():
             output = self.model(x)
         if len(indices) * self.ctx.world_size == global_count:
@@ -178,8 +186,7 @@ class Trainer:
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                x = self.inputs(self.dataset.train_images[micro])
-                y = self.dataset.train_labels[micro]
+                x, y = self.batch(micro)
                 with self._forward_context():
                     summed = self.batch_loss(self.model(x), x, y, "sum")
                 self.scaler.scale(summed * scale).backward()
