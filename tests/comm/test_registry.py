@@ -20,7 +20,7 @@ from ddpkit.comm import (
 
 
 def test_every_required_name_is_registered():
-    assert list(ALLREDUCE_ALGORITHMS) == ["builtin", "naive", "ring", "butterfly", "tree", "shm"]
+    assert list(ALLREDUCE_ALGORITHMS) == ["builtin", "naive", "ring", "butterfly", "tree", "shm", "hierarchical"]
     assert ALLREDUCE_ALGORITHMS["ring"] is ring.all_reduce
     assert ALLREDUCE_ALGORITHMS["butterfly"] is butterfly.all_reduce
     assert ALLREDUCE_ALGORITHMS["tree"] is tree.all_reduce

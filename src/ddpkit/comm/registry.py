@@ -13,6 +13,8 @@ butterfly  recursive halving and doubling (:mod:`ddpkit.comm.butterfly`)
 tree       binary-tree reduce + broadcast (:mod:`ddpkit.comm.tree`)
 shm        shared memory between processes of one host
            (:mod:`ddpkit.comm.shm`, loaded on first use)
+hierarchical  shared memory in each node, gloo between nodes
+           (:mod:`ddpkit.comm.hierarchical`, needs shm)
 =========  ==========================================================
 
 ``COLLECTIVES`` extends the same idea to every collective:
@@ -75,6 +77,13 @@ def _shm_unavailable_reason() -> str | None:
     return explain() if explain is not None else f"{_SHM_MODULE}.is_available() is False"
 
 
+def hierarchical_all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None
+) -> None:
+    """Forward to ``ddpkit.comm.hierarchical.all_reduce`` (imported on first call: it needs shm)."""
+    importlib.import_module("ddpkit.comm.hierarchical").all_reduce(tensor, op=op, group=group)
+
+
 def shm_all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Forward to ``ddpkit.comm.shm.all_reduce`` (imported on first call)."""
     importlib.import_module(_SHM_MODULE).all_reduce(tensor, op=op, group=group)
@@ -87,8 +96,11 @@ ALLREDUCE_ALGORITHMS: dict[str, AllReduce] = {
     "butterfly": butterfly.all_reduce,
     "tree": tree.all_reduce,
     "shm": shm_all_reduce,
+    "hierarchical": hierarchical_all_reduce,
 }
 """all_reduce algorithms by name; see the module docstring."""
+
+_NEEDS_SHM = ("shm", "hierarchical")
 
 COLLECTIVES: dict[str, dict[str, Callable[..., object]]] = {
     "all_reduce": ALLREDUCE_ALGORITHMS,
@@ -116,7 +128,7 @@ COLLECTIVES: dict[str, dict[str, Callable[..., object]]] = {
 
 def available_allreduce_algorithms() -> list[str]:
     """Names in :data:`ALLREDUCE_ALGORITHMS` that can run in this process (``shm`` only where available)."""
-    return [name for name in ALLREDUCE_ALGORITHMS if name != "shm" or _shm_unavailable_reason() is None]
+    return [name for name in ALLREDUCE_ALGORITHMS if name not in _NEEDS_SHM or _shm_unavailable_reason() is None]
 
 
 def resolve_allreduce(name: str) -> AllReduce:
@@ -134,11 +146,11 @@ def resolve_allreduce(name: str) -> AllReduce:
     if name not in ALLREDUCE_ALGORITHMS:
         available = ", ".join(available_allreduce_algorithms())
         raise ValueError(f"unknown all_reduce algorithm {name!r}; choose one of {available}")
-    if name == "shm":
+    if name in _NEEDS_SHM:
         reason = _shm_unavailable_reason()
         if reason is not None:
             available = ", ".join(available_allreduce_algorithms())
-            raise ValueError(f"all_reduce algorithm 'shm' is not available here ({reason}); choose one of {available}")
+            raise ValueError(f"all_reduce algorithm {name!r} is not available here ({reason}); choose one of {available}")
     return ALLREDUCE_ALGORITHMS[name]
 
 
