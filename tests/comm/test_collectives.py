@@ -309,9 +309,8 @@ def _subgroup_worker(rank: int, world_size: int) -> list[str]:
     failures: list[str] = []
     if rank not in members:  # non-members return at once, as with torch.distributed
         t = torch.ones(3)
-        for fn in ALLREDUCE_ALGORITHMS.values():
-            if fn is not ALLREDUCE_ALGORITHMS["shm"] and fn is not ALLREDUCE_ALGORITHMS["builtin"]:
-                fn(t, group=group)
+        for algorithm in ALGORITHMS:  # the send/recv algorithms; shm and hierarchical have tests of their own
+            ALLREDUCE_ALGORITHMS[algorithm](t, group=group)
         broadcast(t, 0, group=group)
         return [] if torch.equal(t, torch.ones(3)) else ["a non-member's tensor changed"]
     n = len(members)
