@@ -83,7 +83,7 @@ def test_reference_models_and_options_train(tmp_path, words):
 
 @pytest.mark.parametrize("allreduce", ["shm", "ring"])
 def test_allreduce_algorithms_train_like_builtin(tmp_path, allreduce):
-    """shm (its DDP hook runs inline) and ring (on the hook's thread) give the builtin's weights."""
+    """shm and ring, as DDP communication hooks, give the builtin's weights."""
     builtin = run_on_ranks(_train, 2, WORDS, str(tmp_path / "builtin"))
     other = run_on_ranks(_train, 2, {**WORDS, "allreduce": allreduce}, str(tmp_path / allreduce))
     assert other[0][0]["allreduce"] == allreduce

@@ -37,7 +37,7 @@ AllReduce = Callable[..., None]
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
 
 
-def allreduce_hook(all_reduce_fn: AllReduce, background: bool = True) -> CommHook:
+def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
     """Make a DDP communication hook that averages each gradient bucket with ``all_reduce_fn``.
 
     Register it with ``ddp_model.register_comm_hook(state, hook)``, where
@@ -47,9 +47,6 @@ def allreduce_hook(all_reduce_fn: AllReduce, background: bool = True) -> CommHoo
     Args:
         all_reduce_fn: ``fn(tensor, op=ReduceOp.SUM, group=None)`` reducing in place,
             e.g. ``ddpkit.comm.resolve_allreduce("ring")``.
-        background: run ``all_reduce_fn`` on the hook's thread (overlapping
-            backward); False runs it inline, for an all_reduce so fast (shared
-            memory) that handing each bucket to another thread costs more.
 
     Returns:
         ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` resolving to
@@ -61,10 +58,6 @@ def allreduce_hook(all_reduce_fn: AllReduce, background: bool = True) -> CommHoo
     def hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        if not background:
-            all_reduce_fn(buffer, op=ReduceOp.SUM, group=state)
-            future.set_result(buffer.div_(dist.get_world_size(state)))
-            return future
 
         def run() -> None:
             try:
@@ -85,10 +78,7 @@ def allreduce_hook(all_reduce_fn: AllReduce, background: bool = True) -> CommHoo
 
 
 def register_allreduce_hook(
-    model: nn.parallel.DistributedDataParallel,
-    all_reduce_fn: AllReduce,
-    group: dist.ProcessGroup | None = None,
-    background: bool = True,
+    model: nn.parallel.DistributedDataParallel, all_reduce_fn: AllReduce, group: dist.ProcessGroup | None = None
 ) -> None:
     """Make ``model`` (a DDP module) average its gradients with ``all_reduce_fn``.
 
@@ -96,9 +86,8 @@ def register_allreduce_hook(
         model: the DistributedDataParallel module, before its first backward.
         all_reduce_fn: ``fn(tensor, op=ReduceOp.SUM, group=None)`` reducing in place.
         group: the group DDP was built with (None for the world group).
-        background: see :func:`allreduce_hook`.
     """
-    model.register_comm_hook(group, allreduce_hook(all_reduce_fn, background))
+    model.register_comm_hook(group, allreduce_hook(all_reduce_fn))
 
 
 def manual_gradient_sync(

@@ -52,8 +52,7 @@ def wrap_model(model: nn.Module, ctx: Context, allreduce: str, grad_sync: str) -
     if allreduce != "builtin":
         from ddpkit.comm.hooks import register_allreduce_hook
 
-        # Shared memory completes in microseconds: inline beats a hand-off to the hook's thread.
-        register_allreduce_hook(ddp, _resolve(allreduce), background=allreduce != "shm")
+        register_allreduce_hook(ddp, _resolve(allreduce))
     return ddp
 
 
