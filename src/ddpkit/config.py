@@ -233,8 +233,9 @@ class TrainConfig:
     """auto (CUDA when available, bound to the local rank), cpu or cuda."""
     allreduce: str = "auto"
     """Gradient all_reduce: auto (shm on CPU when all workers share a node, else builtin), builtin, shm, ring, ..."""
-    grad_sync: str = "ddp"
-    """ddp (DistributedDataParallel with the chosen all_reduce as its hook) or manual (per-parameter all_reduce)."""
+    grad_sync: str = "auto"
+    """auto (flat for gradients <= 1 MiB, else ddp), ddp (DistributedDataParallel with the all_reduce as its hook),
+    flat (one all_reduce of all gradients after backward) or manual (per-parameter all_reduce)."""
     timeout: float = 300.0
     """Seconds a collective or the rendezvous may wait for a peer before failing."""
     threads: int = 0
@@ -267,7 +268,7 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("grad_sync", self.grad_sync, ("ddp", "manual"))
+        check_choice("grad_sync", self.grad_sync, ("auto", "ddp", "flat", "manual"))
         for name in ("epochs", "batch_size", "grad_accum_steps", "nproc", "log_every", "synthetic_samples"):
             check_positive(name, getattr(self, name))
         for name in ("lr", "timeout"):

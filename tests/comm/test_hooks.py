@@ -1,4 +1,4 @@
-"""DDP communication hooks and the manual gradient loop, on real gloo ranks."""
+"""DDP communication hooks, flat gradients and the manual gradient loop, on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm import broadcast_parameters, manual_gradient_sync, register_allreduce_hook, resolve_allreduce
+from ddpkit.comm.flat_grads import FlatGradients
 from tests.helpers.workers import run_on_ranks
 
 ALGORITHMS = ["builtin", "naive", "ring", "butterfly", "tree"]
@@ -65,6 +66,27 @@ def _hooks_match_stock_ddp(rank: int, world_size: int) -> list[str]:
                 if not torch.allclose(p.grad, e, rtol=1e-5, atol=1e-6):
                     diff = (p.grad - e).abs().max()
                     failures.append(f"manual {name}: step {step} parameter {i} differs by {diff:.3g}")
+    for name in [*ALGORITHMS, "shm"]:
+        failures += _flat_gradient_failures(base, rank, name, expected)
+    return failures
+
+
+def _flat_gradient_failures(base: nn.Module, rank: int, name: str, expected) -> list[str]:
+    """FlatGradients on the plain model gives stock DDP's gradients, and keeps them as views of its buffer."""
+    plain = copy.deepcopy(base)
+    sync = FlatGradients(plain, resolve_allreduce(name))
+    failures = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        sync.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        sync.all_reduce()
+        for i, (p, e) in enumerate(zip(plain.parameters(), expected[step])):
+            if not torch.allclose(p.grad, e, rtol=1e-5, atol=1e-6):
+                failures.append(f"flat {name}: step {step} parameter {i} differs by {(p.grad - e).abs().max():.3g}")
+            if p.grad.untyped_storage().data_ptr() != sync.buffers[0].untyped_storage().data_ptr():
+                failures.append(f"flat {name}: parameter {i}'s gradient left the flat buffer")
     return failures
 
 
@@ -82,15 +104,31 @@ def _hook_error_reaches_backward(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def _hooks_worker(rank: int, world_size: int) -> tuple[list[str], str]:
-    # One spawn for both checks: building the first DDP model costs seconds.
-    return _hooks_match_stock_ddp(rank, world_size), _hook_error_reaches_backward(rank, world_size)
+def _dropped_flat_gradient_is_refused(rank: int, world_size: int) -> str:
+    model = _model()
+    sync = FlatGradients(model, resolve_allreduce("builtin"))
+    model.zero_grad(set_to_none=True)  # drops the views: this step's gradients would not be averaged
+    model(torch.randn(2, 6)).sum().backward()
+    try:
+        sync.all_reduce()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
-def test_hooks_and_manual_sync_give_stock_ddp_gradients_and_surface_errors():
+def _hooks_worker(rank: int, world_size: int) -> tuple[list[str], str, str]:
+    # One spawn for all checks: building the first DDP model costs seconds.
+    return (_hooks_match_stock_ddp(rank, world_size), _hook_error_reaches_backward(rank, world_size),
+            _dropped_flat_gradient_is_refused(rank, world_size))
+
+
+def test_hooks_flat_and_manual_sync_give_stock_ddp_gradients_and_surface_errors():
     results = run_on_ranks(_hooks_worker, 2, timeout=180)
-    failures = [f for fs, _ in results for f in fs]
+    failures = [f for fs, _, _ in results for f in fs]
     assert not failures, "\n".join(failures)
     # A failing all_reduce on the hook's thread reaches backward() on the training thread.
-    messages = [message for _, message in results]
+    messages = [message for _, message, _ in results]
     assert all("all_reduce exploded on purpose" in m for m in messages), messages
+    # Gradients that left the flat buffer are refused, not silently left unaveraged.
+    refusals = [refusal for _, _, refusal in results]
+    assert all("FlatGradients.zero_grad()" in r for r in refusals), refusals

@@ -42,18 +42,31 @@ def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path):
             assert summary["global_steps"] == reference_summary["global_steps"] == 2 * 17
 
 
-def test_gradient_accumulation_matches_one_big_step(tmp_path):
-    plain = run_on_ranks(_train, 2, WORDS, str(tmp_path / "a"))
-    accumulated = run_on_ranks(_train, 2, {**WORDS, "grad_accum_steps": 3}, str(tmp_path / "b"))
+@pytest.mark.parametrize("grad_sync", ["flat", "ddp"])
+def test_gradient_accumulation_matches_one_big_step(tmp_path, grad_sync):
+    plain = run_on_ranks(_train, 2, {**WORDS, "grad_sync": grad_sync}, str(tmp_path / "a"))
+    accumulated = run_on_ranks(_train, 2, {**WORDS, "grad_sync": grad_sync, "grad_accum_steps": 3}, str(tmp_path / "b"))
     for p, q in zip(plain[0][1], accumulated[0][1]):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-def test_manual_grad_sync_matches_ddp(tmp_path):
-    ddp = run_on_ranks(_train, 2, WORDS, str(tmp_path / "a"))
-    manual = run_on_ranks(_train, 2, {**WORDS, "grad_sync": "manual"}, str(tmp_path / "b"))
-    for p, q in zip(ddp[1][1], manual[1][1]):
+@pytest.mark.parametrize("grad_sync", ["flat", "manual"])
+def test_grad_sync_modes_match_ddp(tmp_path, grad_sync):
+    ddp = run_on_ranks(_train, 2, {**WORDS, "grad_sync": "ddp"}, str(tmp_path / "a"))
+    other = run_on_ranks(_train, 2, {**WORDS, "grad_sync": grad_sync}, str(tmp_path / "b"))
+    assert ddp[0][0]["grad_sync"] == "ddp" and other[0][0]["grad_sync"] == grad_sync
+    for p, q in zip(ddp[1][1], other[1][1]):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_grad_sync_auto_is_flat_for_small_gradients_only():
+    from ddpkit.train.grad_sync import choose_grad_sync
+
+    mlp, cnn = get_model_spec("mlp").build(), get_model_spec("cnn").build()  # 155 KiB and 2.3 MiB of gradients
+    assert choose_grad_sync("auto", mlp, sync_batchnorm=False) == "flat"
+    assert choose_grad_sync("auto", cnn, sync_batchnorm=False) == "ddp"
+    assert choose_grad_sync("auto", mlp, sync_batchnorm=True) == "ddp"
+    assert choose_grad_sync("manual", cnn, sync_batchnorm=False) == "manual"
 
 
 def test_metrics_file_written_by_rank_zero(tmp_path):

@@ -1,22 +1,31 @@
-"""How gradients are synchronised: DDP with a chosen all_reduce, or the manual loop.
+"""How gradients are synchronised: which all_reduce, and DDP, one flat all_reduce or the manual loop.
 
 ``allreduce=auto`` takes the shared-memory all_reduce when every worker is on
 one node and trains on the CPU (gloo would move the bytes over TCP loopback),
 and the backend's built-in otherwise. Any other name selects an algorithm of
-``ddpkit.comm``, plugged into DDP as a communication hook so DDP's bucketing
-and overlap with backward stay.
+``ddpkit.comm``.
+
+``grad_sync=auto`` takes ``flat`` (``ddpkit.comm.flat_grads``: gradients as
+views of one buffer, one all_reduce after backward) when the gradients fit in
+DDP's first bucket, where DDP has a single bucket and so no overlap with
+backward to offer, only its per-parameter hooks and copies; and ``ddp``
+(the chosen all_reduce as DDP's communication hook, buckets overlapping
+backward) for larger models or with SyncBatchNorm. ``manual`` is the
+textbook per-parameter loop, kept as a baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
 from ddpkit.distributed import Context
-
 
 def choose_allreduce(requested: str, ctx: Context) -> str:
     """The all_reduce algorithm name to use for ``requested`` (resolving auto)."""
@@ -31,22 +40,77 @@ def choose_allreduce(requested: str, ctx: Context) -> str:
     return "builtin"
 
 
-def wrap_model(model: nn.Module, ctx: Context, allreduce: str, grad_sync: str) -> nn.Module:
-    """Make ``model`` data-parallel (or return it as is for one worker).
+def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool) -> str:
+    """The gradient synchronisation mode for ``requested`` (resolving auto for ``model``)."""
+    if requested != "auto":
+        return requested
+    if sync_batchnorm:  # SyncBatchNorm's statistics all_reduce is coordinated by DDP
+        return "ddp"
+    return "flat" if gradient_bytes(model) <= DDP_FIRST_BUCKET_BYTES else "ddp"
+
+
+class GradientSync:
+    """This worker's part in making every gradient the mean over the workers.
+
+    The training loop calls the model through ``model``, zeroes gradients with
+    ``zero_grad``, runs the micro-batches of gradient accumulation but the last
+    inside ``accumulating()``, and calls ``synchronize()`` after the step's
+    last backward.
 
     Args:
-        model: the model, already on ``ctx.device``.
+        model: the model, already on ``ctx.device`` (and with its own weights on every rank).
         ctx: the worker's context.
-        allreduce: algorithm name (already resolved by choose_allreduce).
-        grad_sync: ddp or manual.
+        allreduce: algorithm name (resolved by choose_allreduce).
+        mode: ddp, flat or manual (resolved by choose_grad_sync); ignored for one worker.
     """
-    if ctx.world_size == 1:
-        return model
-    if grad_sync == "manual":
-        from ddpkit.comm.hooks import broadcast_parameters
 
-        broadcast_parameters(model)  # start from rank 0's weights, as DDP does
-        return model
+    def __init__(self, model: nn.Module, ctx: Context, allreduce: str, mode: str) -> None:
+        self.ctx = ctx
+        self.allreduce = allreduce
+        self.mode = mode if ctx.world_size > 1 else "none"
+        self.model = model
+        self.flat: FlatGradients | None = None
+        self._manual: Callable[[], None] | None = None
+        if self.mode == "ddp":
+            self.model = _wrap_ddp(model, ctx, allreduce)
+            return
+        if self.mode in ("flat", "manual"):
+            from ddpkit.comm.hooks import broadcast_parameters, manual_gradient_sync
+
+            broadcast_parameters(model)  # start from rank 0's weights, as DDP does
+            fn = _resolve(allreduce)
+            if self.mode == "flat":
+                self.flat = FlatGradients(model, fn)
+            else:
+                self._manual = lambda: manual_gradient_sync(model, fn, ctx.world_size)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero the gradients before a step (the flat buffer keeps its views)."""
+        if self.flat is not None:
+            self.flat.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def accumulating(self) -> contextlib.AbstractContextManager:
+        """Context for a backward whose gradients must not be synchronised yet (not the step's last)."""
+        return self.model.no_sync() if self.mode == "ddp" else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """After the step's last backward: average the gradients (DDP did it during backward)."""
+        if self.flat is not None:
+            self.flat.all_reduce()
+        elif self._manual is not None:
+            self._manual()
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if self.mode == "none":
+            return "single worker: no gradient synchronisation"
+        detail = f" of {self.flat.nbytes / 1024:.0f} KiB" if self.flat is not None else ""
+        return f"gradients: {self.mode}{detail} with all_reduce={self.allreduce} over {self.ctx.backend}"
+
+
+def _wrap_ddp(model: nn.Module, ctx: Context, allreduce: str) -> DDP:
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
     if allreduce != "builtin":
@@ -56,28 +120,9 @@ def wrap_model(model: nn.Module, ctx: Context, allreduce: str, grad_sync: str) -
     return ddp
 
 
-def manual_sync_fn(ctx: Context, allreduce: str, grad_sync: str) -> Callable[[nn.Module], None] | None:
-    """For grad_sync=manual with several workers, the function averaging gradients after backward."""
-    if grad_sync != "manual" or ctx.world_size == 1:
-        return None
-    from ddpkit.comm.hooks import manual_gradient_sync
-
-    fn = _resolve(allreduce)
-    return lambda model: manual_gradient_sync(model, fn, ctx.world_size)
-
-
 def _resolve(name: str) -> Callable[..., object]:
     if name == "builtin":
         return dist.all_reduce
     from ddpkit.comm.registry import resolve_allreduce
 
     return resolve_allreduce(name)
-
-
-def describe(allreduce: str, grad_sync: str, ctx: Context) -> str:
-    """One line for the start-up log."""
-    if ctx.world_size == 1:
-        return "single worker: no gradient synchronisation"
-    return f"gradients: {grad_sync} with all_reduce={allreduce} over {ctx.backend}"
-
-

@@ -2,10 +2,10 @@
 
 Each optimizer step takes this rank's share of one global batch (see
 ``ddpkit.data.sampler``), runs forward and backward (gradients synchronised
-by DDP or the manual loop), and steps the optimizer. When the global batch
+by DDP, one flat all_reduce or the manual loop), and steps the optimizer. When the global batch
 splits evenly, each rank's loss is the mean over its samples; otherwise (the
 last batch of an epoch) it is the sum scaled by ``world_size /
-global_batch_length``. Either way, after DDP averages the gradients over
+global_batch_length``. Either way, after synchronisation averages the gradients over
 ranks, they are exactly the mean over the global batch.
 
 Per step the loop does no host synchronisation: the running loss stays a
@@ -101,8 +101,9 @@ class Trainer:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.allreduce = grad_sync.choose_allreduce(cfg.allreduce, ctx)
         self.module = model
-        self.model = grad_sync.wrap_model(model, ctx, self.allreduce, cfg.grad_sync)
-        self.manual_sync = grad_sync.manual_sync_fn(ctx, self.allreduce, cfg.grad_sync)
+        mode = grad_sync.choose_grad_sync(cfg.grad_sync, model, cfg.sync_batchnorm)
+        self.sync = grad_sync.GradientSync(model, ctx, self.allreduce, mode)
+        self.model = self.sync.model
         self.optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16" and ctx.device.type == "cuda")
         self.sampler = GlobalBatchSampler(
@@ -150,13 +151,12 @@ class Trainer:
 
     def train_step(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
         """One optimizer step on this rank's ``indices``; returns the mean loss of its samples (a tensor)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad(self.optimizer)
         if self.cfg.grad_accum_steps == 1:
             loss = self._forward_backward(indices, global_count)
         else:
             loss = self._accumulate(indices, global_count)
-        if self.manual_sync is not None:
-            self.manual_sync(self.module)
+        self.sync.synchronize()
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -169,7 +169,7 @@ class Trainer:
         with self._forward_context():
             output = self.model(x)
         if len(indices) * self.ctx.world_size == global_count:
-            # Even split: the per-rank mean, averaged over ranks by DDP, is the global mean.
+            # Even split: the per-rank mean, averaged over ranks, is the global mean.
             loss = self.batch_loss(output, x, y, "mean")
             self.scaler.scale(loss).backward()
             return loss.detach()
@@ -184,7 +184,7 @@ class Trainer:
         total = torch.zeros((), device=self.ctx.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            sync = contextlib.nullcontext() if last else self.sync.accumulating()
             with sync:
                 x, y = self.batch(micro)
                 with self._forward_context():
@@ -280,7 +280,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until ``cfg.epochs`` are complete and return the run summary."""
         log = get_logger()
-        log.info(grad_sync.describe(self.allreduce, self.cfg.grad_sync, self.ctx))
+        log.info(self.sync.describe())
         test: dict[str, float] = {}
         tested_at = -1
         try:
@@ -316,6 +316,7 @@ class Trainer:
             "dataset": self.dataset.name,
             "world_size": self.ctx.world_size,
             "allreduce": self.allreduce if self.ctx.world_size > 1 else "none",
+            "grad_sync": self.sync.mode,
             "epochs": self.state.completed_epochs,
             "global_steps": self.state.global_step,
             "train_time_s": round(self.state.train_time, 4),
