@@ -1,4 +1,4 @@
-"""Emulated hosts for benchmarks: network namespaces joined by one veth pair.
+"""Emulated hosts for benchmarks and tests: network namespaces joined by one veth pair.
 
     namespace A                          namespace B
     lo 127.0.0.1                         lo 127.0.0.1
@@ -9,6 +9,12 @@ the veth pair (through the kernel's TCP stack, as between hosts) rather than
 loopback. They still share this machine's cores, memory and ``/dev/shm``:
 the emulation separates networks, not machines. Needs root and iproute2.
 Traffic goes only to the two addresses created here.
+
+Commands run inside a host with ``host.command(argv)`` (prefixes
+``ip netns exec NAME``) or ``host.run(argv)``. Names carry the process's pid
+and a counter, so concurrent runs do not collide. The benchmarks use
+10.78.0.0/24 (:data:`ADDRESSES`); the tests pass their own pair of addresses
+(10.77.0.0/24), so the two are told apart wherever they run at once.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
+"""Default addresses of host A and host B, on one /24."""
 PREFIX_LENGTH = 24
 
 _counter = itertools.count()
@@ -38,6 +46,20 @@ class Host:
         """argv prefixed to run inside this host's namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
+    def run(self, argv: Sequence[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+        """Run argv inside this host's namespace and wait; text output is captured."""
+        return subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+class TwoHosts(NamedTuple):
+    """Host A and host B, joined by one veth pair on a /24.
+
+    A named tuple, so callers can both unpack it (``a, b = hosts``) and name its fields.
+    """
+
+    a: Host
+    b: Host
+
 
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be created here (not root, no ``ip``), or None when they can."""
@@ -51,28 +73,34 @@ def unavailable_reason() -> str | None:
 
 
 @contextmanager
-def two_hosts() -> Iterator[tuple[Host, Host]]:
+def two_hosts(addresses: tuple[str, str] = ADDRESSES) -> Iterator[TwoHosts]:
     """Create namespaces A and B joined by a veth pair; delete them on exit, even on failure.
 
+    Args:
+        addresses: the addresses of A and B, in one /24 (:data:`PREFIX_LENGTH`).
+
     Yields:
-        Host A and host B, interfaces up, addresses 10.78.0.1 and 10.78.0.2.
+        Host A and host B, interfaces up, with ``addresses``.
 
     Raises:
         RuntimeError: an ``ip`` command failed; the message has its output.
     """
     pid, n = os.getpid(), next(_counter)
-    a = Host(f"ddpkit-bench-{pid}-{n}-a", f"db{pid}x{n}a", ADDRESSES[0])
-    b = Host(f"ddpkit-bench-{pid}-{n}-b", f"db{pid}x{n}b", ADDRESSES[1])
+    a = Host(f"ddpkit-bench-{pid}-{n}-a", f"db{pid}x{n}a", addresses[0])
+    b = Host(f"ddpkit-bench-{pid}-{n}-b", f"db{pid}x{n}b", addresses[1])
     assert len(a.interface) <= 15, a.interface  # Linux's IFNAMSIZ - 1
     try:
         for host in (a, b):
+            # A namespace with this name can only be left over by a dead process that had our pid.
+            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
             _ip("netns", "add", host.netns)
+        # Both ends are created directly inside their namespaces, never in the root one.
         _ip("link", "add", a.interface, "netns", a.netns, "type", "veth", "peer", "name", b.interface, "netns", b.netns)
         for host in (a, b):
             _ip("-n", host.netns, "addr", "add", f"{host.address}/{PREFIX_LENGTH}", "dev", host.interface)
             _ip("-n", host.netns, "link", "set", host.interface, "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
-        yield a, b
+        yield TwoHosts(a, b)
     finally:
         # Deleting a namespace destroys the veth end inside it, and with it the pair.
         for host in (a, b):

@@ -54,14 +54,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     Raises:
         ValueError: ``op`` is not supported for ``tensor``'s dtype.
     """
-    op = ops.check(op, tensor.dtype)
-    rank, world_size = p2p.rank_and_world_size(group)
-    if rank < 0:  # not a member of group: nothing to do, as in torch.distributed
-        return
-    if world_size > 1:
-        with chunks.flat_view(tensor) as flat:
-            _butterfly(flat, op, rank, world_size, group)
-    ops.finish(tensor, op, world_size)
+    ops.run_all_reduce(tensor, op, group, _butterfly)
 
 
 def _butterfly(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:

@@ -48,8 +48,7 @@ def gather(
     rank, world_size = p2p.rank_and_world_size(group)
     if rank < 0:  # not a member of group: nothing to do, as in torch.distributed
         return
-    if not 0 <= dst < world_size:
-        raise ValueError(f"gather dst rank {dst} is outside the group of {world_size} ranks; pass a group rank")
+    p2p.check_group_rank("gather dst", dst, world_size)
     if rank != dst:
         p2p.send(tensor.contiguous(), dst, group)
         return
@@ -91,8 +90,7 @@ def scatter(
     rank, world_size = p2p.rank_and_world_size(group)
     if rank < 0:  # not a member of group: nothing to do, as in torch.distributed
         return
-    if not 0 <= src < world_size:
-        raise ValueError(f"scatter src rank {src} is outside the group of {world_size} ranks; pass a group rank")
+    p2p.check_group_rank("scatter src", src, world_size)
     if rank != src:
         with chunks.flat_view(tensor) as flat:
             p2p.recv(flat, src, group)

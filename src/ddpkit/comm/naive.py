@@ -40,20 +40,18 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     Raises:
         ValueError: ``op`` is not supported for ``tensor``'s dtype.
     """
-    op = ops.check(op, tensor.dtype)
-    rank, world_size = p2p.rank_and_world_size(group)
-    if rank < 0:  # not a member of group: nothing to do, as in torch.distributed
-        return
-    if world_size > 1:
-        with chunks.flat_view(tensor) as flat:
-            if rank == ROOT:
-                received = chunks.workspace(flat.numel(), flat.dtype, flat.device)
-                for src in range(world_size):
-                    if src != ROOT:
-                        p2p.recv(received, src, group)
-                        ops.reduce_into(flat, received, op)
-                p2p.wait_all([p2p.isend(flat, dst, group) for dst in range(world_size) if dst != ROOT])
-            else:
-                p2p.send(flat, ROOT, group)
-                p2p.recv(flat, ROOT, group)
-    ops.finish(tensor, op, world_size)
+    ops.run_all_reduce(tensor, op, group, _through_root)
+
+
+def _through_root(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
+    """Everyone sends to ROOT, ROOT reduces in rank order and sends the result back."""
+    if rank == ROOT:
+        received = chunks.workspace(flat.numel(), flat.dtype, flat.device)
+        for src in range(n):
+            if src != ROOT:
+                p2p.recv(received, src, group)
+                ops.reduce_into(flat, received, op)
+        p2p.wait_all([p2p.isend(flat, dst, group) for dst in range(n) if dst != ROOT])
+    else:
+        p2p.send(flat, ROOT, group)
+        p2p.recv(flat, ROOT, group)

@@ -2,7 +2,8 @@
 
 Every collective reduces with :func:`reduce_into` (``acc = acc op other``, in
 place, no allocation) and finishes with :func:`finish`, so the meaning of an
-operator is defined once:
+operator is defined once; every all_reduce algorithm runs inside
+:func:`run_all_reduce`, which checks the operator first and finishes it last:
 
 ========== ======================== ==========================================
 op         dtypes                   result
@@ -29,11 +30,18 @@ added; each algorithm adds in its own order, so results agree with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
+from ddpkit.comm import chunks, p2p
+
 ReduceOp = dist.ReduceOp
 RedOpType = dist.ReduceOp.RedOpType
+
+AllReduceAlgorithm = Callable[[torch.Tensor, RedOpType, int, int, dist.ProcessGroup | None], None]
+"""``algorithm(flat, op, rank, world_size, group)``: reduce the contiguous 1-d ``flat`` in place across ``group``."""
 
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG, *_BITWISE)
@@ -130,3 +138,34 @@ def finish(tensor: torch.Tensor, op: RedOpType, world_size: int) -> None:
         tensor.div_(world_size)
     else:
         tensor.div_(world_size, rounding_mode="trunc")
+
+
+def run_all_reduce(
+    tensor: torch.Tensor, op: ReduceOp | RedOpType, group: dist.ProcessGroup | None, algorithm: AllReduceAlgorithm
+) -> None:
+    """Reduce ``tensor`` in place with ``algorithm``, around it the steps every all_reduce shares.
+
+    Checks ``op``; returns at once on a rank outside ``group`` (as
+    ``torch.distributed`` does); with more than one rank, calls
+    ``algorithm(flat, op, rank, world_size, group)`` on a flat contiguous view
+    of ``tensor`` (copied back if ``tensor`` is not contiguous); then
+    :func:`finish` (AVG divides by the group size).
+
+    Args:
+        tensor: input and output; every rank passes the same number of elements and dtype.
+        op: reduction operator.
+        group: process group, or None for the world group.
+        algorithm: the exchange; it gets ``op`` already checked and ranks of ``group``, and
+            leaves the operator's unfinished result (AVG: the sum) in ``flat`` on every rank.
+
+    Raises:
+        ValueError: ``op`` is not supported for ``tensor``'s dtype.
+    """
+    op = check(op, tensor.dtype)
+    rank, world_size = p2p.rank_and_world_size(group)
+    if rank < 0:  # not a member of group: nothing to do, as in torch.distributed
+        return
+    if world_size > 1:
+        with chunks.flat_view(tensor) as flat:
+            algorithm(flat, op, rank, world_size, group)
+    finish(tensor, op, world_size)

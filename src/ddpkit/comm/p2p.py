@@ -52,6 +52,21 @@ def rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def check_group_rank(what: str, rank: int, world_size: int) -> None:
+    """Check that a root rank a caller passed (``dst``, ``src``) is a rank of the group.
+
+    Args:
+        what: the collective and argument, as ``"gather dst"``, for the message.
+        rank: the rank passed.
+        world_size: the group's size.
+
+    Raises:
+        ValueError: ``rank`` is not in ``0 .. world_size - 1``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{what} rank {rank} is outside the group of {world_size} ranks; pass a group rank")
+
+
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """Translate a rank of ``group`` to its global rank (identity for the world group)."""
     if group is None or group is dist.GroupMember.WORLD:

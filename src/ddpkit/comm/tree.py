@@ -40,11 +40,6 @@ def _neighbours(rank: int, root: int, n: int) -> tuple[int | None, list[int]]:
     return parent, children
 
 
-def _check_root(name: str, root: int, world_size: int) -> None:
-    if not 0 <= root < world_size:
-        raise ValueError(f"{name} rank {root} is outside the group of {world_size} ranks; pass a group rank")
-
-
 def reduce(
     tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None
 ) -> None:
@@ -66,7 +61,7 @@ def reduce(
     rank, world_size = p2p.rank_and_world_size(group)
     if rank < 0:  # not a member of group: nothing to do, as in torch.distributed
         return
-    _check_root("reduce dst", dst, world_size)
+    p2p.check_group_rank("reduce dst", dst, world_size)
     with chunks.flat_view(tensor) as flat:
         _reduce(flat, dst, op, rank, world_size, group)
     if rank == dst:
@@ -107,7 +102,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     rank, world_size = p2p.rank_and_world_size(group)
     if rank < 0:
         return
-    _check_root("broadcast src", src, world_size)
+    p2p.check_group_rank("broadcast src", src, world_size)
     with chunks.flat_view(tensor) as flat:
         _broadcast(flat, src, rank, world_size, group)
 
@@ -135,12 +130,11 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     Raises:
         ValueError: ``op`` is not supported for ``tensor``'s dtype.
     """
-    op = ops.check(op, tensor.dtype)
-    rank, world_size = p2p.rank_and_world_size(group)
-    if rank < 0:
-        return
-    if world_size > 1:
-        with chunks.flat_view(tensor) as flat:
-            _reduce(flat, 0, op, rank, world_size, group)
-            _broadcast(flat, 0, rank, world_size, group)
-    ops.finish(tensor, op, world_size)
+    ops.run_all_reduce(tensor, op, group, _reduce_then_broadcast)
+
+
+def _reduce_then_broadcast(
+    flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None
+) -> None:
+    _reduce(flat, 0, op, rank, n, group)
+    _broadcast(flat, 0, rank, n, group)
