@@ -170,11 +170,12 @@ def test_smoke_run_through_the_cli_writes_consistent_outputs(tmp_path):
         assert r["samples_per_s"] == pytest.approx(r["global_batch"] / r["step_s"]["median"])
         assert r["global_batch"] == 64 and r["batch_per_worker"] == 64 // r["workers"]
         assert r["gradient_bytes"] == 4 * (784 * 50 + 50 + 50 * 10 + 10)
+        assert r["grad_sync"] == ("none" if r["workers"] == 1 else "flat")  # what ddpkit train uses for W1
         if r["workers"] > 1:
             fit = r["comm_fit"]
             assert len(fit["sizes"]) == len(fit["seconds"]) >= 3 and fit["alpha_s"] >= 0 and fit["beta_s_per_byte"] >= 0
-            assert r["ddp_overhead_s"] >= 0
-            assert r["predicted_step_s"] == pytest.approx(r["compute_s"] + r["ddp_overhead_s"] + fit["allreduce_gradient_s"])
+            assert r["sync_overhead_s"] >= 0
+            assert r["predicted_step_s"] == pytest.approx(r["compute_s"] + r["sync_overhead_s"] + fit["allreduce_gradient_s"])
     # The projection's compute comes from the 1-worker run's batch ladder 64, 32, ..., 1.
     assert [int(b) for b in rows[0]["compute_by_batch_s"]] == [1, 2, 4, 8, 16, 32, 64]
     for network in report["projection"]["networks"]:

@@ -26,20 +26,23 @@ How a step is split (each rank, ``perf_counter``)
     ``block_steps`` steps (a barrier before each block) so that load from
     elsewhere on a shared machine hits them alike:
 
-    (a) compute: a copy of the model, *not* wrapped by DDP, with its own
-        optimizer; timed are data (index the in-memory images and convert
-        them), forward (with the loss), backward and optimizer (step and
-        zero_grad);
-    (b) real: ``Trainer.train_step`` with DDP and the all_reduce algorithm,
+    (a) compute: a copy of the model with no gradient synchronisation and
+        its own optimizer; timed are data (index the in-memory images and
+        convert them), forward (with the loss), backward and optimizer
+        (step and zero_grad);
+    (b) real: ``Trainer.train_step`` with the run's gradient sync (DDP or
+        flat, see ``ddpkit.train.grad_sync``) and all_reduce algorithm,
         timed as a whole;
-    (c) DDP without communication: DDP around another copy, with a
-        communication hook that hands the bucket back untouched; (c) - (a)
-        is DDP's own cost (autograd hooks, copies into and out of buckets);
+    (c) sync without communication: another copy synchronised the same
+        way with nothing moved (DDP: a hook that hands the bucket back
+        untouched; flat: an all_reduce that does nothing); (c) - (a) is the
+        synchronisation's own cost (DDP's autograd hooks and bucket copies,
+        the flat buffer's zeroing and division);
     (d) probes: a compute step (a), then one timed all_reduce call, the
         sizes of the fit taken in turn.
 
     Exposed communication = (b) - (a): the all_reduce time that backward did
-    not hide, DDP's bookkeeping and the wait for the slowest rank. Each
+    not hide, the synchronisation's bookkeeping and the wait for the slowest rank. Each
     figure is the median over the measured steps, then the maximum over
     ranks (the slowest rank sets the pace).
 
@@ -52,8 +55,8 @@ The model (:mod:`ddpkit.bench.perfmodel`)
     barrier cost (``ddpkit bench comm``'s method, measured too and reported
     as "isolated"): fitted to those, the model under-predicts by 30-70%.
     The predicted step is (a) + ((c) - (a)) + ``t(gradient bytes)``, with
-    no credit for overlap with backward (W1's gradients fill one DDP
-    bucket, so there is nothing to overlap). The projection fits compute
+    no credit for overlap with backward (W1's gradients are reduced in one
+    call after backward, so there is nothing to overlap). The projection fits compute
     against the per-worker batch, timed in the 1-worker run at the batch
     halved down to 1 sample (one process: no contention between workers, as
     on nodes with their own cores), and uses the ring all_reduce cost on
@@ -276,16 +279,14 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
     """The timed passes, each a function of (indices, global_count) returning its times.
 
     - compute: an unwrapped copy of the model with its own optimizer (data, forward, backward, optimizer);
-    - real: ``Trainer.train_step`` (DDP and the all_reduce algorithm);
+    - real: ``Trainer.train_step`` (the run's gradient sync and all_reduce algorithm);
     and with several workers:
-    - ddp_noop: DDP around another copy with a communication hook that returns the bucket untouched
-      (DDP's own bookkeeping: autograd hooks, bucket copies, no communication);
+    - sync_noop: another copy synchronised the same way with no bytes moved (the synchronisation's own cost);
     - probe: a compute step, then one timed ``allreduce`` call, sizes taken in turn (key ``comm_<i>``).
     """
     import itertools
 
     import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpkit.train.loop import build_optimizer
 
@@ -321,25 +322,7 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
 
         return [compute_only, real, share]
 
-    noop_model = DDP(copy.deepcopy(trainer.module))
-
-    # Unannotated on purpose: DDP checks a hook's annotations against the real classes,
-    # and this module's annotations are strings (from __future__ import annotations).
-    def untouched(state, bucket):  # noqa: ANN001, ANN202
-        future = torch.futures.Future()
-        future.set_result(bucket.buffer())
-        return future
-
-    noop_model.register_comm_hook(None, untouched)
-    noop_optimizer = build_optimizer(train_cfg, noop_model.parameters(), world_size)
-
-    def ddp_noop(indices: torch.Tensor, global_count: int) -> dict[str, float]:
-        t0 = clock()
-        x, y = trainer.batch(indices)
-        trainer.batch_loss(noop_model(x), x, y, "mean").backward()
-        noop_optimizer.step()
-        noop_optimizer.zero_grad(set_to_none=True)
-        return {"ddp_noop": clock() - t0}
+    sync_noop = _sync_without_communication(trainer, train_cfg, world_size)
 
     tensors = [torch.zeros(max(1, n // 4)) for n in sizes]
     turn = itertools.cycle(range(len(sizes)))
@@ -351,7 +334,64 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
         allreduce(tensors[i])
         return {f"comm_{i}": clock() - t0}
 
-    return [compute_only, real, ddp_noop, probe]
+    return [compute_only, real, sync_noop, probe]
+
+
+def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -> Any:
+    """A timed pass over a copy of the model, its gradients synchronised the trainer's way with no bytes moved.
+
+    DDP gets a communication hook that hands each bucket back untouched; flat
+    gradients and the manual loop get an all_reduce that does nothing. Minus
+    the compute-only pass, this is the synchronisation's own cost (DDP's
+    autograd hooks and bucket copies; the flat buffer's zeroing and division).
+    """
+    import torch
+
+    from ddpkit.comm.flat_grads import FlatGradients
+    from ddpkit.comm.hooks import manual_gradient_sync
+    from ddpkit.train.loop import build_optimizer
+
+    model = copy.deepcopy(trainer.module)
+    mode = trainer.sync.mode
+    flat = FlatGradients(model, _no_all_reduce) if mode == "flat" else None
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        model.register_comm_hook(None, _untouched_bucket)
+    optimizer = build_optimizer(train_cfg, model.parameters(), world_size)
+    clock = time.perf_counter
+
+    def sync_noop(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+        t0 = clock()
+        if flat is not None:
+            flat.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        x, y = trainer.batch(indices)
+        trainer.batch_loss(model(x), x, y, "mean").backward()
+        if flat is not None:
+            flat.all_reduce()
+        elif mode == "manual":
+            manual_gradient_sync(model, _no_all_reduce, world_size)
+        optimizer.step()
+        return {"sync_noop": clock() - t0}
+
+    return sync_noop
+
+
+def _no_all_reduce(tensor: Any, op: Any = None, group: Any = None) -> None:
+    """An all_reduce that moves nothing (the tensor keeps this rank's values)."""
+
+
+# Unannotated on purpose: DDP checks a hook's annotations against the real classes,
+# and this module's annotations are strings (from __future__ import annotations).
+def _untouched_bucket(state, bucket):  # noqa: ANN001, ANN202
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _measure_steps(trainer: Any, cfg: ScalingBenchConfig, timers: Sequence[Any]) -> dict[str, float]:
@@ -430,6 +470,7 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
             "num_nodes": ctx.env.num_nodes,
             "threads": threads,
             "allreduce": trainer.allreduce if world_size > 1 else "none",
+            "grad_sync": trainer.sync.mode,
             "batch_per_worker": len(next(_batches(trainer))[0]),
             "global_batch": trainer.sampler.global_batch_length(0),
             "gradient_bytes": gradient_bytes,
@@ -545,7 +586,7 @@ def analyse_row(run: RunSpec, measured: dict[str, Any], baseline_rate: float | N
     rate = measured["global_batch"] / step
     row: dict[str, Any] = {
         "name": run.name, "workers": run.workers, "nodes": run.nodes, "allreduce": measured["allreduce"],
-        "threads_per_worker": measured["threads"], "batch_per_worker": measured["batch_per_worker"],
+        "grad_sync": measured.get("grad_sync", "ddp"), "threads_per_worker": measured["threads"], "batch_per_worker": measured["batch_per_worker"],
         "global_batch": measured["global_batch"], "gradient_bytes": measured["gradient_bytes"],
         "step_s": {"median": step, "min": s["step_min"], "max": s["step_max"],
                    "by_round": measured.get("step_by_round", [step])},
@@ -567,8 +608,8 @@ def analyse_row(run: RunSpec, measured: dict[str, Any], baseline_rate: float | N
                            "isolated": {"seconds": measured["comm_isolated_s"], "alpha_s": isolated.intercept,
                                         "beta_s_per_byte": isolated.slope,
                                         "allreduce_gradient_s": isolated(measured["gradient_bytes"])}}
-    row["ddp_overhead_s"] = max(0.0, s["ddp_noop"] - compute) if "ddp_noop" in s else 0.0
-    row["predicted_step_s"] = compute + row["ddp_overhead_s"] + comm_pred
+    row["sync_overhead_s"] = max(0.0, s["sync_noop"] - compute) if "sync_noop" in s else 0.0
+    row["predicted_step_s"] = compute + row["sync_overhead_s"] + comm_pred
     row["prediction_error"] = row["predicted_step_s"] / step - 1
     row["bottleneck"] = bottleneck(row, cores)
     return row
@@ -667,11 +708,11 @@ def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) ->
                      "optimizer": train_cfg.optimizer},
         "method": {
             "breakdown": "compute-only pass (unwrapped copy of the model) for data/forward/backward/optimizer; "
-                         "exposed_comm = real DDP step - compute-only step; median over steps, max over ranks",
+                         "exposed_comm = real step - compute-only step; median over steps, max over ranks",
             "comm_fit": "one all_reduce call with the run's algorithm after each compute-only step, sizes in turn, "
                         "interleaved with the other passes; t(n) = alpha + beta n by least squares; slowest rank "
                         "(isolated: back-to-back calls after a barrier, before training, for reference)",
-            "prediction": "compute-only step + DDP overhead (DDP with a no-op communication hook - compute-only) "
+            "prediction": "compute-only step + sync overhead (the run's gradient sync with a no-op all_reduce - compute-only) "
                           "+ t(gradient bytes), no overlap credit",
             "projection": "compute fitted against per-worker batch; ring all_reduce 2(p-1) alpha + 2(p-1)/p n / bw; "
                           "one worker per node",
@@ -743,7 +784,7 @@ def render_markdown(report: dict[str, Any], png_name: str | None = None) -> str:
         f"## Model against measurement ({within} of {len(rows)} within {100 * TOLERANCE:.0f}%)",
         "",
         "| configuration | alpha (us) | beta (GB/s) | all_reduce of gradients (ms) | isolated (ms) | compute (ms) "
-        "| DDP overhead (ms) | predicted (ms) | measured (ms) | error |",
+        "| sync overhead (ms) | predicted (ms) | measured (ms) | error |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -753,7 +794,7 @@ def render_markdown(report: dict[str, Any], png_name: str | None = None) -> str:
             f"| {_num(f and 1 / f['beta_s_per_byte'] / 1e9 if f and f['beta_s_per_byte'] else None)} "
             f"| {_num(f and f['allreduce_gradient_s'] * 1e3, '.3f')} "
             f"| {_num(f and f['isolated']['allreduce_gradient_s'] * 1e3, '.3f')} | {r['compute_s'] * 1e3:.3f} "
-            f"| {r['ddp_overhead_s'] * 1e3:.3f} "
+            f"| {r['sync_overhead_s'] * 1e3:.3f} "
             f"| {r['predicted_step_s'] * 1e3:.3f} | {r['step_s']['median'] * 1e3:.3f} "
             f"| {100 * r['prediction_error']:+.1f}% |")
     lines += ["", "## Bottleneck of each configuration", ""]
