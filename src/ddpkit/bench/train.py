@@ -2,7 +2,7 @@
 
 Each round runs every configuration once, in a fresh process, in the same
 order: the bare loop (no framework), then ``ddpkit train`` with each worker
-count and all_reduce algorithm. Rounds repeat, and the report gives the
+count, all_reduce algorithm and gradient sync mode. Rounds repeat, and the report gives the
 median with min and max, and the ratios the targets are stated in:
 
 - T1: ddpkit with 1 worker / bare loop          (target <= 1.15)
@@ -39,6 +39,8 @@ class TrainBenchConfig:
     """Worker counts to run ddpkit with."""
     allreduce: list[str] = dataclasses.field(default_factory=lambda: ["auto", "builtin"])
     """all_reduce algorithms to compare for runs with more than one worker."""
+    grad_sync: list[str] = dataclasses.field(default_factory=lambda: ["auto", "ddp"])
+    """Gradient synchronisation modes to compare for runs with more than one worker (auto, ddp, flat, manual)."""
     repeats: int = 3
     """Rounds of every configuration."""
     smoke: bool = False
@@ -62,9 +64,13 @@ def _train_words(cfg: TrainBenchConfig) -> list[str]:
 def _configurations(cfg: TrainBenchConfig) -> list[dict[str, Any]]:
     runs = [{"name": "bare loop", "kind": "bare", "workers": 1}]
     for n in cfg.workers:
-        for algorithm in (["none"] if n == 1 else cfg.allreduce):
-            name = f"ddpkit {n} worker" + ("s" if n > 1 else "") + ("" if n == 1 else f", allreduce={algorithm}")
-            runs.append({"name": name, "kind": "ddpkit", "workers": n, "allreduce": algorithm})
+        if n == 1:
+            runs.append({"name": "ddpkit 1 worker", "kind": "ddpkit", "workers": 1})
+            continue
+        for algorithm in cfg.allreduce:
+            for mode in cfg.grad_sync:
+                name = f"ddpkit {n} workers, allreduce={algorithm}, grad_sync={mode}"
+                runs.append({"name": name, "kind": "ddpkit", "workers": n, "allreduce": algorithm, "grad_sync": mode})
     return runs
 
 
@@ -77,13 +83,13 @@ def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
         extra = [f"nproc={run['workers']}", f"output_dir={tmp}"]
         if run["workers"] > 1:
-            extra.append(f"allreduce={run['allreduce']}")
+            extra += [f"allreduce={run['allreduce']}", f"grad_sync={run['grad_sync']}"]
         out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, *extra],
                              capture_output=True, text=True, timeout=timeout)
         _check(out, run)
         summary = json.loads((Path(tmp) / "summary.json").read_text())
     return {"train_time_s": summary["train_time_s"], "test_accuracy": summary["test"].get("accuracy"),
-            "allreduce": summary["allreduce"]}
+            "allreduce": summary["allreduce"], "grad_sync": summary.get("grad_sync")}
 
 
 def _check(out: subprocess.CompletedProcess, run: dict[str, Any]) -> None:
@@ -100,14 +106,15 @@ def run_train_benchmark(cfg: TrainBenchConfig) -> dict[str, Any]:
         for run in runs:
             result = _run_once(run, words, cfg.timeout)
             samples[run["name"]].append(result)
-            print(f"round {round_index + 1}: {run['name']:<40} {result['train_time_s']:7.2f}s  "
+            print(f"round {round_index + 1}: {run['name']:<55} {result['train_time_s']:7.2f}s  "
                   f"accuracy {100 * (result['test_accuracy'] or 0):.2f}%", file=sys.stderr)
     results = []
     for run in runs:
         times = [s["train_time_s"] for s in samples[run["name"]]]
         accuracies = [s["test_accuracy"] for s in samples[run["name"]]]
         results.append({**run, "train_time_s": summarize(times), "test_accuracy": summarize(accuracies),
-                        "resolved_allreduce": samples[run["name"]][-1].get("allreduce")})
+                        "resolved_allreduce": samples[run["name"]][-1].get("allreduce"),
+                        "resolved_grad_sync": samples[run["name"]][-1].get("grad_sync")})
     return {"benchmark": "train", "machine": machine_info(), "config": dataclasses.asdict(cfg),
             "train_words": words, "results": results, "ratios": _ratios(results)}
 

@@ -1,0 +1,45 @@
+"""``ddpkit bench train``: the configuration matrix, and a real smoke run through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddpkit.bench.train import TrainBenchConfig, _configurations
+from tests.cli_runner import run_ddpkit
+
+
+def test_matrix_crosses_allreduce_and_grad_sync_for_several_workers_only():
+    runs = _configurations(TrainBenchConfig(workers=[1, 2], allreduce=["auto", "builtin"], grad_sync=["auto", "ddp"]))
+    assert [r["name"] for r in runs] == [
+        "bare loop",
+        "ddpkit 1 worker",
+        "ddpkit 2 workers, allreduce=auto, grad_sync=auto",
+        "ddpkit 2 workers, allreduce=auto, grad_sync=ddp",
+        "ddpkit 2 workers, allreduce=builtin, grad_sync=auto",
+        "ddpkit 2 workers, allreduce=builtin, grad_sync=ddp",
+    ]
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_times_ratios_and_what_auto_chose(tmp_path):
+    out = run_ddpkit("bench", "train", "smoke=true", f"output_dir={tmp_path}", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (json_path,) = tmp_path.glob("train-mlp-*-smoke.json")
+    report = json.loads(json_path.read_text())
+    results = {r["name"]: r for r in report["results"]}
+    assert len(results) == 6
+    for r in results.values():
+        t = r["train_time_s"]
+        assert 0 < t["min"] <= t["median"] <= t["max"]
+    # On one CPU node, auto means shared memory and, for W1's 155 KiB of gradients, one flat all_reduce.
+    auto = results["ddpkit 2 workers, allreduce=auto, grad_sync=auto"]
+    assert (auto["resolved_allreduce"], auto["resolved_grad_sync"]) == ("shm", "flat")
+    stock = results["ddpkit 2 workers, allreduce=builtin, grad_sync=ddp"]
+    assert (stock["resolved_allreduce"], stock["resolved_grad_sync"]) == ("builtin", "ddp")
+    ratios = report["ratios"]
+    assert ratios["T1 ddpkit 1 worker / bare loop"] == pytest.approx(
+        results["ddpkit 1 worker"]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"])
+    assert sum(name.startswith("T2 ") for name in ratios) == 4
+    assert "| ratio (medians, same run) | value |" in json_path.with_suffix(".md").read_text()
