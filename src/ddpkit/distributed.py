@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -138,6 +139,10 @@ def init(
     global _context
     if _context is not None:
         return _context
+    if not faulthandler.is_enabled():
+        # A worker that dies in C++ (abort, segfault) then prints every thread's
+        # Python stack, which the launcher's failure report passes on.
+        faulthandler.enable()
     environ = os.environ if environ is None else environ
     env = detect_environment(environ)
     resolved_device = resolve_device(device, env.local_rank, torch.cuda.is_available())
