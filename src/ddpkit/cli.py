@@ -112,6 +112,15 @@ def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
     return commands
 
 
+def run() -> NoReturn:
+    """The ``ddpkit`` console script and ``python -m ddpkit``: :func:`main`, then the process's exit."""
+    code = main()
+    distributed = sys.modules.get("ddpkit.distributed")
+    if distributed is None:  # never joined a job (`ddpkit slurm`, `--help`): no torch to import now
+        sys.exit(code)
+    distributed.exit_process(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script and ``python -m ddpkit``."""
     argv = list(sys.argv[1:] if argv is None else argv)

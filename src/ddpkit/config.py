@@ -232,7 +232,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA when available, bound to the local rank), cpu or cuda."""
     allreduce: str = "auto"
-    """Gradient all_reduce: auto (shm on CPU when all workers share a node, else builtin), builtin, shm, ring, ..."""
+    """Gradient all_reduce: auto (CPU: shm on one node, hierarchical across nodes with several workers per node;
+    else builtin), builtin, shm, hierarchical, ring, ..."""
     grad_sync: str = "auto"
     """auto (flat for gradients <= 1 MiB, else ddp), ddp (DistributedDataParallel with the all_reduce as its hook),
     flat (one all_reduce of all gradients after backward) or manual (per-parameter all_reduce)."""

@@ -22,10 +22,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -153,6 +156,9 @@ def init(
     _init_process_group(env, resolved_backend, timeout, environ)
     _context = Context(env, resolved_device, resolved_backend)
     atexit.register(shutdown)
+    if env.world_size > 1:
+        global _joined_multiprocess_job
+        _joined_multiprocess_job = True
     return _context
 
 
@@ -162,6 +168,30 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _context = None
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code`` once its work is done and written.
+
+    A process that took part in a multi-process job leaves the group, flushes
+    its output and logs, then exits without the interpreter's teardown
+    (``os._exit``, as multiprocessing's children do): in multi-host runs with
+    the shared-memory all_reduce, a worker that had finished and written
+    everything was seen aborting in that teardown ("terminate called without
+    an active exception", about one run in three under torchrun across
+    network namespaces), which turned a successful job into a failed one.
+    Other processes exit normally.
+    """
+    if not _joined_multiprocess_job:
+        sys.exit(code)
+    shutdown()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def context() -> Context:
@@ -194,6 +224,7 @@ def main_process_first(local: bool = True) -> Iterator[None]:
 
 
 _context: Context | None = None
+_joined_multiprocess_job = False
 
 
 def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:

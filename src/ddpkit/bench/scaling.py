@@ -956,3 +956,6 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "worker":
         sys.exit("usage: python -m ddpkit.bench.scaling worker JOB.json (run `ddpkit bench scaling` instead)")
     run_configuration(json.loads(Path(sys.argv[2]).read_text()))
+    from ddpkit.distributed import exit_process
+
+    exit_process(0)

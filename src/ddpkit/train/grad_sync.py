@@ -1,9 +1,11 @@
 """How gradients are synchronised: which all_reduce, and DDP, one flat all_reduce or the manual loop.
 
-``allreduce=auto`` takes the shared-memory all_reduce when every worker is on
-one node and trains on the CPU (gloo would move the bytes over TCP loopback),
-and the backend's built-in otherwise. Any other name selects an algorithm of
-``ddpkit.comm``.
+``allreduce=auto`` on the CPU takes the shared-memory all_reduce when every
+worker is on one node (gloo would move the bytes over TCP loopback), the
+hierarchical one (shared memory inside each node, gloo between nodes) when
+the job spans nodes with several workers on some, and the backend's built-in
+otherwise (one worker per node, or CUDA). Any other name selects an
+algorithm of ``ddpkit.comm``.
 
 ``grad_sync=auto`` takes ``flat`` (``ddpkit.comm.flat_grads``: gradients as
 views of one buffer, one all_reduce after backward) when the gradients fit in
@@ -26,18 +28,38 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
 from ddpkit.distributed import Context
+from ddpkit.log import get_logger
 
 def choose_allreduce(requested: str, ctx: Context) -> str:
-    """The all_reduce algorithm name to use for ``requested`` (resolving auto)."""
+    """The all_reduce algorithm name to use for ``requested``, resolving auto (collective: every rank calls it)."""
     if requested != "auto":
         return requested
-    if ctx.device.type == "cpu" and ctx.env.is_single_node and ctx.world_size > 1:
-        from ddpkit.comm import shm
+    if ctx.device.type != "cpu" or ctx.world_size == 1:
+        return "builtin"
+    if ctx.env.is_single_node:
+        candidate = "shm"
+    elif ctx.world_size > ctx.env.num_nodes:  # some node holds several ranks: share memory there
+        candidate = "hierarchical"
+    else:  # one rank per node: nothing to share memory with
+        return "builtin"
+    from ddpkit.comm import shm
 
-        if shm.is_available():
-            return "shm"
+    available = shm.is_available()
+    if _on_every_rank(available):
+        return candidate
+    if not available:
         shm.warn_unavailable_once()
+    else:
+        get_logger().warning(f"allreduce=auto: another rank cannot load the shared-memory library; "
+                             f"using builtin instead of {candidate}")
     return "builtin"
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (all ranks must pick the same algorithm, or they wait on each other)."""
+    agreed = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
 
 
 def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool) -> str:
