@@ -116,16 +116,21 @@ def test_fit_sizes_bracket_the_gradients():
     assert batch_ladder(64) == [64, 32, 16, 8, 4, 2, 1] and batch_ladder(5) == [5, 2, 1]
 
 
-def test_merge_rounds_takes_medians_and_extremes():
+def test_merge_rounds_takes_medians_and_extremes_and_predicts_each_round():
     def result(step, low, high, comm):
-        return {"slowest_rank": {"step": step, "compute": step / 2, "step_min": low, "step_max": high},
-                "comm_s": comm, "comm_isolated_s": comm, "global_batch": 64}
+        compute = step / 2
+        return {"slowest_rank": {"step": step, "compute": compute, "sync_noop": compute + 0.1, "step_min": low,
+                                 "step_max": high},
+                "comm_s": comm, "comm_isolated_s": comm, "comm_sizes": [100, 200], "gradient_bytes": 200,
+                "global_batch": 64}
 
-    merged = merge_rounds([result(1.0, 0.8, 2.0, [1.0, 5.0]), result(3.0, 0.7, 9.0, [2.0, 4.0]),
+    merged = merge_rounds([result(1.0, 0.8, 2.0, [4.0, 5.0]), result(3.0, 0.7, 9.0, [2.0, 4.0]),
                            result(2.0, 0.9, 3.0, [3.0, 6.0])])
-    assert merged["slowest_rank"] == {"step": 2.0, "compute": 1.0, "step_min": 0.7, "step_max": 9.0}
-    assert merged["comm_s"] == [2.0, 5.0] and merged["step_by_round"] == [1.0, 3.0, 2.0]
+    assert merged["slowest_rank"] == {"step": 2.0, "compute": 1.0, "sync_noop": 1.1, "step_min": 0.7, "step_max": 9.0}
+    assert merged["comm_s"] == [3.0, 5.0] and merged["step_by_round"] == [1.0, 3.0, 2.0]
     assert merged["global_batch"] == 64
+    # Per round: compute + 0.1 of overhead + the round's all_reduce time at 200 bytes.
+    assert merged["predicted_by_round"] == pytest.approx([0.5 + 0.1 + 5.0, 1.5 + 0.1 + 4.0, 1.0 + 0.1 + 6.0])
 
 
 def test_bottleneck_names_communication_and_its_kind():
@@ -175,6 +180,8 @@ def test_smoke_run_through_the_cli_writes_consistent_outputs(tmp_path):
             fit = r["comm_fit"]
             assert len(fit["sizes"]) == len(fit["seconds"]) >= 3 and fit["alpha_s"] >= 0 and fit["beta_s_per_byte"] >= 0
             assert r["sync_overhead_s"] >= 0
+            # One round (smoke): the prediction is the round's own compute + overhead + t(gradient bytes).
+            assert r["predicted_by_round_s"] == [r["predicted_step_s"]]
             assert r["predicted_step_s"] == pytest.approx(r["compute_s"] + r["sync_overhead_s"] + fit["allreduce_gradient_s"])
     # The projection's compute comes from the 1-worker run's batch ladder 64, 32, ..., 1.
     assert [int(b) for b in rows[0]["compute_by_batch_s"]] == [1, 2, 4, 8, 16, 32, 64]

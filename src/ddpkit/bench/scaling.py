@@ -54,7 +54,9 @@ The model (:mod:`ddpkit.bench.perfmodel`)
     machine these cost several times what back-to-back calls after a
     barrier cost (``ddpkit bench comm``'s method, measured too and reported
     as "isolated"): fitted to those, the model under-predicts by 30-70%.
-    The predicted step is (a) + ((c) - (a)) + ``t(gradient bytes)``, with
+    The predicted step is (a) + ((c) - (a)) + ``t(gradient bytes)``, made
+    for each round from that round's measurements (so that prediction and
+    measurement saw the same load), then the median over rounds, with
     no credit for overlap with backward (W1's gradients are reduced in one
     call after backward, so there is nothing to overlap). The projection fits compute
     against the per-worker batch, timed in the 1-worker run at the batch
@@ -552,10 +554,30 @@ def measure(cfg: ScalingBenchConfig, run: RunSpec) -> dict[str, Any]:
 # --- the analysis ------------------------------------------------------------------------------
 
 
+def sync_overhead(measured: dict[str, Any]) -> float:
+    """The gradient synchronisation's own cost per step: its no-communication pass minus the compute-only pass."""
+    s = measured["slowest_rank"]
+    return max(0.0, s["sync_noop"] - s["compute"]) if "sync_noop" in s else 0.0
+
+
+def predict_step(measured: dict[str, Any]) -> float:
+    """The model's step time from one configuration's measurements.
+
+    Compute-only step + synchronisation overhead + ``t(gradient bytes)``, with
+    ``t(n) = alpha + beta n`` fitted to the in-step all_reduce probes; no
+    credit for overlap with backward.
+    """
+    comm = 0.0
+    if measured["comm_s"]:
+        comm = perfmodel.fit_line(measured["comm_sizes"], measured["comm_s"])(measured["gradient_bytes"])
+    return measured["slowest_rank"]["compute"] + sync_overhead(measured) + comm
+
+
 def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's rounds as one result: the median of every time over rounds.
 
-    ``step_min`` and ``step_max`` are the extremes over all rounds; ``step_by_round`` keeps each round's median.
+    ``step_min`` and ``step_max`` are the extremes over all rounds; ``step_by_round`` keeps each round's median
+    and ``predicted_by_round`` each round's prediction from its own measurements.
     """
     merged = dict(results[0])
     keys = results[0]["slowest_rank"]
@@ -566,6 +588,7 @@ def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ("comm_s", "comm_isolated_s"):
         merged[key] = [statistics.median(values) for values in zip(*(r[key] for r in results))]
     merged["step_by_round"] = [r["slowest_rank"]["step"] for r in results]
+    merged["predicted_by_round"] = [predict_step(r) for r in results]
     return merged
 
 
@@ -608,8 +631,12 @@ def analyse_row(run: RunSpec, measured: dict[str, Any], baseline_rate: float | N
                            "isolated": {"seconds": measured["comm_isolated_s"], "alpha_s": isolated.intercept,
                                         "beta_s_per_byte": isolated.slope,
                                         "allreduce_gradient_s": isolated(measured["gradient_bytes"])}}
-    row["sync_overhead_s"] = max(0.0, s["sync_noop"] - compute) if "sync_noop" in s else 0.0
-    row["predicted_step_s"] = compute + row["sync_overhead_s"] + comm_pred
+    row["sync_overhead_s"] = sync_overhead(measured)
+    # Each round's prediction from that round's own measurements (same load on the machine), then
+    # the median over rounds, as for the measured step.
+    by_round = measured.get("predicted_by_round") or [predict_step(measured)]
+    row["predicted_by_round_s"] = by_round
+    row["predicted_step_s"] = statistics.median(by_round)
     row["prediction_error"] = row["predicted_step_s"] / step - 1
     row["bottleneck"] = bottleneck(row, cores)
     return row
@@ -713,7 +740,8 @@ def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) ->
                         "interleaved with the other passes; t(n) = alpha + beta n by least squares; slowest rank "
                         "(isolated: back-to-back calls after a barrier, before training, for reference)",
             "prediction": "compute-only step + sync overhead (the run's gradient sync with a no-op all_reduce - compute-only) "
-                          "+ t(gradient bytes), no overlap credit",
+                          "+ t(gradient bytes), no overlap credit; made for each round from its own measurements, "
+                          "median over rounds (as the measured step)",
             "projection": "compute fitted against per-worker batch; ring all_reduce 2(p-1) alpha + 2(p-1)/p n / bw; "
                           "one worker per node",
         },
