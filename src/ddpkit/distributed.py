@@ -139,7 +139,7 @@ def init(
         RuntimeError: the process group could not be formed (peer missing,
             port taken); the message names the rank, the master and the fix.
     """
-    global _context
+    global _context, _joined_multiprocess_job
     if _context is not None:
         return _context
     if not faulthandler.is_enabled():
@@ -156,9 +156,7 @@ def init(
     _init_process_group(env, resolved_backend, timeout, environ)
     _context = Context(env, resolved_device, resolved_backend)
     atexit.register(shutdown)
-    if env.world_size > 1:
-        global _joined_multiprocess_job
-        _joined_multiprocess_job = True
+    _joined_multiprocess_job = _joined_multiprocess_job or env.world_size > 1
     return _context
 
 

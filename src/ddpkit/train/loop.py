@@ -1,12 +1,13 @@
 """The training loop: one readable file, lean enough that the framework costs little.
 
 Each optimizer step takes this rank's share of one global batch (see
-``ddpkit.data.sampler``), runs forward and backward (gradients synchronised
-by DDP, one flat all_reduce or the manual loop), and steps the optimizer. When the global batch
-splits evenly, each rank's loss is the mean over its samples; otherwise (the
-last batch of an epoch) it is the sum scaled by ``world_size /
-global_batch_length``. Either way, after synchronisation averages the gradients over
-ranks, they are exactly the mean over the global batch.
+``ddpkit.data.sampler``), runs forward and backward, has the gradients
+averaged over the ranks (``ddpkit.train.grad_sync``: DDP, one flat
+all_reduce or the manual loop), and steps the optimizer. When the global
+batch splits evenly, each rank's loss is the mean over its samples;
+otherwise (the last batch of an epoch) it is the sum scaled by
+``world_size / global_batch_length``. Either way, once averaged over the
+ranks, the gradients are exactly the mean over the global batch.
 
 Per step the loop does no host synchronisation: the running loss stays a
 tensor and is read every ``log_every`` steps.
