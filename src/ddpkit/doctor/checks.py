@@ -1,0 +1,219 @@
+"""Steps 1 to 4 of the doctor: reach the master, the roll call, join the process group, all_reduce.
+
+Each step returns a passed Check or raises DoctorProblem with its diagnosis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ddpkit.doctor.config import DoctorConfig
+from ddpkit.doctor.diagnoses import (
+    join_diagnosis,
+    loopback_diagnosis,
+    missing_diagnosis,
+    unreachable_diagnosis,
+    unresolvable_diagnosis,
+)
+from ddpkit.doctor.results import Check, DoctorProblem, WorkerInfo
+from ddpkit.env.base import ClusterEnvironment
+
+_PREFIX = "ddpkit-doctor/"
+# Seconds one TCP connection attempt to the master may take before the next.
+_CONNECT_ATTEMPT_SECONDS = 2.0
+
+
+# -- 1. reach the master -----------------------------------------------------
+
+
+def reach_master(env: ClusterEnvironment, timeout: float) -> Check:
+    """Open (and close) a TCP connection to the master's port, retrying until timeout.
+
+    Raises:
+        DoctorProblem: no connection within timeout; the diagnosis names
+            the address, the port, the error and what to check.
+    """
+    where = f"{env.master_addr}:{env.master_port}"
+    start = time.monotonic()
+    deadline = start + timeout
+    while True:
+        attempt = min(_CONNECT_ATTEMPT_SECONDS, max(deadline - time.monotonic(), 0.1))
+        try:
+            with socket.create_connection((env.master_addr, env.master_port), timeout=attempt):
+                elapsed = time.monotonic() - start
+                return Check("reach master", True, f"TCP connect to {where}", elapsed)
+        except socket.gaierror as e:
+            raise DoctorProblem("reach master", unresolvable_diagnosis(env, e)) from None
+        except OSError as e:
+            error = e
+        if time.monotonic() >= deadline:
+            raise DoctorProblem("reach master", unreachable_diagnosis(env, error, timeout), timeout)
+        time.sleep(0.2)
+
+
+# -- 2. roll call -------------------------------------------------------------
+
+
+def uses_agent_store(environ: Mapping[str, str]) -> bool:
+    """True when torchrun's agent already runs the store at MASTER_ADDR:MASTER_PORT (torch's own test)."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def open_store(env: ClusterEnvironment, environ: Mapping[str, str], timeout: float):
+    """The rendezvous store at the master, started by rank 0 unless torchrun's agent runs it.
+
+    Rank 0's server is multi-tenant, as torch's env:// rendezvous makes it:
+    ``ddpkit.init`` on rank 0 then reuses this server (same port, same
+    process) instead of binding the port again, so the store stays up from
+    the roll call to the process group.
+
+    Raises:
+        DoctorProblem: rank 0 cannot listen on the port, or a worker cannot open the store.
+    """
+    import torch.distributed as dist
+
+    host = not uses_agent_store(environ) and env.rank == 0
+    try:
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, None, host, timedelta(seconds=timeout),
+            wait_for_workers=False, multi_tenant=True,
+        )
+    except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if host and ("address already in use" in text.lower() or "EADDRINUSE" in text):
+            raise DoctorProblem(
+                "rendezvous store",
+                f"rank 0 cannot listen on port {env.master_port}: it is taken on this host ({text}); "
+                "set MASTER_PORT to a free port (the same on every worker)",
+            ) from None
+        raise DoctorProblem(
+            "rendezvous store", f"rank {env.rank}/{env.world_size} cannot open the store at "
+            f"{env.master_addr}:{env.master_port}: {text}",
+        ) from None
+    prefix = _PREFIX
+    if uses_agent_store(environ):
+        # The agent's store outlives one run of the workers: keep restarts apart.
+        prefix += f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return store, dist.PrefixStore(prefix, store)
+
+
+def roll_call(store, me: WorkerInfo, env: ClusterEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:
+    """Every worker reports itself; rank 0 collects and judges, and tells everyone.
+
+    Returns:
+        Every worker's info by rank, and the check.
+
+    Raises:
+        DoctorProblem: a worker did not arrive within timeout, or the
+            interfaces cannot connect the hosts (the same diagnosis on every rank).
+    """
+    start = time.monotonic()
+    store.set(f"arrived/{me.rank}", json.dumps(dataclasses.asdict(me)))
+    if env.rank == 0:
+        outcome = _collect(store, env, timeout)
+        store.set("roll", json.dumps(outcome))
+        # Keep the store up until every worker that arrived has read the outcome:
+        # on a problem rank 0 stops next, and its server with it.
+        readers = [f"read/{w['rank']}" for w in outcome["workers"] if w["rank"] != 0]
+        _wait_quietly(store, readers, timeout)
+    else:
+        try:
+            store.wait(["roll"], timedelta(seconds=timeout + 10))  # rank 0 waits timeout itself first
+        except (RuntimeError, TimeoutError) as e:
+            raise DoctorProblem(
+                "roll call", f"rank {env.rank}/{env.world_size} reached the store but rank 0 did not report the "
+                f"roll call within {timeout + 10:g}s ({str(e).splitlines()[0]}); check rank 0's output",
+            ) from None
+        outcome = json.loads(store.get("roll"))
+        store.set(f"read/{env.rank}", "1")
+    workers = [WorkerInfo(**w) for w in outcome["workers"]]
+    if outcome["problem"]:
+        raise DoctorProblem("roll call", outcome["problem"], time.monotonic() - start)
+    detail = f"{env.world_size} of {env.world_size} workers arrived, on {len({w.stack for w in workers})} host(s)"
+    return workers, Check("roll call", True, detail, time.monotonic() - start)
+
+
+def _wait_quietly(store, keys: Sequence[str], timeout: float) -> None:
+    """Wait up to timeout for keys; a worker that vanished meanwhile is not a second problem."""
+    import torch.distributed as dist
+
+    if keys:
+        try:
+            store.wait(list(keys), timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError):
+            pass
+
+
+def _collect(store, env: ClusterEnvironment, timeout: float) -> dict[str, Any]:
+    keys = [f"arrived/{r}" for r in range(env.world_size)]
+    deadline = time.monotonic() + timeout
+    present: dict[int, WorkerInfo] = {}
+    while True:
+        for rank, key in enumerate(keys):
+            if rank not in present and store.check([key]):
+                present[rank] = WorkerInfo(**json.loads(store.get(key)))
+        if len(present) == env.world_size or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    workers = [present[r] for r in sorted(present)]
+    missing = [r for r in range(env.world_size) if r not in present]
+    if missing:
+        problem = missing_diagnosis(env, missing, workers, timeout)
+    else:
+        problem = loopback_diagnosis(env, workers)
+    return {"workers": [dataclasses.asdict(w) for w in workers], "problem": problem}
+
+
+# -- 3. and 4. the process group ----------------------------------------------
+
+
+def join(cfg: DoctorConfig, env: ClusterEnvironment, environ: MutableMapping[str, str], workers: Sequence[WorkerInfo]):
+    """``ddpkit.init`` with the doctor's timeout; returns the context.
+
+    Raises:
+        DoctorProblem: the process group did not form; gloo's own
+            connection failures get the interface diagnosis.
+    """
+    from ddpkit import distributed
+
+    start = time.monotonic()
+    try:
+        ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, environ=environ)
+    except RuntimeError as e:
+        diagnosis = join_diagnosis(env, str(e), workers)
+        raise DoctorProblem("join process group", diagnosis, time.monotonic() - start) from None
+    return ctx, Check("join process group", True, f"ddpkit.init, backend {ctx.backend}", time.monotonic() - start)
+
+
+def sanity_all_reduce(ctx, timeout: float) -> Check:
+    """all_reduce of each rank's number: the sum must be n(n-1)/2.
+
+    Raises:
+        DoctorProblem: wrong sum, or the collective failed (a worker left).
+    """
+    import torch
+    import torch.distributed as dist
+
+    n = ctx.world_size
+    expected = n * (n - 1) // 2
+    start = time.monotonic()
+    value = torch.tensor([float(ctx.rank)], device=ctx.device)
+    try:
+        dist.all_reduce(value)
+    except (RuntimeError, dist.DistError) as e:
+        raise DoctorProblem(
+            "all_reduce", f"rank {ctx.rank}/{n}: all_reduce failed within {timeout:g}s: "
+            f"{str(e).splitlines()[0]}; a worker stopped or its network broke: check the other workers' output",
+        ) from None
+    got = value.item()
+    if got != expected:
+        raise DoctorProblem(
+            "all_reduce", f"rank {ctx.rank}/{n}: all_reduce of the ranks gave {got:g}, expected {expected}"
+        )
+    return Check("all_reduce", True, f"sum of ranks {got:g} == {expected}", time.monotonic() - start)
