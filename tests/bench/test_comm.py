@@ -21,7 +21,9 @@ from ddpkit.bench.comm import (
     sweep_sizes,
     target_ratios,
 )
+from ddpkit.bench.comm_report import plot_report, render_markdown
 from ddpkit.bench.plot import format_bytes
+from ddpkit.bench.report import write_report
 from ddpkit.comm import available_allreduce_algorithms
 from ddpkit.config import ConfigError
 from tests.cli_runner import run_ddpkit
@@ -207,7 +209,7 @@ def test_report_without_matplotlib_skips_the_png_with_one_warning(smoke_run, tmp
     _, _, report = smoke_run
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
-    paths = comm.write_report(report, str(tmp_path), "comm-test")
+    paths = write_report(report, str(tmp_path), "comm-test", render_markdown, plot_report)
     assert [p.name for p in paths] == ["comm-test.json", "comm-test.md"]
     assert not (tmp_path / "comm-test.png").exists()
     assert "![" not in (tmp_path / "comm-test.md").read_text()

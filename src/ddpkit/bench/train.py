@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ddpkit.bench.report import write_report
 from ddpkit.bench.system import machine_info, machine_tag, summarize
 from ddpkit.config import parse
 
@@ -153,16 +154,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict[str, Any], output_dir: str, stem: str) -> tuple[Path, Path]:
-    """Write ``<stem>.json`` and ``<stem>.md`` into ``output_dir``."""
-    folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = folder / f"{stem}.json", folder / f"{stem}.md"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(render_markdown(report))
-    return json_path, md_path
-
-
 def main(words: list[str]) -> int:
     """``ddpkit bench train [key=value ...]``."""
     cfg = parse(TrainBenchConfig, words)
@@ -170,7 +161,7 @@ def main(words: list[str]) -> int:
     report["command_words"] = list(words)
     date = report["machine"]["date"][:10]
     stem = f"train-{cfg.model}-{machine_tag()}-{date}" + ("-smoke" if cfg.smoke else "")
-    json_path, md_path = write_report(report, cfg.output_dir, stem)
+    json_path, md_path = write_report(report, cfg.output_dir, stem, render_markdown)
     print(render_markdown(report))
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     return 0
