@@ -30,6 +30,7 @@ from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradie
 from ddpkit.distributed import Context
 from ddpkit.log import get_logger
 
+
 def choose_allreduce(requested: str, ctx: Context) -> str:
     """The all_reduce algorithm name to use for ``requested``, resolving auto (collective: every rank calls it)."""
     if requested != "auto":
@@ -66,7 +67,7 @@ def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool) -> 
     """The gradient synchronisation mode for ``requested`` (resolving auto for ``model``)."""
     if requested != "auto":
         return requested
-    if sync_batchnorm:  # SyncBatchNorm's statistics all_reduce is coordinated by DDP
+    if sync_batchnorm:  # torch supports SyncBatchNorm inside DDP only
         return "ddp"
     return "flat" if gradient_bytes(model) <= DDP_FIRST_BUCKET_BYTES else "ddp"
 
