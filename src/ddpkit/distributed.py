@@ -168,21 +168,27 @@ def shutdown() -> None:
     _context = None
 
 
-def exit_process(code: int) -> NoReturn:
-    """End this process with ``code`` once its work is done and written.
+def exit_process(code: int, leave_group: bool = True) -> NoReturn:
+    """End this process with ``code`` once its work is done and written (or it failed and said why).
 
-    A process that took part in a multi-process job leaves the group, flushes
-    its output and logs, then exits without the interpreter's teardown
-    (``os._exit``, as multiprocessing's children do): in multi-host runs with
-    the shared-memory all_reduce, a worker that had finished and written
-    everything was seen aborting in that teardown ("terminate called without
-    an active exception", about one run in three under torchrun across
-    network namespaces), which turned a successful job into a failed one.
-    Other processes exit normally.
+    A process that took part in a multi-process job leaves the group (unless
+    ``leave_group`` is False), flushes its output and logs, then exits
+    without the interpreter's teardown (``os._exit``, as multiprocessing's
+    children do): in multi-host runs with the shared-memory all_reduce, a
+    worker that had finished and written everything was seen aborting in that
+    teardown ("terminate called without an active exception", about one run
+    in three under torchrun across network namespaces), which turned a
+    successful job into a failed one. Other processes exit normally.
+
+    Args:
+        code: the exit status.
+        leave_group: destroy the process group first; a failed worker passes False
+            so that its peers notice only once it is gone.
     """
     if not _joined_multiprocess_job:
         sys.exit(code)
-    shutdown()
+    if leave_group:
+        shutdown()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -5,7 +5,10 @@ text). :func:`run_reporting_failure` records the exception in the error file
 torch's elastic agent gives each worker and exits non-zero; the launcher then
 reads the failures, takes the first by time as the root cause (the others
 usually fail *because* it did, for instance in a collective), and prints one
-report. Errors ddpkit raises for bad input (``ValueError`` and
+report. Workers of ddpkit's own launcher also record into a folder the
+launcher names (``DDPKIT_FAILURE_DIR``): the agent's spawn-based workers
+report only the first failed process it happens to find, which may be a
+peer that failed because of the root cause. Errors ddpkit raises for bad input (``ValueError`` and
 ``FileNotFoundError`` families) are reported as their one-line message; any
 other exception with its traceback.
 """
@@ -22,6 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 USER_ERRORS = (ValueError, FileNotFoundError)
+
+FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
+"""Environment variable naming the folder where ddpkit's launcher collects its workers' errors."""
+
+PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "exited during the collective")
+"""Error texts (gloo's, ddpkit.comm.shm's) of a worker that failed only because a peer vanished."""
+
+PEER_LOST_GRACE_SECONDS = 1.0
+"""How long such a worker waits before exiting, so that the launcher sees the vanished peer's death first."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +89,15 @@ def record_for_launcher(error: Exception) -> bool:
 
 
 def _record(error: Exception) -> None:
+    if getattr(error, "_ddpkit_recorded", False):
+        return  # recorded where it happened; a second record would carry a later time
+    error._ddpkit_recorded = True  # type: ignore[attr-defined]
     user_error = isinstance(error, USER_ERRORS)
     message = f"{type(error).__name__}: {error}" if not user_error else str(error)
     stack = "" if user_error else traceback.format_exc()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    rank = os.environ.get("RANK", "0")
     if not path:
-        rank = os.environ.get("RANK", "0")
         print(f"error: rank {rank}: {message}" + (f"\n{stack.rstrip()}" if stack else ""), file=sys.stderr)
         return
     now = time.time()
@@ -90,18 +105,68 @@ def _record(error: Exception) -> None:
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
         "ddpkit": {"time": now},
     }
+    peer_lost = any(marker in message for marker in PEER_LOST_MARKERS)
+    data["ddpkit"]["peer_lost"] = peer_lost
     with open(path, "w") as f:
         json.dump(data, f)
+    folder = os.environ.get(FAILURE_DIR_VARIABLE)
+    if folder and rank.isdigit():
+        with open(os.path.join(folder, f"rank-{rank}.json"), "w") as f:
+            json.dump({"rank": int(rank), **data}, f)
+    if peer_lost:  # a consequence, not the cause: let the launcher find the cause first
+        time.sleep(PEER_LOST_GRACE_SECONDS)
 
 
-def root_cause(failures: dict[int, Any]) -> WorkerFailure:
-    """The first failure by time among torch elastic's ``ProcessFailure`` records."""
+def root_cause(failures: dict[int, Any], failure_dir: str | None = None) -> WorkerFailure:
+    """The first failure by time among torch elastic's ``ProcessFailure`` records and the errors in ``failure_dir``.
 
-    def failed_at(item: tuple[int, Any]) -> float:
-        data = item[1].error_file_data or {}
-        return data.get("ddpkit", {}).get("time", float(item[1].timestamp))
+    A rank found only in ``failure_dir`` recorded its error and exited with
+    status 1 (see :func:`run_reporting_failure`), but the agent stopped
+    looking after another rank's failure. Ranks that failed because a peer
+    vanished (connection closed, peer exited) count only when no other
+    failure is known.
+    """
+    candidates = {**_recorded_failures(failure_dir), **failures} if failure_dir else dict(failures)
+    # A rank that failed because a peer vanished comes after any other, whatever its time.
+    rank, failure = min(candidates.items(), key=lambda item: (_peer_lost(item[1]), _failed_at(item[1])))
+    return _describe(rank, failure)
 
-    rank, failure = min(failures.items(), key=failed_at)
+
+@dataclass(frozen=True)
+class _RecordedFailure:
+    """A worker's error read from the launcher's failure folder (the fields of a ProcessFailure used here)."""
+
+    error_file_data: dict[str, Any]
+    exitcode: int = 1
+    timestamp: float = 0.0
+
+    @property
+    def message(self) -> Any:
+        return self.error_file_data["message"]
+
+
+def _recorded_failures(folder: str) -> dict[int, _RecordedFailure]:
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                data = json.load(f)
+            found[int(data["rank"])] = _RecordedFailure(data)
+        except (OSError, ValueError, KeyError):  # half-written by a worker that was killed: skip it
+            continue
+    return found
+
+
+def _peer_lost(failure: Any) -> bool:
+    return bool((failure.error_file_data or {}).get("ddpkit", {}).get("peer_lost", False))
+
+
+def _failed_at(failure: Any) -> float:
+    data = failure.error_file_data or {}
+    return data.get("ddpkit", {}).get("time", float(failure.timestamp))
+
+
+def _describe(rank: int, failure: Any) -> WorkerFailure:
     message = failure.message
     stack = ""
     if isinstance(message, dict):

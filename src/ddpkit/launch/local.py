@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import socket
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddpkit.env.ports import free_port
-from ddpkit.launch.failure import LaunchError, root_cause, run_reporting_failure
+from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, LaunchError, root_cause, run_reporting_failure
 
 LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -72,17 +73,22 @@ def _quiet_elastic_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-@contextlib.contextmanager
-def _fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
+def _fresh_store_per_restart(max_restarts: int) -> contextlib.AbstractContextManager:
     # torch's c10d rendezvous shares one TCPStore, hosted by the agent, across
     # restarts: restarted workers can read the dead workers' gloo addresses
     # left in it and fail to connect (pytorch/pytorch#135712). With restarts,
     # rank 0 of each round hosts a new store instead (read by the agent at
     # each rendezvous, so set for the launch only).
-    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if not max_restarts:
+        return contextlib.nullcontext()
+    return _environ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+@contextlib.contextmanager
+def _environ(key: str, value: str) -> Iterator[None]:
+    """Set ``key`` in os.environ for the block (spawned workers inherit it), then restore it."""
     previous = os.environ.get(key)
-    if max_restarts:
-        os.environ[key] = "1"
+    os.environ[key] = value
     try:
         yield
     finally:
@@ -124,8 +130,9 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in AGENT_SIGNALS)
         config.signals_to_handle = ",".join(names)
     _quiet_elastic_logs()
-    try:
-        with _fresh_store_per_restart(spec.max_restarts):
-            return elastic_launch(config, run_reporting_failure)(fn, *args)
-    except ChildFailedError as e:
-        raise LaunchError(root_cause(e.failures)) from None
+    with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
+        try:
+            with _fresh_store_per_restart(spec.max_restarts), _environ(FAILURE_DIR_VARIABLE, failure_dir):
+                return elastic_launch(config, run_reporting_failure)(fn, *args)
+        except ChildFailedError as e:
+            raise LaunchError(root_cause(e.failures, failure_dir)) from None

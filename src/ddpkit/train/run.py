@@ -10,6 +10,7 @@ from typing import Any
 from ddpkit import distributed
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.datasets import DataOptions, TensorDataset, load_dataset
+from ddpkit.launch.failure import record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.checkpointing import attach_checkpointing
@@ -55,6 +56,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             path.write_text(json.dumps(summary, indent=2) + "\n")
             get_logger().info(_final_line(summary))
         return summary
+    except Exception as error:
+        # Under an elastic agent: record the error with the time it happened, then exit at once
+        # without leaving the group, so the peers (which fail because this rank is gone) cannot
+        # fail, record and exit before it and be taken for the root cause.
+        if record_for_launcher(error) and ctx.world_size > 1:
+            distributed.exit_process(1, leave_group=False)
+        raise
     finally:
         distributed.shutdown()
 
