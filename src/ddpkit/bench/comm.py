@@ -74,7 +74,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.bench.report import write_report
+from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag, summarize
 from ddpkit.config import ConfigError, check_positive, parse
 
@@ -675,13 +675,11 @@ def target_ratios(collectives: list[dict[str, Any]], world_size: int, dtype: str
     return targets
 
 
-
 def result_stem(report: dict[str, Any]) -> str:
     """``comm-<machine>-<N>r-<date>[-smoke][-<tag>]``: the result files' name without extension."""
     cfg = report["config"]
-    stem = f"comm-{machine_tag()}-{report['world_size']}r-{report['machine']['date'][:10]}"
-    return stem + ("-smoke" if cfg["smoke"] else "") + (f"-{cfg['tag']}" if cfg["tag"] else "")
-
+    name = f"comm-{machine_tag()}-{report['world_size']}r-{report['machine']['date'][:10]}"
+    return file_stem(name, cfg["smoke"], cfg["tag"])
 
 
 def main(words: list[str]) -> int:

@@ -51,3 +51,8 @@ def write_report(
     png_path = plot(report, folder / f"{stem}.png")
     md_path.write_text(render_markdown(report, png_path.name if png_path else None))
     return [json_path, md_path] + ([png_path] if png_path else [])
+
+
+def file_stem(name: str, smoke: bool, tag: str = "") -> str:
+    """``<name>[-smoke][-<tag>]``: a result's file name without extension, as every benchmark names them."""
+    return name + ("-smoke" if smoke else "") + (f"-{tag}" if tag else "")

@@ -86,7 +86,7 @@ from typing import Any
 
 from ddpkit.bench import perfmodel
 from ddpkit.bench.plot import format_bytes
-from ddpkit.bench.report import write_report
+from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag
 from ddpkit.config import ConfigError, check_positive, parse
 
@@ -435,6 +435,7 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from ddpkit import distributed
+    from ddpkit.comm import flat_grads
     from ddpkit.comm.registry import resolve_allreduce
     from ddpkit.config import TrainConfig
     from ddpkit.data.datasets import load_dataset
@@ -453,7 +454,7 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
         train_cfg = parse(TrainConfig, words, presets=dict(spec.recipe))
         dataset = load_dataset(train_cfg.dataset, data_options(train_cfg))
         trainer = Trainer(train_cfg, ctx, dataset, spec)
-        gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
+        gradient_bytes = flat_grads.gradient_bytes(trainer.module)
         sizes, comm_isolated = fit_sizes(gradient_bytes), []
         fn = dist.all_reduce if trainer.allreduce == "builtin" else resolve_allreduce(trainer.allreduce)
         if world_size > 1:
@@ -755,8 +756,8 @@ def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) ->
 def result_stem(report: dict[str, Any]) -> str:
     """``scaling-<model>-<machine>-<date>[-smoke][-<tag>]``."""
     cfg = report["config"]
-    stem = f"scaling-{report['workload']['model']}-{machine_tag()}-{report['machine']['date'][:10]}"
-    return stem + ("-smoke" if cfg["smoke"] else "") + (f"-{cfg['tag']}" if cfg["tag"] else "")
+    name = f"scaling-{report['workload']['model']}-{machine_tag()}-{report['machine']['date'][:10]}"
+    return file_stem(name, cfg["smoke"], cfg["tag"])
 
 
 def main(words: list[str]) -> int:

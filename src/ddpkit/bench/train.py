@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.report import write_report
+from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag, summarize
 from ddpkit.config import parse
 
@@ -160,7 +160,7 @@ def main(words: list[str]) -> int:
     report = run_train_benchmark(cfg)
     report["command_words"] = list(words)
     date = report["machine"]["date"][:10]
-    stem = f"train-{cfg.model}-{machine_tag()}-{date}" + ("-smoke" if cfg.smoke else "")
+    stem = file_stem(f"train-{cfg.model}-{machine_tag()}-{date}", cfg.smoke)
     json_path, md_path = write_report(report, cfg.output_dir, stem, render_markdown)
     print(render_markdown(report))
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
