@@ -122,6 +122,10 @@ def _field_names(schema: type, prefix: str = "") -> list[str]:
     return names
 
 
+GRAD_SYNC_MODES = ("auto", "ddp", "flat", "manual")
+"""Values of TrainConfig.grad_sync (see ddpkit.train.grad_sync)."""
+
+
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
     """Raise ConfigError unless ``value`` is one of ``choices``."""
     if value not in choices:
@@ -269,7 +273,7 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("grad_sync", self.grad_sync, ("auto", "ddp", "flat", "manual"))
+        check_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
         for name in ("epochs", "batch_size", "grad_accum_steps", "nproc", "log_every", "synthetic_samples"):
             check_positive(name, getattr(self, name))
         for name in ("lr", "timeout"):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ddpkit.bench.train import TrainBenchConfig, _configurations
+from ddpkit.config import ConfigError, parse
 from tests.cli_runner import run_ddpkit
 
 
@@ -20,6 +21,15 @@ def test_matrix_crosses_allreduce_and_grad_sync_for_several_workers_only():
         "ddpkit 2 workers, allreduce=builtin, grad_sync=auto",
         "ddpkit 2 workers, allreduce=builtin, grad_sync=ddp",
     ]
+
+
+@pytest.mark.parametrize("word, message", [
+    ("grad_sync=[bogus]", "grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"),
+    ("allreduce=[rng]", "allreduce='rng' is not valid; choose one of: auto, builtin, naive, ring"),
+])
+def test_bad_names_are_refused_before_any_run(word, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        parse(TrainBenchConfig, [word])
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from typing import Any
 
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag, summarize
-from ddpkit.config import parse
+from ddpkit.config import GRAD_SYNC_MODES, check_choice, parse
 
 
 @dataclasses.dataclass
@@ -50,6 +50,15 @@ class TrainBenchConfig:
     """Folder for the JSON and Markdown results."""
     timeout: float = 900.0
     """Seconds one run may take before the benchmark fails."""
+
+    def __post_init__(self) -> None:
+        # Checked here, before any run: a bad name would otherwise fail minutes into the benchmark.
+        from ddpkit.comm.registry import ALLREDUCE_ALGORITHMS
+
+        for name in self.allreduce:
+            check_choice("allreduce", name, ("auto", *ALLREDUCE_ALGORITHMS))
+        for mode in self.grad_sync:
+            check_choice("grad_sync", mode, GRAD_SYNC_MODES)
 
 
 def _train_words(cfg: TrainBenchConfig) -> list[str]:
