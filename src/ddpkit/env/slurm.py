@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 from ddpkit.env._vars import check_below, checked_environment, first_set, parse_int, parse_port, require
 from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
-from ddpkit.env.hostlist import expand_hostlist
+from ddpkit.env.hostlist import first_host
 from ddpkit.env.ports import port_from_job_id
 
 _FIX = "start the workers with srun inside the allocation (srun python train.py ...)"
@@ -150,9 +150,9 @@ def _first_host(environ: Mapping[str, str]) -> str:
     name = first_set(environ, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
     value = require(environ, name or "SLURM_JOB_NODELIST", f"{_FIX}, or set MASTER_ADDR")
     try:
-        hosts = expand_hostlist(value)
+        host = first_host(value)  # a legal node list can name billions of hosts: never expand it
     except ValueError as e:
         raise InconsistentEnvironment(f"{name}: {e}; {_FIX}, or set MASTER_ADDR") from e
-    if not hosts:
+    if host is None:
         raise InconsistentEnvironment(f"{name} is empty; {_FIX}, or set MASTER_ADDR")
-    return hosts[0]
+    return host
