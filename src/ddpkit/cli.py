@@ -1,4 +1,4 @@
-"""The ``ddpkit`` command: train, bench, slurm, doctor and the checkpoint tools.
+"""The ``ddpkit`` command: train, run, bench, slurm, doctor and the checkpoint tools.
 
 Every subcommand takes ``key=value`` words (and YAML files) for its config;
 bad input ends in one line on stderr that names the problem and the fix, and
@@ -10,14 +10,19 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from ddpkit.config import TrainConfig, parse, peek  # no torch import: `ddpkit slurm` starts fast
 from ddpkit.launch.failure import USER_ERRORS, LaunchError, record_for_launcher
+
+if TYPE_CHECKING:
+    from ddpkit.launch.local import LaunchSpec
 
 USAGE = """usage: ddpkit COMMAND [key=value ...] [config.yaml ...]
 
 commands:
   train        train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)
+  run          run your own Python script as nproc=N workers here, as torchrun does (RANK, WORLD_SIZE... set)
   bench        benchmarks: bench train | bench comm | bench scaling
   slurm        write or submit an sbatch script for a training job
   doctor       print the detected environment and check the network between workers
@@ -28,6 +33,8 @@ examples:
   ddpkit train nproc=2                         # W1: MLP on Fashion-MNIST, 2 workers
   ddpkit train model=cnn epochs=1 nproc=2
   torchrun --nproc-per-node 2 -m ddpkit train
+  ddpkit run nproc=2 train.py --lr 0.1         # your script, 2 workers; its arguments follow it
+  ddpkit run nproc=2 max_restarts=1 -m mypackage.train
 """
 
 EXIT_USER_ERROR = 2
@@ -44,14 +51,9 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
 
 def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
-    import signal
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from ddpkit.env.detect import detect_environment
-    from ddpkit.launch.local import LaunchSpec, launch_local
+    from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.checkpointing import check_checkpoints_before_launch
-    from ddpkit.train.preemption import EXIT_PREEMPTED
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
 
@@ -66,22 +68,66 @@ def train_command(args: Sequence[str]) -> int:
         run_worker(cfg)  # a preemption ends it with SystemExit(EXIT_PREEMPTED)
         return 0
     signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
+    spec = LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals)
+    resume = "run the same command with resume=auto to continue"
+    return _launch(spec, run_worker, cfg, preempted=f"the workers wrote a checkpoint and stopped; {resume}",
+                   stopped=f"the workers wrote a checkpoint on their way out; {resume}")
+
+
+def run_command(args: Sequence[str]) -> int:
+    """``ddpkit run``: a Python script (or -m module) as nproc workers here, each as ``python SCRIPT ARGS``."""
+    if list(args[:1]) in (["-h"], ["--help"]):
+        from ddpkit.launch.script import USAGE
+
+        print(USAGE)
+        return 0
+    from ddpkit.launch.local import LaunchSpec
+    from ddpkit.launch.script import describe, parse_run_command, run_script
+    from ddpkit.train.preemption import EXIT_PREEMPTED
+
+    config, target = parse_run_command(args)
+    print(describe(config, target), file=sys.stderr)
+    # Always through the launcher, even for nproc=1 without restarts (where
+    # `ddpkit train` runs in-process): a script expects what torchrun gives
+    # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
+    # may call sys.exit, os._exit or signal.signal as it likes. The spawn costs
+    # about a second; behaviour does not change with nproc.
+    spec = LaunchSpec(config.nproc, config.master_port, config.max_restarts)
+    preempted = f"a worker exited with status {EXIT_PREEMPTED} (preempted); run the same command to continue"
+    return _launch(spec, run_script, target, preempted=preempted)
+
+
+def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object, preempted: str, stopped: str = "") -> int:
+    """Run ``fn(*args)`` in ``spec.nproc`` local workers; the exit status of the command.
+
+    A worker's exit status EXIT_PREEMPTED (said with ``preempted``), or one of
+    ``spec.forward_signals`` received by the launcher (said with ``stopped``),
+    is a preemption: EXIT_PREEMPTED. Another signal gives 128 + its number.
+
+    Raises:
+        LaunchError: a worker failed (after the allowed restarts); main() reports it.
+    """
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ddpkit.launch.local import launch_local
+    from ddpkit.train.preemption import EXIT_PREEMPTED
+
     try:
-        launch_local(LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals), run_worker, cfg)
+        launch_local(spec, fn, *args)
     except LaunchError as e:
         if e.failure.exitcode == EXIT_PREEMPTED:
-            print("ddpkit: preempted: the workers wrote a checkpoint and stopped; "
-                  "run the same command with resume=auto to continue", file=sys.stderr)
+            print(f"ddpkit: preempted: {preempted}", file=sys.stderr)
             return EXIT_PREEMPTED
-        if cfg.max_restarts:
-            print(f"error: the job failed after {cfg.max_restarts} restart(s) (max_restarts={cfg.max_restarts})",
+        if spec.max_restarts:
+            print(f"error: the job failed after {spec.max_restarts} restart(s) (max_restarts={spec.max_restarts})",
                   file=sys.stderr)
         raise
     except SignalException as e:  # the launcher itself got the signal and passed it on to the workers
         name = signal.Signals(e.sigval).name
-        if name in signals:
-            print(f"ddpkit: stopped by {name}: the workers wrote a checkpoint on their way out; "
-                  "run the same command with resume=auto to continue", file=sys.stderr)
+        if name in spec.forward_signals:
+            print(f"ddpkit: stopped by {name}: {stopped}", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"error: stopped by {name}", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -89,7 +135,7 @@ def train_command(args: Sequence[str]) -> int:
 
 
 def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
-    commands: dict[str, Callable[[Sequence[str]], int]] = {"train": train_command}
+    commands: dict[str, Callable[[Sequence[str]], int]] = {"train": train_command, "run": run_command}
     try:
         from ddpkit.bench.cli import bench_command
 
@@ -114,11 +160,23 @@ def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
 
 def run() -> NoReturn:
     """The ``ddpkit`` console script and ``python -m ddpkit``: :func:`main`, then the process's exit."""
+    _current_folder_importable()
     code = main()
     distributed = sys.modules.get("ddpkit.distributed")
     if distributed is None:  # never joined a job (`ddpkit slurm`, `--help`): no torch to import now
         sys.exit(code)
     distributed.exit_process(code)
+
+
+def _current_folder_importable() -> None:
+    # `python -m ddpkit` puts the current folder first on sys.path, the console
+    # script its bin folder instead: without this, model=mymodels:build found
+    # beside the user works with one and not the other. Done here, for the
+    # process, not in main() (which tests call in-process). Spawned workers
+    # receive the launcher's sys.path (multiprocessing's preparation data).
+    cwd = os.getcwd()
+    if not sys.flags.safe_path and cwd not in sys.path:  # python -P / PYTHONSAFEPATH: the user asked for none
+        sys.path.insert(0, cwd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

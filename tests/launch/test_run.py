@@ -1,0 +1,129 @@
+"""``ddpkit run``: any script as N workers through ddpkit's launcher, with torchrun's environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ddpkit.launch.local
+from ddpkit.cli import main
+from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
+from tests.cli_runner import REPO, run_ddpkit
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+CONSOLE_SCRIPT = Path(sys.executable).with_name("ddpkit")
+TIMEOUT = 120
+
+
+def run_console_script(*words: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run the installed ``ddpkit`` console script (its sys.path[0] is its bin folder, not ``cwd``)."""
+    assert CONSOLE_SCRIPT.is_file(), f"no console script beside {sys.executable}; pip install -e . first"
+    environ = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([str(CONSOLE_SCRIPT), *words], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("words,expected", [
+    (["a.py", "nproc=2", "--lr", "0.1"], (RunConfig(), ScriptTarget(path="a.py", args=("nproc=2", "--lr", "0.1")))),
+    (["nproc=2", "max_restarts=1", "-m", "json.tool", "-h"],
+     (RunConfig(nproc=2, max_restarts=1), ScriptTarget(module="json.tool", args=("-h",)))),
+    (["-mjson.tool", "x"], (RunConfig(), ScriptTarget(module="json.tool", args=("x",)))),
+])
+def test_words_before_the_script_are_ddpkits(tmp_path, monkeypatch, words, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    assert parse_run_command(words) == expected
+
+
+@pytest.mark.parametrize("words,message", [
+    (["run", "nproc=2", "missing.py", "--lr", "0.1"],
+     "error: script 'missing.py' does not exist; give the path of a .py file"),
+    (["run", "nproc=2"], f"error: no script to run (a path ending in .py, or -m MODULE); {USAGE}"),
+    (["run", "nproc=2", "-m"], f"error: -m needs a module name; {USAGE}"),
+    (["run", "-m", "no_such_module_here.sub"], "error: no module named 'no_such_module_here' in the current folder"),
+    (["run", "nproc=0", "a.py"], "error: nproc=0 is not valid; it must be > 0"),
+    (["run", "nprocs=2", "a.py"], "error: unknown config key 'nprocs' (did you mean 'nproc'?)"),
+    (["run", "folder.py"], "error: script 'folder.py' is a folder, not a Python file"),
+])
+def test_bad_input_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys, words, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    (tmp_path / "folder.py").mkdir()
+    monkeypatch.setattr(ddpkit.launch.local, "launch_local", _no_launch)
+    assert main(words) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("bad input must be reported before any worker starts")
+
+
+def test_plain_torch_distributed_script_gets_torchruns_environment_and_its_arguments(tmp_path):
+    # Workers share stdout: one rank's line may run into the other's, hence the patterns.
+    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / "all_reduce.py"), "--lr", "0.1", cwd=tmp_path, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr  # the script ends with `raise SystemExit`: success, as for python
+    lines = re.findall(r"rank (\d)/2 sum=(\d+) argv=(\[.*?\]) name=(\S+) path0=(\S+) env=([A-Z_,]+)", out.stdout)
+    assert sorted(rank for rank, *_ in lines) == ["0", "1"], out.stdout + out.stderr
+    for _, total, argv, name, path0, env in lines:
+        assert total == "3" and argv == "['--lr', '0.1']" and name == "__main__"
+        assert path0 == str(SCRIPTS)  # the script's folder first on sys.path, as with `python script.py`
+        assert env == "LOCAL_RANK,LOCAL_WORLD_SIZE,GROUP_RANK,TORCHELASTIC_RUN_ID,TORCHELASTIC_RESTART_COUNT"
+
+
+def test_module_from_the_current_folder_with_ddpkit_init_through_the_console_script():
+    out = run_console_script("run", "nproc=2", "-m", "with_ddpkit", "--x", "1", cwd=SCRIPTS)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        assert f"ddpkit rank {rank}/2 sum=1 argv=['--x', '1']" in out.stdout, out.stdout + out.stderr
+
+
+def test_raising_rank_is_reported_once_with_its_traceback(tmp_path):
+    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / "fails.py"), "raise", cwd=tmp_path, timeout=TIMEOUT)
+    assert out.returncode == 1
+    error_lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    expected = "error: worker rank 1 failed (exit code 1): RuntimeError: rank 1 fails on purpose"
+    assert error_lines == [expected], out.stderr
+    assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr
+    assert f'File "{SCRIPTS / "fails.py"}", line 11, in <module>' in out.stderr, out.stderr
+    assert 'raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")' in out.stderr
+    assert "should not get here" not in out.stdout
+
+
+@pytest.mark.parametrize("status,returncode,message", [
+    (3, 1, "error: worker rank 0 failed (exit code 3): exited without an error message"),
+    (75, 75, "ddpkit: preempted: a worker exited with status 75 (preempted); run the same command to continue"),
+])
+def test_exit_status_of_a_rank(tmp_path, status, returncode, message):
+    # nproc=1 also goes through the launcher (a spawned worker with RANK set), as nproc=2 does.
+    out = run_ddpkit("run", str(SCRIPTS / "fails.py"), "exit", str(status), cwd=tmp_path, timeout=TIMEOUT)
+    assert out.returncode == returncode, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path):
+    out = run_ddpkit("run", "nproc=2", "max_restarts=1", str(SCRIPTS / "restarts.py"), cwd=tmp_path, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert sorted(re.findall(r"rank (\d) restart=(\d) sum=(\d+)", out.stdout)) == [("0", "1", "2"), ("1", "1", "2")]
+
+
+def test_missing_script_through_the_console_script_is_one_line(tmp_path):
+    out = run_console_script("run", "nproc=2", "missing.py", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == (f"error: script 'missing.py' does not exist; give the path of a .py file "
+                          f"(relative paths start from the current folder {tmp_path})\n")
+
+
+def test_console_script_imports_model_from_the_current_folder_in_every_worker(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n")
+    out = run_console_script("train", "model=mymodels:build", "nproc=2", "epochs=1", "dataset=synthetic",
+                             "synthetic_samples=256", "checkpoint.enabled=false", "progress=false",
+                             f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / "summary.json").is_file()
