@@ -15,6 +15,11 @@ routes to the master) unless ``GLOO_SOCKET_IFNAME`` is set, and initialises
 the process group with a timeout, so that a missing peer is an error rather
 than a hang. This module is the boundary where ddpkit writes ``os.environ``
 (the variables torch.distributed reads); nothing deeper does.
+
+A script that formed the default process group itself (``init_process_group``
+with a store of its own, say) calls ``ddpkit.init()`` afterwards: ddpkit then
+adopts that group instead of joining another, and leaves it to the script to
+destroy.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import socket
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -133,13 +139,18 @@ def init(
 
     Returns:
         The worker's Context. Calling init again returns the same context.
+        Where torch.distributed's default group already exists, init adopts
+        it (a collective then: every rank calls init): ranks come from the
+        group, and without a launcher's variables the node layout from the
+        ranks' host names; ``timeout`` is the group's own.
 
     Raises:
-        ValueError: inconsistent environment or options.
+        ValueError: inconsistent environment or options, or an existing group
+            that contradicts the launcher's variables or ``backend``.
         RuntimeError: the process group could not be formed (peer missing,
             port taken); the message names the rank, the master and the fix.
     """
-    global _context, _joined_multiprocess_job
+    global _context, _joined_multiprocess_job, _owns_group
     if _context is not None:
         return _context
     if not faulthandler.is_enabled():
@@ -148,12 +159,17 @@ def init(
         faulthandler.enable()
     environ = os.environ if environ is None else environ
     env = detect_environment(environ)
+    adopted = dist.is_available() and dist.is_initialized()
+    if adopted:
+        env = _environment_of_existing_group(env)
     resolved_device = resolve_device(device, env.local_rank, torch.cuda.is_available())
     if resolved_device.type == "cuda":
         torch.cuda.set_device(resolved_device)  # before any CUDA tensor: one GPU per local rank
-    resolved_backend = resolve_backend(backend, resolved_device)
+    resolved_backend = _existing_backend(backend) if adopted else resolve_backend(backend, resolved_device)
     torch.set_num_threads(threads or default_num_threads(env.local_world_size))
-    _init_process_group(env, resolved_backend, timeout, environ)
+    if not adopted:
+        _init_process_group(env, resolved_backend, timeout, environ)
+    _owns_group = not adopted
     _context = Context(env, resolved_device, resolved_backend)
     atexit.register(shutdown)
     _joined_multiprocess_job = _joined_multiprocess_job or env.world_size > 1
@@ -161,11 +177,12 @@ def init(
 
 
 def shutdown() -> None:
-    """Leave the process group (safe to call more than once)."""
-    global _context
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group (safe to call more than once); a group init adopted stays to its creator."""
+    global _context, _owns_group
+    if _owns_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _context = None
+    _owns_group = True
 
 
 def exit_process(code: int, leave_group: bool = True) -> NoReturn:
@@ -229,6 +246,44 @@ def main_process_first(local: bool = True) -> Iterator[None]:
 
 _context: Context | None = None
 _joined_multiprocess_job = False
+_owns_group = True  # False while the context belongs to a group that init adopted
+
+
+def _environment_of_existing_group(env: ClusterEnvironment) -> ClusterEnvironment:
+    """``env`` checked against the default group that already exists, or built from it without a launcher."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (env.rank, env.world_size) == (rank, world_size):
+        return env
+    if env.source != "local":
+        raise ValueError(
+            f"the existing process group makes this process rank {rank} of {world_size}, but {env.source}'s "
+            f"variables say rank {env.rank} of {env.world_size}; form the group from the same variables "
+            f"(init_method='env://'), or let ddpkit.init() form it"
+        )
+    # No launcher: the script formed the group itself. Ranks sharing a host name share a node.
+    hosts: list[str] = [""] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    nodes = list(dict.fromkeys(hosts))
+    host = hosts[rank]
+    return ClusterEnvironment(
+        source="torch.distributed",
+        rank=rank,
+        local_rank=hosts[:rank].count(host),
+        world_size=world_size,
+        local_world_size=hosts.count(host),
+        node_rank=nodes.index(host),
+        num_nodes=len(nodes),
+        master_addr=env.master_addr,  # unused: the group exists; kept as the environment reports it
+        master_port=env.master_port,
+    )
+
+
+def _existing_backend(requested: str) -> str:
+    """The backend of the existing default group, checked against ``requested``."""
+    backend = dist.get_backend()
+    if requested not in ("auto", backend):
+        raise ValueError(f"backend={requested!r} but the existing process group uses {backend!r}; pass backend=auto")
+    return backend
 
 
 def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:
@@ -262,3 +317,4 @@ def _explain_init_failure(env: ClusterEnvironment, timeout: float, error: Except
     else:
         fix = f"cannot reach the master at {where} within {timeout:.0f}s; check that rank 0 runs and the address routes here"
     return f"rank {env.rank}/{env.world_size} could not join the process group at {where} ({env.source}): {text}; {fix}"
+

@@ -31,13 +31,14 @@ How a step is split (each rank, ``perf_counter``)
         convert them), forward (with the loss), backward and optimizer
         (step and zero_grad);
     (b) real: ``Trainer.train_step`` with the run's gradient sync (DDP or
-        flat, see ``ddpkit.train.grad_sync``) and all_reduce algorithm,
+        flat, see ``ddpkit.comm.grad_sync``) and all_reduce algorithm,
         timed as a whole;
     (c) sync without communication: another copy synchronised the same
-        way with nothing moved (DDP: a hook that hands the bucket back
-        untouched; flat: an all_reduce that does nothing); (c) - (a) is the
-        synchronisation's own cost (DDP's autograd hooks and bucket copies,
-        the flat buffer's zeroing and division);
+        way (the same ``GradientSync``) with an all_reduce that moves
+        nothing; (c) - (a) is the synchronisation's own cost (DDP's
+        autograd hooks and bucket copies, plus the hand-off of the
+        communication hook's thread, which DDP's built-in all_reduce does
+        not pay; the flat buffer's hooks, zeroing and division);
     (d) probes: a compute step (a), then one timed all_reduce call, the
         sizes of the fit taken in turn.
 
@@ -341,40 +342,29 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
 def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -> Any:
     """A timed pass over a copy of the model, its gradients synchronised the trainer's way with no bytes moved.
 
-    DDP gets a communication hook that hands each bucket back untouched; flat
-    gradients and the manual loop get an all_reduce that does nothing. Minus
-    the compute-only pass, this is the synchronisation's own cost (DDP's
-    autograd hooks and bucket copies; the flat buffer's zeroing and division).
+    The same ``GradientSync`` as the trainer's, given an all_reduce that does
+    nothing (with DDP, as its communication hook). Minus the compute-only
+    pass, this is the synchronisation's own cost (DDP's autograd hooks and
+    bucket copies; the flat buffer's hooks, zeroing and division).
     """
     import torch
 
-    from ddpkit.comm.flat_grads import FlatGradients
-    from ddpkit.comm.hooks import manual_gradient_sync
+    from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.train.loop import build_optimizer
 
-    model = copy.deepcopy(trainer.module)
-    mode = trainer.sync.mode
-    flat = FlatGradients(model, _no_all_reduce) if mode == "flat" else None
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model)
-        model.register_comm_hook(None, _untouched_bucket)
+    plain = copy.deepcopy(trainer.module)
+    sync = GradientSync(plain, trainer.ctx, trainer.allreduce, trainer.sync.mode, all_reduce_fn=_no_all_reduce)
+    model = sync.model
     optimizer = build_optimizer(train_cfg, model.parameters(), world_size)
+    # Zeroed as the trainer zeroes: the flat buffer in place, other gradients to None.
+    set_to_none = sync.flat is None
     clock = time.perf_counter
 
     def sync_noop(indices: torch.Tensor, global_count: int) -> dict[str, float]:
         t0 = clock()
-        if flat is not None:
-            flat.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         x, y = trainer.batch(indices)
-        trainer.batch_loss(model(x), x, y, "mean").backward()
-        if flat is not None:
-            flat.all_reduce()
-        elif mode == "manual":
-            manual_gradient_sync(model, _no_all_reduce, world_size)
+        trainer.batch_loss(model(x), x, y, "mean").backward()  # synchronised at its end
         optimizer.step()
         return {"sync_noop": clock() - t0}
 
@@ -383,16 +373,6 @@ def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -
 
 def _no_all_reduce(tensor: Any, op: Any = None, group: Any = None) -> None:
     """An all_reduce that moves nothing (the tensor keeps this rank's values)."""
-
-
-# Unannotated on purpose: DDP checks a hook's annotations against the real classes,
-# and this module's annotations are strings (from __future__ import annotations).
-def _untouched_bucket(state, bucket):  # noqa: ANN001, ANN202
-    import torch
-
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
 
 
 def _measure_steps(trainer: Any, cfg: ScalingBenchConfig, timers: Sequence[Any]) -> dict[str, float]:

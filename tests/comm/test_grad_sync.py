@@ -1,10 +1,11 @@
-"""What allreduce=auto and grad_sync=auto choose, decided together by real gloo ranks."""
+"""What allreduce=auto and grad_sync=auto choose (allreduce decided together by real gloo ranks)."""
 
 import torch
+from torch import nn
 
+from ddpkit.comm.grad_sync import choose_allreduce, choose_grad_sync
 from ddpkit.distributed import Context
 from ddpkit.env.base import ClusterEnvironment
-from ddpkit.train.grad_sync import choose_allreduce
 from tests.helpers.workers import run_on_ranks
 
 
@@ -23,3 +24,15 @@ def _choices(rank: int, world_size: int) -> list[str]:
 def test_auto_takes_shm_on_one_node_hierarchical_across_shared_nodes_builtin_otherwise():
     results = run_on_ranks(_choices, 4, timeout=120)
     assert all(r == ["shm", "hierarchical", "builtin", "ring"] for r in results), results
+
+
+def test_grad_sync_auto_is_flat_for_gradients_in_ddps_first_bucket_without_syncbatchnorm():
+    exactly_1_mib = nn.Linear(256, 1024, bias=False)  # 256 * 1024 float32
+    above = nn.Linear(256, 1024)
+    frozen_above = nn.Linear(256, 1024)
+    frozen_above.bias.requires_grad_(False)  # frozen parameters have no gradient to reduce
+    assert choose_grad_sync("auto", exactly_1_mib, sync_batchnorm=False) == "flat"
+    assert choose_grad_sync("auto", above, sync_batchnorm=False) == "ddp"
+    assert choose_grad_sync("auto", frozen_above, sync_batchnorm=False) == "flat"
+    assert choose_grad_sync("auto", exactly_1_mib, sync_batchnorm=True) == "ddp"
+    assert choose_grad_sync("manual", above, sync_batchnorm=False) == "manual"

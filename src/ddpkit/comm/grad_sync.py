@@ -1,0 +1,267 @@
+"""How gradients are synchronised: which all_reduce, and DDP, one flat all_reduce or the manual loop.
+
+``allreduce=auto`` on the CPU takes the shared-memory all_reduce when every
+worker is on one node (gloo would move the bytes over TCP loopback), the
+hierarchical one (shared memory inside each node, gloo between nodes) when
+the job spans nodes with several workers on some, and the backend's built-in
+otherwise (one worker per node, or CUDA). Any other name selects an
+algorithm of ``ddpkit.comm``.
+
+``grad_sync=auto`` takes ``flat`` (``ddpkit.comm.flat_grads``: gradients as
+views of one buffer, one all_reduce after backward) when the gradients fit in
+DDP's first bucket, where DDP has a single bucket and so no overlap with
+backward to offer, only its per-parameter hooks and copies; and ``ddp``
+(the chosen all_reduce as DDP's communication hook, buckets overlapping
+backward) for larger models or with SyncBatchNorm. ``manual`` is the
+textbook per-parameter loop, kept as a baseline.
+
+In every mode the gradients are averaged by the time ``backward()`` returns,
+so that the training loop stays ``loss.backward(); optimizer.step();
+optimizer.zero_grad()`` (``ddpkit.prepare_model`` is the public entry).
+DDP does it with its reducer. ``flat`` and ``manual`` register a
+post-accumulate-grad hook on every trainable parameter; the first to fire in
+a backward queues a callback for the end of that backward, as DDP's reducer
+does, and the callback all-reduces the flat buffer (flat) or each gradient
+(manual) and divides by the world size::
+
+    backward:  grad of w3 | hook w3       | grad of w2 | hook w2     | ... | end of backward
+                            queue callback                                    callback: all_reduce(buffer)
+                            .grad -> view                .grad -> view                  buffer /= world_size
+
+With ``flat`` every ``.grad`` stays a view of the buffer: after
+``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) autograd
+hands the hook a fresh ``.grad``, which the hook copies into the view before
+pointing ``.grad`` back at it; after ``zero_grad(set_to_none=False)`` autograd
+accumulates into the view in place.
+
+A parameter that got no gradient since the last ``zero_grad`` counts as zero
+on that rank, and after the callback every rank holds the same averaged
+gradient for it (zero where no rank used it), so the ranks step alike. (DDP
+with its defaults raises on such a parameter instead.)
+
+Gradient accumulation: backwards run inside ``no_sync()`` only accumulate;
+the first backward outside it averages everything accumulated. Limits, as
+with DDP: every rank runs the same number of backwards; parameters frozen
+(``requires_grad=False``) before construction are left out for good; double
+backward (``create_graph=True``) and reentrant activation checkpointing
+(``use_reentrant=True``, which runs nested backwards) are not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
+from ddpkit.comm.ops import ReduceOp
+from ddpkit.distributed import Context
+from ddpkit.log import get_logger
+
+AllReduce = Callable[..., None]
+"""``fn(tensor, op=ReduceOp.SUM, group=None)``, reducing ``tensor`` in place."""
+
+# torch numbers every backward (register_multi_grad_hook keys its state by this id; -1 outside
+# backward). A hook that sees a new id is the first of a new backward, also after a backward that
+# failed before its end and so never ran its callback. Bound once: the hooks run on every step.
+_graph_task_id = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def choose_allreduce(requested: str, ctx: Context) -> str:
+    """The all_reduce algorithm name to use for ``requested``, resolving auto (collective: every rank calls it)."""
+    if requested != "auto":
+        return requested
+    if ctx.device.type != "cpu" or ctx.world_size == 1:
+        return "builtin"
+    if ctx.env.is_single_node:
+        candidate = "shm"
+    elif ctx.world_size > ctx.env.num_nodes:  # some node holds several ranks: share memory there
+        candidate = "hierarchical"
+    else:  # one rank per node: nothing to share memory with
+        return "builtin"
+    from ddpkit.comm import shm
+
+    available = shm.is_available()
+    if _on_every_rank(available):
+        return candidate
+    if not available:
+        shm.warn_unavailable_once()
+    else:
+        get_logger().warning(f"allreduce=auto: another rank cannot load the shared-memory library; "
+                             f"using builtin instead of {candidate}")
+    return "builtin"
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (all ranks must pick the same algorithm, or they wait on each other)."""
+    agreed = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
+def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool) -> str:
+    """The gradient synchronisation mode for ``requested`` (resolving auto for ``model``)."""
+    if requested != "auto":
+        return requested
+    if sync_batchnorm:  # torch supports SyncBatchNorm inside DDP only
+        return "ddp"
+    return "flat" if gradient_bytes(model) <= DDP_FIRST_BUCKET_BYTES else "ddp"
+
+
+def wrap_ddp(model: nn.Module, ctx: Context, allreduce: str, all_reduce_fn: AllReduce | None = None) -> DDP:
+    """``model`` in torch's DDP, averaging with ``all_reduce_fn`` (default: the algorithm ``allreduce``).
+
+    The backend's built-in all_reduce stays DDP's own; any other goes through a
+    communication hook (``ddpkit.comm.hooks``).
+    """
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    ddp = DDP(model, device_ids=device_ids)
+    if all_reduce_fn is not None or allreduce != "builtin":
+        from ddpkit.comm.hooks import register_allreduce_hook
+
+        register_allreduce_hook(ddp, all_reduce_fn or _resolve(allreduce))
+    return ddp
+
+
+class GradientSync:
+    """This worker's part in making every gradient the mean over the workers, by the end of each backward.
+
+    Args:
+        model: the model on ``ctx.device`` (with its own weights on every rank: rank 0's are
+            broadcast). For mode ddp, the plain model (wrapped here) or a DDP from ``wrap_ddp``.
+        ctx: the worker's context.
+        allreduce: algorithm name (resolved by choose_allreduce).
+        mode: ddp, flat or manual (resolved by choose_grad_sync); ignored for one worker.
+        all_reduce_fn: the all_reduce to use instead of the algorithm ``allreduce`` names
+            (a benchmark injects one that moves nothing); with ddp it becomes DDP's communication hook.
+    """
+
+    def __init__(
+        self, model: nn.Module, ctx: Context, allreduce: str, mode: str, *, all_reduce_fn: AllReduce | None = None
+    ) -> None:
+        self.ctx = ctx
+        self.allreduce = allreduce
+        self.mode = mode if ctx.world_size > 1 else "none"
+        self.nbytes = gradient_bytes(model)  # of the gradients averaged per step
+        self.flat: FlatGradients | None = None
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._accumulating = False
+        self._graph_task = -1  # the backward whose end is already taken care of
+        # The module to train, held weakly: prepare_model's registry is keyed by it. What
+        # this object wraps itself it also holds (for callers that take it from `.model`).
+        self._wrapper: nn.Module | None = None
+        if self.mode == "ddp" and not isinstance(model, DDP):
+            model = self._wrapper = wrap_ddp(model, ctx, allreduce, all_reduce_fn)
+        self._model = weakref.ref(model)
+        if self.mode not in ("flat", "manual"):
+            return
+        from ddpkit.comm.hooks import broadcast_parameters
+
+        broadcast_parameters(model)  # start from rank 0's weights, as DDP does
+        self._all_reduce = all_reduce_fn or _resolve(allreduce)
+        if self.mode == "flat":
+            self.flat = FlatGradients(model, self._all_reduce)
+            self.nbytes = self.flat.nbytes
+            hooks = [self._flat_hook(view) for view in self.flat.views]
+        else:
+            hooks = [self._manual_hook] * len(self._params)
+        for param, hook in zip(self._params, hooks):
+            param.register_post_accumulate_grad_hook(hook)
+
+    @property
+    def model(self) -> nn.Module:
+        """The module to train: DDP's wrapper for mode ddp, else the model itself."""
+        model = self._model()
+        assert model is not None, "the module this GradientSync synchronises no longer exists"
+        return model
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate gradients; the next backward outside averages them."""
+        if self.mode == "ddp":
+            with self.model.no_sync():
+                yield
+            return
+        accumulating, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = accumulating
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if self.mode == "none":
+            return "single worker: no gradient synchronisation"
+        return (f"gradients: {self.mode} of {self.nbytes / 1024:.0f} KiB with all_reduce={self.allreduce} "
+                f"over {self.ctx.backend}")
+
+    # -- flat and manual: hooks and the end-of-backward callback --------------------
+
+    def _start_of_backward(self) -> None:
+        """In the first hook of a backward: have its end synchronise, unless accumulating."""
+        self._graph_task = _graph_task_id()
+        if not self._accumulating:
+            _queue_callback(self._average_flat if self.flat is not None else self._average_each)
+
+    def _flat_hook(self, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if _graph_task_id() != self._graph_task:
+                self._start_of_backward()
+            if param.grad is not view:  # after zero_grad(set_to_none=True): a fresh tensor, only this backward's
+                view.copy_(param.grad)
+                param.grad = view
+
+        return hook
+
+    def _manual_hook(self, param: torch.Tensor) -> None:
+        if _graph_task_id() != self._graph_task:
+            self._start_of_backward()
+
+    def _average_flat(self) -> None:
+        assert self.flat is not None
+        for param, view in zip(self.flat.params, self.flat.views):
+            if param.grad is not view:  # no gradient since zero_grad (None), or one set by hand
+                if param.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(param.grad)
+                param.grad = view
+        self.flat.all_reduce()
+
+    def _average_each(self) -> None:
+        world_size = self.ctx.world_size
+        for param in self._params:
+            if param.grad is None:  # unused here; maybe used on another rank, which waits for this one
+                param.grad = torch.zeros_like(param)
+            self._all_reduce(param.grad, op=ReduceOp.SUM)
+            param.grad.div_(world_size)
+
+    # -- kept until the trainer moves to ddpkit.prepare_model -----------------------
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero the gradients before a step (the flat buffer keeps its views)."""
+        if self.flat is not None:
+            self.flat.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def accumulating(self) -> contextlib.AbstractContextManager:
+        """``no_sync()``: for a backward whose gradients must not be averaged yet (not the step's last)."""
+        return self.no_sync()
+
+    def synchronize(self) -> None:
+        """Nothing left to do: the step's last backward averaged the gradients."""
+
+
+def _resolve(name: str) -> AllReduce:
+    if name == "builtin":
+        return dist.all_reduce
+    from ddpkit.comm.registry import resolve_allreduce
+
+    return resolve_allreduce(name)

@@ -1,0 +1,130 @@
+"""Any model, ddpkit's gradient synchronisation, and a training loop that stays plain torch.
+
+::
+
+    ctx = ddpkit.init()
+    model = ddpkit.prepare_model(Net())        # on ctx.device, rank 0's weights on every rank
+    optimizer = torch.optim.AdamW(model.parameters())
+    for x, y in loader:
+        loss_fn(model(x), y).backward()        # when it returns, gradients are the mean over ranks
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(ddpkit.unwrap_model(model).state_dict(), "model.pt")
+
+What ``ddpkit train`` does, a user's script gets the same way: the all_reduce
+(``allreduce=auto``: shared memory on one CPU node, hierarchical across
+nodes, the backend's built-in otherwise) and the synchronisation
+(``grad_sync=auto``: one flat all_reduce for gradients up to DDP's first
+bucket, torch's DDP beyond), both explained in :mod:`ddpkit.comm.grad_sync`.
+
+Gradient accumulation: run the forward and backward of every micro-batch but
+the last inside ``ddpkit.no_sync(model)``::
+
+    for i, (x, y) in enumerate(micro_batches):
+        with ddpkit.no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (loss_fn(model(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+
+Mixed precision works unchanged (``torch.autocast``, ``GradScaler``: the
+scaled gradients are averaged, then unscaled alike on every rank). Freeze
+parameters (``requires_grad_(False)``) before ``prepare_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpkit.comm.grad_sync import GradientSync, choose_allreduce, choose_grad_sync, wrap_ddp
+from ddpkit.config import GRAD_SYNC_MODES
+from ddpkit.distributed import context
+
+_SYNCS: weakref.WeakKeyDictionary[nn.Module, GradientSync] = weakref.WeakKeyDictionary()
+"""The synchronisation of every module prepare_model returned, gone with the module."""
+
+
+def prepare_model(
+    model: nn.Module, *, allreduce: str = "auto", grad_sync: str = "auto", sync_batchnorm: bool = False
+) -> nn.Module:
+    """Make ``model`` train data-parallel: on this worker's device, from rank 0's weights, gradients averaged.
+
+    A collective: every rank calls it, with the same arguments. After it, each
+    ``backward()`` leaves every trainable parameter's ``.grad`` the mean over
+    the ranks (except inside :func:`no_sync`).
+
+    Args:
+        model: the plain module, the same architecture on every rank.
+        allreduce: auto, or an algorithm of ``ddpkit.comm.ALLREDUCE_ALGORITHMS``
+            (builtin, ring, shm, ...).
+        grad_sync: auto, ddp (torch's DDP, with ``allreduce`` as its communication
+            hook unless builtin), flat (one all_reduce of one buffer at the end of
+            backward) or manual (one all_reduce per parameter at the end of backward).
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm (needs ddp or auto).
+
+    Returns:
+        The module to train and call: for ddp, torch's ``DistributedDataParallel``
+        around ``model``; for flat and manual, and with one worker, ``model`` itself.
+
+    Raises:
+        RuntimeError: ``ddpkit.init()`` has not been called.
+        ValueError: unknown ``allreduce`` or ``grad_sync``, SyncBatchNorm without
+            DDP, or ``model`` already prepared or wrapped in DDP.
+    """
+    try:
+        ctx = context()
+    except RuntimeError as e:
+        raise RuntimeError("ddpkit.prepare_model() needs the process group: call ddpkit.init() first") from e
+    if grad_sync not in GRAD_SYNC_MODES:
+        raise ValueError(f"grad_sync={grad_sync!r} is not valid; choose one of: {', '.join(GRAD_SYNC_MODES)}")
+    if allreduce != "auto":
+        from ddpkit.comm.registry import resolve_allreduce
+
+        resolve_allreduce(allreduce)  # an unknown or unavailable name: ValueError naming the valid ones
+    if sync_batchnorm and grad_sync in ("flat", "manual"):
+        raise ValueError(f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
+                         f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'")
+    if isinstance(model, DDP) or model in _SYNCS:
+        raise ValueError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
+    model = model.to(ctx.device)
+    if sync_batchnorm and ctx.world_size > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    algorithm = choose_allreduce(allreduce, ctx)
+    mode = choose_grad_sync(grad_sync, model, sync_batchnorm)
+    if mode == "ddp" and ctx.world_size > 1:
+        # Wrapped here, not by GradientSync, which then holds it weakly (the registry's key).
+        model = wrap_ddp(model, ctx, algorithm)
+    _SYNCS[model] = GradientSync(model, ctx, algorithm, mode)
+    return model
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Gradient accumulation: backwards inside only accumulate; the next backward outside averages them all.
+
+    Run the forward and backward of every micro-batch but the last inside it
+    (DDP decides during the forward). Works in every mode; with one worker it
+    does nothing.
+
+    Raises:
+        ValueError: ``model`` was not returned by :func:`prepare_model`.
+    """
+    sync = _SYNCS.get(model)
+    if sync is None:
+        raise ValueError("no_sync(model) needs the module that ddpkit.prepare_model returned")
+    return sync.no_sync()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module inside ``model`` (DDP's ``.module``, else ``model``): what a checkpoint saves."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def gradient_sync(model: nn.Module) -> GradientSync | None:
+    """How ``model``'s gradients are synchronised (mode, allreduce, nbytes, ``describe()`` for the log).
+
+    Returns:
+        The synchronisation of a module returned by :func:`prepare_model`, else None.
+    """
+    return _SYNCS.get(model)

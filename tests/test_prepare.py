@@ -1,0 +1,186 @@
+"""ddpkit.prepare_model: stock DDP's weights in every mode, with the loop left as plain torch."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.helpers.workers import run_on_ranks
+
+NUM_STEPS = 3
+VARIANTS = ("set_to_none", "zero", "accumulate", "frozen", "amp", "unused")
+"""How each training differs: zero_grad(set_to_none=True) (torch's default) or False; two micro-batches,
+the first in no_sync; a frozen parameter; autocast and GradScaler; a parameter some ranks skip in a step."""
+
+
+class Net(nn.Module):
+    """An MLP, and a layer that ``forward(x, use_extra=False)`` leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.extra = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        y = self.body(x)
+        return y + self.extra(x) if use_extra else y
+
+
+def _net(rank: int, variant: str) -> Net:
+    torch.manual_seed(rank)  # different weights on every rank: rank 0's must win
+    net = Net()
+    if variant == "frozen":
+        net.body[0].bias.requires_grad_(False)
+    return net
+
+
+def _train(model: nn.Module, no_sync: Callable[[], contextlib.AbstractContextManager], variant: str,
+           optimizer_name: str, rank: int) -> list[torch.Tensor]:
+    """The parameters after NUM_STEPS steps of a plain torch loop on this rank's batches."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.Adam(trainable, lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=variant == "amp")
+    num_micro = 2 if variant == "accumulate" else 1
+    for step in range(NUM_STEPS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        # Every step some rank uses the extra layer, and some rank does not (2 ranks: exactly one).
+        use_extra = variant != "unused" or (step + rank) % 2 == 0
+        for i, (xs, ys) in enumerate(zip(x.chunk(num_micro), y.chunk(num_micro))):
+            with no_sync() if i < num_micro - 1 else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "amp"):
+                    out = model(xs, use_extra)
+                scaler.scale(F.mse_loss(out.float(), ys) / num_micro).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=variant != "zero")
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _matches_stock_ddp(rank: int, world_size: int, modes: list[str], allreduces: list[str], variants: list[str],
+                       optimizers: list[str]) -> dict:
+    """Train each combination through prepare_model and stock DDP on the same batches; report what differs."""
+    import ddpkit.distributed
+    from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
+
+    ctx = ddpkit.distributed.init()  # adopts the group the helper formed
+    failures: list[str] = []
+    starts: dict[str, torch.Tensor] = {"rank 0 before": _flat_parameters(_net(0, "set_to_none"))}
+    prepared: list[weakref.ref] = []
+    try:
+        for variant in variants:
+            for optimizer_name in optimizers:
+                # Stock DDP with torch's all_reduce (and with unused parameters, the option DDP needs).
+                reference = DDP(_net(rank, variant), find_unused_parameters=variant == "unused")
+                expected = _train(reference, reference.no_sync, variant, optimizer_name, rank)
+                for mode in modes:
+                    if variant == "unused" and mode == "ddp":
+                        continue  # DDP's defaults raise on unused parameters; stock DDP needs an option
+                    for algorithm in allreduces:
+                        label = f"{mode}/{algorithm}/{variant}/{optimizer_name}"
+                        net = _net(rank, variant)
+                        model = prepare_model(net, allreduce=algorithm, grad_sync=mode)
+                        sync = gradient_sync(model)
+                        assert (sync.mode, sync.allreduce) == (mode, algorithm), (label, sync.describe())
+                        assert isinstance(model, DDP) if mode == "ddp" else model is net, label
+                        assert unwrap_model(model) is net, label
+                        starts.setdefault(mode, _flat_parameters(net))
+                        prepared.append(weakref.ref(model))
+                        got = _train(model, lambda m=model: no_sync(m), variant, optimizer_name, rank)
+                        for i, (g, e) in enumerate(zip(got, expected)):
+                            if not torch.allclose(g, e, rtol=1e-5, atol=1e-7):
+                                failures.append(f"{label}: parameter {i} differs by {(g - e).abs().max():.3g}")
+        describe = gradient_sync(model).describe()
+    finally:
+        ddpkit.distributed.shutdown()
+    assert ctx.world_size == world_size
+    del model, net, sync
+    gc.collect()
+    alive = sum(ref() is not None for ref in prepared)  # prepare_model keeps no module alive
+    return {"failures": failures, "starts": starts, "describe": describe, "alive": alive}
+
+
+def _flat_parameters(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _check(results: list[dict], modes: list[str]) -> None:
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], f"rank {rank}: " + "\n".join(result["failures"])
+        assert result["alive"] == 0, f"rank {rank}: {result['alive']} prepared modules outlived their last use"
+        for mode in modes:
+            assert torch.equal(result["starts"][mode], results[0]["starts"]["rank 0 before"]), (rank, mode)
+
+
+def test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks():
+    modes = ["ddp", "flat", "manual"]
+    results = run_on_ranks(_matches_stock_ddp, 2, modes, ["builtin", "ring", "shm"], list(VARIANTS), ["sgd", "adam"],
+                           timeout=240)
+    _check(results, modes)
+    assert results[0]["describe"].startswith("gradients: manual of ")
+
+
+def test_every_mode_trains_like_stock_ddp_on_3_ranks():
+    modes = ["ddp", "flat", "manual"]
+    results = run_on_ranks(_matches_stock_ddp, 3, modes, ["ring", "shm"], ["set_to_none", "accumulate", "unused"],
+                           ["adam"], timeout=240)
+    _check(results, modes)
+
+
+def _single_worker(rank: int, world_size: int) -> dict:
+    import ddpkit.distributed
+    from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
+
+    ddpkit.distributed.init()
+    try:
+        with pytest.raises(ValueError, match="unknown all_reduce algorithm 'bogus'; choose one of builtin, naive"):
+            prepare_model(Net(), allreduce="bogus")
+        with pytest.raises(ValueError, match="grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"):
+            prepare_model(Net(), grad_sync="bogus")
+        results = {}
+        for variant in ("set_to_none", "accumulate"):
+            net = _net(0, variant)
+            plain = copy.deepcopy(net)
+            model = prepare_model(net)
+            assert model is net and unwrap_model(model) is net
+            assert gradient_sync(model).describe() == "single worker: no gradient synchronisation"
+            with pytest.raises(ValueError, match="already prepared"):
+                prepare_model(model)
+            got = _train(model, lambda m=model: no_sync(m), variant, "adam", rank)
+            expected = _train(plain, contextlib.nullcontext, variant, "adam", rank)
+            results[variant] = all(torch.equal(g, e) for g, e in zip(got, expected))
+        return results
+    finally:
+        ddpkit.distributed.shutdown()
+
+
+def test_one_worker_returns_the_model_itself_and_trains_as_plain_torch():
+    results = run_on_ranks(_single_worker, 1, init_process_group=False)
+    assert results == [{"set_to_none": True, "accumulate": True}]
+
+
+def test_prepare_model_before_init_says_to_call_init():
+    from ddpkit.prepare import prepare_model
+
+    with pytest.raises(RuntimeError, match=r"call ddpkit.init\(\) first"):
+        prepare_model(Net())
+
+
+def test_no_sync_needs_a_prepared_model():
+    from ddpkit.prepare import gradient_sync, no_sync
+
+    assert gradient_sync(Net()) is None
+    with pytest.raises(ValueError, match="the module that ddpkit.prepare_model returned"):
+        no_sync(Net())
