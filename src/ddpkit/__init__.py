@@ -1,12 +1,23 @@
 """ddpkit: data-parallel PyTorch training from one command, anywhere.
 
-From a script of your own::
+Your own script, made distributed and resumable::
 
     import ddpkit
 
-    ctx = ddpkit.init()              # rank, local_rank, world_size, device, backend...
-    with ddpkit.main_process_first():
-        ...                          # prepare data once per node
+    ctx = ddpkit.init()                                   # rank, world_size, device, backend...
+    model = ddpkit.prepare_model(MyNet())                 # device, rank 0's weights, gradient sync
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = ddpkit.DataLoader(train_set, global_batch_size=64, shuffle=True, seed=0, num_workers=2)
+    ckpt = ddpkit.Checkpointer("runs/mine", model=model, optimizer=opt, loader=loader, every_steps=500)
+    start = ckpt.resume("auto")
+    for epoch in range(start.epoch, epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+            ckpt.step()
+
+Launch it with ``ddpkit run nproc=2 train.py``, or unchanged under torchrun, srun or mpirun.
 """
 
 from __future__ import annotations
@@ -16,11 +27,35 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Context", "context", "init", "main_process_first", "shutdown", "__version__"]
+_PUBLIC = {
+    # joining the job
+    "Context": "ddpkit.distributed",
+    "context": "ddpkit.distributed",
+    "init": "ddpkit.distributed",
+    "main_process_first": "ddpkit.distributed",
+    "shutdown": "ddpkit.distributed",
+    # the model and its gradients
+    "prepare_model": "ddpkit.prepare",
+    "no_sync": "ddpkit.prepare",
+    "unwrap_model": "ddpkit.prepare",
+    "gradient_sync": "ddpkit.prepare",
+    # data
+    "DataLoader": "ddpkit.data.loader",
+    "GlobalBatchSampler": "ddpkit.data.sampler",
+    # checkpoints
+    "Checkpointer": "ddpkit.checkpoint.manager",
+    "ResumePoint": "ddpkit.checkpoint.manager",
+    "CheckpointError": "ddpkit.checkpoint.format",
+    "Preempted": "ddpkit.checkpoint.preemption",
+    # exact metrics
+    "reduce_sums": "ddpkit.reduce",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # Imported on first use: `ddpkit slurm` and `ddpkit --help` need not wait for torch.
-    if name in __all__:
-        return getattr(importlib.import_module("ddpkit.distributed"), name)
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")

@@ -53,7 +53,6 @@ def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
     from ddpkit.launch.local import LaunchSpec
-    from ddpkit.train.checkpointing import check_checkpoints_before_launch
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
 
@@ -63,7 +62,6 @@ def train_command(args: Sequence[str]) -> int:
         run_worker(cfg)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
     check_before_launch(cfg, cfg.nproc)
-    check_checkpoints_before_launch(cfg)
     if cfg.nproc == 1 and not cfg.max_restarts:
         run_worker(cfg)  # a preemption ends it with SystemExit(EXIT_PREEMPTED)
         return 0
@@ -83,7 +81,7 @@ def run_command(args: Sequence[str]) -> int:
         return 0
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.launch.script import describe, parse_run_command, run_script
-    from ddpkit.train.preemption import EXIT_PREEMPTED
+    from ddpkit.checkpoint.preemption import EXIT_PREEMPTED
 
     config, target = parse_run_command(args)
     print(describe(config, target), file=sys.stderr)
@@ -112,7 +110,7 @@ def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object, preempte
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ddpkit.launch.local import launch_local
-    from ddpkit.train.preemption import EXIT_PREEMPTED
+    from ddpkit.checkpoint.preemption import EXIT_PREEMPTED
 
     try:
         launch_local(spec, fn, *args)
@@ -151,7 +149,7 @@ def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
     from ddpkit.doctor import main as doctor_main
 
     commands["doctor"] = doctor_main
-    from ddpkit.train.checkpoint_cli import checkpoints_command, export_command
+    from ddpkit.checkpoint.cli import checkpoints_command, export_command
 
     commands["export"] = export_command
     commands["checkpoints"] = checkpoints_command

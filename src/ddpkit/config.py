@@ -123,7 +123,12 @@ def _field_names(schema: type, prefix: str = "") -> list[str]:
 
 
 GRAD_SYNC_MODES = ("auto", "ddp", "flat", "manual")
-"""Values of TrainConfig.grad_sync (see ddpkit.train.grad_sync)."""
+"""Values of TrainConfig.grad_sync (see ddpkit.comm.grad_sync)."""
+TASKS = ("classification", "regression", "reconstruction")
+"""What a model learns: the loss and the metrics of ``ddpkit train``."""
+LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
+"""Values of TrainConfig.lr_schedule."""
+
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -194,9 +199,16 @@ class TrainConfig:
     """Everything ``ddpkit train`` needs; every field can be set as key=value."""
 
     model: str = "mlp"
-    """Model name from the registry: mlp (W1), cnn (W2), autoencoder (W3), or one you registered."""
+    """Model: mlp (W1), cnn (W2), autoencoder (W3), a registered name, or module:function returning an nn.Module."""
     dataset: str = "fashion-mnist"
-    """Dataset name: fashion-mnist, mnist or synthetic."""
+    """Dataset: fashion-mnist, mnist, synthetic, a registered name, or module:function returning (train, test)."""
+    task: str = "auto"
+    """classification (cross-entropy, accuracy), regression (MSE to the target), reconstruction (MSE to the input);
+    auto: the model's registered task, else classification."""
+    loss: str = ""
+    """module:function(output, batch) returning the per-sample losses, instead of the task's loss."""
+    num_workers: int = 0
+    """DataLoader worker processes per training worker (0: load in the training process)."""
     data_dir: str = ""
     """Folder holding the dataset's IDX files; empty searches the usual places (see README)."""
     download: bool = True
@@ -217,6 +229,14 @@ class TrainConfig:
     """Learning rate (before scale_lr)."""
     momentum: float = 0.0
     """SGD momentum."""
+    lr_schedule: str = "constant"
+    """constant, step (times lr_gamma every lr_step_epochs), cosine (to 0 at the end) or onecycle."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from lr/100 to lr before the schedule."""
+    lr_step_epochs: int = 1
+    """Epochs between two decays of lr_schedule=step."""
+    lr_gamma: float = 0.1
+    """Factor of each decay of lr_schedule=step."""
     weight_decay: float = 0.0
     """L2 weight decay."""
     scale_lr: bool = False
@@ -255,6 +275,8 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     eval_every_epoch: bool = True
     """Evaluate on the test set after every epoch (always after the last)."""
+    eval_train: bool = False
+    """Also evaluate on the whole training set at the end (as long as an epoch of forward passes)."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoint cadence, folder, retention, best checkpoint and preemption (checkpoint.KEY=VALUE)."""
     resume: str = "never"
@@ -274,6 +296,12 @@ class TrainConfig:
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
+        check_choice("task", self.task, ("auto", *TASKS))
+        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_positive("num_workers", self.num_workers, allow_zero=True)
+        check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("lr_step_epochs", self.lr_step_epochs)
+        check_positive("lr_gamma", self.lr_gamma)
         for name in ("epochs", "batch_size", "grad_accum_steps", "nproc", "log_every", "synthetic_samples"):
             check_positive(name, getattr(self, name))
         for name in ("lr", "timeout"):

@@ -318,3 +318,14 @@ def _explain_init_failure(env: ClusterEnvironment, timeout: float, error: Except
         fix = f"cannot reach the master at {where} within {timeout:.0f}s; check that rank 0 runs and the address routes here"
     return f"rank {env.rank}/{env.world_size} could not join the process group at {where} ({env.source}): {text}; {fix}"
 
+
+def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device of small control tensors (metrics, agreements) for a collective on ``group``.
+
+    nccl takes CUDA tensors only; gloo (and ``cpu:gloo,cuda:nccl`` for CPU
+    tensors) takes CPU tensors. Every control collective of ddpkit builds its
+    tensor here, so that it works on both.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

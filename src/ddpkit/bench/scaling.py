@@ -220,7 +220,7 @@ def configurations(cfg: ScalingBenchConfig) -> list[RunSpec]:
 
 def _train_words(cfg: ScalingBenchConfig, allreduce: str, output_dir: str, threads: int) -> list[str]:
     words = [f"model={cfg.model}", f"dataset={cfg.dataset}", "progress=false", f"output_dir={output_dir}",
-             f"threads={threads}", "eval_every_epoch=false"]
+             f"threads={threads}", "eval_every_epoch=false", "checkpoint.enabled=false"]
     if cfg.smoke:
         words += ["dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}"]
     words += list(cfg.train)
@@ -228,12 +228,23 @@ def _train_words(cfg: ScalingBenchConfig, allreduce: str, output_dir: str, threa
 
 
 def _batches(trainer: Any) -> Iterator[tuple[Any, int]]:
-    """This rank's indices and the global batch length, epoch after epoch."""
+    """This rank's batches from the trainer's loader and their global batch length, epoch after epoch."""
     epoch = 0
     while True:
-        for step, indices in enumerate(trainer.sampler.epoch(epoch)):
-            yield indices, trainer.sampler.global_batch_length(step)
+        trainer.loader.set_epoch(epoch)
+        for batch in trainer.loader:
+            yield batch, trainer.loader.last_global_batch_length
         epoch += 1
+
+
+def _inputs(batch: Any) -> tuple[Any, Any]:
+    from ddpkit.train.task import split_batch  # (imported late: the bench's CLI does not need torch)
+
+    return split_batch(batch)
+
+
+def _mean_loss(trainer: Any, output: Any, x: Any, y: Any) -> Any:
+    return trainer.task.loss_sum(output, x, y) / len(x)
 
 
 def _time_allreduce(fn: Any, sizes: Sequence[int], iterations: int, repeats: int) -> list[float]:
@@ -278,7 +289,7 @@ def fit_sizes(gradient_bytes: int) -> list[int]:
 
 
 def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, sizes: Sequence[int]) -> list[Any]:
-    """The timed passes, each a function of (indices, global_count) returning its times.
+    """The timed passes, each a function of (batch, global_count) returning its times.
 
     - compute: an unwrapped copy of the model with its own optimizer (data, forward, backward, optimizer);
     - real: ``Trainer.train_step`` (the run's gradient sync and all_reduce algorithm);
@@ -296,11 +307,11 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
     optimizer = build_optimizer(train_cfg, module.parameters(), world_size)
     clock = time.perf_counter
 
-    def compute_only(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+    def compute_only(batch: Any, global_count: int) -> dict[str, float]:
         t0 = clock()
-        x, y = trainer.batch(indices)
+        x, y = _inputs(batch)
         t1 = clock()
-        loss = trainer.batch_loss(module(x), x, y, "mean")
+        loss = _mean_loss(trainer, module(x), x, y)
         t2 = clock()
         loss.backward()
         t3 = clock()
@@ -309,18 +320,18 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
         t4 = clock()
         return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3, "compute": t4 - t0}
 
-    def real(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+    def real(batch: Any, global_count: int) -> dict[str, float]:
         t0 = clock()
-        trainer.train_step(indices, global_count)
+        trainer.train_step(batch)
         return {"step": clock() - t0}
 
     if world_size == 1:
         # The compute of a smaller share, for the projection: the batch halved down to 1 sample.
-        ladder = itertools.cycle(batch_ladder(int(trainer.sampler.global_batch_length(0))))
+        ladder = itertools.cycle(batch_ladder(int(trainer.loader.global_batch_size)))
 
-        def share(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+        def share(batch: Any, global_count: int) -> dict[str, float]:
             b = next(ladder)
-            return {f"compute_b{b}": compute_only(indices[:b], global_count)["compute"]}
+            return {f"compute_b{b}": compute_only([part[:b] for part in batch], global_count)["compute"]}
 
         return [compute_only, real, share]
 
@@ -329,8 +340,8 @@ def _step_timers(trainer: Any, train_cfg: Any, world_size: int, allreduce: Any, 
     tensors = [torch.zeros(max(1, n // 4)) for n in sizes]
     turn = itertools.cycle(range(len(sizes)))
 
-    def probe(indices: torch.Tensor, global_count: int) -> dict[str, float]:
-        compute_only(indices, global_count)
+    def probe(batch: Any, global_count: int) -> dict[str, float]:
+        compute_only(batch, global_count)
         i = next(turn)
         t0 = clock()
         allreduce(tensors[i])
@@ -353,18 +364,18 @@ def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -
     from ddpkit.train.loop import build_optimizer
 
     plain = copy.deepcopy(trainer.module)
-    sync = GradientSync(plain, trainer.ctx, trainer.allreduce, trainer.sync.mode, all_reduce_fn=_no_all_reduce)
+    sync = GradientSync(plain, trainer.ctx, trainer.allreduce, trainer.grad_sync, all_reduce_fn=_no_all_reduce)
     model = sync.model
     optimizer = build_optimizer(train_cfg, model.parameters(), world_size)
     # Zeroed as the trainer zeroes: the flat buffer in place, other gradients to None.
     set_to_none = sync.flat is None
     clock = time.perf_counter
 
-    def sync_noop(indices: torch.Tensor, global_count: int) -> dict[str, float]:
+    def sync_noop(batch: Any, global_count: int) -> dict[str, float]:
         t0 = clock()
         optimizer.zero_grad(set_to_none=set_to_none)
-        x, y = trainer.batch(indices)
-        trainer.batch_loss(model(x), x, y, "mean").backward()  # synchronised at its end
+        x, y = _inputs(batch)
+        _mean_loss(trainer, model(x), x, y).backward()  # synchronised at its end
         optimizer.step()
         return {"sync_noop": clock() - t0}
 
@@ -418,11 +429,10 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
     from ddpkit.comm import flat_grads
     from ddpkit.comm.registry import resolve_allreduce
     from ddpkit.config import TrainConfig
-    from ddpkit.data.datasets import load_dataset
+    from ddpkit.data.datasets import load_datasets
     from ddpkit.env.detect import detect_environment
     from ddpkit.models.registry import get_model_spec
-    from ddpkit.train.loop import Trainer
-    from ddpkit.train.run import data_options
+    from ddpkit.train.run import build_trainer, data_options
 
     cfg = ScalingBenchConfig(**job["bench"])
     world_size = detect_environment(os.environ).world_size
@@ -432,11 +442,13 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
         spec = get_model_spec(cfg.model)
         words = _train_words(cfg, job["allreduce"] if world_size > 1 else "builtin", job["scratch_dir"], threads)
         train_cfg = parse(TrainConfig, words, presets=dict(spec.recipe))
-        dataset = load_dataset(train_cfg.dataset, data_options(train_cfg))
-        trainer = Trainer(train_cfg, ctx, dataset, spec)
+        train_set, test_set = load_datasets(train_cfg.dataset, data_options(train_cfg))
+        trainer = build_trainer(train_cfg, ctx, spec, train_set, test_set)
         gradient_bytes = flat_grads.gradient_bytes(trainer.module)
         sizes, comm_isolated = fit_sizes(gradient_bytes), []
-        fn = dist.all_reduce if trainer.allreduce == "builtin" else resolve_allreduce(trainer.allreduce)
+        fn = None
+        if world_size > 1:
+            fn = dist.all_reduce if trainer.allreduce == "builtin" else resolve_allreduce(trainer.allreduce)
         if world_size > 1:
             comm_isolated = _time_allreduce(fn, sizes, cfg.comm_iterations, cfg.comm_repeats)
         steps = _measure_steps(trainer, cfg, _step_timers(trainer, train_cfg, world_size, fn, sizes))
@@ -452,9 +464,9 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
             "num_nodes": ctx.env.num_nodes,
             "threads": threads,
             "allreduce": trainer.allreduce if world_size > 1 else "none",
-            "grad_sync": trainer.sync.mode,
-            "batch_per_worker": len(next(_batches(trainer))[0]),
-            "global_batch": trainer.sampler.global_batch_length(0),
+            "grad_sync": trainer.grad_sync,
+            "batch_per_worker": len(next(_batches(trainer))[0][0]),
+            "global_batch": trainer.loader.global_batch_size,
             "gradient_bytes": gradient_bytes,
             "slowest_rank": slowest,
             "comm_sizes": sizes if comm_slowest else [],

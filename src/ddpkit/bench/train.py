@@ -5,8 +5,13 @@ order: the bare loop (no framework), then ``ddpkit train`` with each worker
 count, all_reduce algorithm and gradient sync mode. Rounds repeat, and the report gives the
 median with min and max, and the ratios the targets are stated in:
 
-- T1: ddpkit with 1 worker / bare loop          (target <= 1.15)
-- T2: ddpkit with 2 workers / ddpkit with 1      (target <= 0.60)
+- T1: ddpkit with 1 worker / bare loop                                      (target <= 1.15)
+- ddpkit with 2 workers / ddpkit with 1 (what two workers buy end to end)
+- T6: W1 as an own loop with the public API over tensors / bare loop       (target <= 1.10)
+- T7: own loop over a per-sample Dataset, num_workers=2, 2 workers:
+  ddpkit.DataLoader's time / torch's DataLoader + DistributedSampler's      (target <= 1.00)
+
+The own-loop rows run ``ddpkit.bench.own_loop`` (one worker in-process, two through ``ddpkit run``).
 
 Results go to ``<output_dir>/train-<model>-<machine>-<date>.json`` and ``.md``.
 """
@@ -44,6 +49,8 @@ class TrainBenchConfig:
     """Gradient synchronisation modes to compare for runs with more than one worker (auto, ddp, flat, manual)."""
     repeats: int = 3
     """Rounds of every configuration."""
+    own_loop: bool = True
+    """Also run W1 as an own loop with the public API (rows for T6 and T7)."""
     smoke: bool = False
     """A tiny run (synthetic data, one short epoch, one round) to check the benchmark works."""
     output_dir: str = "benchmarks"
@@ -81,10 +88,37 @@ def _configurations(cfg: TrainBenchConfig) -> list[dict[str, Any]]:
             for mode in cfg.grad_sync:
                 name = f"ddpkit {n} workers, allreduce={algorithm}, grad_sync={mode}"
                 runs.append({"name": name, "kind": "ddpkit", "workers": n, "allreduce": algorithm, "grad_sync": mode})
+    if cfg.own_loop:
+        runs += [
+            {"name": OWN_TENSORS, "kind": "own", "workers": 1, "loader": "tensors"},
+            {"name": OWN_SAMPLES, "kind": "own", "workers": 2, "loader": "samples"},
+            {"name": OWN_TORCH, "kind": "own", "workers": 2, "loader": "torch"},
+        ]
     return runs
 
 
+OWN_TENSORS = "own loop 1 worker, tensors (public API)"
+OWN_SAMPLES = "own loop 2 workers, per-sample Dataset, ddpkit.DataLoader num_workers=2"
+OWN_TORCH = "own loop 2 workers, per-sample Dataset, torch DataLoader + DistributedSampler num_workers=2"
+
+
+def _own_loop_words(cfg: TrainBenchConfig, loader: str) -> list[str]:
+    words = [f"loader={loader}", f"dataset={cfg.dataset}"]
+    if cfg.smoke:
+        words = [f"loader={loader}", "dataset=synthetic", "synthetic_samples=2048", "epochs=1"]
+    elif cfg.epochs:
+        words.append(f"epochs={cfg.epochs}")
+    return words
+
+
 def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str, Any]:
+    if run["kind"] == "own":
+        module = ["-m", "ddpkit.bench.own_loop", *words]
+        command = [sys.executable, *module] if run["workers"] == 1 else \
+            [sys.executable, "-m", "ddpkit", "run", f"nproc={run['workers']}", *module]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        _check(out, run)
+        return json.loads(out.stdout.strip().splitlines()[-1])
     if run["kind"] == "bare":
         out = subprocess.run([sys.executable, "-m", "ddpkit.bench.bare_loop", *words],
                              capture_output=True, text=True, timeout=timeout)
@@ -114,7 +148,8 @@ def run_train_benchmark(cfg: TrainBenchConfig) -> dict[str, Any]:
     samples: dict[str, list[dict[str, Any]]] = {r["name"]: [] for r in runs}
     for round_index in range(1 if cfg.smoke else cfg.repeats):
         for run in runs:
-            result = _run_once(run, words, cfg.timeout)
+            run_words = _own_loop_words(cfg, run["loader"]) if run["kind"] == "own" else words
+            result = _run_once(run, run_words, cfg.timeout)
             samples[run["name"]].append(result)
             print(f"round {round_index + 1}: {run['name']:<55} {result['train_time_s']:7.2f}s  "
                   f"accuracy {100 * (result['test_accuracy'] or 0):.2f}%", file=sys.stderr)
@@ -137,7 +172,12 @@ def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
         ratios["T1 ddpkit 1 worker / bare loop"] = one / by_name["bare loop"]
     for name, value in by_name.items():
         if one and name.startswith("ddpkit 2 workers"):
-            ratios[f"T2 {name} / ddpkit 1 worker"] = value / one
+            ratios[f"{name} / ddpkit 1 worker"] = value / one
+    if OWN_TENSORS in by_name and "bare loop" in by_name:
+        ratios["T6 own loop (public API, tensors) / bare loop"] = by_name[OWN_TENSORS] / by_name["bare loop"]
+    if OWN_SAMPLES in by_name and OWN_TORCH in by_name:
+        ratios["T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"] = \
+            by_name[OWN_SAMPLES] / by_name[OWN_TORCH]
     return ratios
 
 

@@ -1,18 +1,29 @@
-"""The datasets ddpkit trains on, held whole in memory as tensors.
+"""The datasets ``ddpkit train`` knows by name, and the user's own by ``module:function``.
+
+A dataset, for training, is a pair of map-style torch Datasets (train, test)
+whose items are ``(input, target)``; any input shape and dtype. The trainer
+never rescales inputs: a dataset hands them over as the model should see them.
 
 MNIST-family datasets are small (60,000 + 10,000 images of 28 x 28 bytes), so
-each worker keeps the whole of them as one uint8 tensor, on the training device,
-and a batch is one indexing operation: no per-sample Python, no DataLoader
-workers. Pixels become float32 in [0, 1] at batch time.
+each worker reads them whole (:class:`ImageData`, uint8) and serves them as
+``torch.utils.data.TensorDataset`` of float32 pixels in [0, 1]: a batch is
+then one indexing operation (``ddpkit.DataLoader``'s fast path), no
+per-sample Python.
+
+Own datasets: ``dataset=my_module:build`` names a function returning
+``(train, test)`` (it receives no argument); it is imported in every worker,
+with the current folder importable.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ddpkit.data.idx import CorruptDataError, read_idx
 from ddpkit.data.sources import DatasetSource, RemoteFile, locate
@@ -43,7 +54,7 @@ MNIST = DatasetSource(
 
 
 @dataclass(frozen=True)
-class TensorDataset:
+class ImageData:
     """A whole image-classification dataset as tensors.
 
     Images are uint8, shape (N, 1, 28, 28); labels are int64, shape (N,).
@@ -62,10 +73,10 @@ class TensorDataset:
     num_classes: int = 10
     """Number of label classes."""
 
-    def to(self, device: torch.device) -> TensorDataset:
-        """The same dataset with every tensor on ``device``."""
-        moved = {k: getattr(self, k).to(device) for k in ("train_images", "train_labels", "test_images", "test_labels")}
-        return TensorDataset(self.name, num_classes=self.num_classes, **moved)
+    def datasets(self) -> tuple[TensorDataset, TensorDataset]:
+        """(train, test) as torch TensorDatasets of (float32 pixels in [0, 1], int64 label)."""
+        return (TensorDataset(self.train_images.float().div_(255.0), self.train_labels),
+                TensorDataset(self.test_images.float().div_(255.0), self.test_labels))
 
 
 @dataclass(frozen=True)
@@ -84,33 +95,83 @@ class DataOptions:
     """Seed of the synthetic dataset."""
 
 
-Loader = Callable[[DataOptions, Mapping[str, str]], TensorDataset]
-DATASETS: dict[str, Loader] = {}
+Loader = Callable[[DataOptions, Mapping[str, str]], ImageData]
+IMAGE_DATASETS: dict[str, Loader] = {}
+"""The built-in image datasets by name: loaders ``(options, environ) -> ImageData``."""
+Splits = tuple[Dataset, Dataset]
+DATASETS: dict[str, Callable[[], Splits]] = {}
+"""Datasets registered by users: functions returning (train, test)."""
 
 
-def register_dataset(name: str) -> Callable[[Loader], Loader]:
-    """Decorator registering a loader ``(options, environ) -> TensorDataset`` under ``name``."""
+def register_dataset(name: str) -> Callable[[Callable[[], Splits]], Callable[[], Splits]]:
+    """Decorator registering a function returning ``(train, test)`` Datasets as ``dataset=name``."""
 
+    def add(build: Callable[[], Splits]) -> Callable[[], Splits]:
+        DATASETS[name] = build
+        return build
+
+    return add
+
+
+def _image_dataset(name: str) -> Callable[[Loader], Loader]:
     def add(loader: Loader) -> Loader:
-        DATASETS[name] = loader
+        IMAGE_DATASETS[name] = loader
         return loader
 
     return add
 
 
-def load_dataset(name: str, options: DataOptions, environ: Mapping[str, str] | None = None) -> TensorDataset:
-    """Load the dataset registered as ``name``.
+def dataset_names() -> list[str]:
+    """Every dataset name ``dataset=`` accepts (besides module:function)."""
+    return sorted({*IMAGE_DATASETS, *DATASETS})
+
+
+def load_images(name: str, options: DataOptions, environ: Mapping[str, str] | None = None) -> ImageData:
+    """Load the built-in image dataset ``name`` (uint8 images, int64 labels).
 
     Raises:
-        ValueError: ``name`` is not registered (the message lists those that are).
+        ValueError: ``name`` is not a built-in image dataset (the message lists those that are).
         DataNotFoundError, CorruptDataError: the files are missing or damaged.
     """
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name](options, os.environ if environ is None else environ)
+    if name not in IMAGE_DATASETS:
+        raise ValueError(f"unknown image dataset {name!r}; choose one of: {', '.join(sorted(IMAGE_DATASETS))}")
+    return IMAGE_DATASETS[name](options, os.environ if environ is None else environ)
 
 
-def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapping[str, str]) -> TensorDataset:
+def load_datasets(name: str, options: DataOptions, environ: Mapping[str, str] | None = None) -> Splits:
+    """The (train, test) Datasets of ``dataset=name``: built-in, registered, or module:function.
+
+    Raises:
+        ValueError: unknown name, a function that cannot be imported, or one that
+            does not return two map-style Datasets (the message says which).
+    """
+    if name in IMAGE_DATASETS:
+        return load_images(name, options, environ).datasets()
+    if name in DATASETS:
+        return _checked(name, DATASETS[name]())
+    if ":" not in name:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}, "
+                         "or give module:function returning (train, test) Datasets")
+    module_name, _, attr = name.partition(":")
+    try:
+        build = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"dataset {name!r} cannot be imported ({e}); check the module:function path "
+                         "(the current folder is importable)") from None
+    return _checked(name, build())
+
+
+def _checked(name: str, splits: object) -> Splits:
+    if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
+        raise ValueError(f"dataset {name!r} returned {type(splits).__name__}; return a pair (train, test) of Datasets")
+    for split, data in zip(("train", "test"), splits):
+        if isinstance(data, IterableDataset) or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+            raise ValueError(f"dataset {name!r}: the {split} split is a {type(data).__name__}, not a map-style "
+                             "Dataset (__getitem__ and __len__); ddpkit shards by index so that resumes are exact")
+    return splits[0], splits[1]
+
+
+def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapping[str, str]) -> ImageData:
     folder = locate(source, options.data_dir, options.download, options.mirrors, environ)
     arrays = [read_idx(folder / f.name) for f in source.files]
     train_x, train_y, test_x, test_y = (torch.from_numpy(a.copy()) for a in arrays)
@@ -120,7 +181,7 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
                 f"{source.name} {split} split in {folder}: images {tuple(images.shape)} do not match "
                 f"labels {tuple(labels.shape)}; delete the files so they are fetched again"
             )
-    return TensorDataset(
+    return ImageData(
         source.name,
         train_x.unsqueeze(1),
         train_y.long(),
@@ -129,20 +190,20 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
     )
 
 
-@register_dataset("fashion-mnist")
-def load_fashion_mnist(options: DataOptions, environ: Mapping[str, str]) -> TensorDataset:
+@_image_dataset("fashion-mnist")
+def load_fashion_mnist(options: DataOptions, environ: Mapping[str, str]) -> ImageData:
     """Fashion-MNIST: 60,000 + 10,000 clothing images in 10 classes."""
     return _load_idx_dataset(FASHION_MNIST, options, environ)
 
 
-@register_dataset("mnist")
-def load_mnist(options: DataOptions, environ: Mapping[str, str]) -> TensorDataset:
+@_image_dataset("mnist")
+def load_mnist(options: DataOptions, environ: Mapping[str, str]) -> ImageData:
     """MNIST: 60,000 + 10,000 handwritten digits."""
     return _load_idx_dataset(MNIST, options, environ)
 
 
-@register_dataset("synthetic")
-def load_synthetic(options: DataOptions, environ: Mapping[str, str]) -> TensorDataset:
+@_image_dataset("synthetic")
+def load_synthetic(options: DataOptions, environ: Mapping[str, str]) -> ImageData:
     """Random images whose label is a fixed function of the pixels (learnable), any size.
 
     The label is the arg-max of a fixed random projection of the image, so
@@ -154,6 +215,6 @@ def load_synthetic(options: DataOptions, environ: Mapping[str, str]) -> TensorDa
     images = torch.randint(0, 256, (num_train + num_test, 1, 28, 28), dtype=torch.uint8, generator=generator)
     projection = torch.randn(28 * 28, 10, generator=generator)
     labels = (images.flatten(1).float() @ projection).argmax(1)
-    return TensorDataset(
+    return ImageData(
         "synthetic", images[:num_train], labels[:num_train], images[num_train:], labels[num_train:]
     )

@@ -366,6 +366,11 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._sampler.steps_per_epoch
 
     @property
+    def last_global_batch_length(self) -> int:
+        """Samples, over all ranks, of the global batch handed out last (0 before the first)."""
+        return self._global_count or 0
+
+    @property
     def global_batch_size(self) -> int:
         """Samples per step, over all ranks."""
         return self._sampler.global_batch_size

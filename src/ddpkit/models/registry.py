@@ -1,8 +1,7 @@
 """The model registry: reference models and the user's own, by name.
 
 A model is registered with what training needs to know besides its layers:
-whether it classifies or reconstructs its input, how inputs are normalized,
-and the training recipe (optimizer, learning rate, batch, epochs) used when
+whether it classifies, regresses or reconstructs its input, and the training recipe (optimizer, learning rate, batch, epochs) used when
 the user does not override it::
 
     @register_model("tiny", task="classification", recipe={"lr": 0.01})
@@ -23,7 +22,8 @@ from typing import Any
 
 from torch import nn
 
-TASKS = ("classification", "reconstruction")
+from ddpkit.config import TASKS
+
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,7 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     """Returns a new, randomly initialised model."""
     task: str
-    """classification (cross-entropy, accuracy) or reconstruction (MSE of the input)."""
-    normalize: tuple[float, float] | None = None
-    """(mean, std) applied to [0, 1] pixels before the model, or None."""
+    """classification (cross-entropy, accuracy), regression (MSE to the target) or reconstruction (MSE to the input)."""
     recipe: Mapping[str, Any] = field(default_factory=dict)
     """TrainConfig values used unless the user overrides them."""
 
@@ -48,7 +46,6 @@ MODELS: dict[str, ModelSpec] = {}
 def register_model(
     name: str,
     task: str = "classification",
-    normalize: tuple[float, float] | None = None,
     recipe: Mapping[str, Any] | None = None,
 ) -> Callable[[Callable[[], nn.Module]], Callable[[], nn.Module]]:
     """Decorator registering a model builder under ``name``.
@@ -60,7 +57,7 @@ def register_model(
         raise ValueError(f"task={task!r} is not valid; choose one of: {', '.join(TASKS)}")
 
     def add(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        MODELS[name] = ModelSpec(name, build, task, normalize, dict(recipe or {}))
+        MODELS[name] = ModelSpec(name, build, task, dict(recipe or {}))
         return build
 
     return add

@@ -1,13 +1,15 @@
-"""The training loop: one readable file, lean enough that the framework costs little.
+"""The training loop of ``ddpkit train``: one readable file on ddpkit's public API.
 
-Each optimizer step takes this rank's share of one global batch (see
-``ddpkit.data.sampler``), runs forward and backward, has the gradients
-averaged over the ranks (``ddpkit.train.grad_sync``: DDP, one flat
-all_reduce or the manual loop), and steps the optimizer. When the global
-batch splits evenly, each rank's loss is the mean over its samples;
-otherwise (the last batch of an epoch) it is the sum scaled by
-``world_size / global_batch_length``. Either way, once averaged over the
-ranks, the gradients are exactly the mean over the global batch.
+Everything it relies on is what a user's own script gets: the model comes from
+``ddpkit.prepare_model`` (gradients averaged over the ranks at the end of
+backward), batches from ``ddpkit.DataLoader`` (global batches independent of
+the world size), checkpoints from ``ddpkit.Checkpointer``, exact evaluation
+from ``ddpkit.reduce_sums``. Each optimizer step::
+
+    loss = loader.global_mean(task.loss_sum(model(x), x, y))   # exact mean over the global batch
+    scaler.scale(loss).backward()                               # gradients synchronised here
+    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    checkpointer.step()                                         # saves when due, handles preemption
 
 Per step the loop does no host synchronisation: the running loss stays a
 tensor and is read every ``log_every`` steps.
@@ -20,29 +22,27 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from ddpkit.checkpoint.manager import Checkpointer
 from ddpkit.config import TrainConfig, to_dict
-from ddpkit.data.datasets import TensorDataset
-from ddpkit.data.sampler import GlobalBatchSampler, shard_range
+from ddpkit.data.loader import DataLoader
 from ddpkit.distributed import Context
 from ddpkit.log import get_logger
-from ddpkit.models.registry import ModelSpec
-from ddpkit.train import grad_sync
-from ddpkit.train.metrics import MetricsWriter, reduce_sums
+from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
+from ddpkit.reduce import reduce_sums
+from ddpkit.train.metrics_file import MetricsWriter
 from ddpkit.train.state import TrainState
-
-EVAL_BATCH = 2000
+from ddpkit.train.task import Task, split_batch
 
 
 class StopTraining(Exception):
-    """Raised by a step or epoch callback to end training after the current step (fit returns its summary)."""
+    """Raised inside the loop to end training after the current step (fit returns its summary)."""
 
 
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
@@ -69,158 +69,101 @@ def build_optimizer(cfg: TrainConfig, params: Any, world_size: int) -> torch.opt
 
 @dataclass
 class Trainer:
-    """Trains one registered model on one in-memory dataset, on this worker's shard.
-
-    Args:
-        cfg: the run's configuration.
-        ctx: this worker's context (ranks, device).
-        dataset: the whole dataset (every worker holds it; batches are indexed).
-        spec: the registered model.
-    """
+    """Trains a prepared model on a DataLoader; the parts are built by :func:`ddpkit.train.run.build_trainer`."""
 
     cfg: TrainConfig
     ctx: Context
-    dataset: TensorDataset
-    spec: ModelSpec
+    model: nn.Module
+    """The model as ``ddpkit.prepare_model`` returned it (DDP-wrapped or not)."""
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader
+    test_loader: DataLoader
+    task: Task
+    scheduler: Any = None
+    scaler: torch.amp.GradScaler | None = None
+    checkpointer: Checkpointer | None = None
+    dataset_name: str = ""
     state: TrainState = field(default_factory=TrainState)
-    step_callbacks: list[Callable[[Trainer], None]] = field(default_factory=list)
-    """Called after every optimizer step (checkpointing hooks in here)."""
-    epoch_callbacks: list[Callable[[Trainer, dict[str, float]], None]] = field(default_factory=list)
-    """Called after every epoch and its evaluation, with the test metrics ({} when not evaluated)."""
+    train_loader_for_eval: DataLoader | None = None
 
     def __post_init__(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        seed_everything(cfg.seed)
-        model = self.spec.build().to(ctx.device)
-        if cfg.init_from or cfg.freeze:
-            # Before wrapping: DDP must not expect gradients of frozen parameters.
-            from ddpkit.train.transfer import prepare_model
+        self.module = unwrap_model(self.model)
+        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
+        sync = gradient_sync(self.model)
+        self.grad_sync = sync.mode if sync is not None else "none"
+        self.allreduce = sync.allreduce if sync is not None else "none"
 
-            for line in prepare_model(model, cfg.init_from, cfg.freeze).lines():
-                get_logger().info(line)
-        if cfg.sync_batchnorm and ctx.world_size > 1:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.allreduce = grad_sync.choose_allreduce(cfg.allreduce, ctx)
-        self.module = model
-        mode = grad_sync.choose_grad_sync(cfg.grad_sync, model, cfg.sync_batchnorm)
-        self.sync = grad_sync.GradientSync(model, ctx, self.allreduce, mode)
-        self.model = self.sync.model
-        self.optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16" and ctx.device.type == "cuda")
-        self.sampler = GlobalBatchSampler(
-            len(self.dataset.train_labels), global_batch_size(cfg, ctx.world_size), ctx.rank, ctx.world_size, cfg.seed
-        )
-        self.dataset = self.dataset.to(ctx.device)
-        self.metrics = MetricsWriter(cfg.output_dir, enabled=ctx.is_main_process)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        self.epoch_start_time = time.perf_counter()
-        if cfg.max_steps:
-            self.step_callbacks.append(_stop_at_max_steps)
-
-    # -- batches and losses -------------------------------------------------
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of the training samples ``indices``.
-
-        ``index_select`` rather than ``tensor[indices]``: advanced indexing of
-        a 4-D tensor costs several times more, a visible share of a W1 step.
-        """
-        images = self.dataset.train_images.index_select(0, indices)
-        return self.inputs(images), self.dataset.train_labels.index_select(0, indices)
-
-    def inputs(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 images -> float32 in [0, 1], normalized as the model asks."""
-        x = images.float().div_(255.0)
-        if self.spec.normalize is not None:
-            mean, std = self.spec.normalize
-            x = x.sub_(mean).div_(std)
-        return x
-
-    def batch_loss(self, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
-        """The loss of a batch, summed or averaged over samples (MSE: per-sample mean over pixels)."""
-        if self.spec.task == "classification":
-            return F.cross_entropy(output.float(), y, reduction=reduction)
-        loss = F.mse_loss(output.float(), x, reduction=reduction)
-        return loss / x[0].numel() if reduction == "sum" else loss
+    # -- one step -------------------------------------------------------------
 
     def _forward_context(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
 
-    # -- training -------------------------------------------------------------
+    def _backward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        with self._forward_context():
+            output = self.model(x)
+        loss_sum = self.task.loss_sum(output, x, y)
+        loss = self.loader.global_mean(loss_sum)  # exact mean over the global batch once averaged over ranks
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss_sum.detach()
 
-    def train_step(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
-        """One optimizer step on this rank's ``indices``; returns the mean loss of its samples (a tensor)."""
-        self.sync.zero_grad(self.optimizer)
-        if self.cfg.grad_accum_steps == 1:
-            loss = self._forward_backward(indices, global_count)
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on this rank's share of a global batch; returns its mean loss (a tensor)."""
+        x, y = split_batch(batch)
+        x = x.to(self.ctx.device, non_blocking=True)
+        y = y.to(self.ctx.device, non_blocking=True) if y is not None else None
+        k = self.cfg.grad_accum_steps
+        if k == 1:
+            total = self._backward(x, y)
         else:
-            loss = self._accumulate(indices, global_count)
-        self.sync.synchronize()
-        if self.scaler.is_enabled():
+            micro_x = torch.tensor_split(x, k)
+            micro_y = torch.tensor_split(y, k) if y is not None else [None] * k
+            total = torch.zeros((), device=self.ctx.device)
+            for i, (mx, my) in enumerate(zip(micro_x, micro_y)):
+                # Every micro-batch but the last accumulates locally; the last one synchronises.
+                with no_sync(self.model) if i < k - 1 else contextlib.nullcontext():
+                    total = total + self._backward(mx, my)
+        if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        return loss
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad()
+        return total / max(len(x), 1)
 
-    def _forward_backward(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
-        x, y = self.batch(indices)
-        with self._forward_context():
-            output = self.model(x)
-        if len(indices) * self.ctx.world_size == global_count:
-            # Even split: the per-rank mean, averaged over ranks, is the global mean.
-            loss = self.batch_loss(output, x, y, "mean")
-            self.scaler.scale(loss).backward()
-            return loss.detach()
-        # Uneven last batch: weight each rank by its share of the global batch.
-        summed = self.batch_loss(output, x, y, "sum")
-        self.scaler.scale(summed * (self.ctx.world_size / global_count)).backward()
-        return summed.detach() / max(len(indices), 1)
-
-    def _accumulate(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
-        scale = self.ctx.world_size / global_count
-        micro_batches = torch.tensor_split(indices, self.cfg.grad_accum_steps)
-        total = torch.zeros((), device=self.ctx.device)
-        for i, micro in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last else self.sync.accumulating()
-            with sync:
-                x, y = self.batch(micro)
-                with self._forward_context():
-                    summed = self.batch_loss(self.model(x), x, y, "sum")
-                self.scaler.scale(summed * scale).backward()
-            total += summed.detach()
-        return total / max(len(indices), 1)
+    # -- one epoch ------------------------------------------------------------
 
     def train_epoch(self) -> None:
-        """Train the rest of epoch ``state.completed_epochs`` from ``state.step_in_epoch``."""
-        state, sampler = self.state, self.sampler
-        epoch = state.completed_epochs
+        """Train the rest of the loader's current epoch."""
+        state, loader, cfg = self.state, self.loader, self.cfg
         self.model.train()
-        bar = self._progress_bar(epoch)
+        bar = self._progress_bar()
         running = torch.zeros((), device=self.ctx.device)
         window_samples, window_start = 0, time.perf_counter()
-        start = self.epoch_start_time = time.perf_counter()
+        start = time.perf_counter()
+        saving = self.checkpointer.save_seconds if self.checkpointer is not None else 0.0
         try:
-            for indices in sampler.epoch(epoch, state.step_in_epoch):
-                global_count = sampler.global_batch_length(state.step_in_epoch)
-                running += self.train_step(indices, global_count)
-                state.step_in_epoch += 1
+            for batch in loader:
+                running += self.train_step(batch)
+                count = loader.last_global_batch_length
                 state.global_step += 1
-                state.samples_seen += global_count
-                window_samples += global_count
-                if state.global_step % self.cfg.log_every == 0:
+                state.samples_seen += count
+                window_samples += count
+                if state.global_step % cfg.log_every == 0:
                     window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
-                for callback in self.step_callbacks:
-                    callback(self)
-        finally:  # also when a callback stops training mid-epoch
-            state.train_time += time.perf_counter() - start
+                if self.checkpointer is not None:
+                    self.checkpointer.step()
+                if cfg.max_steps and state.global_step >= cfg.max_steps and loader.step_in_epoch < loader.steps_per_epoch:
+                    raise StopTraining(f"max_steps={cfg.max_steps} reached")
+        finally:  # also when training stops mid-epoch
+            spent_saving = (self.checkpointer.save_seconds if self.checkpointer is not None else 0.0) - saving
+            state.train_time += time.perf_counter() - start - spent_saving
             if bar is not None:
                 bar.close()
-        state.completed_epochs += 1
-        state.step_in_epoch = 0
 
     def _log_window(self, bar, running, window_samples, window_start):
         now = time.perf_counter()
@@ -228,81 +171,69 @@ class Trainer:
             # Rank 0's mean loss over the window's steps: a cheap estimate of the global loss.
             loss = running.item() / self.cfg.log_every
             rate = window_samples / max(now - window_start, 1e-9)
-            self.metrics.write(
-                "train", epoch=self.state.completed_epochs, global_step=self.state.global_step,
-                loss=round(loss, 6), samples_per_s=round(rate, 1),
-            )
+            self.metrics.write("train", epoch=self.loader.epoch, global_step=self.state.global_step,
+                               loss=round(loss, 6), samples_per_s=round(rate, 1),
+                               lr=self.optimizer.param_groups[0]["lr"])
             if bar is not None:
                 bar.update(self.cfg.log_every)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
         return now, 0, torch.zeros((), device=self.ctx.device)
 
-    def _progress_bar(self, epoch: int):
+    def _progress_bar(self):
         if not (self.ctx.is_main_process and self.cfg.progress and sys.stderr.isatty()):
             return None
-        return tqdm(
-            total=self.sampler.steps_per_epoch, initial=self.state.step_in_epoch,
-            desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="step", leave=False, file=sys.stderr,
-        )
+        return tqdm(total=self.loader.steps_per_epoch, initial=self.loader.step_in_epoch,
+                    desc=f"epoch {self.loader.epoch + 1}/{self.cfg.epochs}", unit="step", leave=False,
+                    file=sys.stderr)
 
     # -- evaluation -----------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, split: str = "test") -> dict[str, float]:
-        """Exact loss and accuracy (classification) or MSE (reconstruction) on ``split``.
-
-        Each rank evaluates a contiguous shard; sums and counts are reduced,
-        so every sample counts once whatever the world size.
-        """
-        images = getattr(self.dataset, f"{split}_images")
-        labels = getattr(self.dataset, f"{split}_labels")
-        start, stop = shard_range(len(labels), self.ctx.rank, self.ctx.world_size)
+    def evaluate(self, loader: DataLoader) -> dict[str, float]:
+        """Exact loss and accuracy (or MSE) over every sample of ``loader``'s dataset, each seen by one rank."""
         self.model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        correct = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
-        for begin in range(start, stop, EVAL_BATCH):
-            end = min(begin + EVAL_BATCH, stop)
-            x, y = self.inputs(images[begin:end]), labels[begin:end]
+        sums: dict[str, Any] = {}
+        for batch in loader:
+            x, y = split_batch(batch)
+            x = x.to(self.ctx.device, non_blocking=True)
+            y = y.to(self.ctx.device, non_blocking=True) if y is not None else None
             with self._forward_context():
                 output = self.module(x)
-            loss_sum += self.batch_loss(output, x, y, "sum").double()
-            if self.spec.task == "classification":
-                correct += (output.argmax(1) == y).sum()
-        sums = reduce_sums({"loss": loss_sum.item(), "correct": correct.item(), "count": stop - start})
-        result = {"loss": sums["loss"] / sums["count"]}
-        if self.spec.task == "classification":
-            result["accuracy"] = sums["correct"] / sums["count"]
-        else:
-            result["mse"] = result["loss"]
-        return result
+            for key, value in self.task.metric_sums(output, x, y).items():
+                sums[key] = sums.get(key, 0) + value
+        self.model.train()
+        return self.task.metrics(reduce_sums(sums))
 
     # -- the whole run --------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train until ``cfg.epochs`` are complete and return the run summary."""
-        log = get_logger()
-        log.info(self.sync.describe())
+        """Train until ``cfg.epochs`` are complete (or ``max_steps``) and return the run summary."""
+        log, cfg = get_logger(), self.cfg
+        sync = gradient_sync(self.model)
+        log.info(sync.describe() if sync is not None else "single worker: no gradient synchronisation")
         test: dict[str, float] = {}
         tested_at = -1
         try:
-            while self.state.completed_epochs < self.cfg.epochs:
-                if self.cfg.max_steps and self.state.global_step >= self.cfg.max_steps:
-                    raise StopTraining(f"max_steps={self.cfg.max_steps} reached")
+            for epoch in range(self.loader.epoch, cfg.epochs):
+                if cfg.max_steps and self.state.global_step >= cfg.max_steps:
+                    raise StopTraining(f"max_steps={cfg.max_steps} reached")
+                self.loader.set_epoch(epoch)
                 self.train_epoch()
-                epoch = self.state.completed_epochs
                 evaluated: dict[str, float] = {}
-                if self.cfg.eval_every_epoch or epoch == self.cfg.epochs:
-                    test = evaluated = self.evaluate("test")
+                if cfg.eval_every_epoch or epoch + 1 == cfg.epochs:
+                    test = evaluated = self.evaluate(self.test_loader)
                     tested_at = self.state.global_step
-                    self.metrics.write("eval", epoch=epoch, global_step=self.state.global_step, split="test", **test)
-                    log.info(f"epoch {epoch}/{self.cfg.epochs}: test " + _format(test) + f" (train time {self.state.train_time:.2f}s)")
-                for callback in self.epoch_callbacks:
-                    callback(self, evaluated)
+                    self.metrics.write("eval", epoch=epoch + 1, global_step=self.state.global_step, split="test", **test)
+                    log.info(f"epoch {epoch + 1}/{cfg.epochs}: test {_format(test)} (train time {self.state.train_time:.2f}s)")
+                if self.checkpointer is not None:
+                    self.checkpointer.epoch_end(evaluated)
         except StopTraining as stop:
-            log.info(f"stopped after global step {self.state.global_step} (epoch {self.state.completed_epochs + 1}, "
-                     f"step {self.state.step_in_epoch}): {stop}")
+            log.info(f"stopped after global step {self.state.global_step} (epoch {self.loader.epoch + 1}, "
+                     f"step {self.loader.step_in_epoch}): {stop}")
+            if self.checkpointer is not None and cfg.checkpoint.enabled:
+                self.checkpointer.save("max_steps")
         if tested_at != self.state.global_step:  # stopped mid-epoch, or resumed with nothing left to train
-            test = self.evaluate("test")
+            test = self.evaluate(self.test_loader)
             log.info("test " + _format(test))
         summary = self.summary(test)
         self.metrics.write("summary", **summary)
@@ -311,28 +242,23 @@ class Trainer:
 
     def summary(self, test: dict[str, float]) -> dict[str, Any]:
         """Train time, throughput and final metrics of the run."""
-        train = self.evaluate("train")
-        return {
+        summary = {
             "model": self.cfg.model,
-            "dataset": self.dataset.name,
+            "dataset": self.dataset_name,
+            "task": self.task.name,
             "world_size": self.ctx.world_size,
-            "allreduce": self.allreduce if self.ctx.world_size > 1 else "none",
-            "grad_sync": self.sync.mode,
-            "epochs": self.state.completed_epochs,
+            "allreduce": self.allreduce,
+            "grad_sync": self.grad_sync,
+            "epochs": self.loader.epoch + (self.loader.step_in_epoch >= self.loader.steps_per_epoch),
             "global_steps": self.state.global_step,
             "train_time_s": round(self.state.train_time, 4),
             "samples_per_s": round(self.state.samples_seen / max(self.state.train_time, 1e-9), 1),
-            "train": train,
             "test": test,
             "config": to_dict(self.cfg),
         }
-
-
-def _stop_at_max_steps(trainer: Trainer) -> None:
-    # At an epoch's last step the epoch ends first (evaluation, epoch callbacks); fit stops after it.
-    state = trainer.state
-    if state.global_step >= trainer.cfg.max_steps and state.step_in_epoch < trainer.sampler.steps_per_epoch:
-        raise StopTraining(f"max_steps={trainer.cfg.max_steps} reached")
+        if self.train_loader_for_eval is not None:
+            summary["train"] = self.evaluate(self.train_loader_for_eval)
+        return summary
 
 
 def _format(metrics: dict[str, float]) -> str:

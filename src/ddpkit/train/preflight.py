@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ddpkit.checkpoint.select import check_resume
 from ddpkit.config import TrainConfig
-from ddpkit.data.datasets import DATASETS, FASHION_MNIST, MNIST
+from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_names
 from ddpkit.data.sources import locate
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
 from ddpkit.train.run import data_options
+from ddpkit.train.task import resolve_task
 
 _FILE_DATASETS = {"fashion-mnist": FASHION_MNIST, "mnist": MNIST}
 
@@ -16,18 +20,25 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
     """Validate ``cfg`` for ``world_size`` workers and fetch the dataset once.
 
     Raises:
-        ValueError: unknown model or dataset, or a batch that does not divide.
+        ValueError: unknown model, dataset or task, or a batch that does not divide.
         DataNotFoundError: the dataset is missing and cannot be downloaded.
+        CheckpointError: ``resume`` cannot work with the checkpoints folder.
     """
-    get_model_spec(cfg.model)
-    if cfg.dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(sorted(DATASETS))}")
+    spec = get_model_spec(cfg.model)
+    resolve_task(cfg.task, spec.task, cfg.loss)
+    if cfg.dataset not in dataset_names() and ":" not in cfg.dataset:
+        raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(dataset_names())}, "
+                         "or give module:function returning (train, test) Datasets")
     batch = global_batch_size(cfg, world_size)
-    if batch % world_size:
+    if batch < world_size or batch % world_size:
         raise ValueError(
             f"global batch size {batch} does not divide among {world_size} workers; "
             f"use a multiple of {world_size} (batch_size=...) or batch_scope=per_worker"
         )
+    if cfg.checkpoint.enabled:
+        check_resume(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints", cfg.resume)
+    elif cfg.resume not in ("never", "auto"):
+        check_resume("", cfg.resume)
     if cfg.dataset in _FILE_DATASETS:
         # Here, once, rather than in N workers at the same time.
         options = data_options(cfg)

@@ -1,20 +1,42 @@
-"""One worker's whole training run: join the job, load data, train, report."""
+"""One worker's whole training run: join the job, build the parts with the public API, train, report.
+
+:func:`build_trainer` is the recipe a user's own script follows too
+(``examples/``): ``ddpkit.init``, ``ddpkit.prepare_model``,
+``ddpkit.DataLoader``, an optimizer and scheduler, ``ddpkit.Checkpointer``
+and its ``resume``. Nothing here reaches past that API.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddpkit import distributed
+from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
+from ddpkit.checkpoint.transfer import apply_transfer
 from ddpkit.config import TrainConfig, to_dict
-from ddpkit.data.datasets import DataOptions, TensorDataset, load_dataset
+from ddpkit.data.datasets import DataOptions, load_datasets
+from ddpkit.data.loader import DataLoader
 from ddpkit.launch.failure import record_for_launcher
 from ddpkit.log import get_logger, setup_logging
-from ddpkit.models.registry import get_model_spec
-from ddpkit.train.checkpointing import attach_checkpointing
-from ddpkit.train.loop import Trainer
+from ddpkit.models.registry import ModelSpec, get_model_spec
+from ddpkit.prepare import prepare_model
+from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size, seed_everything
+from ddpkit.train.schedule import build_scheduler
+from ddpkit.train.task import resolve_task
+
+EVAL_BATCH_PER_WORKER = 2000
+"""Evaluation samples per worker and forward pass."""
+
+EXACTNESS_KEYS = (
+    "model", "dataset", "task", "synthetic_samples", "batch_size", "batch_scope", "optimizer", "lr", "momentum",
+    "lr_schedule", "warmup_steps", "weight_decay", "scale_lr", "grad_accum_steps", "precision", "grad_sync",
+    "allreduce", "sync_batchnorm",
+)
+"""Config keys whose change on resume is worth a warning (the run no longer continues the same computation)."""
 
 
 def data_options(cfg: TrainConfig) -> DataOptions:
@@ -26,6 +48,76 @@ def data_options(cfg: TrainConfig) -> DataOptions:
         synthetic_samples=cfg.synthetic_samples,
         seed=cfg.seed,
     )
+
+
+def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, train_set: Any, test_set: Any) -> Trainer:
+    """Every part of a run from the public API, resumed as ``cfg.resume`` asks."""
+    seed_everything(cfg.seed)
+    model = spec.build()
+    if cfg.init_from or cfg.freeze:
+        # Before preparing: the gradient sync must not expect gradients of frozen parameters.
+        for line in apply_transfer(model, cfg.init_from, cfg.freeze).lines():
+            get_logger().info(line)
+    model = prepare_model(model, allreduce=cfg.allreduce, grad_sync=cfg.grad_sync, sync_batchnorm=cfg.sync_batchnorm)
+    optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
+    batch = global_batch_size(cfg, ctx.world_size)
+    loader = DataLoader(train_set, batch, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
+                        persistent_workers=cfg.num_workers > 0)
+    eval_batch = EVAL_BATCH_PER_WORKER * ctx.world_size
+    test_loader = DataLoader(test_set, eval_batch, shuffle=False, num_workers=cfg.num_workers)
+    steps = cfg.epochs * loader.steps_per_epoch
+    scheduler = build_scheduler(cfg.lr_schedule, optimizer, min(steps, cfg.max_steps or steps), loader.steps_per_epoch,
+                                cfg.warmup_steps, cfg.lr_step_epochs, cfg.lr_gamma)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16" and ctx.device.type == "cuda")
+    task = resolve_task(cfg.task, spec.task, cfg.loss)
+    trainer = Trainer(cfg, ctx, model, optimizer, loader, test_loader, task, scheduler, scaler,
+                      dataset_name=cfg.dataset)
+    if cfg.eval_train:
+        trainer.train_loader_for_eval = DataLoader(train_set, eval_batch, shuffle=False, num_workers=cfg.num_workers)
+    trainer.checkpointer = _checkpointer(cfg, trainer)
+    if trainer.checkpointer is not None:
+        try:
+            start = trainer.checkpointer.resume(cfg.resume)
+        except BaseException:
+            # No trainer to close later: give back the signal handlers and the metrics file now.
+            trainer.checkpointer.close()
+            trainer.metrics.close()
+            raise
+        _warn_changed_settings(cfg, start)
+    return trainer
+
+
+def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
+    """The run's Checkpointer, or None when checkpoints are off and nothing is to be resumed."""
+    ckpt = cfg.checkpoint
+    if not ckpt.enabled and cfg.resume == "never":
+        return None
+    metric = ckpt.best_metric if ckpt.best_metric != "auto" else trainer.task.quality_metric
+    mode = ckpt.best_mode if ckpt.best_mode != "auto" else ("max" if metric == "accuracy" else "min")
+    checkpointer = Checkpointer(
+        ckpt.dir or Path(cfg.output_dir) / "checkpoints",
+        model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
+        loader=trainer.loader, extra={"train_state": trainer.state},
+        every_steps=ckpt.every_steps if ckpt.enabled else 0,
+        every_seconds=ckpt.every_seconds if ckpt.enabled else 0.0,
+        on_epoch_end=ckpt.on_epoch_end and ckpt.enabled, keep=ckpt.keep,
+        best_metric=metric if ckpt.enabled else "", best_mode=mode,
+        preempt_signals=ckpt.signal_names() if ckpt.enabled else (), requeue=ckpt.requeue,
+        readable_by=ckpt.readable_by, sync_seconds=ckpt.sync_seconds, config=to_dict(cfg),
+        meta={"model": {"name": cfg.model, "task": trainer.task.name}}, timeout=cfg.timeout,
+    )
+    checkpointer.on_save = lambda path, reason: trainer.metrics.write(
+        "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path))
+    return checkpointer
+
+
+def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:
+    saved = start.manifest.get("config", {})
+    changed = [f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}" for k in EXACTNESS_KEYS
+               if k in saved and saved[k] != getattr(cfg, k)]
+    if changed and start.resumed:
+        get_logger().warning(f"resuming {start.path.name} with changed settings ({'; '.join(changed)}): "
+                             "training continues, but not as the original run would have")
 
 
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
@@ -43,14 +135,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         log.info("config: " + " ".join(f"{k}={v}" for k, v in to_dict(cfg).items()))
         spec = get_model_spec(cfg.model)
         with distributed.main_process_first(local=True):  # one download per node
-            dataset: TensorDataset = load_dataset(cfg.dataset, data_options(cfg))
-        trainer = Trainer(cfg, ctx, dataset, spec)
-        checkpoints = attach_checkpointing(trainer, os.environ)
+            train_set, test_set = load_datasets(cfg.dataset, data_options(cfg))
+        trainer = build_trainer(cfg, ctx, spec, train_set, test_set)
         try:
             summary = trainer.fit()
         finally:
-            if checkpoints is not None:
-                checkpoints.close()
+            if trainer.checkpointer is not None:
+                trainer.checkpointer.close()
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
             path.write_text(json.dumps(summary, indent=2) + "\n")

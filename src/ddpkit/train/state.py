@@ -1,4 +1,4 @@
-"""Where training is: the counters a checkpoint stores and a resume continues from."""
+"""What the trainer counts besides the loader's position: steps, samples and time."""
 
 from __future__ import annotations
 
@@ -7,17 +7,11 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class TrainState:
-    """Progress of a training run, in unambiguous units.
+    """Progress counters of a training run, saved with every checkpoint.
 
-    ``completed_epochs`` counts whole epochs done; ``step_in_epoch`` counts the
-    global batches done in the current (incomplete) epoch, so the next batch to
-    train on is ``step_in_epoch`` of epoch ``completed_epochs``.
+    The epoch and the step in it are the DataLoader's (its state is saved too).
     """
 
-    completed_epochs: int = 0
-    """Epochs fully trained."""
-    step_in_epoch: int = 0
-    """Optimizer steps done in the epoch now in progress."""
     global_step: int = 0
     """Optimizer steps done since the start of training."""
     samples_seen: int = 0

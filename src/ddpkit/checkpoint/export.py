@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.train.checkpoint import (
+from ddpkit.checkpoint.format import (
     MANIFEST,
     READABLE_BY,
     CheckpointError,
@@ -34,7 +34,7 @@ from ddpkit.train.checkpoint import (
     verify_checkpoint,
     write_file_atomic,
 )
-from ddpkit.train.transfer import EXPORT_INFO, newest_verified
+from ddpkit.checkpoint.transfer import EXPORT_INFO, newest_verified
 
 EXPORT_FORMAT = "ddpkit-export/1"
 """Value of model.json's ``format`` key."""

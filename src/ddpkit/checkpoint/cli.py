@@ -31,7 +31,7 @@ def _split(args: Sequence[str], usage: str, num_positional: int) -> tuple[list[s
 
 def export_command(args: Sequence[str]) -> int:
     """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
-    from ddpkit.train.export import export_checkpoint
+    from ddpkit.checkpoint.export import export_checkpoint
 
     (checkpoint, out), options = _split(args, EXPORT_USAGE, 2)
     unknown = set(options) - {"readable_by"}
@@ -47,7 +47,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
     """``ddpkit checkpoints DIR``: one line per checkpoint: step, epoch, metric, size, whether it verifies."""
     from pathlib import Path
 
-    from ddpkit.train.checkpoint import (
+    from ddpkit.checkpoint.format import (
         BEST_PREFIX,
         CheckpointError,
         list_checkpoints,

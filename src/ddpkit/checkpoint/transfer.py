@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpkit.train.checkpoint import (
+from ddpkit.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     list_checkpoints,
@@ -85,7 +85,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         if (path / MANIFEST).exists():
             state = verify_checkpoint(path)["model.pt"]
         elif (path / EXPORT_INFO).exists():
-            from ddpkit.train.export import read_export
+            from ddpkit.checkpoint.export import read_export
 
             state = read_export(path)[1]
         else:
@@ -161,7 +161,7 @@ def freeze_parameters(model: nn.Module, prefixes: str) -> tuple[str, ...]:
     return tuple(frozen)
 
 
-def prepare_model(model: nn.Module, init_from: str, freeze: str) -> TransferReport:
+def apply_transfer(model: nn.Module, init_from: str, freeze: str) -> TransferReport:
     """Apply ``init_from`` then ``freeze`` to a freshly built model; return what was done."""
     report = TransferReport(source="")
     if init_from:

@@ -1,9 +1,4 @@
-"""Exact metrics across ranks, and machine-readable metric lines.
-
-Metrics are computed as sums and counts on each rank's shard and added up with
-one all_reduce, so the result is the same as on one process, whatever the
-number of workers (no averaging of averages, no padded duplicates).
-"""
+"""Machine-readable metric lines: ``metrics.jsonl``, one JSON object per event (rank 0 writes)."""
 
 from __future__ import annotations
 
@@ -11,18 +6,6 @@ import json
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
-
-
-def reduce_sums(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
-    """Add ``values`` up across all ranks (float64, one all_reduce)."""
-    names = list(values)
-    packed = torch.tensor([float(values[n]) for n in names], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(packed)
-    return dict(zip(names, packed.tolist()))
 
 
 class MetricsWriter:

@@ -4,9 +4,9 @@ A checkpoint is one folder, named by the global step it was taken after::
 
     checkpoints/
       step-000000120/
-        model.pt         the model's state_dict
-        optimizer.pt     the optimizer's state_dict
-        train.pt         train state, sampler, grad scaler, LR scheduler, metrics
+        model.pt         one file per object given to the Checkpointer: its state_dict
+        optimizer.pt     (model, optimizer, scheduler, scaler, loader, extras)
+        train.pt         global step and completed epochs
         rng.pt           every rank's RNG states (Python, NumPy, torch CPU, each CUDA device)
         config.yaml      the resolved config, for people
         manifest.json    written last: size and SHA-256 of every file, step, epoch, metrics,
@@ -53,7 +53,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-FORMAT = "ddpkit-checkpoint/1"
+FORMAT = "ddpkit-checkpoint/2"
 """Value of the manifest's ``format`` key."""
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
@@ -181,6 +181,20 @@ def write_checkpoint(
     _fsync_folder(folder)
     _fsync_folder(root)
     return folder
+
+
+def rewrite_manifest(folder: str | Path, updates: Mapping[str, Any], mode: int = 0o600) -> dict[str, Any]:
+    """Replace top-level facts of a complete checkpoint's manifest (e.g. metrics known after the save).
+
+    The files and their checksums are left as they are; the new manifest
+    replaces the old one atomically, so the checkpoint is complete throughout.
+    """
+    folder = Path(folder)
+    manifest = {**read_manifest(folder), **updates}
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    write_file_atomic(folder, MANIFEST, lambda f: f.write(text.encode()), mode)
+    _fsync_folder(folder)
+    return manifest
 
 
 def library_versions() -> dict[str, str]:

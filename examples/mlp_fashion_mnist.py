@@ -1,0 +1,93 @@
+"""W1 as people write it: an MLP on Fashion-MNIST, a torch Dataset, a DataLoader with 2 workers.
+
+Made data-parallel and resumable with ddpkit: the lines marked ``# ddpkit``
+are all that changed from the single-process script (README, "Your own script").
+
+    ddpkit run nproc=2 examples/mlp_fashion_mnist.py --epochs 5
+    torchrun --nproc-per-node 2 examples/mlp_fashion_mnist.py
+    srun -n 2 python examples/mlp_fashion_mnist.py
+    mpirun -np 2 python examples/mlp_fashion_mnist.py
+
+Stop it at any point (Ctrl-C, kill, preemption) and run it again: it
+continues where it was, bit for bit with the same number of workers.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import ddpkit  # ddpkit
+from ddpkit.data.datasets import DataOptions, load_images
+
+
+class Images(Dataset):
+    """Images and labels, one sample at a time, pixels scaled to [0, 1]."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.images[i].float() / 255, self.labels[i]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, loader) -> float:
+    model.eval()
+    sums = {"correct": 0, "count": 0}
+    for x, y in loader:
+        sums["correct"] += (model(x).argmax(1) == y).sum()
+        sums["count"] += len(y)
+    sums = ddpkit.reduce_sums(sums)  # ddpkit: every rank saw its share of the test set
+    model.train()
+    return sums["correct"] / sums["count"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist, mnist or synthetic")
+    parser.add_argument("--samples", type=int, default=60000, help="training samples of --dataset synthetic")
+    parser.add_argument("--out", default="runs/mlp-fashion-mnist")
+    args = parser.parse_args()
+
+    ctx = ddpkit.init()  # ddpkit
+    torch.manual_seed(0)
+    with ddpkit.main_process_first():  # ddpkit: one download per node
+        data = load_images(args.dataset, DataOptions(synthetic_samples=args.samples))
+    train_set = Images(data.train_images, data.train_labels)
+    test_set = Images(data.test_images, data.test_labels)
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 50), nn.ReLU(), nn.Linear(50, 10))
+    model = ddpkit.prepare_model(model)  # ddpkit
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    loader = ddpkit.DataLoader(train_set, global_batch_size=64, shuffle=True, seed=0, num_workers=2)  # ddpkit
+    test_loader = ddpkit.DataLoader(test_set, global_batch_size=1000, shuffle=False, num_workers=2)  # ddpkit
+    ckpt = ddpkit.Checkpointer(args.out, model=model, optimizer=optimizer, loader=loader,  # ddpkit
+                               every_steps=500, best_metric="accuracy")  # ddpkit
+    start = ckpt.resume("auto")  # ddpkit
+
+    for epoch in range(start.epoch, args.epochs):
+        loader.set_epoch(epoch)  # ddpkit
+        for x, y in loader:
+            x, y = x.to(ctx.device), y.to(ctx.device)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ckpt.step()  # ddpkit
+        test_accuracy = accuracy(model, test_loader)
+        ckpt.epoch_end({"accuracy": test_accuracy})  # ddpkit
+        if ctx.is_main_process:
+            print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.2%}", flush=True)
+    ckpt.close()  # ddpkit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Checkpoints: crash-safe format, resume selection, the Checkpointer, preemption, export and transfer."""

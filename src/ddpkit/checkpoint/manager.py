@@ -1,0 +1,575 @@
+"""The Checkpointer: save and resume any training loop's state, exactly.
+
+It is handed explicit objects, anything with ``state_dict()`` and
+``load_state_dict()``: the model (a DDP wrapper is unwrapped, so checkpoints
+do not depend on the gradient sync or the world size), the optimizer, the LR
+scheduler, the grad scaler, the :class:`ddpkit.DataLoader` (its position:
+epoch and step in epoch) and any extras of the user's. It never reads a
+trainer's attributes and never steps anything::
+
+    ckpt = ddpkit.Checkpointer("runs/mine", model=model, optimizer=opt, scheduler=sched,
+                               loader=loader, every_steps=500)
+    start = ckpt.resume("auto")            # or "never", or the path of one checkpoint
+    for epoch in range(start.epoch, epochs):
+        loader.set_epoch(epoch)            # continues mid-epoch after a resume
+        for x, y in loader:
+            ...                            # forward, backward, optimizer.step(), sched.step()
+            ckpt.step()                    # counts the step; saves when due; handles preemption
+        ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
+
+What a checkpoint holds, besides the objects (one ``<name>.pt`` each):
+``train.pt`` (global step, completed epochs), ``rng.pt`` (every rank's
+Python, NumPy, torch and CUDA generator states), ``config.yaml`` (the run's
+config, when given), and ``manifest.json`` (written last: checksums, step,
+epoch, metrics, best, world size, versions). The on-disk format and its
+crash-safety are in :mod:`ddpkit.checkpoint.format`; which checkpoint a run
+resumes from is in :mod:`ddpkit.checkpoint.select`.
+
+When: every ``every_steps`` steps, every ``every_seconds`` seconds, at the end
+of every epoch (``on_epoch_end``: detected from the loader, or at
+``epoch_end()``), whenever ``save()`` is called, and on a preemption signal
+(:mod:`ddpkit.checkpoint.preemption`: one checkpoint, then ``Preempted``,
+a SystemExit with status 75). Per step, ``step()`` costs an integer compare
+until something may be due; the clock and the signals are agreed on by one
+tiny all_reduce about every ``sync_seconds``.
+
+Saving is collective: every rank calls ``step()``/``save()`` at the same
+points, rank 0 writes. A save reached by some ranks only is an error naming
+the missing ranks once ``timeout`` has passed, never a hang.
+
+Exactness: with the same world size a resumed run continues bit for bit
+(model, optimizer, scheduler, scaler, every RNG, the loader's position). With
+another world size, training continues at the same global batch of the same
+sample order (nothing skipped or repeated); per-rank RNG streams and the
+all_reduce order differ, so numbers are close but not bit-identical, and a
+warning says so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.checkpoint import select
+from ddpkit.checkpoint.format import (
+    MANIFEST,
+    READABLE_BY,
+    CheckpointError,
+    checkpoint_name,
+    library_versions,
+    list_checkpoints,
+    load_file,
+    mark_best,
+    prune,
+    read_manifest,
+    rewrite_manifest,
+    write_checkpoint,
+)
+from ddpkit.checkpoint.preemption import Agreement, Preempted, PreemptionSignals, requeue_slurm_job, signal_name
+from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state
+from ddpkit.distributed import control_device
+from ddpkit.log import get_logger
+
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+"""Signals that, by default, mean "checkpoint now and exit with status 75"."""
+
+TRAIN_FILE = "train.pt"
+RNG_FILE = "rng.pt"
+_RESERVED = {"train", "rng", "manifest", "config"}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run continues: returned by :meth:`Checkpointer.resume`."""
+
+    epoch: int = 0
+    """The epoch to train next (the one in progress after a mid-epoch checkpoint)."""
+    step_in_epoch: int = 0
+    """Batches of ``epoch`` already trained (the loader skips them)."""
+    global_step: int = 0
+    """Optimizer steps done since the start of training."""
+    path: Path | None = None
+    """The checkpoint resumed from; None for a fresh start."""
+    manifest: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The manifest of that checkpoint (config, metrics, world size...); {} for a fresh start."""
+
+    @property
+    def resumed(self) -> bool:
+        """True when state was restored from a checkpoint."""
+        return self.path is not None
+
+
+class Checkpointer:
+    """Saves and resumes the state of a training loop; see the module docstring.
+
+    Args:
+        dir: folder of the checkpoints (every node must see it).
+        model: the model (DDP-wrapped or not).
+        optimizer: the optimizer.
+        scheduler: the LR scheduler.
+        scaler: the ``torch.amp.GradScaler``.
+        loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch).
+        extra: more objects by name (each with state_dict/load_state_dict).
+        every_steps: also save every this many optimizer steps (0: off).
+        every_seconds: also save when this many seconds passed since the last save (0: off).
+        on_epoch_end: save at the end of every epoch.
+        keep: complete checkpoints kept (the newest; best ones are kept apart).
+        best_metric: metric name (passed to ``epoch_end``/``save``) that picks ``best-*``; "" for none.
+        best_mode: max or min.
+        preempt_signals: signal names meaning "checkpoint now, exit 75"; () for none.
+        requeue: after a preemption checkpoint under Slurm, requeue the job.
+        readable_by: user (0600), group (0640) or all (0644).
+        sync_seconds: target seconds between the ranks' agreements on signals and the clock.
+        config: the run's configuration (JSON-like), stored with every checkpoint.
+        meta: more JSON-like facts for the manifest (e.g. what export needs to rebuild the model).
+        timeout: seconds a save waits for every rank to reach it (default: 300).
+        environ: the process environment (restart counters, SLURM_JOB_ID); os.environ by default.
+
+    Raises:
+        ValueError: an object without state_dict/load_state_dict, a bad name or option.
+    """
+
+    def __init__(
+        self,
+        dir: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        loader: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        every_steps: int = 0,
+        every_seconds: float = 0.0,
+        on_epoch_end: bool = True,
+        keep: int = 2,
+        best_metric: str = "",
+        best_mode: str = "max",
+        preempt_signals: Sequence[str] = DEFAULT_PREEMPT_SIGNALS,
+        requeue: bool = False,
+        readable_by: str = "user",
+        sync_seconds: float = 1.0,
+        config: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        timeout: float = 300.0,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.root = Path(dir)
+        self.objects = _collect_objects(model, optimizer, scheduler, scaler, loader, extra or {})
+        self.loader = loader
+        _check_options(every_steps, every_seconds, keep, best_mode, readable_by, sync_seconds, timeout, preempt_signals)
+        self.every_steps, self.every_seconds, self.on_epoch_end = every_steps, every_seconds, on_epoch_end
+        self.keep, self.mode, self.requeue, self.timeout = keep, READABLE_BY[readable_by], requeue, timeout
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.best_value: float | None = None
+        self.config = dict(config or {})
+        self.meta = dict(meta or {})
+        self.environ = dict(os.environ if environ is None else environ)
+        self.rank, self.world_size = _rank_and_size()
+        self.global_step = 0
+        """Optimizer steps done since the start of training (counted by ``step()``)."""
+        self.completed_epochs = 0
+        """Epochs done, when no loader tells (counted by ``epoch_end()``)."""
+        self.last_path: Path | None = None
+        """The checkpoint written (or resumed from) last."""
+        self.save_seconds = 0.0
+        """Seconds spent saving so far (a loop that times training can leave them out)."""
+        self.on_save: Callable[[Path, str], None] | None = None
+        """Called on rank 0 with (path, reason) after each checkpoint is written."""
+        self._last_step = -1
+        self._resume_checked = False
+        self.signals = PreemptionSignals(tuple(preempt_signals))
+        self.signals.install()
+        self.agreement = Agreement(self.world_size, self.rank == 0, control_device(), sync_seconds, every_seconds)
+        self._next_check = 0
+        self._schedule()
+
+    # -- resuming ----------------------------------------------------------------
+
+    def resume(self, resume: str | os.PathLike[str] = "auto") -> ResumePoint:
+        """Restore every object from the checkpoint ``resume`` selects (a collective).
+
+        Args:
+            resume: "auto" (the newest checkpoint that verifies, else a fresh
+                start), "never" (a fresh start; refused if the folder holds
+                checkpoints) or the path of one checkpoint. A restarted worker
+                (elastic restart, Slurm requeue) always resumes the newest.
+
+        Returns:
+            Where training continues.
+
+        Raises:
+            CheckpointError: the checkpoint is unusable or does not fit the
+                objects given (the message names what differs and what to do).
+        """
+        self._resume_checked = True
+        found: dict[str, Any] = {}
+
+        def choose() -> str:
+            path, found["loaded"] = select.choose_checkpoint(self.root, str(resume), select.restart_count(self.environ))
+            return str(path) if path else ""
+
+        chosen = self._on_rank_zero(choose)
+        path, loaded = (Path(chosen) if chosen else None), found.get("loaded")
+        if path is not None:
+            if loaded is None:  # rank 0 verified the files moments ago; the others read them
+                loaded = {name: load_file(path / name) for name in self._files(read_manifest(path))}
+                loaded["manifest"] = read_manifest(path)
+            self._restore(path, loaded)
+        self.agreement.start(self.global_step)
+        self._schedule()
+        manifest = loaded["manifest"] if path is not None else {}
+        epoch, step = self._position()
+        return ResumePoint(epoch, step, self.global_step, path, manifest)
+
+    def _files(self, manifest: dict[str, Any]) -> list[str]:
+        return [name for name in manifest["files"] if name.endswith(".pt")]
+
+    def _restore(self, path: Path, loaded: dict[str, Any]) -> None:
+        manifest = loaded["manifest"]
+        saved = set(manifest.get("objects", []))
+        given = set(self.objects)
+        if saved != given:
+            raise CheckpointError(_mismatch(path, saved, given))
+        for name, obj in self.objects.items():
+            try:
+                obj.load_state_dict(loaded[f"{name}.pt"])
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                detail = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+                raise CheckpointError(
+                    f"checkpoint {path}: its {name} does not fit this run's {name} ({detail}); resume with the "
+                    f"settings it was written with, or start a new run in another folder"
+                ) from None
+        counters = loaded[TRAIN_FILE]
+        self.global_step = int(counters["global_step"])
+        self.completed_epochs = int(counters["completed_epochs"])
+        self._restore_rng(loaded[RNG_FILE]["ranks"])
+        best = manifest.get("best", {})
+        if best.get("metric") == self.best_metric:
+            self.best_value = best.get("value")
+        self._last_step, self.last_path = self.global_step, path
+        self._log_resume(path, len(loaded[RNG_FILE]["ranks"]))
+
+    def _restore_rng(self, ranks: list[Any]) -> None:
+        if self.rank < len(ranks):
+            restore_rng_state(ranks[self.rank])
+            return
+        # A rank the checkpoint did not have: its own stream, distinct from every other rank's.
+        seed = (self.global_step * 1_000_003 + self.rank * 7919) % 2**63
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+
+    def _log_resume(self, path: Path, saved_world_size: int) -> None:
+        if self.rank != 0:
+            return
+        log = get_logger()
+        if saved_world_size != self.world_size:
+            log.warning(
+                f"checkpoint {path.name} was written by {saved_world_size} worker(s) and this run has "
+                f"{self.world_size}: training continues at the same global batch of the same sample order "
+                "(no sample skipped or repeated), but results are not bit-identical to an uninterrupted run "
+                "(per-rank random states and the all_reduce order differ)"
+            )
+        epoch, step = self._position()
+        where = f"epoch {epoch + 1}, step {step}" if step else f"start of epoch {epoch + 1}"
+        log.info(f"resumed from {path} (global step {self.global_step}: {where})")
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch to train next, batches of it done): from the loader when there is one."""
+        if self.loader is not None:
+            epoch, step = self.loader.epoch, self.loader.step_in_epoch
+            # After an epoch's last batch the loader still names that epoch; it is complete.
+            return (epoch + 1, 0) if step >= self.loader.steps_per_epoch else (epoch, step)
+        return self.completed_epochs, 0
+
+    # -- the per-step and per-epoch hooks ---------------------------------------------
+
+    def step(self) -> None:
+        """Count one optimizer step; save when due; on a preemption signal, save and exit (status 75).
+
+        Call it on every rank after every optimizer step.
+
+        Raises:
+            Preempted: a preemption signal reached some rank; the checkpoint is complete.
+        """
+        self.global_step += 1
+        if self.global_step >= self._next_check or self._epoch_ended():
+            self._step_event()
+
+    def _epoch_ended(self) -> bool:
+        loader = self.loader
+        return loader is not None and self.on_epoch_end and loader.step_in_epoch >= loader.steps_per_epoch
+
+    def _step_event(self) -> None:
+        step, signum, time_due = self.global_step, 0, False
+        if step >= self.agreement.next_step:
+            signum, time_due = self.agreement.agree(step, self.signals.received)
+        # The checkpoint is named by its most telling reason: a preemption, an epoch's end, then the cadences.
+        due = {"preempted": bool(signum), "epoch_end": self._epoch_ended(), "every_seconds": time_due,
+               "every_steps": bool(self.every_steps) and step % self.every_steps == 0}
+        reasons = [reason for reason, is_due in due.items() if is_due]
+        if reasons:
+            self.save(reasons[0])
+        if signum:
+            self._exit_preempted(signum)
+        self._schedule()
+
+    def epoch_end(self, metrics: Mapping[str, float] | None = None) -> Path | None:
+        """Mark the end of an epoch (after its evaluation): save as due and keep the best.
+
+        With a loader, the epoch-end checkpoint was already written by the
+        epoch's last ``step()``; this adds the metrics to it (and makes it
+        ``best-*`` if it improves ``best_metric``). Without a loader it counts
+        the epoch and saves.
+
+        Returns:
+            The checkpoint of this point, or None when none is due.
+        """
+        if self.loader is None:
+            self.completed_epochs += 1
+        improved = self._improves(metrics or {})
+        if self._last_step == self.global_step and self.last_path is not None:
+            self._on_rank_zero(lambda: self._annotate(dict(metrics or {}), improved))
+            return self.last_path
+        if self.on_epoch_end or improved:
+            return self.save("epoch_end", metrics, best=improved)
+        return None
+
+    def _improves(self, metrics: Mapping[str, float]) -> bool:
+        if not self.best_metric or self.best_metric not in metrics:
+            return False
+        value = float(metrics[self.best_metric])
+        best = self.best_value
+        if best is None or (value > best if self.best_mode == "max" else value < best):
+            self.best_value = value
+            return True
+        return False
+
+    def _annotate(self, metrics: dict[str, float], best: bool) -> None:
+        """Rank 0: add metrics (and the best value) to the manifest of the checkpoint just written."""
+        assert self.last_path is not None
+        rewrite_manifest(self.last_path, {"metrics": metrics, "best": self._best_info()}, self.mode)
+        if best:
+            mark_best(self.root, self.last_path, self.mode)
+
+    def _schedule(self) -> None:
+        due = [self.agreement.next_step]
+        if self.every_steps:
+            due.append((self.global_step // self.every_steps + 1) * self.every_steps)
+        self._next_check = min(due)
+
+    def _exit_preempted(self, signum: int) -> None:
+        name = signal_name(signum)
+        if self.rank == 0:
+            log = get_logger()
+            log.warning(f"preempted by {name} after global step {self.global_step}: checkpoint "
+                        f"{self.last_path} is complete; exiting with status 75 (run again with resume=auto)")
+            if self.requeue:
+                log.warning(requeue_slurm_job(self.environ))
+        self.close()
+        raise Preempted(name, str(self.last_path))
+
+    # -- saving ----------------------------------------------------------------------
+
+    def save(self, reason: str = "manual", metrics: Mapping[str, float] | None = None, best: bool = False) -> Path:
+        """Write a checkpoint of the current state (a collective: every rank calls it; rank 0 writes).
+
+        Args:
+            reason: why, kept in the manifest (every_steps, epoch_end, preempted, ...).
+            metrics: metrics of this point, kept in the manifest.
+            best: make it the ``best-*`` checkpoint (``epoch_end`` decides this from ``best_metric``).
+
+        Returns:
+            The checkpoint folder, complete on disk when this returns (on every rank).
+
+        Raises:
+            CheckpointError: some rank did not reach this save within ``timeout``
+                (the message names it), or rank 0 could not write (it says why).
+        """
+        start = time.perf_counter()
+        self._check_in()
+        if self.global_step == self._last_step and self.last_path is not None:
+            # This very state is on disk already (e.g. the checkpoint just resumed from): never rewrite it.
+            if best:
+                self._on_rank_zero(lambda: self._annotate(dict(metrics or {}), True))
+            return self.last_path
+        rng = capture_rng_state()
+        gathered: list[Any] | None = [rng]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(rng, gathered, dst=0)
+        path = self._on_rank_zero(lambda: self._write(reason, gathered, dict(metrics or {}), best))
+        self.last_path, self._last_step = path, self.global_step
+        self.agreement.last_save = time.monotonic()
+        self.save_seconds += time.perf_counter() - start
+        return path
+
+    def _write(self, reason: str, rng_states: list[Any] | None, metrics: dict[str, float], best: bool) -> Path:
+        """Rank 0: write the checkpoint folder, mark best, prune."""
+        if not self._resume_checked:
+            self._resume_checked = True
+            select.check_resume(self.root, "never")
+        epoch, step = self._position()
+        objects = {f"{name}.pt": obj.state_dict() for name, obj in self.objects.items()}
+        objects[TRAIN_FILE] = {"global_step": self.global_step, "completed_epochs": self.completed_epochs}
+        objects[RNG_FILE] = {"world_size": self.world_size, "ranks": rng_states}
+        meta = {
+            **self.meta,
+            "reason": reason,
+            "global_step": self.global_step,
+            "completed_epochs": epoch,
+            "step_in_epoch": step,
+            "steps_per_epoch": getattr(self.loader, "steps_per_epoch", None),
+            "world_size": self.world_size,
+            "objects": sorted(self.objects),
+            "metrics": metrics,
+            "best": self._best_info(),
+            "versions": library_versions(),
+            "config": self.config,
+        }
+        texts = {"config.yaml": _yaml(self.config)} if self.config else {}
+        try:
+            path = write_checkpoint(self.root, checkpoint_name(self.global_step), objects, texts, meta, self.mode)
+        except OSError as e:
+            raise CheckpointError(f"cannot write a checkpoint to {self.root}: {e}; free some space or "
+                                  "checkpoint to a writable folder") from None
+        if best:
+            mark_best(self.root, path, self.mode)
+        prune(self.root, self.keep, protect=path)
+        note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
+        get_logger().info(f"checkpoint {path} ({reason}{note})")
+        if self.on_save is not None:
+            self.on_save(path, reason)
+        return path
+
+    def _best_info(self) -> dict[str, Any]:
+        return {"metric": self.best_metric, "mode": self.best_mode, "value": self.best_value}
+
+    def _check_in(self) -> None:
+        """Every rank announces this save; fail, naming the absent ranks, if some do not arrive in time."""
+        global _SAVES
+        if self.world_size == 1:
+            return
+        _SAVES += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"ddpkit/save/{self.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SAVES}"
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], str(self.global_step))
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout))
+        except (RuntimeError, dist.DistError):
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            present = [r for r in range(self.world_size) if r not in absent]
+            raise CheckpointError(
+                f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} within "
+                f"{self.timeout:g}s; saving is collective: call Checkpointer.step()/save() on every rank at the same point"
+            ) from None
+        steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
+        if len(set(steps.values())) > 1:
+            raise CheckpointError(
+                f"ranks reached a checkpoint save at different global steps ({steps}); call "
+                "Checkpointer.step() once per optimizer step on every rank"
+            )
+
+    def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 and share its result, or its CheckpointError, with every rank."""
+        box: list[Any] = [None, ""]
+        if self.rank == 0:
+            try:
+                box[0] = fn()
+            except CheckpointError as e:
+                box[1] = str(e)
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[1]:
+            raise CheckpointError(box[1])
+        return box[0]
+
+    def close(self) -> None:
+        """Restore the signal handlers that were there before (safe to call twice)."""
+        self.signals.close()
+
+
+_SAVES = 0
+"""Saves started by this process: the ranks' check-in keys in the store (ranks count alike)."""
+
+
+def _collect_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, loader: Any,
+                     extra: Mapping[str, Any]) -> dict[str, Any]:
+    named = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+             "loader": loader}
+    objects = {name: obj for name, obj in named.items() if obj is not None}
+    for name, obj in extra.items():
+        if not _NAME.match(name) or name in _RESERVED or name in named:
+            raise ValueError(f"extra object name {name!r} is not usable; use an identifier other than "
+                             f"{', '.join(sorted(_RESERVED | set(named)))}")
+        objects[name] = obj
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ValueError(f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
+                             "pass objects with both (a model, optimizer, scheduler, ...) or wrap it in one that has")
+    return objects
+
+
+def _unwrap(model: Any) -> Any:
+    # DDP's state_dict prefixes every key with "module.": save the plain module's.
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _check_options(every_steps: int, every_seconds: float, keep: int, best_mode: str, readable_by: str,
+                   sync_seconds: float, timeout: float, preempt_signals: Sequence[str]) -> None:
+    if every_steps < 0 or every_seconds < 0:
+        raise ValueError("every_steps and every_seconds must be >= 0 (0: off)")
+    if keep < 1:
+        raise ValueError(f"keep={keep} is not valid; keep at least 1 checkpoint")
+    if best_mode not in ("max", "min"):
+        raise ValueError(f"best_mode={best_mode!r} is not valid; choose max or min")
+    if readable_by not in READABLE_BY:
+        raise ValueError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
+    if sync_seconds <= 0 or timeout <= 0:
+        raise ValueError("sync_seconds and timeout must be > 0")
+    unknown = [name for name in preempt_signals if not name.startswith("SIG") or not hasattr(signal, name)]
+    if unknown:
+        raise ValueError(f"preempt_signals: {', '.join(unknown)} are not signal names; use e.g. SIGTERM, SIGUSR1")
+
+
+def _rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mismatch(path: Path, saved: set[str], given: set[str]) -> str:
+    parts = []
+    if saved - given:
+        parts.append(f"it holds {', '.join(sorted(saved - given))} that this run does not pass")
+    if given - saved:
+        parts.append(f"this run passes {', '.join(sorted(given - saved))} that it does not hold")
+    return (f"checkpoint {path} does not match the objects given to the Checkpointer ({'; '.join(parts)}); "
+            "pass the same objects it was written with, or start a new run in another folder")
+
+
+def _yaml(config: Mapping[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(dict(config), sort_keys=False)
+
+
+__all__ = ["Checkpointer", "ResumePoint", "CheckpointError", "MANIFEST", "list_checkpoints"]
