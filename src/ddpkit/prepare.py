@@ -62,7 +62,7 @@ def prepare_model(
         grad_sync: auto, ddp (torch's DDP, with ``allreduce`` as its communication
             hook unless builtin), flat (one all_reduce of one buffer at the end of
             backward) or manual (one all_reduce per parameter at the end of backward).
-        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm (needs ddp or auto).
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm (needs ddp or auto, and CUDA).
 
     Returns:
         The module to train and call: for ddp, torch's ``DistributedDataParallel``
@@ -71,7 +71,7 @@ def prepare_model(
     Raises:
         RuntimeError: ``ddpkit.init()`` has not been called.
         ValueError: unknown ``allreduce`` or ``grad_sync``, SyncBatchNorm without
-            DDP, or ``model`` already prepared or wrapped in DDP.
+            DDP or on the CPU, or ``model`` already prepared or wrapped in DDP.
     """
     try:
         ctx = context()
@@ -83,6 +83,9 @@ def prepare_model(
         from ddpkit.comm.registry import resolve_allreduce
 
         resolve_allreduce(allreduce)  # an unknown or unavailable name: ValueError naming the valid ones
+    if sync_batchnorm and ctx.device.type == "cpu":
+        raise ValueError("sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
+                         "drop it on CPU")
     if sync_batchnorm and grad_sync in ("flat", "manual"):
         raise ValueError(f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
                          f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'")

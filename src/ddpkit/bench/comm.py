@@ -12,6 +12,7 @@ same-node and other-node peers side by side::
     ddpkit bench comm                                   # 2 local workers, everything
     ddpkit bench comm nproc=4 ops=[all_reduce] algorithms=[builtin,ring,shm]
     ddpkit bench comm smoke=true output_dir=/tmp/out    # seconds: a check that it works
+    ddpkit bench comm device=cuda nproc=2               # CUDA tensors over nccl, one GPU per worker
     torchrun --nproc-per-node 2 -m ddpkit bench comm    # one worker of a launched job
     srun -N2 -n4 python -m ddpkit bench comm            # same for srun / mpirun, across nodes
 
@@ -57,6 +58,15 @@ Ping-pong (OSU's osu_latency)
     batches of ``iterations`` round trips; latency is half the round trip,
     bandwidth is bytes / latency. Peers take turns; the other ranks wait at a
     barrier. ``dist.send``/``dist.recv`` over the process group (gloo).
+
+Devices
+    ``device=cpu`` (the default) measures CPU tensors over gloo;
+    ``device=cuda`` measures tensors on each worker's GPU over nccl (one GPU
+    per worker), waiting for the GPU before every clock reading. The
+    shared-memory algorithms (shm, hierarchical) take CPU tensors only and
+    are left out there. The benchmark's own bookkeeping (agreeing on batch
+    sizes, gathering the samples) uses the device the group takes
+    (:func:`ddpkit.distributed.control_device`).
 
 Targets (from the same run, as ratios of medians): T3, shm all_reduce at
 least 5x faster than the built-in at every size 4 B..32 MiB (2 ranks,
@@ -117,6 +127,11 @@ MAX_ITERATIONS = 100_000
 TARGET_T3 = {"algorithm": "shm", "min_speedup": 5.0, "min_bytes": 4, "max_bytes": 32 * MIB, "world_size": 2}
 TARGET_T4 = {"algorithm": "ring", "max_ratio": 1.5, "min_bytes": 1 * MIB}
 
+DEVICES = ("cpu", "cuda")
+"""Where the measured messages can live (``device=``)."""
+CPU_ONLY_ALGORITHMS = ("shm", "hierarchical")
+"""Algorithms that take CPU tensors only (shared memory)."""
+
 
 @dataclasses.dataclass
 class CommBenchConfig:
@@ -144,6 +159,8 @@ class CommBenchConfig:
     """Timed seconds per size and algorithm when iterations=0 (at least one call per batch)."""
     dtype: str = "float32"
     """Element type of the messages."""
+    device: str = "cpu"
+    """Where the messages live: cpu (gloo) or cuda (each worker's GPU, nccl)."""
     smoke: bool = False
     """A tiny run (4 B..64 KiB, x4 steps, 2 batches of 2 calls) to check that the benchmark works."""
     output_dir: str = "benchmarks"
@@ -167,6 +184,8 @@ class CommBenchConfig:
             raise ConfigError(f"step_factor={self.step_factor} is not valid; it must be 2 or more")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not valid; choose one of: {', '.join(DEVICES)}")
         if not self.ops:
             raise ConfigError(f"ops is empty; name at least one of: {', '.join((*BENCHMARKED_COLLECTIVES, PINGPONG))}")
         for op in self.ops:
@@ -258,14 +277,14 @@ def iterations_for(seconds_per_call: float, target_seconds: float, repeats: int)
 
 
 def _make_call(
-    op: str, fn: Callable[..., object], count: int, rank: int, world_size: int, dtype: Any
+    op: str, fn: Callable[..., object], count: int, rank: int, world_size: int, dtype: Any, device: Any = "cpu"
 ) -> Callable[[], object]:
-    """Allocate ``op``'s buffers once and return a call of ``fn`` on them."""
+    """Allocate ``op``'s buffers once (on ``device``) and return a call of ``fn`` on them."""
     import torch
 
     def zeros(numel: int) -> torch.Tensor:
         # Zeros stay zeros under repeated SUM: no overflow to inf, no denormals.
-        return torch.zeros(numel, dtype=dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     piece = count // world_size
     if op == "all_reduce":
@@ -303,9 +322,19 @@ def _max_over_ranks(value: float) -> float:
     import torch
     import torch.distributed as dist
 
-    tensor = torch.tensor([value], dtype=torch.float64)
+    from ddpkit.distributed import control_device
+
+    tensor = torch.tensor([value], dtype=torch.float64, device=control_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
+
+
+def _synchronize(cfg: CommBenchConfig) -> None:
+    """Wait for the work queued on this worker's GPU (CUDA collectives return before they finish)."""
+    if cfg.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _warm_up(call: Callable[[], object], cfg: CommBenchConfig) -> int:
@@ -314,19 +343,22 @@ def _warm_up(call: Callable[[], object], cfg: CommBenchConfig) -> int:
     for _ in range(cfg.warmup):
         start = time.perf_counter()
         call()
+        _synchronize(cfg)
         times.append(time.perf_counter() - start)
     # The median skips a first call that set something up (the shm segment, a connection).
     estimate = _max_over_ranks(statistics.median(times))
     return cfg.iterations or iterations_for(estimate, cfg.target_seconds, cfg.repeats)
 
 
-def _time_batch(call: Callable[[], object], iterations: int) -> float:
+def _time_batch(call: Callable[[], object], iterations: int, cfg: CommBenchConfig) -> float:
     import torch.distributed as dist
 
     dist.barrier()
+    _synchronize(cfg)
     start = time.perf_counter()
     for _ in range(iterations):
         call()
+    _synchronize(cfg)
     return (time.perf_counter() - start) / iterations
 
 
@@ -335,7 +367,9 @@ def _slowest_rank(samples: list[float]) -> tuple[list[float], list[float]]:
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor(samples, dtype=torch.float64)
+    from ddpkit.distributed import control_device
+
+    mine = torch.tensor(samples, dtype=torch.float64, device=control_device())
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     slowest = torch.stack(every).max(dim=0).values.tolist()
@@ -371,6 +405,7 @@ def _sweep_collective(op: str, algorithms: list[str], cfg: CommBenchConfig, rank
 
     dtype = getattr(torch, cfg.dtype)
     element_size = torch.empty((), dtype=dtype).element_size()
+    device = _message_device(cfg)
     functions = {name: resolve(op, name) for name in algorithms}
     rows, seen = [], set()
     table.header(op, world_size)
@@ -379,12 +414,12 @@ def _sweep_collective(op: str, algorithms: list[str], cfg: CommBenchConfig, rank
         if count in seen:  # small sizes of split ops round up to the same buffer
             continue
         seen.add(count)
-        calls = {name: _make_call(op, fn, count, rank, world_size, dtype) for name, fn in functions.items()}
+        calls = {name: _make_call(op, fn, count, rank, world_size, dtype, device) for name, fn in functions.items()}
         iterations = {name: _warm_up(call, cfg) for name, call in calls.items()}
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(cfg.repeats):
             for name, call in calls.items():
-                samples[name].append(_time_batch(call, iterations[name]))
+                samples[name].append(_time_batch(call, iterations[name], cfg))
         size_rows = []
         for name in calls:
             slowest, rank_medians = _slowest_rank(samples[name])
@@ -409,7 +444,9 @@ def _pingpong_point(peer: int, rank: int, count: int, dtype: Any, cfg: CommBench
     import torch
     import torch.distributed as dist
 
-    message = torch.zeros(count, dtype=dtype)
+    from ddpkit.distributed import control_device
+
+    message = torch.zeros(count, dtype=dtype, device=_message_device(cfg))
     other = peer if rank == 0 else 0
 
     def round_trip() -> None:
@@ -424,10 +461,11 @@ def _pingpong_point(peer: int, rank: int, count: int, dtype: Any, cfg: CommBench
     for _ in range(cfg.warmup):
         start = time.perf_counter()
         round_trip()
+        _synchronize(cfg)
         times.append(time.perf_counter() - start)
     # Rank 0 times the round trips, so it chooses the batch size and tells the peer.
     agreed = torch.tensor([cfg.iterations or iterations_for(statistics.median(times), cfg.target_seconds, cfg.repeats)],
-                          dtype=torch.int64)
+                          dtype=torch.int64, device=control_device())
     if rank == 0:
         dist.send(agreed, other)
     else:
@@ -438,8 +476,16 @@ def _pingpong_point(peer: int, rank: int, count: int, dtype: Any, cfg: CommBench
         start = time.perf_counter()
         for _ in range(iterations):
             round_trip()
+        _synchronize(cfg)
         samples.append((time.perf_counter() - start) / (2 * iterations))
     return samples, iterations
+
+
+def _message_device(cfg: CommBenchConfig) -> Any:
+    """The device of the measured messages: the CPU, or this worker's GPU (bound by ``ddpkit.init``)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
 
 
 def _sweep_pingpong(cfg: CommBenchConfig, rank: int, world_size: int, nodes: list[dict[str, Any]],
@@ -497,7 +543,8 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
 
     Raises:
         ValueError: an algorithm named in ``cfg.algorithms`` exists for none of
-            the ops, an op has none of them, or ``shm`` was named where it cannot run.
+            the ops, an op has none of them, or ``shm`` was named where it cannot
+            run (across nodes, or with ``device=cuda``).
     """
     from ddpkit.comm import COLLECTIVES, available_allreduce_algorithms, resolve
 
@@ -510,6 +557,13 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
     plan, skipped = {}, {}
     for op in collectives:
         names = [n for n in COLLECTIVES[op] if not cfg.algorithms or n in cfg.algorithms]
+        if cfg.device != "cpu":
+            for name in [n for n in names if n in CPU_ONLY_ALGORITHMS]:
+                if cfg.algorithms:
+                    raise ValueError(f"algorithms: {name} takes CPU tensors but device={cfg.device}; leave {name} out "
+                                     "or use device=cpu")
+                names.remove(name)
+                skipped[f"{op}/{name}"] = f"takes CPU tensors (device={cfg.device})"
         if "shm" in names:
             if num_nodes > 1:
                 if cfg.algorithms:
@@ -561,7 +615,8 @@ def run_worker(cfg: CommBenchConfig, words: Sequence[str] = (), launcher: str = 
     from ddpkit.bench.comm_report import TerminalTable, plot_report, render_markdown, render_targets
     from ddpkit.log import setup_logging
 
-    ctx = distributed.init(backend="gloo", device="cpu", timeout=cfg.timeout)
+    # CPU tensors over gloo; CUDA tensors over nccl (backend auto on a CUDA device).
+    ctx = distributed.init(backend="gloo" if cfg.device == "cpu" else "auto", device=cfg.device, timeout=cfg.timeout)
     try:
         log = setup_logging(ctx.rank, ctx.world_size)
         nodes: list[Any] = [None] * ctx.world_size

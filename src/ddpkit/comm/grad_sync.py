@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
 from ddpkit.comm.ops import ReduceOp
-from ddpkit.distributed import Context
+from ddpkit.distributed import Context, control_device
 from ddpkit.log import get_logger
 
 AllReduce = Callable[..., None]
@@ -100,7 +100,7 @@ def choose_allreduce(requested: str, ctx: Context) -> str:
 
 def _on_every_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank (all ranks must pick the same algorithm, or they wait on each other)."""
-    agreed = torch.tensor([int(flag)], dtype=torch.int32)
+    agreed = torch.tensor([int(flag)], dtype=torch.int32, device=control_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return bool(agreed.item())
 

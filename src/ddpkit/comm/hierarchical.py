@@ -97,9 +97,12 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
         group: must be None (the world group).
 
     Raises:
-        ValueError: a group other than the world group, or an unsupported op.
+        ValueError: a tensor not on the CPU, a group other than the world group, or an unsupported op.
     """
     global _instance
+    if not tensor.is_cpu:  # before the first call's collective setup: the shared-memory phases take CPU memory
+        raise ValueError(f"ddpkit.comm.hierarchical.all_reduce takes CPU tensors, got one on {tensor.device}; "
+                         "use allreduce=builtin (the backend's own, nccl) for CUDA tensors")
     if group is not None and group != dist.group.WORLD:
         raise ValueError("the hierarchical all_reduce runs on the world group only; pass group=None")
     if _instance is None:

@@ -191,6 +191,20 @@ def join(cfg: DoctorConfig, env: ClusterEnvironment, environ: MutableMapping[str
     return ctx, Check("join process group", True, f"ddpkit.init, backend {ctx.backend}", time.monotonic() - start)
 
 
+def probe_device(ctx):
+    """The device of the doctor's tensors: the worker's own where its backend takes it, else the control device.
+
+    With nccl (alone or in ``cpu:gloo,cuda:nccl``) the tensors sit on the
+    worker's device, so that the doctor checks and measures the path the
+    gradients take. Plain gloo sends CPU tensors only (its send/recv do not
+    take CUDA ones), whatever device the worker trains on:
+    :func:`ddpkit.distributed.control_device` decides.
+    """
+    from ddpkit.distributed import control_device
+
+    return ctx.device if "nccl" in ctx.backend else control_device()
+
+
 def sanity_all_reduce(ctx, timeout: float) -> Check:
     """all_reduce of each rank's number: the sum must be n(n-1)/2.
 
@@ -203,7 +217,7 @@ def sanity_all_reduce(ctx, timeout: float) -> Check:
     n = ctx.world_size
     expected = n * (n - 1) // 2
     start = time.monotonic()
-    value = torch.tensor([float(ctx.rank)], device=ctx.device)
+    value = torch.tensor([float(ctx.rank)], device=probe_device(ctx))
     try:
         dist.all_reduce(value)
     except (RuntimeError, dist.DistError) as e:

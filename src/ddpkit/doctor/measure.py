@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from ddpkit.doctor.checks import probe_device
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.results import PeerLink
 
@@ -19,8 +20,9 @@ def measure_peers(ctx, cfg: DoctorConfig) -> list[PeerLink]:
     """
     import torch
 
-    small = torch.zeros(1, device=ctx.device)
-    large = torch.zeros(cfg.bandwidth_mib * 2**20 // 4, device=ctx.device)
+    device = probe_device(ctx)
+    small = torch.zeros(1, device=device)
+    large = torch.zeros(cfg.bandwidth_mib * 2**20 // 4, device=device)
     links = []
     for peer in range(1, ctx.world_size):
         if ctx.rank == 0:
@@ -43,7 +45,7 @@ def allreduce_latency(ctx, iterations: int) -> float:
     import torch
     import torch.distributed as dist
 
-    value = torch.zeros(1, device=ctx.device)
+    value = torch.zeros(1, device=probe_device(ctx))
     sync = _sync(ctx)
     times = []
     for i in range(_WARMUP_ROUND_TRIPS + iterations):
@@ -80,6 +82,6 @@ def _echo(tensor, iterations: int) -> None:
 def _sync(ctx):
     import torch
 
-    if ctx.device.type == "cuda":
+    if probe_device(ctx).type == "cuda":
         return torch.cuda.synchronize
     return lambda: None

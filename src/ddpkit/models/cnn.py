@@ -1,4 +1,8 @@
-"""W2: the small convolutional network of PyTorch's MNIST example."""
+"""W2: the small convolutional network of PyTorch's MNIST example, and cnn_bn, W2 with batch normalization.
+
+cnn_bn is the built-in model with BatchNorm layers, the one ``sync_batchnorm=true``
+acts on (torch's SyncBatchNorm runs on CUDA only).
+"""
 
 import torch
 from torch import nn
@@ -25,10 +29,13 @@ class Normalize(nn.Module):
         return f"mean={self.mean}, std={self.std}"
 
 
-@register_model(
-    "cnn",
-    recipe={"optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "batch_size": 16, "batch_scope": "per_worker", "epochs": 1},
-)
+CNN_RECIPE = {
+    "optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "batch_size": 16, "batch_scope": "per_worker", "epochs": 1,
+}
+"""The training recipe of PyTorch's MNIST example, shared by cnn and cnn_bn."""
+
+
+@register_model("cnn", recipe=CNN_RECIPE)
 def cnn() -> nn.Module:
     """normalize, conv 1->32 k3, ReLU, conv 32->32 k3, ReLU, maxpool 2, dropout 0.25, fc 4608->128, ReLU, dropout 0.5, fc 128->10."""
     return nn.Sequential(
@@ -36,6 +43,27 @@ def cnn() -> nn.Module:
         nn.Conv2d(1, 32, 3),
         nn.ReLU(),
         nn.Conv2d(32, 32, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.Linear(4608, 128),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(128, 10),
+    )
+
+
+@register_model("cnn_bn", recipe=CNN_RECIPE)
+def cnn_bn() -> nn.Module:
+    """cnn with BatchNorm2d after each convolution (before its ReLU); the same recipe."""
+    return nn.Sequential(
+        Normalize(*MNIST_MEAN_STD),
+        nn.Conv2d(1, 32, 3),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3),
+        nn.BatchNorm2d(32),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Dropout(0.25),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ddpkit.checkpoint.select import check_resume
-from ddpkit.config import TrainConfig
+from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_names
 from ddpkit.data.sources import locate
 from ddpkit.models.registry import get_model_spec
@@ -15,15 +17,21 @@ from ddpkit.train.task import resolve_task
 
 _FILE_DATASETS = {"fashion-mnist": FASHION_MNIST, "mnist": MNIST}
 
+SYNC_BATCHNORM_NEEDS_CUDA = ("sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
+                             "drop it on CPU")
+
 
 def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
     """Validate ``cfg`` for ``world_size`` workers and fetch the dataset once.
 
     Raises:
-        ValueError: unknown model, dataset or task, or a batch that does not divide.
+        ValueError: unknown model, dataset or task, a batch that does not divide,
+            or sync_batchnorm on the CPU.
         DataNotFoundError: the dataset is missing and cannot be downloaded.
         CheckpointError: ``resume`` cannot work with the checkpoints folder.
     """
+    if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
+        raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)
     if cfg.dataset not in dataset_names() and ":" not in cfg.dataset:

@@ -309,16 +309,20 @@ def all_reduce(
         group: the process group (None: the default group).
 
     Raises:
-        ValueError, RuntimeError: see :meth:`ShmCommunicator.all_reduce` and
-            :class:`ShmCommunicator`.
+        ValueError: ``tensor`` is not on the CPU (checked before the group's
+            segment is set up); see also :meth:`ShmCommunicator.all_reduce`.
+        RuntimeError: see :meth:`ShmCommunicator.all_reduce` and :class:`ShmCommunicator`.
     """
+    if not tensor.is_cpu:
+        _reject(tensor, op)
     get_communicator(group).all_reduce(tensor, op)
 
 
 def _reject(tensor: torch.Tensor, op: object) -> None:
     if not tensor.is_cpu:
         raise ValueError(
-            f"shm all_reduce takes CPU tensors, got one on {tensor.device}; use dist.all_reduce (nccl) for it"
+            f"ddpkit.comm.shm.all_reduce takes CPU tensors, got one on {tensor.device}; "
+            "use allreduce=builtin (the backend's own, nccl) for CUDA tensors"
         )
     if tensor.layout is not torch.strided:
         raise ValueError(f"shm all_reduce takes dense tensors, got layout {tensor.layout}; use dist.all_reduce for it")
