@@ -386,11 +386,6 @@ class _Indices(Dataset):
         return torch.tensor(index)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "src bug: ddpkit.DataLoader's worker processes keep the default action of the preemption signals, so a "
-    "SIGTERM sent to every process of the job (as Slurm does on preemption) kills them and the training "
-    "process fails with 'DataLoader worker (pid N) is killed by signal: Terminated' instead of writing the "
-    "preemption checkpoint"))
 def test_dataloader_workers_survive_a_preemption_signal_sent_to_every_process(tmp_path, checkpointers):
     loader = ddpkit.DataLoader(_Indices(), 4, shuffle=True, seed=SEED, rank=0, world_size=1, num_workers=1)
     ckpt = checkpointers(tmp_path, loader=loader, preempt_signals=("SIGTERM",))

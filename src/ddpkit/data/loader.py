@@ -177,6 +177,29 @@ def _zero_rows(batch: Any) -> Any:
     return batch
 
 
+class _WorkerInit:
+    """Each DataLoader worker ignores the signals that stop the training process in an orderly way.
+
+    A scheduler's SIGTERM (or a Ctrl-C) reaches every process of the job, the
+    loader's workers too; dying of it, a worker would take down the training
+    process before it wrote its preemption checkpoint. The workers end when
+    the training process does (torch's loader watches its parent).
+    """
+
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+    def __init__(self, user_init: Callable[[int], None] | None):
+        self.user_init = user_init
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
 class _KeyBatchSampler(Sampler[list[tuple[int, int, bool]]]):
     """The GlobalBatchSampler's index lists as SeededDataset keys; an empty share asks for a template."""
 
@@ -267,7 +290,7 @@ class DataLoader(torch.utils.data.DataLoader):
             collate_fn=_Collate(collate_fn or default_collate),
             pin_memory=pin_memory and not self._tensor_fast_path,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=_WorkerInit(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
             # Drawing the workers' base seed from its own generator, never from torch's global one:
             # a resumed run draws the same dropout masks as an uninterrupted one.

@@ -98,6 +98,20 @@ def _environ(key: str, value: str) -> Iterator[None]:
             os.environ[key] = previous
 
 
+def _worker_main(fn: Callable[..., Any], *args: Any) -> Any:
+    """A spawned worker: the platform's default start method back, then ``fn`` with one failure report.
+
+    The agent spawns its workers, and a spawned process inherits "spawn" as
+    its own default; a DataLoader's workers would then re-import torch and
+    the user's script each, where under ``python script.py`` or torchrun
+    they are forked.
+    """
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
+    return run_reporting_failure(fn, *args)
+
+
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``spec.nproc`` workers; return their results by rank.
 
@@ -133,6 +147,6 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with _fresh_store_per_restart(spec.max_restarts), _environ(FAILURE_DIR_VARIABLE, failure_dir):
-                return elastic_launch(config, run_reporting_failure)(fn, *args)
+                return elastic_launch(config, _worker_main)(fn, *args)
         except ChildFailedError as e:
             raise LaunchError(root_cause(e.failures, failure_dir)) from None
