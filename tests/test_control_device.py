@@ -311,7 +311,5 @@ def test_the_checkpoint_agreement_goes_through_the_group_with_two_workers(record
     assert ("all_reduce", ["cpu"]) in recorded(2)["checkpointer"]
 
 
-@pytest.mark.xfail(strict=True, reason="Agreement.agree (checkpoint/preemption.py) skips its all_reduce when "
-                                       "world_size == 1, so a single-GPU nccl run never exercises it")
 def test_the_checkpoint_agreement_goes_through_the_group_with_one_worker(recorded):
     assert ("all_reduce", ["cpu"]) in recorded(1)["checkpointer"]

@@ -148,7 +148,8 @@ class Agreement:
         time_due = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
         interval = self._next_interval(global_step) if self.is_main else 0
         values = [local_signal, int(time_due and self.is_main), interval]
-        if self.world_size > 1:
+        # Through the group even with one worker, so a single-GPU (nccl) run exercises this path too.
+        if dist.is_available() and dist.is_initialized():
             packed = torch.tensor(values, dtype=torch.int64, device=self.device)
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
             values = packed.tolist()
