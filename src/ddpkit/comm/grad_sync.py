@@ -242,22 +242,6 @@ class GradientSync:
             self._all_reduce(param.grad, op=ReduceOp.SUM)
             param.grad.div_(world_size)
 
-    # -- kept until the trainer moves to ddpkit.prepare_model -----------------------
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero the gradients before a step (the flat buffer keeps its views)."""
-        if self.flat is not None:
-            self.flat.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-
-    def accumulating(self) -> contextlib.AbstractContextManager:
-        """``no_sync()``: for a backward whose gradients must not be averaged yet (not the step's last)."""
-        return self.no_sync()
-
-    def synchronize(self) -> None:
-        """Nothing left to do: the step's last backward averaged the gradients."""
-
 
 def _resolve(name: str) -> AllReduce:
     if name == "builtin":
