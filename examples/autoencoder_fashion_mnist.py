@@ -46,10 +46,11 @@ def per_sample_mse(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_mse(model: nn.Module, loader) -> float:
+def test_mse(model: nn.Module, loader, device: torch.device) -> float:
     model.eval()
     sums = {"mse": 0.0, "count": 0}
     for x in loader:
+        x = x.to(device)
         sums["mse"] += per_sample_mse(model(x), x).sum()
         sums["count"] += len(x)
     sums = ddpkit.reduce_sums(sums)  # ddpkit
@@ -89,7 +90,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             ckpt.step()  # ddpkit
-        mse = test_mse(model, test_loader)
+        mse = test_mse(model, test_loader, ctx.device)
         ckpt.epoch_end({"mse": mse})  # ddpkit
         if ctx.is_main_process:
             print(f"epoch {epoch + 1}: test mse {mse:.5f}", flush=True)

@@ -47,10 +47,11 @@ def cnn() -> nn.Module:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, loader) -> float:
+def accuracy(model: nn.Module, loader, device: torch.device) -> float:
     model.eval()
     sums = {"correct": 0, "count": 0}
     for x, y in loader:
+        x, y = x.to(device), y.to(device)
         sums["correct"] += (model(x).argmax(1) == y).sum()
         sums["count"] += len(y)
     sums = ddpkit.reduce_sums(sums)  # ddpkit
@@ -96,7 +97,7 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             ckpt.step()  # ddpkit
-        test_accuracy = accuracy(model, test_loader)
+        test_accuracy = accuracy(model, test_loader, ctx.device)
         ckpt.epoch_end({"accuracy": test_accuracy})  # ddpkit
         if ctx.is_main_process:
             print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.2%}", flush=True)

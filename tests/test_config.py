@@ -35,5 +35,5 @@ def test_bad_words_give_one_line(words, message):
 
 
 def test_unknown_model_lists_choices():
-    with pytest.raises(ValueError, match="unknown model 'resnet'; choose one of: autoencoder, cnn, mlp, or give module:function"):
+    with pytest.raises(ValueError, match="unknown model 'resnet'; choose one of: autoencoder, cnn, cnn_bn, mlp, or give module:function"):
         parse_train_config(["model=resnet"])

@@ -110,8 +110,6 @@ def test_nccl_world_of_one_runs_reduce_sums_and_the_allreduce_agreement_through_
     assert ("all_reduce", ["cuda:0"]) in nccl_one["allreduce_agreement"]
 
 
-@pytest.mark.xfail(strict=True, reason="Agreement.agree (checkpoint/preemption.py) skips its all_reduce when "
-                                       "world_size == 1, so a single-GPU nccl run never exercises it")
 def test_nccl_world_of_one_runs_the_checkpoint_agreement_through_the_group(nccl_one):
     assert ("all_reduce", ["cuda:0"]) in nccl_one["checkpointer"]
 

@@ -121,4 +121,7 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGrou
     """
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            broadcast(tensor, src, group=group)
+            if tensor.device.type == "cpu":
+                broadcast(tensor, src, group=group)
+            else:  # gloo's send/recv would read a CUDA pointer as host memory; the backend's broadcast copes
+                dist.broadcast(tensor, dist.get_global_rank(group, src) if group is not None else src, group=group)
