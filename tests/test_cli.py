@@ -2,11 +2,11 @@
 
 import pytest
 
+from ddpkit.models import MODELS, get_model_spec
 from tests.cli_runner import run_ddpkit
 
 
 @pytest.mark.parametrize("words,message", [
-    (["train", "model=resnet"], "error: unknown model 'resnet'; choose one of: autoencoder, cnn, mlp"),
     (["train", "nproc=0"], "error: nproc=0 is not valid; it must be > 0"),
     (["train", "nproc=3"], "error: global batch size 64 does not divide among 3 workers"),
     (["train", "epoch=2"], "error: unknown config key 'epoch' (did you mean 'epochs'?)"),
@@ -16,6 +16,16 @@ def test_bad_input_is_one_line(tmp_path, words, message):
     out = run_ddpkit(*words, cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_unknown_model_lists_every_registered_one(tmp_path):
+    get_model_spec("mlp")  # registers the reference models here too
+    reference = sorted(name for name, spec in MODELS.items() if spec.build.__module__.startswith("ddpkit.models."))
+    assert {"autoencoder", "cnn", "mlp"} <= set(reference)
+    out = run_ddpkit("train", "model=resnet", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr == (f"error: unknown model 'resnet'; choose one of: {', '.join(reference)}, "
+                          "or give module:function\n"), out.stderr
 
 
 def test_missing_data_offline_and_corrupt_file(tmp_path):

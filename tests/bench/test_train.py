@@ -1,19 +1,20 @@
-"""``ddpkit bench train``: the configuration matrix, and a real smoke run through the CLI."""
+"""``ddpkit bench train``: the configuration matrix (with the own-loop rows), and a real smoke run through the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from ddpkit.bench.train import TrainBenchConfig, _configurations
+from ddpkit.bench.train import OWN_SAMPLES, OWN_TENSORS, OWN_TORCH, TrainBenchConfig, _configurations
 from ddpkit.config import ConfigError, parse
 from tests.cli_runner import run_ddpkit
 
 
 def test_matrix_crosses_allreduce_and_grad_sync_for_several_workers_only():
-    runs = _configurations(TrainBenchConfig(workers=[1, 2], allreduce=["auto", "builtin"], grad_sync=["auto", "ddp"]))
-    assert [r["name"] for r in runs] == [
+    cfg = TrainBenchConfig(workers=[1, 2], allreduce=["auto", "builtin"], grad_sync=["auto", "ddp"])
+    ddpkit_rows = [
         "bare loop",
         "ddpkit 1 worker",
         "ddpkit 2 workers, allreduce=auto, grad_sync=auto",
@@ -21,6 +22,8 @@ def test_matrix_crosses_allreduce_and_grad_sync_for_several_workers_only():
         "ddpkit 2 workers, allreduce=builtin, grad_sync=auto",
         "ddpkit 2 workers, allreduce=builtin, grad_sync=ddp",
     ]
+    assert [r["name"] for r in _configurations(cfg)] == [*ddpkit_rows, OWN_TENSORS, OWN_SAMPLES, OWN_TORCH]
+    assert [r["name"] for r in _configurations(dataclasses.replace(cfg, own_loop=False))] == ddpkit_rows
 
 
 @pytest.mark.parametrize("word, message", [
@@ -39,7 +42,7 @@ def test_smoke_run_writes_times_ratios_and_what_auto_chose(tmp_path):
     (json_path,) = tmp_path.glob("train-mlp-*-smoke.json")
     report = json.loads(json_path.read_text())
     results = {r["name"]: r for r in report["results"]}
-    assert len(results) == 6
+    assert len(results) == 9  # bare loop, 1 + 4 ddpkit runs, 3 own loops on the public API
     for r in results.values():
         t = r["train_time_s"]
         assert 0 < t["min"] <= t["median"] <= t["max"]
@@ -51,5 +54,9 @@ def test_smoke_run_writes_times_ratios_and_what_auto_chose(tmp_path):
     ratios = report["ratios"]
     assert ratios["T1 ddpkit 1 worker / bare loop"] == pytest.approx(
         results["ddpkit 1 worker"]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"])
-    assert sum(name.startswith("T2 ") for name in ratios) == 4
+    assert sum(name.startswith("ddpkit 2 workers") and name.endswith(" / ddpkit 1 worker") for name in ratios) == 4
+    assert ratios["T6 own loop (public API, tensors) / bare loop"] == pytest.approx(
+        results[OWN_TENSORS]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"])
+    assert ratios["T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"] == \
+        pytest.approx(results[OWN_SAMPLES]["train_time_s"]["median"] / results[OWN_TORCH]["train_time_s"]["median"])
     assert "| ratio (medians, same run) | value |" in json_path.with_suffix(".md").read_text()

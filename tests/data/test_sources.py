@@ -3,8 +3,9 @@
 from pathlib import Path
 
 import pytest
+import torch
 
-from ddpkit.data.datasets import DataOptions, load_dataset
+from ddpkit.data.datasets import DataOptions, load_datasets, load_images
 from ddpkit.data.idx import CorruptDataError
 from ddpkit.data.sources import DataNotFoundError, DatasetSource, RemoteFile, candidate_dirs, locate
 from tests.helpers.mirror import FILE_NAMES, make_idx_files, serve_folder, source_for
@@ -57,16 +58,21 @@ def test_missing_data_without_network_is_one_clear_error(tmp_path):
 
 def test_load_from_data_dir_and_corrupt_file(tmp_path):
     make_idx_files(tmp_path / "d", num_train=12, num_test=5)
-    data = load_dataset("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
+    data = load_images("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
     assert data.train_images.shape == (12, 1, 28, 28) and data.test_labels.shape == (5,)
+    assert data.train_images.dtype == torch.uint8
+    train, test = load_datasets("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
+    x, y = train[0]
+    assert (len(train), len(test)) == (12, 5) and x.shape == (1, 28, 28) and x.dtype == torch.float32
+    assert torch.equal(x, data.train_images[0].float() / 255) and y == data.train_labels[0]
     path = tmp_path / "d" / "train-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
     with pytest.raises(CorruptDataError, match="train-images-idx3-ubyte.gz"):
-        load_dataset("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
+        load_datasets("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
 
 
 def test_real_fashion_mnist_is_found():
-    data = load_dataset("fashion-mnist", DataOptions(download=False))
+    data = load_images("fashion-mnist", DataOptions(download=False))
     assert data.train_images.shape == (60000, 1, 28, 28)
     assert data.test_images.shape == (10000, 1, 28, 28)
     assert set(data.train_labels.unique().tolist()) == set(range(10))
@@ -74,7 +80,9 @@ def test_real_fashion_mnist_is_found():
 
 def test_unknown_dataset_lists_choices():
     with pytest.raises(ValueError, match="unknown dataset 'cifar'; choose one of: fashion-mnist, mnist, synthetic"):
-        load_dataset("cifar", DataOptions())
+        load_datasets("cifar", DataOptions())
+    with pytest.raises(ValueError, match="unknown image dataset 'cifar'; choose one of: fashion-mnist, mnist, synthetic"):
+        load_images("cifar", DataOptions())
 
 
 def _locate_concurrently(rank, world_size, url, served, cache):

@@ -24,17 +24,22 @@ import shutil
 import signal
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  # sets TORCHINDUCTOR_CACHE_DIR when first imported: here, not inside a test
 from torch import nn
 
+from torch.utils.data import TensorDataset
+
+from ddpkit import distributed
+from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
+from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.config import TrainConfig, parse
-from ddpkit.data.datasets import DataOptions, load_dataset
-from ddpkit.distributed import Context
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.data.datasets import DataOptions, load_datasets
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import Trainer
+from ddpkit.train.run import build_trainer
 
 
 def mlp_dropout() -> nn.Module:
@@ -94,29 +99,65 @@ def ballast() -> nn.Module:
 # -- in-process trainers --------------------------------------------------------
 
 
-def context(rank: int, world_size: int) -> Context:
-    """A CPU/gloo context for ``rank`` (the process group, if any, is the caller's)."""
-    env = ClusterEnvironment("test", rank, rank, world_size, world_size, 0, 1, "127.0.0.1", 1)
-    return Context(env, torch.device("cpu"), "gloo")
+def make_trainer(rank: int, world_size: int, words: list[str], *, with_indices: bool = False) -> Trainer:
+    """A Trainer for ``words`` (key=value) on synthetic data, built by ``build_trainer`` as ``ddpkit train`` does.
+
+    Joins the job through ``ddpkit.init``: it adopts the caller's process group
+    (``run_on_ranks``) or, alone, forms a one-rank group. Leave it with
+    ``distributed.shutdown()`` (:func:`train` does); a failing build leaves it here.
+
+    Args:
+        with_indices: the training samples carry their index as a third tensor
+            (``(x, y, index)``: the loop ignores it), to record which samples each step trained on.
+    """
+    cfg = parse(TrainConfig, ["dataset=synthetic", "progress=false", "allreduce=builtin", "device=cpu", *words])
+    ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads, environ={})
+    try:
+        assert (ctx.rank, ctx.world_size) == (rank, world_size), (ctx.rank, ctx.world_size)
+        train_set, test_set = load_datasets("synthetic", DataOptions(synthetic_samples=cfg.synthetic_samples, seed=1))
+        if with_indices:
+            train_set = TensorDataset(*train_set.tensors, torch.arange(len(train_set)))
+        return build_trainer(cfg, ctx, get_model_spec(cfg.model), train_set, test_set)
+    except BaseException:
+        distributed.shutdown()
+        raise
 
 
-def make_trainer(rank: int, world_size: int, words: list[str]) -> Trainer:
-    """A Trainer for ``words`` (key=value) on synthetic data, on this rank."""
-    cfg = parse(TrainConfig, ["dataset=synthetic", "progress=false", "allreduce=builtin", *words])
-    data = load_dataset("synthetic", DataOptions(synthetic_samples=cfg.synthetic_samples, seed=1))
-    return Trainer(cfg, context(rank, world_size), data, get_model_spec(cfg.model))
+def train(rank: int, world_size: int, words: list[str], **options) -> tuple[Trainer, Path | None]:
+    """``make_trainer``, ``fit``, then close its checkpointer and leave the job (as ``run_worker`` does).
+
+    Returns:
+        The trainer, and the checkpoint it resumed from (None for a fresh start).
+    """
+    trainer = make_trainer(rank, world_size, words, **options)
+    # Until the first save, the checkpointer's last path is the checkpoint resume() restored.
+    start = trainer.checkpointer.last_path if trainer.checkpointer is not None else None
+    try:
+        trainer.fit()
+    finally:
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.close()
+        distributed.shutdown()
+    return trainer, start
+
+
+def close(trainer: Trainer) -> None:
+    """Close the checkpointer and metrics file of a trainer from ``make_trainer`` and leave the job."""
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.close()
+    trainer.metrics.close()
+    distributed.shutdown()
 
 
 def final_state(trainer: Trainer) -> dict:
-    """Model, optimizer and RNG state at the end of training, for bit-exact comparison."""
-    from ddpkit.train.rng import capture_rng_state
-
+    """Model, optimizer and RNG state and the position at the end of training, for bit-exact comparison."""
     optimizer = trainer.optimizer.state_dict()["state"]
     return {
         "model": {k: v.clone() for k, v in trainer.module.state_dict().items()},
         "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.items()},
         "rng": capture_rng_state(),
-        "state": trainer.state.state_dict(),
+        "state": {**trainer.state.state_dict(), "epoch": trainer.loader.epoch,
+                  "step_in_epoch": trainer.loader.step_in_epoch},
     }
 
 
@@ -135,7 +176,7 @@ def assert_bit_equal(a: dict, b: dict, what: str = "") -> None:
     assert ra["python"] == rb["python"], f"{what}: Python RNG differs"
     assert torch.equal(ra["numpy"]["keys"], rb["numpy"]["keys"]) and ra["numpy"]["pos"] == rb["numpy"]["pos"], \
         f"{what}: NumPy RNG differs"
-    for key in ("global_step", "completed_epochs", "step_in_epoch", "samples_seen"):
+    for key in ("global_step", "samples_seen", "epoch", "step_in_epoch"):
         assert a["state"][key] == b["state"][key], f"{what}: {key} differs"
 
 
@@ -187,15 +228,11 @@ def run_job(output_dir, *words: str, env: dict[str, str] | None = None, timeout:
 
 def manifests(output_dir) -> list[dict]:
     """The manifests of the complete step checkpoints under ``output_dir``, oldest first."""
-    from ddpkit.train.checkpoint import list_checkpoints
-
     return [info.manifest for info in list_checkpoints(os.path.join(output_dir, "checkpoints")) if info.manifest]
 
 
 def final_weights(output_dir) -> dict[str, torch.Tensor]:
     """The model weights of the newest checkpoint under ``output_dir`` (verified, weights_only)."""
-    from ddpkit.train.checkpoint import list_checkpoints, verify_checkpoint
-
     newest = [i for i in list_checkpoints(os.path.join(output_dir, "checkpoints")) if i.manifest][-1]
     assert newest.manifest["global_step"] == CLI_TOTAL_STEPS, newest.path
     return verify_checkpoint(newest.path)["model.pt"]

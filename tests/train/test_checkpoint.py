@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from ddpkit.train.checkpoint import (
+from ddpkit.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     checkpoint_name,
@@ -20,8 +20,7 @@ from ddpkit.train.checkpoint import (
     write_checkpoint,
     write_file_atomic,
 )
-from ddpkit.train.checkpointing import attach_checkpointing
-from tests.train.checkpoint_helpers import make_trainer
+from tests.train.checkpoint_helpers import train
 
 
 def _write(root, step, mode=0o600, **meta):
@@ -149,15 +148,9 @@ def test_best_survives_pruning_of_its_step(tmp_path):
 
 
 def test_cadence_retention_and_metrics_lines_during_training(tmp_path):
-    trainer = make_trainer(0, 1, ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90",
-                                  "batch_size=8", "epochs=2", f"output_dir={tmp_path}", "checkpoint.every_steps=5",
-                                  "checkpoint.every_seconds=0.000001", "checkpoint.sync_seconds=0.000001",
-                                  "checkpoint.keep=3"])
-    checkpoints = attach_checkpointing(trainer, {})
-    try:
-        trainer.fit()
-    finally:
-        checkpoints.close()
+    train(0, 1, ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8",
+                 "epochs=2", f"output_dir={tmp_path}", "checkpoint.every_steps=5", "checkpoint.every_seconds=0.000001",
+                 "checkpoint.sync_seconds=0.000001", "checkpoint.keep=3"])
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     saved = [(line["global_step"], line["reason"]) for line in lines if line["event"] == "checkpoint"]
     # Every step is an agreement (sync_seconds tiny) and a timed save is always due; epoch ends save too.

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ddpkit.train.checkpoint import MANIFEST, checkpoint_name, verify_checkpoint
+from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, verify_checkpoint
 from tests.cli_runner import REPO
 
 WORDS = ["train", "nproc=1", "model=tests.train.checkpoint_helpers:ballast", "dataset=synthetic",

@@ -7,24 +7,17 @@ import pytest
 import torch
 
 from ddpkit.cli import main
-from ddpkit.train.checkpoint import CheckpointError, checkpoint_name
-from ddpkit.train.checkpointing import attach_checkpointing
-from ddpkit.train.export import load_exported
-from ddpkit.train.transfer import freeze_parameters, load_matching
-from tests.train.checkpoint_helpers import LogRecords, make_trainer, mlp_dropout, mlp_dropout_new_head
+from ddpkit.checkpoint.export import load_exported
+from ddpkit.checkpoint.format import CheckpointError, checkpoint_name
+from ddpkit.checkpoint.transfer import freeze_parameters, load_matching
+from tests.train.checkpoint_helpers import LogRecords, close, make_trainer, mlp_dropout, mlp_dropout_new_head, train
 from tests.train.test_checkpoint import Payload, plant_payload
 
 WORDS = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8", "epochs=1"]
 
 
 def _train(words):
-    trainer = make_trainer(0, 1, words)
-    checkpoints = attach_checkpointing(trainer, {})
-    try:
-        trainer.fit()
-    finally:
-        if checkpoints is not None:
-            checkpoints.close()
+    trainer, _ = train(0, 1, words)
     return trainer
 
 
@@ -53,6 +46,7 @@ def test_export_then_init_from_reports_the_changed_layer(trained, tmp_path, caps
         new = make_trainer(0, 1, ["model=tests.train.checkpoint_helpers:mlp_dropout_new_head", "epochs=1",
                                   "synthetic_samples=90", f"init_from={tmp_path / 'exported'}",
                                   f"output_dir={tmp_path}/new"])
+    close(new)
     report = "\n".join(message for _, message in logs.messages)
     assert "loaded 2 tensor(s)" in report, report
     assert "shape mismatch (not loaded): 4.weight: (10, 32) in the source, (5, 32) in the model" in report, report

@@ -6,8 +6,8 @@ import signal
 import pytest
 import torch
 
-from ddpkit.train.checkpoint import checkpoint_name
-from ddpkit.train.preemption import EXIT_PREEMPTED, Agreement, PreemptionSignals, requeue_slurm_job
+from ddpkit.checkpoint.format import checkpoint_name
+from ddpkit.checkpoint.preemption import EXIT_PREEMPTED, Agreement, PreemptionSignals, requeue_slurm_job
 from tests.train.checkpoint_helpers import (
     assert_same_weights,
     final_weights,

@@ -4,10 +4,9 @@ import random
 
 import pytest
 
-from ddpkit.train.checkpoint import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints
-from ddpkit.train.checkpointing import attach_checkpointing
+from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints
 from tests.helpers.workers import run_on_ranks
-from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, final_state, make_trainer
+from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, close, final_state, make_trainer, train
 from tests.train.test_checkpoint import plant_payload
 
 # 90 samples, global batch 8: 12 steps per epoch, the last one of 2 samples (split 1 + 1 on 2 ranks).
@@ -16,27 +15,16 @@ WORDS = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=
 STEPS_PER_EPOCH = 12
 
 
-def _train(rank, world_size, words, environ=None):
-    trainer = make_trainer(rank, world_size, words)
-    checkpoints = attach_checkpointing(trainer, environ or {})
-    try:
-        trainer.fit()
-    finally:
-        if checkpoints is not None:
-            checkpoints.close()
-    return trainer, checkpoints
-
-
 def _stop_and_resume(rank, world_size, tmp, stops):
-    full, _ = _train(rank, world_size, [*WORDS, f"output_dir={tmp}/full"])
+    full, _ = train(rank, world_size, [*WORDS, f"output_dir={tmp}/full"])
     reference = final_state(full)
     resumed_from = []
     for stop in stops:
         out = f"output_dir={tmp}/stop{stop}"
-        stopped, _ = _train(rank, world_size, [*WORDS, out, f"max_steps={stop}"])
+        stopped, _ = train(rank, world_size, [*WORDS, out, f"max_steps={stop}"])
         assert stopped.state.global_step == stop
-        resumed, checkpoints = _train(rank, world_size, [*WORDS, out, "resume=auto"])
-        resumed_from.append(checkpoints.resumed_from.name)
+        resumed, start = train(rank, world_size, [*WORDS, out, "resume=auto"])
+        resumed_from.append(start.name)
         assert_bit_equal(final_state(resumed), reference, f"stopped at step {stop}")
     return resumed_from
 
@@ -54,7 +42,7 @@ def test_stop_anywhere_and_resume_is_bit_exact(tmp_path):
 
 
 def _checkpointed_run(tmp_path, *extra):
-    trainer, _ = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "max_steps=7", "checkpoint.every_steps=3", *extra])
+    train(0, 1, [*WORDS, f"output_dir={tmp_path}", "max_steps=7", "checkpoint.every_steps=3", *extra])
     return tmp_path / "checkpoints"
 
 
@@ -64,13 +52,14 @@ def test_truncated_newest_falls_back_with_a_warning_naming_it(tmp_path):
     newest = root / checkpoint_name(7) / "model.pt"
     newest.write_bytes(newest.read_bytes()[:100])
     with LogRecords() as logs:
-        trainer, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto"])
-    assert checkpoints.resumed_from == root / checkpoint_name(6)
+        trainer, start = train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto"])
+    assert start == root / checkpoint_name(6)
     warnings = "\n".join(logs.warnings())
     assert f"{newest} is truncated" in warnings, warnings
     assert f"using the previous good one, {root / checkpoint_name(6)}" in warnings, warnings
     assert (root / (checkpoint_name(7) + CORRUPT_SUFFIX)).is_dir()  # kept for inspection, never loaded again
-    assert trainer.state.completed_epochs == 2
+    assert (trainer.loader.epoch, trainer.loader.step_in_epoch) == (1, STEPS_PER_EPOCH)  # 2 epochs complete
+    assert trainer.state.global_step == 2 * STEPS_PER_EPOCH
 
 
 def test_crafted_pickle_is_refused_strictly_and_skipped_by_auto(tmp_path):
@@ -78,11 +67,11 @@ def test_crafted_pickle_is_refused_strictly_and_skipped_by_auto(tmp_path):
     sentinel = tmp_path / "sentinel"
     plant_payload(root / checkpoint_name(7), sentinel, "optimizer.pt")
     with pytest.raises(CheckpointError, match=r"refused to load .*optimizer\.pt"):
-        _train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}"])
+        train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}"])
     assert not sentinel.exists()
     with LogRecords() as logs:
-        _, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "epochs=1"])
-    assert checkpoints.resumed_from == root / checkpoint_name(6)
+        _, start = train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "epochs=1"])
+    assert start == root / checkpoint_name(6)
     assert any("refused to load" in w and "optimizer.pt" in w for w in logs.warnings())
     assert not sentinel.exists()
 
@@ -92,22 +81,23 @@ def test_all_corrupt_is_an_error_never_a_fresh_start(tmp_path):
     for info in list_checkpoints(root):
         (info.path / "train.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no checkpoint in .* verifies"):
-        _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto"])
+        train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto"])
 
 
-def test_fresh_start_refuses_a_folder_with_checkpoints_but_a_restart_resumes(tmp_path):
+def test_fresh_start_refuses_a_folder_with_checkpoints_but_a_restart_resumes(tmp_path, monkeypatch):
     _checkpointed_run(tmp_path)
     with pytest.raises(CheckpointError, match="already holds checkpoints .* resume=auto"):
-        _train(0, 1, [*WORDS, f"output_dir={tmp_path}"])
-    _, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}"], environ={"TORCHELASTIC_RESTART_COUNT": "1"})
-    assert checkpoints.resumed_from.name == checkpoint_name(7)
+        train(0, 1, [*WORDS, f"output_dir={tmp_path}"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the Checkpointer reads the process environment
+    _, start = train(0, 1, [*WORDS, f"output_dir={tmp_path}"])
+    assert start.name == checkpoint_name(7)
 
 
 def test_interrupted_write_alone_means_a_fresh_start(tmp_path):
     (tmp_path / "checkpoints" / checkpoint_name(4)).mkdir(parents=True)  # a first save that never finished
     with LogRecords() as logs:
-        trainer, checkpoints = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "epochs=1"])
-    assert checkpoints.resumed_from is None and trainer.state.global_step == STEPS_PER_EPOCH
+        trainer, start = train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "epochs=1"])
+    assert start is None and trainer.state.global_step == STEPS_PER_EPOCH
     assert any("no checkpoint in" in m and "starting from the beginning" in m for _, m in logs.messages)
 
 
@@ -119,21 +109,19 @@ def _phases(rank, world_size, phases):
     results = []
     for words in phases:
         with LogRecords() as logs:
-            trainer = make_trainer(rank, world_size, words)
+            trainer = make_trainer(rank, world_size, words, with_indices=True)  # batches are (x, y, index)
             seen = []
-            epoch_fn = trainer.sampler.epoch
+            train_step = trainer.train_step
 
-            def recording(epoch, start_step=0, epoch_fn=epoch_fn, seen=seen):
-                for indices in epoch_fn(epoch, start_step):
-                    seen.extend(indices.tolist())
-                    yield indices
+            def recording(batch, train_step=train_step, seen=seen):
+                seen.extend(batch[2].tolist())
+                return train_step(batch)
 
-            trainer.sampler.epoch = recording
-            checkpoints = attach_checkpointing(trainer, {})
+            trainer.train_step = recording
             try:
                 trainer.fit()
             finally:
-                checkpoints.close()
+                close(trainer)
         results.append((seen, logs.warnings()))
     return results
 
@@ -158,14 +146,15 @@ def test_other_world_size_sees_every_sample_once(tmp_path):
 
 def test_changed_global_batch_is_refused(tmp_path):
     _checkpointed_run(tmp_path)
-    with pytest.raises(CheckpointError, match="global batch of 8 samples, this run 16"):
-        _train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "batch_size=16"])
+    with pytest.raises(CheckpointError, match="its loader does not fit .* saved with global_batch_size=8 but this "
+                                              "sampler has global_batch_size=16"):
+        train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "batch_size=16"])
 
 
 def test_optimizer_state_lands_on_the_parameters_device(tmp_path):
     root = _checkpointed_run(tmp_path)
-    trainer, _ = _train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}", "epochs=1",
-                               "checkpoint.enabled=false"])
+    trainer, _ = train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}", "epochs=1",
+                              "checkpoint.enabled=false"])
     for param in trainer.module.parameters():
         for value in trainer.optimizer.state[param].values():
             if value.dim():
