@@ -18,6 +18,14 @@ def test_reference_models_shapes():
     assert mlp_params == 784 * 50 + 50 + 50 * 10 + 10
 
 
+def test_cnn_normalizes_its_input_itself():
+    """The MNIST example's (x - 0.1307) / 0.3081 is the CNN's first module, so any data path gets it."""
+    cnn = get_model_spec("cnn").build()
+    x = torch.rand(2, 1, 28, 28)
+    assert torch.allclose(cnn[0](x), (x - 0.1307) / 0.3081)
+    assert list(dict(cnn.named_parameters()))[:2] == ["1.weight", "1.bias"]  # Normalize holds no parameters
+
+
 def test_user_model_registration():
     @register_model("test-tiny", recipe={"lr": 0.5})
     def tiny() -> nn.Module:
@@ -28,6 +36,8 @@ def test_user_model_registration():
         assert spec.recipe == {"lr": 0.5} and spec.task == "classification"
     finally:
         MODELS.pop("test-tiny")
+    with pytest.raises(ValueError, match="task='ranking' is not valid; choose one of: classification, regression"):
+        register_model("test-bad", task="ranking")
 
 
 def test_cnn_bn_is_cnn_with_batchnorm_after_each_convolution():
