@@ -286,7 +286,7 @@ class Checkpointer:
                 "(per-rank random states and the all_reduce order differ)"
             )
         epoch, step = self._position()
-        where = f"epoch {epoch + 1}, step {step}" if step else f"start of epoch {epoch + 1}"
+        where = f"epoch {epoch + 1}" + (f", step {step} of {self.loader.steps_per_epoch}" if self.loader else "")
         log.info(f"resumed from {path} (global step {self.global_step}: {where})")
 
     def _position(self) -> tuple[int, int]:

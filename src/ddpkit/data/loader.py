@@ -41,7 +41,10 @@ A training loop that resumes::
 
 from __future__ import annotations
 
+import multiprocessing.util
+import os
 import random
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -175,6 +178,34 @@ def _zero_rows(batch: Any) -> Any:
             return batch[:0]
         return type(batch)(_zero_rows(value) for value in batch)
     return batch
+
+
+_LIVE_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+"""Iterators of ddpkit loaders that have worker processes (persistent ones live as long as their loader)."""
+
+
+def _shut_down_workers_at_exit() -> None:
+    """Have this process stop its loaders' workers the orderly way when it exits (once per process).
+
+    The workers ignore SIGTERM (see ``_WorkerInit``), and multiprocessing's
+    exit (``atexit`` in a main process; the end of ``_bootstrap`` in a
+    multiprocessing child such as a worker of ddpkit's launcher) stops
+    daemonic children with SIGTERM and then joins them: a process leaving with
+    persistent workers alive (a preemption's SystemExit from inside the loop)
+    would wait for them forever. A finalizer with an exit priority runs first.
+    """
+    global _EXIT_HANDLER_PID
+    if _EXIT_HANDLER_PID != os.getpid():  # a forked child starts with no finalizers
+        _EXIT_HANDLER_PID = os.getpid()
+        multiprocessing.util.Finalize(None, _shutdown_live_workers, exitpriority=10)
+
+
+def _shutdown_live_workers() -> None:
+    for iterator in list(_LIVE_WORKER_ITERATORS):
+        iterator._shutdown_workers()
+
+
+_EXIT_HANDLER_PID = 0
 
 
 class _WorkerInit:
@@ -312,7 +343,11 @@ class DataLoader(torch.utils.data.DataLoader):
             return self._hand_out(self._tensor_batches())
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
         self.generator.manual_seed(_mix(_mix(self._seed) + self._sampler.current_epoch))
-        return self._hand_out(super().__iter__())
+        batches = super().__iter__()
+        if hasattr(batches, "_shutdown_workers"):
+            _LIVE_WORKER_ITERATORS.add(batches)
+            _shut_down_workers_at_exit()
+        return self._hand_out(batches)
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
