@@ -149,16 +149,24 @@ def load_datasets(name: str, options: DataOptions, environ: Mapping[str, str] | 
         return load_images(name, options, environ).datasets()
     if name in DATASETS:
         return _checked(name, DATASETS[name]())
+    return _checked(name, dataset_function(name)())
+
+
+def dataset_function(name: str) -> Callable[[], Splits]:
+    """The function ``dataset=module:function`` names, imported (the dataset itself is not built).
+
+    Raises:
+        ValueError: not module:function, or it cannot be imported.
+    """
     if ":" not in name:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}, "
                          "or give module:function returning (train, test) Datasets")
     module_name, _, attr = name.partition(":")
     try:
-        build = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"dataset {name!r} cannot be imported ({e}); check the module:function path "
                          "(the current folder is importable)") from None
-    return _checked(name, build())
 
 
 def _checked(name: str, splits: object) -> Splits:

@@ -8,7 +8,7 @@ import torch
 
 from ddpkit.checkpoint.select import check_resume
 from ddpkit.config import ConfigError, TrainConfig
-from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_names
+from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
@@ -34,9 +34,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)
-    if cfg.dataset not in dataset_names() and ":" not in cfg.dataset:
-        raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(dataset_names())}, "
-                         "or give module:function returning (train, test) Datasets")
+    if cfg.dataset not in dataset_names():
+        dataset_function(cfg.dataset)  # importable here, so not N workers fail at once
     batch = global_batch_size(cfg, world_size)
     if batch < world_size or batch % world_size:
         raise ValueError(
