@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn

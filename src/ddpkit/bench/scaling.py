@@ -358,8 +358,6 @@ def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -
     pass, this is the synchronisation's own cost (DDP's autograd hooks and
     bucket copies; the flat buffer's hooks, zeroing and division).
     """
-    import torch
-
     from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.train.loop import build_optimizer
 
@@ -367,13 +365,11 @@ def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -
     sync = GradientSync(plain, trainer.ctx, trainer.allreduce, trainer.grad_sync, all_reduce_fn=_no_all_reduce)
     model = sync.model
     optimizer = build_optimizer(train_cfg, model.parameters(), world_size)
-    # Zeroed as the trainer zeroes: the flat buffer in place, other gradients to None.
-    set_to_none = sync.flat is None
     clock = time.perf_counter
 
     def sync_noop(batch: Any, global_count: int) -> dict[str, float]:
         t0 = clock()
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad()  # as the trainer does
         x, y = _inputs(batch)
         _mean_loss(trainer, model(x), x, y).backward()  # synchronised at its end
         optimizer.step()
