@@ -20,7 +20,8 @@ from ddpkit.data.datasets import load_images
 from ddpkit.data.sampler import epoch_permutation
 from ddpkit.distributed import default_num_threads
 from ddpkit.models.registry import get_model_spec
-from ddpkit.train.loop import build_optimizer, seed_everything
+from ddpkit.checkpoint.rng import seed_everything
+from ddpkit.train.loop import build_optimizer
 from ddpkit.train.run import data_options
 
 

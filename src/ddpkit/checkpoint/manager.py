@@ -48,7 +48,6 @@ warning says so.
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import time
@@ -58,8 +57,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -79,7 +76,7 @@ from ddpkit.checkpoint.format import (
     write_checkpoint,
 )
 from ddpkit.checkpoint.preemption import Agreement, Preempted, PreemptionSignals, requeue_slurm_job, signal_name
-from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state
+from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
 from ddpkit.distributed import control_device
 from ddpkit.log import get_logger
 
@@ -227,8 +224,9 @@ class Checkpointer:
         path, loaded = (Path(chosen) if chosen else None), found.get("loaded")
         if path is not None:
             if loaded is None:  # rank 0 verified the files moments ago; the others read them
-                loaded = {name: load_file(path / name) for name in self._files(read_manifest(path))}
-                loaded["manifest"] = read_manifest(path)
+                manifest = read_manifest(path)
+                loaded = {name: load_file(path / name) for name in self._files(manifest)}
+                loaded["manifest"] = manifest
             self._restore(path, loaded)
         self.agreement.start(self.global_step)
         self._schedule()
@@ -269,10 +267,7 @@ class Checkpointer:
             restore_rng_state(ranks[self.rank])
             return
         # A rank the checkpoint did not have: its own stream, distinct from every other rank's.
-        seed = (self.global_step * 1_000_003 + self.rank * 7919) % 2**63
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
+        seed_everything((self.global_step * 1_000_003 + self.rank * 7919) % 2**63)
 
     def _log_resume(self, path: Path, saved_world_size: int) -> None:
         if self.rank != 0:

@@ -19,6 +19,13 @@ import numpy as np
 import torch
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def capture_rng_state() -> dict[str, Any]:
     """This process's generator states, as tensors and plain values."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()

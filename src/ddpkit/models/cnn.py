@@ -38,33 +38,24 @@ CNN_RECIPE = {
 @register_model("cnn", recipe=CNN_RECIPE)
 def cnn() -> nn.Module:
     """normalize, conv 1->32 k3, ReLU, conv 32->32 k3, ReLU, maxpool 2, dropout 0.25, fc 4608->128, ReLU, dropout 0.5, fc 128->10."""
-    return nn.Sequential(
-        Normalize(*MNIST_MEAN_STD),
-        nn.Conv2d(1, 32, 3),
-        nn.ReLU(),
-        nn.Conv2d(32, 32, 3),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Dropout(0.25),
-        nn.Flatten(),
-        nn.Linear(4608, 128),
-        nn.ReLU(),
-        nn.Dropout(0.5),
-        nn.Linear(128, 10),
-    )
+    return _mnist_cnn(batchnorm=False)
 
 
 @register_model("cnn_bn", recipe=CNN_RECIPE)
 def cnn_bn() -> nn.Module:
     """cnn with BatchNorm2d after each convolution (before its ReLU); the same recipe."""
+    return _mnist_cnn(batchnorm=True)
+
+
+def _mnist_cnn(batchnorm: bool) -> nn.Sequential:
+    def conv(in_channels: int) -> list[nn.Module]:
+        norm = [nn.BatchNorm2d(32)] if batchnorm else []
+        return [nn.Conv2d(in_channels, 32, 3), *norm, nn.ReLU()]
+
     return nn.Sequential(
         Normalize(*MNIST_MEAN_STD),
-        nn.Conv2d(1, 32, 3),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.Conv2d(32, 32, 3),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
+        *conv(1),
+        *conv(32),
         nn.MaxPool2d(2),
         nn.Dropout(0.25),
         nn.Flatten(),

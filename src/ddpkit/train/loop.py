@@ -18,13 +18,11 @@ tensor and is read every ``log_every`` steps.
 from __future__ import annotations
 
 import contextlib
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -48,13 +46,6 @@ class StopTraining(Exception):
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
     """Samples per optimizer step over all workers, from batch_size and batch_scope."""
     return cfg.batch_size * world_size if cfg.batch_scope == "per_worker" else cfg.batch_size
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def build_optimizer(cfg: TrainConfig, params: Any, world_size: int) -> torch.optim.Optimizer:
@@ -101,6 +92,12 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
 
+    def _on_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(input, target or None) of a DataLoader batch, on this worker's device."""
+        x, y = split_batch(batch)
+        device = self.ctx.device
+        return x.to(device, non_blocking=True), (y.to(device, non_blocking=True) if y is not None else None)
+
     def _backward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         with self._forward_context():
             output = self.model(x)
@@ -111,9 +108,7 @@ class Trainer:
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """One optimizer step on this rank's share of a global batch; returns its mean loss (a tensor)."""
-        x, y = split_batch(batch)
-        x = x.to(self.ctx.device, non_blocking=True)
-        y = y.to(self.ctx.device, non_blocking=True) if y is not None else None
+        x, y = self._on_device(batch)
         k = self.cfg.grad_accum_steps
         if k == 1:
             total = self._backward(x, y)
@@ -194,9 +189,7 @@ class Trainer:
         self.model.eval()
         sums: dict[str, Any] = {}
         for batch in loader:
-            x, y = split_batch(batch)
-            x = x.to(self.ctx.device, non_blocking=True)
-            y = y.to(self.ctx.device, non_blocking=True) if y is not None else None
+            x, y = self._on_device(batch)
             with self._forward_context():
                 output = self.module(x)
             for key, value in self.task.metric_sums(output, x, y).items():

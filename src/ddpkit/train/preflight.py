@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from ddpkit.checkpoint.select import check_resume
+from ddpkit.checkpoint.select import RESUME_MODES, check_resume
 from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
-from ddpkit.train.run import data_options
+from ddpkit.train.run import checkpoint_root, data_options
 from ddpkit.train.task import resolve_task
 
 _FILE_DATASETS = {"fashion-mnist": FASHION_MNIST, "mnist": MNIST}
@@ -42,10 +40,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
             f"global batch size {batch} does not divide among {world_size} workers; "
             f"use a multiple of {world_size} (batch_size=...) or batch_scope=per_worker"
         )
-    if cfg.checkpoint.enabled:
-        check_resume(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints", cfg.resume)
-    elif cfg.resume not in ("never", "auto"):
-        check_resume("", cfg.resume)
+    if cfg.checkpoint.enabled or cfg.resume not in RESUME_MODES:  # (checkpoints off: only a path to check)
+        check_resume(checkpoint_root(cfg), cfg.resume)
     if cfg.dataset in _FILE_DATASETS:
         # Here, once, rather than in N workers at the same time.
         options = data_options(cfg)

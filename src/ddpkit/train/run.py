@@ -16,6 +16,7 @@ import torch
 
 from ddpkit import distributed
 from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
+from ddpkit.checkpoint.rng import seed_everything
 from ddpkit.checkpoint.transfer import apply_transfer
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.datasets import DataOptions, load_datasets
@@ -24,7 +25,7 @@ from ddpkit.launch.failure import record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import ModelSpec, get_model_spec
 from ddpkit.prepare import prepare_model
-from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size, seed_everything
+from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.schedule import build_scheduler
 from ddpkit.train.task import resolve_task
 
@@ -48,6 +49,11 @@ def data_options(cfg: TrainConfig) -> DataOptions:
         synthetic_samples=cfg.synthetic_samples,
         seed=cfg.seed,
     )
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    """The run's checkpoints folder: checkpoint.dir, else <output_dir>/checkpoints."""
+    return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
 
 
 def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, train_set: Any, test_set: Any) -> Trainer:
@@ -95,7 +101,7 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
     metric = ckpt.best_metric if ckpt.best_metric != "auto" else trainer.task.quality_metric
     mode = ckpt.best_mode if ckpt.best_mode != "auto" else ("max" if metric == "accuracy" else "min")
     checkpointer = Checkpointer(
-        ckpt.dir or Path(cfg.output_dir) / "checkpoints",
+        checkpoint_root(cfg),
         model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
         loader=trainer.loader, extra={"train_state": trainer.state},
         every_steps=ckpt.every_steps if ckpt.enabled else 0,
