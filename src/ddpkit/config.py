@@ -18,10 +18,12 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddpkit.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration word or file is invalid; the message names it and the fix."""
 
 
@@ -170,8 +172,9 @@ class CheckpointConfig:
     """Test metric that picks the best checkpoint (accuracy, loss, mse; auto: accuracy or mse by task; empty: off)."""
     best_mode: str = "auto"
     """max or min of best_metric (auto: max for accuracy, min otherwise)."""
-    preempt_signals: str = "SIGTERM,SIGUSR1,SIGUSR2"
-    """Signals that make every worker finish its step, write a checkpoint and exit with status 75."""
+    preempt_signals: str = "SIGTERM,SIGINT,SIGUSR1,SIGUSR2"
+    """Signals that make every worker finish its step, write a checkpoint and exit with status 75 (130 for
+    SIGINT: Ctrl-C keeps the work; a second Ctrl-C stops at once)."""
     requeue: bool = False
     """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
     sync_seconds: float = 1.0
@@ -192,6 +195,20 @@ class CheckpointConfig:
         """The preemption signals as names, e.g. ("SIGTERM", "SIGUSR1"); USR1 is accepted for SIGUSR1."""
         names = [word.strip().upper() for word in self.preempt_signals.split(",") if word.strip()]
         return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
+
+
+TRAIN_OPTION_GROUPS = (
+    ("model and data", ("model", "dataset", "task", "loss", "data_dir", "download", "data_mirror",
+                        "synthetic_samples", "num_workers", "init_from", "freeze")),
+    ("optimization", ("epochs", "max_steps", "batch_size", "batch_scope", "optimizer", "lr", "momentum",
+                      "lr_schedule", "warmup_steps", "lr_step_epochs", "lr_gamma", "weight_decay", "scale_lr",
+                      "grad_accum_steps", "precision", "seed")),
+    ("distributed", ("nproc", "backend", "device", "allreduce", "grad_sync", "sync_batchnorm", "timeout",
+                     "threads", "master_port", "max_restarts")),
+    ("checkpoints", ("checkpoint", "resume")),
+    ("output", ("output_dir", "log_every", "progress", "eval_every_epoch", "eval_train")),
+)
+"""The groups of ``ddpkit train --help`` (a field in none is listed under "other options")."""
 
 
 @dataclasses.dataclass
@@ -267,8 +284,10 @@ class TrainConfig:
     """Torch threads per worker; 0 shares this machine's cores among the local workers."""
     master_port: int = 0
     """Rendezvous port for nproc > 1 on this machine; 0 asks the OS for a free one."""
-    output_dir: str = "runs/latest"
-    """Folder for metrics.jsonl and the run summary."""
+    output_dir: str = ""
+    """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
+    runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
+    runs/latest points to; with resume=auto, the newest run of this model and dataset."""
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     progress: bool = True

@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import multiprocessing
 import os
+import signal
 import socket
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,11 +34,23 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddpkit.env.ports import free_port
-from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, LaunchError, root_cause, run_reporting_failure
+from ddpkit.errors import UserError
+from ddpkit.launch.failure import (
+    FAILURE_DIR_VARIABLE,
+    LaunchError,
+    WorkerFailure,
+    root_cause,
+    run_reporting_failure,
+)
 
 LOOPBACK = "127.0.0.1"
-AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-"""Signals torch's elastic agent handles by default: passed on to the workers, which are then stopped."""
+AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
+"""Signals torch's elastic agent handles (it also would SIGINT, which ddpkit's launcher handles itself):
+passed on to the workers, which are then stopped."""
+EXIT_INTERRUPTED = 130
+"""A worker's exit status after Ctrl-C (128 + SIGINT)."""
+INTERRUPTED_MARKER = "interrupted"
+"""File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +76,7 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
         try:
             sock.bind((host, port))
         except OSError:
-            raise ValueError(f"master_port={port} is already in use on {host}; choose another port or master_port=0") from None
+            raise UserError(f"master_port={port} is already in use on {host}; choose another port or master_port=0") from None
 
 
 def _quiet_elastic_logs() -> None:
@@ -99,17 +114,68 @@ def _environ(key: str, value: str) -> Iterator[None]:
 
 
 def _worker_main(fn: Callable[..., Any], *args: Any) -> Any:
-    """A spawned worker: the platform's default start method back, then ``fn`` with one failure report.
+    """A spawned worker: its own process group, the platform's default start method back, then ``fn``.
 
-    The agent spawns its workers, and a spawned process inherits "spawn" as
-    its own default; a DataLoader's workers would then re-import torch and
-    the user's script each, where under ``python script.py`` or torchrun
-    they are forked.
+    In a process group of its own, the worker does not get the terminal's
+    Ctrl-C: the launcher passes on one SIGINT per Ctrl-C (see
+    :class:`_CtrlC`), so a worker can tell the first (checkpoint and stop)
+    from the second (stop now). The agent spawns its workers, and a spawned
+    process inherits "spawn" as its own default; a DataLoader's workers would
+    then re-import torch and the user's script each, where under ``python
+    script.py`` or torchrun they are forked. ``fn`` runs with one failure
+    report (:func:`run_reporting_failure`); a KeyboardInterrupt ends the
+    worker with status 130 and no traceback.
     """
-    import multiprocessing
+    os.setpgrp()
+    folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
+    try:
+        if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
+            raise KeyboardInterrupt  # a restart after Ctrl-C: the user asked to stop
+        multiprocessing.set_start_method(None, force=True)
+        result = run_reporting_failure(fn, *args)
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
+    return result
 
-    multiprocessing.set_start_method(None, force=True)
-    return run_reporting_failure(fn, *args)
+
+class _CtrlC:
+    """The launcher's SIGINT handler: each Ctrl-C is passed on to the workers once.
+
+    The workers take the first as a preemption (finish the step, checkpoint,
+    exit 130) and the second as "stop now". The first also leaves a marker,
+    so that the agent's restarts (``max_restarts``) start nothing more.
+    """
+
+    def __init__(self, failure_dir: str):
+        self.failure_dir = failure_dir
+        self.count = 0
+        """Ctrl-C presses so far."""
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            open(os.path.join(self.failure_dir, INTERRUPTED_MARKER), "w").close()
+            print("\nddpkit: Ctrl-C: the workers finish their step, write a checkpoint and stop "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        for child in multiprocessing.active_children():  # the agent's workers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
+    """Install :class:`_CtrlC` for SIGINT for the block (main thread only), then restore the previous handler."""
+    handler = _CtrlC(failure_dir)
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: leave SIGINT alone
+        yield handler
+        return
+    try:
+        yield handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
@@ -122,7 +188,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         LaunchError: a worker failed (after the allowed restarts).
     """
     if spec.nproc < 1:
-        raise ValueError(f"nproc={spec.nproc} is not valid; it must be at least 1")
+        raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
     if spec.master_port:
         check_port_free(spec.master_port)
     port = spec.master_port or free_port(LOOPBACK)
@@ -139,14 +205,21 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         monitor_interval=spec.monitor_interval,
         start_method="spawn",
     )
-    if spec.forward_signals and "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        # torch >= 2.7; older agents handle only their own list.
-        names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in AGENT_SIGNALS)
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # torch >= 2.7; older agents handle only their own list (SIGINT included: Ctrl-C then stops the
+        # workers without a checkpoint).
+        names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in (*AGENT_SIGNALS, "SIGINT"))
         config.signals_to_handle = ",".join(names)
     _quiet_elastic_logs()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
-            with _fresh_store_per_restart(spec.max_restarts), _environ(FAILURE_DIR_VARIABLE, failure_dir):
+            with _fresh_store_per_restart(spec.max_restarts), _environ(FAILURE_DIR_VARIABLE, failure_dir), \
+                    _ctrl_c_passed_on(failure_dir) as ctrl_c:
                 return elastic_launch(config, _worker_main)(fn, *args)
         except ChildFailedError as e:
-            raise LaunchError(root_cause(e.failures, failure_dir)) from None
+            failure = root_cause(e.failures, failure_dir)
+            if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:
+                # Whatever a worker died of after Ctrl-C (e.g. the interrupt hit it while it was still
+                # starting), the user asked the job to stop: report that, not a failure.
+                failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
+            raise LaunchError(failure) from None

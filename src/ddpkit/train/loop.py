@@ -206,6 +206,9 @@ class Trainer:
         log.info(sync.describe() if sync is not None else "single worker: no gradient synchronisation")
         test: dict[str, float] = {}
         tested_at = -1
+        if self.loader.epoch >= cfg.epochs:
+            log.info(f"this run is finished: all {cfg.epochs} epochs are complete; nothing to train "
+                     "(raise epochs=... to train on, or start a new run without resume)")
         try:
             for epoch in range(self.loader.epoch, cfg.epochs):
                 if cfg.max_steps and self.state.global_step >= cfg.max_steps:

@@ -8,11 +8,14 @@ and its ``resume``. Nothing here reaches past that API.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddpkit import distributed
 from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
@@ -26,6 +29,7 @@ from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import ModelSpec, get_model_spec
 from ddpkit.prepare import prepare_model
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
+from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 from ddpkit.train.schedule import build_scheduler
 from ddpkit.train.task import resolve_task
 
@@ -133,6 +137,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     """
     ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
     try:
+        cfg = _with_run_folder(cfg, ctx)
         log = setup_logging(ctx.rank, ctx.world_size)
         log.info(
             f"{ctx.env.source}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
@@ -164,10 +169,21 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         distributed.shutdown()
 
 
+def _with_run_folder(cfg: TrainConfig, ctx: distributed.Context) -> TrainConfig:
+    """``cfg`` with its run folder; rank 0 chooses it when no launcher of ddpkit's did, the others follow."""
+    if cfg.output_dir:
+        return cfg
+    box = [str(claim_run_folder(plan_run_folder(cfg, os.environ)))] if ctx.is_main_process else [""]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0, device=distributed.control_device())
+    return dataclasses.replace(cfg, output_dir=box[0])
+
+
 def _final_line(summary: dict[str, Any]) -> str:
     test = summary["test"]
     quality = f"test accuracy {100 * test['accuracy']:.2f}%" if "accuracy" in test else f"test MSE {test['mse']:.5f}"
     return (
         f"done: {summary['model']} on {summary['dataset']}, {summary['world_size']} worker(s), "
-        f"{quality}, train time {summary['train_time_s']:.2f}s, {summary['samples_per_s']:,.0f} samples/s"
+        f"{quality}, train time {summary['train_time_s']:.2f}s, {summary['samples_per_s']:,.0f} samples/s; "
+        f"run folder {summary['config']['output_dir']}"
     )
