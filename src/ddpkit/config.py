@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ddpkit.errors import UserError
 
 T = TypeVar("T")
+_SEXAGESIMAL = re.compile(r"[-+]?\d+(?::[0-5]?\d)+(?:\.\d*)?")
 
 
 class ConfigError(UserError):
@@ -95,6 +97,8 @@ def _read_layer(word: str) -> dict[str, Any]:
     key, value = word.split("=", 1)
     if not key:
         raise ConfigError(f"{word!r} has an empty key; write it as key=value, e.g. epochs=5")
+    if _SEXAGESIMAL.fullmatch(value.strip()):
+        value = f"'{value}'"  # YAML 1.1 would read 2:00:00 as the number 7200; keep it a string (a time limit)
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
     except OmegaConfBaseException as e:

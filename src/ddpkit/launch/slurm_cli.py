@@ -128,8 +128,8 @@ SLURM_HELP = CommandHelp(
 """What ``ddpkit slurm --help`` shows."""
 
 
-def split_words(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(ddpkit slurm's words, the training words) from the words after ``ddpkit slurm``.
+def split_words(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """(ddpkit slurm's words, the training words, the words after ``--``) from the words after ``ddpkit slurm``.
 
     Raises:
         ConfigError: a ``--flag`` (the former spelling) before ``--``.
@@ -138,30 +138,33 @@ def split_words(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     head, tail = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     own_keys = {field.name for field in dataclasses.fields(SlurmConfig)}
     own, train = [], []
-    for word in head:
+    for i, word in enumerate(head):
         if word.startswith("-"):
-            raise ConfigError(_new_spelling(word))
+            value = head[i + 1] if i + 1 < len(head) and not head[i + 1].startswith("-") else ""
+            raise ConfigError(_new_spelling(word, value if "=" not in value else ""))
         key = word.split("=", 1)[0].split(".", 1)[0]
         if "=" not in word or key in own_keys:
             own.append(word)  # a YAML file of slurm options, or one of them
         else:
             train.append(word.removeprefix("train."))
-    return own, train + tail
+    return own, train, tail
 
 
-def _new_spelling(flag: str) -> str:
+def _new_spelling(flag: str, following: str) -> str:
+    """The error for a former ``--flag [value]``: the key=value word to write instead."""
     aliases = {"N": "nodes", "c": "cpus_per_task", "p": "partition", "A": "account", "t": "time", "J": "job_name",
                "o": "output", "e": "error", "ntasks-per-node": "tasks_per_node", "module": "modules",
-               "preempt-grace": "preempt_grace", "no-requeue": "requeue"}
-    name = flag.lstrip("-").split("=", 1)[0]
+               "no-requeue": "requeue"}
+    name, _, inline = flag.lstrip("-").partition("=")
     key = aliases.get(name, name.replace("-", "_"))
-    value = {"submit": "true", "requeue": "true", "no-requeue": "false"}.get(name, "VALUE")
-    return (f"ddpkit slurm takes key=value words: write {flag} as {key}={value} "
-            "(ddpkit slurm --help lists them)")
+    switches = {"submit": "true", "requeue": "true", "no-requeue": "false"}
+    value = switches.get(name) or inline or following or "VALUE"
+    given = flag if name in switches or inline or not following else f"{flag} {following}"
+    return f"ddpkit slurm takes key=value words: write {given} as {key}={value} (ddpkit slurm --help lists them)"
 
 
-def spec_from_config(config: SlurmConfig, train_args: Sequence[str]) -> SbatchSpec:
-    """The SbatchSpec that the options describe.
+def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Sequence[str] = ()) -> SbatchSpec:
+    """The SbatchSpec that the options describe; ``train_args`` are checked as ``ddpkit train``'s, ``unread`` not.
 
     Raises:
         UserError: they do not make one (no environment, bad time, ...).
@@ -188,7 +191,7 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str]) -> SbatchSp
         stage_data_key=config.stage_data_key, preempt_signal=signal_name,
         preempt_grace_seconds=config.preempt_grace,
         requeue=bool(signal_name) if requeue == "auto" else requeue == "true",
-        train_args=tuple(train_args), python=config.python, command=tuple(shlex.split(config.command)),
+        train_args=(*train_args, *unread), python=config.python, command=tuple(shlex.split(config.command)),
     )
 
 
@@ -219,9 +222,9 @@ def main(argv: Sequence[str]) -> int:
     Raises:
         UserError: bad input, or sbatch missing with submit=true.
     """
-    own, train = split_words(argv)
+    own, train, unread = split_words(argv)
     config = parse(SlurmConfig, own)
-    spec = spec_from_config(config, train)
+    spec = spec_from_config(config, train, unread)
     for warning in node_local_warnings(spec):
         print(warning, file=sys.stderr)
     script = render_sbatch(spec)
