@@ -28,6 +28,7 @@ commands:
   doctor       print the detected environment and check the network between workers
   checkpoints  list the checkpoints of a folder, with step, epoch, metric and whether each verifies
   export       write a checkpoint's weights and model config for inference
+  plot         draw runs' loss, test metric and throughput from their metrics.jsonl into a PNG
 
 examples:
   ddpkit train nproc=2                         # W1: MLP on Fashion-MNIST, 2 workers
@@ -153,6 +154,9 @@ def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
 
     commands["export"] = export_command
     commands["checkpoints"] = checkpoints_command
+    from ddpkit.train.plot import plot_command
+
+    commands["plot"] = plot_command
     return commands
 
 

@@ -271,6 +271,8 @@ class TrainConfig:
     """Folder for metrics.jsonl and the run summary."""
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
+    logger: str = "jsonl"
+    """jsonl (metrics.jsonl only), or tensorboard (also event files in <output_dir>/tensorboard; pip install ddpkit[tensorboard])."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     eval_every_epoch: bool = True
@@ -298,6 +300,7 @@ class TrainConfig:
         check_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
         check_choice("task", self.task, ("auto", *TASKS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("logger", self.logger, ("jsonl", "tensorboard"))
         check_positive("num_workers", self.num_workers, allow_zero=True)
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("lr_step_epochs", self.lr_step_epochs)

@@ -10,6 +10,7 @@ from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset
 from ddpkit.data.sources import locate
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
+from ddpkit.train.metrics_file import check_logger
 from ddpkit.train.run import checkpoint_root, data_options
 from ddpkit.train.task import resolve_task
 
@@ -30,6 +31,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
     """
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
         raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
+    check_logger(cfg.logger)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)
     if cfg.dataset not in dataset_names():
