@@ -243,8 +243,12 @@ def draw(runs: Sequence[Run], cfg: PlotConfig, output: Path) -> Path:
     steps = runs[0].steps_per_epoch()
     # Epochs on a top axis only where one step means the same epoch in every run.
     epoch_axis = cfg.x == "step" and steps is not None and all(run.steps_per_epoch() == steps for run in runs)
+    # Every panel spans the same steps, also one with a single evaluation.
+    right = max(_x_value(line, event, cfg.x, run) for run in runs
+                for event, lines in (("train", run.train), ("eval", run.test)) for line in lines)
     for ax, name in zip(axes, names):
         _draw_panel(ax, name, runs, cfg.x)
+        ax.set_xlim(0, right * 1.02)
         if epoch_axis:
             top = ax.secondary_xaxis("top", functions=(lambda step: step / steps, lambda epoch: epoch * steps))
             top.set_xlabel("epoch")
