@@ -85,6 +85,15 @@ DOCTOR_HELP = CommandHelp(
     schema="ddpkit.doctor.config:DoctorConfig",
     examples=("ddpkit doctor nproc=2", "srun --nodes 2 --ntasks-per-node 4 python -m ddpkit doctor"))
 
+PLOT_HELP = CommandHelp(
+    usage="ddpkit plot RUN_DIR [RUN_DIR ...] [key=value ...]",
+    summary="Draw runs' training loss, test metric and throughput against the step (or epoch) from their "
+            "metrics.jsonl into one PNG, several runs overlaid and named by the settings in which they differ.",
+    schema="ddpkit.train.plot:PlotConfig",
+    positional=(("RUN_DIR", "a run's folder (e.g. runs/latest) or its metrics.jsonl; several are overlaid"),),
+    examples=("ddpkit plot runs/latest", "ddpkit plot runs/w1 runs/w2 output=workers.png",
+              "ddpkit plot runs/lr-a runs/lr-b x=epoch panels=loss,test"))
+
 COMMANDS: dict[str, Command] = {
     "train": Command("ddpkit.cli:train_command", TRAIN_HELP,
                      "train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)"),
@@ -100,6 +109,8 @@ COMMANDS: dict[str, Command] = {
                            "list the checkpoints of a folder, with step, epoch, metric and whether each verifies"),
     "export": Command("ddpkit.checkpoint.cli:export_command", EXPORT_HELP,
                       "write a checkpoint's weights and model config for inference"),
+    "plot": Command("ddpkit.train.plot:plot_command", PLOT_HELP,
+                    "draw runs' loss, test metric and throughput from their metrics.jsonl into a PNG"),
 }
 """Every command, in the order the usage lists them."""
 

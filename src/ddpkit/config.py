@@ -210,7 +210,7 @@ TRAIN_OPTION_GROUPS = (
     ("distributed", ("nproc", "backend", "device", "allreduce", "grad_sync", "sync_batchnorm", "timeout",
                      "threads", "master_port", "max_restarts")),
     ("checkpoints", ("checkpoint", "resume")),
-    ("output", ("output_dir", "log_every", "progress", "eval_every_epoch", "eval_train")),
+    ("output", ("output_dir", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
 )
 """The groups of ``ddpkit train --help`` (a field in none is listed under "other options")."""
 
@@ -294,6 +294,9 @@ class TrainConfig:
     runs/latest points to; with resume=auto, the newest run of this model and dataset."""
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
+    logger: str = "jsonl"
+    """jsonl (metrics.jsonl only), or tensorboard (also event files in <output_dir>/tensorboard;
+    pip install ddpkit[tensorboard])."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     eval_every_epoch: bool = True
@@ -321,6 +324,7 @@ class TrainConfig:
         check_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
         check_choice("task", self.task, ("auto", *TASKS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("logger", self.logger, ("jsonl", "tensorboard"))
         check_positive("num_workers", self.num_workers, allow_zero=True)
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("lr_step_epochs", self.lr_step_epochs)

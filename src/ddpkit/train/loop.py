@@ -79,7 +79,8 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.module = unwrap_model(self.model)
-        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process)
+        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, logger=self.cfg.logger,
+                                     config=to_dict(self.cfg))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
         sync = gradient_sync(self.model)
         self.grad_sync = sync.mode if sync is not None else "none"

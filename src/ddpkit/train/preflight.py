@@ -13,6 +13,7 @@ from ddpkit.distributed import resolve_backend, resolve_device
 from ddpkit.errors import UserError
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
+from ddpkit.train.metrics_file import check_logger
 from ddpkit.train.run import checkpoint_root, data_options
 from ddpkit.train.task import resolve_task
 
@@ -34,6 +35,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
     _check_names(cfg)
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
         raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
+    check_logger(cfg.logger)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)
     if cfg.dataset not in dataset_names():
