@@ -238,6 +238,8 @@ def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> int:
     except SignalException as e:  # the launcher itself got the signal and passed it on to the workers
         name = signal.Signals(e.sigval).name
         if name in spec.forward_signals:
+            print(f"ddpkit: stopped by {name}: the workers finished their step and wrote a checkpoint",
+                  file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"error: stopped by {name}", file=sys.stderr)
         return 128 + int(e.sigval)

@@ -7,7 +7,8 @@ step on the first run only (restart count 0), driven by environment variables:
 - DDPKIT_TEST_SIGNAL_STEP: the global step (1-based) whose forward sends it;
 - DDPKIT_TEST_SIGNAL_RANK: the rank that sends it (default 1);
 - DDPKIT_TEST_SIGNAL: the signal name (default SIGKILL);
-- DDPKIT_TEST_SIGNAL_TARGET: "self" (default) or "parent" (the launcher);
+- DDPKIT_TEST_SIGNAL_TARGET: "self" (default), "parent" (the launcher) or "group" (the launcher's process
+  group, as the terminal sends Ctrl-C);
 - DDPKIT_TEST_STEP_SLEEP: seconds each training forward sleeps (default 0).
 
 ``always_fails`` appends its restart count to DDPKIT_TEST_ATTEMPTS on every
@@ -69,7 +70,10 @@ class _Signalled(nn.Module):
         if self.training:
             self.calls += 1
             if self.calls == self.step and self.first_run and self.mine:
-                os.kill(os.getppid() if self.target == "parent" else os.getpid(), self.signal)
+                if self.target == "group":
+                    os.killpg(os.getpgid(os.getppid()), self.signal)
+                else:
+                    os.kill(os.getppid() if self.target == "parent" else os.getpid(), self.signal)
             if self.sleep:
                 time.sleep(self.sleep)
         return self.inner(x)
