@@ -52,23 +52,26 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
 def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
+    from ddpkit.env.sagemaker import key_value_words, model_dir, train_words
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
 
-    cfg = parse_train_config(args)
+    # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
+    cfg = parse_train_config(train_words(os.environ) + key_value_words(os.environ, args))
     env = detect_environment(os.environ)
+    export_dir = model_dir(os.environ)  # inside SageMaker: the model is exported there at the end
     if env.source != "local":
-        run_worker(cfg)  # started by torchrun, srun or mpirun: this process is one worker
+        run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
     check_before_launch(cfg, cfg.nproc)
     if cfg.nproc == 1 and not cfg.max_restarts:
-        run_worker(cfg)  # a preemption ends it with SystemExit(EXIT_PREEMPTED)
+        run_worker(cfg, export_dir)  # a preemption ends it with SystemExit(EXIT_PREEMPTED)
         return 0
     signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
     spec = LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals)
     resume = "run the same command with resume=auto to continue"
-    return _launch(spec, run_worker, cfg, preempted=f"the workers wrote a checkpoint and stopped; {resume}",
+    return _launch(spec, run_worker, cfg, export_dir, preempted=f"the workers wrote a checkpoint and stopped; {resume}",
                    stopped=f"the workers wrote a checkpoint on their way out; {resume}")
 
 
