@@ -103,6 +103,41 @@ def test_one_worker_per_gpu_of_a_single_host(tmp_path):
     assert info["source"]["global_step"] == STEPS_PER_EPOCH
 
 
+_TOOLKIT_TORCHRUN = """
+import json
+from sagemaker_training import environment, torch_distributed
+env = environment.Environment()
+runner = torch_distributed.TorchDistributedRunner(
+    "train.py", env.to_cmd_args(), env.to_env_vars(), 2, env.master_hostname, env.hosts, env.current_host,
+    env.network_interface_name)
+print(json.dumps(runner._create_command()))
+"""
+
+
+def test_under_the_toolkits_torchrun(tmp_path):
+    # distribution={"torch_distributed": {"enabled": True}} on a host of 2 GPUs: the toolkit's own
+    # torchrun command (torchrun --nnodes 1 --nproc_per_node 2 train.py --key value ...), run here
+    # on the CPU, with a free port for its rendezvous (PET_MASTER_PORT is torchrun's --master_port).
+    base = write_job(tmp_path, ["algo-1"], "algo-1", HYPERPARAMETERS)
+    environ, _ = toolkit_environment(base)  # its import made the code folder
+    (base / "code" / "train.py").write_text(ENTRY_POINT)
+    made = subprocess.run([sys.executable, "-c", _TOOLKIT_TORCHRUN], env=environ, capture_output=True, text=True,
+                          timeout=120)
+    assert made.returncode == 0, made.stderr
+    command = json.loads(made.stdout.strip().splitlines()[-1])
+    assert command[:5] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    environ = {**environ, "SM_NUM_GPUS": "2", "PET_MASTER_PORT": str(free_port()),
+               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(torchrun, cwd=base / "code", env=environ, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torchrun: world_size 2" in done.stdout + done.stderr
+    summary = json.loads((base / "output/data/summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_steps"] == STEPS_PER_EPOCH
+    _, info = load_exported(base / "model")
+    assert info["source"]["global_step"] == STEPS_PER_EPOCH
+
+
 def test_two_hosts_one_process_each(tmp_path):
     # Two containers of one job on this machine: each host has its own /opt/ml, and the
     # host names are loopback names so that the first host, the master, is reachable.
