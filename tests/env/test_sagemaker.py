@@ -181,6 +181,14 @@ def test_train_words(two_hosts):
     assert model_dir(environ) == str(base / "model")
 
 
+def test_empty_hyperparameters_stay_empty_strings(tmp_path):
+    from ddpkit.cli import parse_train_config
+
+    environ, args = toolkit_environment(write_job(tmp_path, ["algo-1"], "algo-1", {"checkpoint.best_metric": ""}))
+    assert parse_train_config(train_words(environ)).checkpoint.best_metric == ""
+    assert parse_train_config(key_value_words(environ, args)).checkpoint.best_metric == ""
+
+
 def test_the_only_channel_is_the_data(tmp_path):
     environ, _ = toolkit_environment(write_job(tmp_path / "a", ["algo-1"], "algo-1", {}, channels=("images",)))
     assert f"data_dir={tmp_path / 'a/opt/ml/input/data/images'}" in train_words(environ)
@@ -191,9 +199,9 @@ def test_the_only_channel_is_the_data(tmp_path):
 def test_the_entry_points_arguments_become_words(two_hosts):
     environ, args = two_hosts["algo-1"]
     assert args[:2] == ["--checkpoint.every_steps", "2"]  # as the toolkit passes them
-    words = key_value_words(environ, args + ["--batch_size=32", "seed=3"])
+    words = key_value_words(environ, args + ["--batch_size=32", "seed=3", "--checkpoint.best_metric", ""])
     assert words == ["checkpoint.every_steps=2", "epochs=1", "eval_train=False", "lr=0.01", "model=mlp",
-                     "batch_size=32", "seed=3"]
+                     "batch_size=32", "seed=3", "checkpoint.best_metric=''"]  # '': "" as OmegaConf reads it
     with pytest.raises(ValueError, match="--epochs has no value"):
         key_value_words(environ, ["--epochs", "--lr", "0.1"])
 

@@ -82,6 +82,17 @@ def test_trains_into_sagemakers_folders_and_resumes_from_the_checkpoints(tmp_pat
     assert info["source"]["global_step"] == 2 * STEPS_PER_EPOCH
 
 
+def test_the_export_is_of_the_last_step_when_no_checkpoint_has_it(tmp_path):
+    # No epoch-end nor best checkpoints: the export writes a checkpoint of the final step first.
+    hyperparameters = {**HYPERPARAMETERS, "checkpoint.on_epoch_end": False, "checkpoint.best_metric": ""}
+    base = write_job(tmp_path, ["algo-1"], "algo-1", hyperparameters)
+    environ, args = toolkit_environment(base)
+    output = run_entry_point(base, environ, args)
+    assert sorted(p.name for p in (base / "checkpoints").iterdir()) == [f"step-{STEPS_PER_EPOCH:09d}"], output
+    _, info = load_exported(base / "model")
+    assert info["source"]["global_step"] == STEPS_PER_EPOCH
+
+
 def test_a_bad_hyperparameter_is_one_line(tmp_path):
     base = write_job(tmp_path, ["algo-1"], "algo-1", {**HYPERPARAMETERS, "epoch": 3})
     environ, args = toolkit_environment(base)

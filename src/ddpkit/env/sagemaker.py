@@ -261,7 +261,7 @@ def key_value_words(environ: Mapping[str, str], args: Sequence[str]) -> list[str
         if "=" in key:
             words.append(key)
         elif rest and not rest[0].startswith("--"):
-            words.append(f"{key}={rest.pop(0)}")
+            words.append(f"{key}={_word_value(rest.pop(0))}")
         else:
             raise ValueError(f"{word} has no value; write it as {word} VALUE or {key}=VALUE")
     return words
@@ -278,9 +278,11 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any
 
 
 def _word_value(value: Any) -> str:
-    # Strings stay as they are (OmegaConf reads "0.1" as a number, as on the command line);
-    # the rest in JSON, which OmegaConf reads: true, 0.1, [1, 2].
-    return value if isinstance(value, str) else json.dumps(value)
+    # Strings stay as they are (OmegaConf reads "0.1" as a number, as on the command line),
+    # except "", which "key=" would make null; the rest in JSON, which OmegaConf reads: true, 0.1, [1, 2].
+    if isinstance(value, str):
+        return value or "''"
+    return json.dumps(value)
 
 
 def _config_file(environ: Mapping[str, str], name: str) -> Path:
