@@ -138,25 +138,28 @@ def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.detect import detect_environment
+    from ddpkit.env.sagemaker import key_value_words, model_dir, train_words
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
     from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 
-    cfg = parse_train_config(args)
+    # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
+    cfg = parse_train_config(train_words(os.environ) + key_value_words(os.environ, args))
+    export_dir = model_dir(os.environ)  # inside SageMaker: the model is exported there at the end
     if detect_environment(os.environ).source != "local":
-        run_worker(cfg)  # started by torchrun, srun or mpirun: this process is one worker
+        run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
     cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
     check_before_launch(cfg, cfg.nproc)
     claim_run_folder(Path(cfg.output_dir))
     try:
         if cfg.nproc == 1 and not cfg.max_restarts:
-            run_worker(cfg)  # in this process
+            run_worker(cfg, export_dir)  # in this process
             return 0
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
         code = _launch(LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals),
-                       run_worker, cfg)
+                       run_worker, cfg, export_dir)
     except Preempted as stop:  # the one worker, in this process
         code = int(stop.code)
     except LaunchError as e:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import distributed
+from ddpkit.checkpoint.export import export_checkpoint
 from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
 from ddpkit.checkpoint.rng import seed_everything
 from ddpkit.checkpoint.transfer import apply_transfer
@@ -130,10 +131,12 @@ def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:
                              "training continues, but not as the original run would have")
 
 
-def run_worker(cfg: TrainConfig) -> dict[str, Any]:
+def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
     """Train as one worker of the job this process belongs to; returns the summary.
 
     Works the same under ddpkit's launcher, torchrun, srun, mpirun or alone.
+    With ``export_dir`` (SageMaker's model folder), rank 0 exports the final
+    checkpoint there at the end (see ddpkit.checkpoint.export).
     """
     ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
     try:
@@ -150,6 +153,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         trainer = build_trainer(cfg, ctx, spec, train_set, test_set)
         try:
             summary = trainer.fit()
+            if export_dir:
+                _export_final(trainer, ctx, export_dir)
         finally:
             if trainer.checkpointer is not None:
                 trainer.checkpointer.close()
@@ -177,6 +182,19 @@ def _with_run_folder(cfg: TrainConfig, ctx: distributed.Context) -> TrainConfig:
     if ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0, device=distributed.control_device())
     return dataclasses.replace(cfg, output_dir=box[0])
+
+
+def _export_final(trainer: Trainer, ctx: distributed.Context, export_dir: str) -> None:
+    """Export the trained model: a checkpoint of the final step (collective; none is written if
+    the last step has one), then rank 0 writes its export into ``export_dir``."""
+    if trainer.checkpointer is None:
+        get_logger().warning(f"no export to {export_dir}: checkpoints are off (checkpoint.enabled=false)")
+        return
+    trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
+    final = trainer.checkpointer.save("export")
+    if ctx.is_main_process:
+        export_checkpoint(final, export_dir, readable_by=trainer.cfg.checkpoint.readable_by)
+        get_logger().info(f"exported the model of {final.name} to {export_dir}")
 
 
 def _final_line(summary: dict[str, Any]) -> str:
