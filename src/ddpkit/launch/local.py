@@ -158,6 +158,8 @@ class _CtrlC:
             open(os.path.join(self.failure_dir, INTERRUPTED_MARKER), "w").close()
             print("\nddpkit: Ctrl-C: the workers finish their step, write a checkpoint and stop "
                   "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        elif self.count == 2:
+            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
         for child in multiprocessing.active_children():  # the agent's workers
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signal.SIGINT)
