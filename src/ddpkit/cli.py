@@ -29,6 +29,7 @@ from ddpkit.launch.script import wants_run_help
 from ddpkit.launch.slurm_cli import SLURM_HELP
 
 if TYPE_CHECKING:
+    from ddpkit.checkpoint.format import CheckpointInfo
     from ddpkit.launch.local import LaunchSpec
 
 EXIT_USER_ERROR = 2
@@ -164,7 +165,8 @@ def train_command(args: Sequence[str]) -> int:
         code = int(stop.code)
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
-        print(f"ddpkit: {_how_to_continue(cfg, args)}", file=sys.stderr)
+        if _newest_checkpoint(cfg) is not None:  # the work so far is not lost: say how to go on from it
+            print(f"ddpkit: {_how_to_continue(cfg, args)}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         what = "interrupted" if code == EXIT_INTERRUPTED else "preempted"
@@ -174,17 +176,21 @@ def train_command(args: Sequence[str]) -> int:
 
 def _how_to_continue(cfg: TrainConfig, args: Sequence[str]) -> str:
     """One line: the newest complete checkpoint of the run and the command that continues from it."""
+    newest = _newest_checkpoint(cfg)
+    if newest is None:
+        return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
+    words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
+    words += [f"output_dir={cfg.output_dir}", "resume=auto"]
+    command = "ddpkit train " + " ".join(shlex.quote(word) for word in words)
+    return f"checkpoint {newest.path} (global step {newest.global_step}) is complete; continue with: {command}"
+
+
+def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
     from ddpkit.checkpoint.format import list_checkpoints
     from ddpkit.train.run import checkpoint_root
 
     complete = [info for info in list_checkpoints(checkpoint_root(cfg)) if info.complete]
-    words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
-    words += [f"output_dir={cfg.output_dir}", "resume=auto"]
-    command = "ddpkit train " + " ".join(shlex.quote(word) for word in words)
-    if not complete:
-        return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
-    newest = complete[-1]
-    return f"checkpoint {newest.path} (global step {newest.global_step}) is complete; continue with: {command}"
+    return complete[-1] if complete else None
 
 
 def run_command(args: Sequence[str]) -> int:
