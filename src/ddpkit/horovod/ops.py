@@ -205,7 +205,7 @@ def _grouped(tensors: list[torch.Tensor], outputs: list[torch.Tensor], average: 
     if len({t.dtype for t in tensors}) > 1:
         raise ValueError("grouped_allreduce needs tensors of one dtype; group tensors by dtype")
     dtype = tensors[0].dtype if tensors else torch.float32
-    outputs = [o.detach() for o in outputs]  # the in-place work must not be recorded by autograd
+    results, outputs = outputs, [o.detach() for o in outputs]  # the in-place work must not be recorded by autograd
     shape = tuple(tensors[0].shape) if single else tuple(tuple(t.shape) for t in tensors)
     numel = sum(t.numel() for t in tensors)
     call = Call(ALLREDUCE, dtype=dtype, op=_ENGINE_OP[op], row_numel=numel, shape=shape, name=name)
@@ -224,7 +224,7 @@ def _grouped(tensors: list[torch.Tensor], outputs: list[torch.Tensor], average: 
         if not (single and outputs[0].is_contiguous()):
             for out, part in zip(outputs, torch.split(flat, [o.numel() for o in outputs])):
                 out.copy_(part.view_as(out))
-        return outputs[0] if single else outputs
+        return results[0] if single else results
 
     return eng.submit(call, run)
 
@@ -344,7 +344,7 @@ def _broadcast(output: torch.Tensor, root_rank: int, name: str | None, process_s
     if not 0 <= root_rank < eng.world_size:
         raise ValueError(f"root_rank={root_rank} is not a rank of this job of {eng.world_size}; "
                          f"pass 0..{eng.world_size - 1}")
-    output = output.detach()
+    result, output = output, output.detach()
     call = Call(BROADCAST, dtype=output.dtype, root=root_rank, row_numel=output.numel(), shape=tuple(output.shape),
                 name=name)
 
@@ -353,7 +353,7 @@ def _broadcast(output: torch.Tensor, root_rank: int, name: str | None, process_s
         eng.broadcast(rows, flat)
         if flat.data_ptr() != output.data_ptr():
             output.copy_(flat.view_as(output))
-        return output
+        return result
 
     return eng.submit(call, run)
 
