@@ -148,7 +148,8 @@ def check_objects(hvd, rank: int, world_size: int) -> None:
 
 
 def check_mismatched_calls_fail_on_every_rank(hvd, rank: int, world_size: int) -> None:
-    with pytest.raises(RuntimeError, match="rank 0 called allreduce SUM of 3 .* while rank 1 called allreduce SUM of 4"):
+    mismatch = "rank 0 called allreduce SUM of 3 .* while rank 1 called allreduce SUM of 4"
+    with pytest.raises(RuntimeError, match=mismatch):
         hvd.allreduce(torch.zeros(3 if rank == 0 else 4))
     hvd.barrier()  # the failure left every rank in step
 

@@ -90,7 +90,8 @@ def _future(handle: int) -> Future:
     try:
         return _futures[handle]
     except KeyError:
-        raise ValueError(f"handle {handle} is unknown or was already synchronized; synchronize each handle once") from None
+        raise ValueError(f"handle {handle} is unknown or was already synchronized; "
+                         f"synchronize each handle once") from None
 
 
 def _handle(future: Future) -> int:

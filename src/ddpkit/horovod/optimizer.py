@@ -235,7 +235,8 @@ def _parameter_names(params: list[torch.Tensor],
     return by_param
 
 
-def _split_groups(params: list[torch.Tensor], groups: int | list[list[torch.Tensor]] | None) -> list[list[torch.Tensor]]:
+def _split_groups(params: list[torch.Tensor],
+                  groups: int | list[list[torch.Tensor]] | None) -> list[list[torch.Tensor]]:
     """Horovod's ``groups``: a count splits the parameters into that many consecutive groups."""
     if groups is None:
         return []
