@@ -76,6 +76,20 @@ def check_async_handles(hvd, rank: int, world_size: int) -> None:
     assert torch.allclose(hvd.synchronize(handles[1]), torch.full((4,), total))
     with pytest.raises(ValueError, match="already synchronized"):
         hvd.synchronize(handles[0])
+    # Back to back, as gradients are queued: they may travel fused, and each still gets its own op and scaling.
+    queued = [
+        hvd.allreduce_async_(torch.full((3,), float(rank)), op=hvd.Sum),
+        hvd.allreduce_async(torch.full((2, 2), float(rank)), prescale_factor=2.0),
+        hvd.allreduce_async_(torch.tensor([rank, 1])),  # int64: another buffer
+        hvd.allreduce_async_(torch.full((5,), float(rank)), postscale_factor=10.0),
+        hvd.allreduce_async_(torch.full((1,), float(rank)), op=hvd.Max),  # another op: another buffer
+    ]
+    got = [hvd.synchronize(h) for h in queued]
+    assert torch.equal(got[0], torch.full((3,), total))
+    assert torch.allclose(got[1], torch.full((2, 2), 2 * mean))
+    assert got[2].tolist() == [int(total) // world_size, 1]
+    assert torch.allclose(got[3], torch.full((5,), 10 * mean))
+    assert got[4].tolist() == [world_size - 1.0]
 
 
 def check_allreduce_gradient(hvd, rank: int, world_size: int) -> None:
@@ -323,7 +337,10 @@ def check_join_with_uneven_inputs(hvd, rank: int, world_size: int) -> None:
         x, y = _batch(rank, step)
         F.mse_loss(x @ w, y).backward()
         optimizer.step()
+        first, second = hvd.allreduce_async(torch.ones(2), op=hvd.Sum), hvd.allreduce_async(torch.ones(3))
         active = [r for r in range(world_size) if step < num_batches[r]]
+        assert hvd.synchronize(first).tolist() == [float(len(active))] * 2  # a joined rank adds zeros
+        assert torch.allclose(hvd.synchronize(second), torch.full((3,), len(active) / world_size))
         assert hvd.allgather(torch.tensor([rank])).tolist() == active, step  # joined ranks send no rows
     last = hvd.join()
     assert last == world_size - 1

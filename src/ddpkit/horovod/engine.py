@@ -2,7 +2,7 @@
 
 Horovod queues each collective for one background thread and returns a
 handle at once; ``synchronize(handle)`` waits. Here too: :class:`Engine`
-owns one worker thread, and each collective a rank submits runs there, one
+owns one worker thread, and the collectives a rank submits run there, one
 after the other, in the order that rank submitted them. Ranks are matched
 by that order (Horovod matches by name after a negotiation round; plain
 training code calls its collectives in the same order on every rank, which
@@ -11,7 +11,8 @@ is what makes order enough).
 Every collective starts with a header exchange: one ``all_gather`` of a
 small int64 vector per rank saying what the rank is about to do (kind,
 dtype, op, root, first dimension, elements per row, shape and name keys,
-alltoall splits) and whether it is still active. This buys three things:
+alltoall splits, and for allreduces how many are queued and their sizes)
+and whether it is still active. This buys four things:
 
 - a rank that called ``hvd.join()`` takes part in the others' collectives
   without knowing them in advance: it reads the header of an active rank
@@ -19,29 +20,37 @@ alltoall splits) and whether it is still active. This buys three things:
   allgather), which is Horovod's join with uneven inputs;
 - allgather learns every rank's first dimension, alltoall every rank's
   splits, with no extra round;
+- tensor fusion, as Horovod's: the allreduces queued back to back (same
+  dtype, op and device, up to FUSION_LIMIT) on every rank travel as one
+  buffer, one all_reduce; each rank announces how many it has queued and
+  the smallest count is fused;
 - a rank calling a different collective, shape, dtype or name than its
   peers fails on every rank with one message naming both calls, rather
   than hanging::
 
-      rank 0 (training):  [active=1, ALLREDUCE, float32, SUM, ..., numel=10] --.
-                                                                               |-- all_gather --> every rank reads
-      rank 1 (joined):    [active=0, 0, 0, ...]                              --'   every header
-      then rank 0 all-reduces its tensor; rank 1 all-reduces 10 zeros.
+      rank 0 (training):  [active=1, ALLREDUCE, float32, SUM, ..., queued=3, sizes 10 30 40] --.
+      rank 1 (training):  [active=1, ALLREDUCE, float32, SUM, ..., queued=2, sizes 10 30]    --|-- all_gather
+      rank 2 (joined):    [active=0, 0, 0, ...]                                            --'
+      then ranks 0 and 1 all-reduce their first 2 gradients as one buffer of 30 elements;
+      rank 2 all-reduces 30 zeros.
 
-Cost: one header all_gather (world_size x (9 + world_size) int64) per
-collective. The data moves over ddpkit's all_reduce (``allreduce=auto``:
-shared memory between the processes of one node on CPU, the backend's
-built-in otherwise; see :mod:`ddpkit.comm.grad_sync`) and over
-torch.distributed's all_gather, broadcast and all_to_all.
+Cost: one header exchange, an all_reduce of (world_size x (10 + world_size + 2 x
+FUSION_LIMIT) int64, per collective or fused group of allreduces. The data
+moves over ddpkit's all_reduce (``allreduce=auto``: shared memory between
+the processes of one node on CPU, the backend's built-in otherwise; see
+:mod:`ddpkit.comm.grad_sync`) and over torch.distributed's all_gather,
+broadcast and all_to_all.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,9 +65,11 @@ Rows = list[list[int]]
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, BARRIER = 1, 2, 3, 4, 5
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
               BARRIER: "barrier"}
-# Header columns.
-ACTIVE, KIND, DTYPE, OP, ROOT, DIM0, ROW_NUMEL, SHAPE_KEY, NAME_KEY, SPLITS = range(10)
+# Header columns; then world_size splits, FUSION_LIMIT running sizes and FUSION_LIMIT running keys.
+ACTIVE, KIND, DTYPE, OP, ROOT, DIM0, ROW_NUMEL, SHAPE_KEY, NAME_KEY, QUEUED, SPLITS = range(11)
 _MUST_AGREE = (KIND, DTYPE, OP, ROOT, ROW_NUMEL, SHAPE_KEY, NAME_KEY)  # DIM0 may differ: allgather, alltoall
+FUSION_LIMIT = 64
+"""Most allreduces fused into one all_reduce."""
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
@@ -80,20 +91,42 @@ class Call:
     """Rows this rank sends (allgather, alltoall); 0 otherwise."""
     row_numel: int = 0
     """Elements per row (allgather, alltoall), or of the whole tensor."""
-    shape: tuple[int, ...] = ()
+    shape: tuple = ()
     """The shape that must agree: the whole tensor's, or a row's for allgather and alltoall."""
     name: str | None = None
     splits: Sequence[int] = field(default=())
     """Rows for each destination rank (alltoall)."""
 
-    def encode(self, world_size: int) -> list[int]:
-        """The header row of an active rank."""
+    def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"ddpkit.horovod cannot reduce or move {self.dtype} tensors; use one of "
                              f"{', '.join(str(d) for d in DTYPES)}")
-        splits = list(self.splits) + [0] * (world_size - len(self.splits))
-        return [1, self.kind, DTYPES.index(self.dtype), self.op, self.root, self.dim0, self.row_numel,
-                _key(repr(self.shape)), _key(self.name) if self.name else 0, *splits]
+
+    @property
+    def key(self) -> int:
+        """What must agree across ranks besides the sizes: the shape and the name."""
+        return _key(repr(self.shape))
+
+    @property
+    def name_key(self) -> int:
+        return _key(self.name) if self.name else 0
+
+
+@dataclass(eq=False)
+class _Item:
+    """A queued collective: ``run(rows)`` on the worker thread, or for a fusable allreduce, prepare/finish."""
+
+    call: Call | None  # None: a join
+    future: Future
+    run: Callable[[Rows], Any] | None = None
+    prepare: Callable[[], torch.Tensor] | None = None
+    """The flat buffer to reduce (scaled, on its device)."""
+    finish: Callable[[torch.Tensor], Any] | None = None
+    """From the reduced part of the fused buffer to the result."""
+    device: torch.device | None = None
+
+
+_STOP = object()
 
 
 class Engine:
@@ -114,12 +147,24 @@ class Engine:
         self.device = device
         self._header_device = header_device
         self._all_reduce = all_reduce
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-horovod")
+        self._sizes_column = SPLITS + world_size
+        self._keys_column = self._sizes_column + FUSION_LIMIT
+        self._header_length = self._keys_column + FUSION_LIMIT
         self._last_active = list(range(world_size))  # the ranks active in the latest exchange that had any
+        self._queue: collections.deque = collections.deque()
+        self._condition = threading.Condition()
+        # A daemon: a script that never calls hvd.shutdown() still exits.
+        self._thread = threading.Thread(target=self._loop, name="ddpkit-horovod", daemon=True)
+        self._thread.start()
 
     def submit(self, call: Call, run: Callable[[Rows], T]) -> Future[T]:
         """Queue ``call``: on the worker thread, exchange headers, check them, then ``run(rows)``."""
-        return self._executor.submit(self._negotiate_and_run, call, run)
+        return self._put(_Item(call, Future(), run=run))
+
+    def submit_allreduce(self, call: Call, prepare: Callable[[], torch.Tensor],
+                         finish: Callable[[torch.Tensor], T], device: torch.device) -> Future[T]:
+        """Queue an allreduce that may travel fused with the allreduces queued right after it."""
+        return self._put(_Item(call, Future(), prepare=prepare, finish=finish, device=device))
 
     def join(self) -> int:
         """Take part in the other ranks' collectives with neutral values until every rank has joined.
@@ -127,21 +172,93 @@ class Engine:
         Returns:
             The rank that joined last (the highest of those that joined in the same round).
         """
-        return self._executor.submit(self._join_loop).result()
+        return self._put(_Item(None, Future())).result()
 
     def stop(self) -> None:
         """Finish the queued collectives and end the worker thread."""
-        self._executor.shutdown(wait=True)
+        with self._condition:
+            self._queue.append(_STOP)
+            self._condition.notify()
+        self._thread.join()
+
+    def _put(self, item: _Item) -> Future:
+        with self._condition:
+            self._queue.append(item)
+            self._condition.notify()
+        return item.future
 
     # -- on the worker thread ---------------------------------------------------------
 
-    def _negotiate_and_run(self, call: Call, run: Callable[[Rows], T]) -> T:
-        rows = self._exchange(call.encode(self.world_size))
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue:
+                    self._condition.wait()
+                head = self._queue.popleft()
+                if head is _STOP:
+                    return
+                followers = self._fusable_followers(head) if head.prepare is not None else []
+            batch = [head]
+            try:
+                if head.call is None:
+                    head.future.set_result(self._join_loop())
+                elif head.prepare is not None:
+                    self._allreduce_fused(batch, followers)
+                else:
+                    rows = self._exchange(self._header([head.call]))
+                    self._check_agreement(rows)
+                    head.future.set_result(head.run(rows))
+            except BaseException as e:  # the caller's synchronize() raises it
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(e)
+
+    def _fusable_followers(self, head: _Item) -> list[_Item]:
+        """The allreduces queued right behind ``head`` that can share its buffer (the lock is held)."""
+        followers = []
+        for item in self._queue:
+            if (len(followers) == FUSION_LIMIT - 1 or item is _STOP or item.prepare is None
+                    or (item.call.dtype, item.call.op, item.device) != (head.call.dtype, head.call.op, head.device)):
+                break
+            followers.append(item)
+        return followers
+
+    def _allreduce_fused(self, batch: list[_Item], followers: list[_Item]) -> None:
+        """Announce ``batch[0]`` and its followers; reduce as many as every rank has queued, in one buffer.
+
+        The fused followers are appended to ``batch`` as soon as they leave the queue.
+        """
+        rows = self._exchange(self._header([item.call for item in [*batch, *followers]]))
+        count = self._fused_count(rows)
+        with self._condition:  # the fused followers are still the first in the queue: only this thread pops
+            batch += [self._queue.popleft() for _ in range(count - 1)]
         self._check_agreement(rows)
-        return run(rows)
+        flats = [item.prepare() for item in batch]
+        fused = flats[0] if count == 1 else torch.cat(flats)
+        self.all_reduce(rows, fused)
+        parts = [fused] if count == 1 else torch.split(fused, [f.numel() for f in flats])
+        for item, part in zip(batch, parts):
+            item.future.set_result(item.finish(part))
+
+    def _header(self, calls: list[Call]) -> list[int]:
+        """This rank's header row announcing ``calls`` (several only for fusable allreduces)."""
+        first = calls[0]
+        header = [0] * self._header_length
+        header[:SPLITS] = [1, first.kind, DTYPES.index(first.dtype), first.op, first.root, first.dim0,
+                           first.row_numel, first.key, first.name_key, len(calls) if first.kind == ALLREDUCE else 0]
+        header[SPLITS:SPLITS + len(first.splits)] = list(first.splits)
+        numel, key = 0, 0
+        for i, call in enumerate(calls if first.kind == ALLREDUCE else []):
+            numel += call.row_numel
+            key = zlib.crc32(f"{call.key},{call.name_key}".encode(), key)
+            header[self._sizes_column + i], header[self._keys_column + i] = numel, key
+        return header
+
+    def _fused_count(self, rows: Rows) -> int:
+        return min(row[QUEUED] for row in rows if row[ACTIVE])
 
     def _join_loop(self) -> int:
-        inactive = [0] * (SPLITS + self.world_size)
+        inactive = [0] * self._header_length
         while True:
             previous = self._last_active
             rows = self._exchange(inactive)
@@ -152,10 +269,13 @@ class Engine:
             self._take_part(rows)
 
     def _exchange(self, header: list[int]) -> Rows:
-        mine = torch.tensor(header, dtype=torch.int64, device=self._header_device)
-        gathered = torch.empty(self.world_size * len(header), dtype=torch.int64, device=self._header_device)
-        _all_gather_into_tensor(gathered, mine)
-        rows = gathered.view(self.world_size, len(header)).tolist()
+        # An all_gather as a sum of rows that are zero but for each rank's own: it then runs on the
+        # fast all_reduce (microseconds through shared memory, where gloo's all_gather takes ~100 us).
+        gathered = torch.zeros(self.world_size, len(header), dtype=torch.int64)
+        gathered[self.rank] = torch.tensor(header, dtype=torch.int64)
+        gathered = gathered.to(self._header_device)
+        self._all_reduce(gathered, op=ReduceOp.SUM)
+        rows = gathered.tolist()
         active = [r for r, row in enumerate(rows) if row[ACTIVE]]
         if active:
             self._last_active = active
@@ -164,8 +284,11 @@ class Engine:
     def _check_agreement(self, rows: Rows) -> None:
         active = [r for r, row in enumerate(rows) if row[ACTIVE]]
         first = rows[active[0]]
+        columns = _MUST_AGREE if first[KIND] in (ALLGATHER, ALLTOALL) else (*_MUST_AGREE, DIM0)
+        if first[KIND] == ALLREDUCE:
+            fused = self._fused_count(rows) - 1
+            columns = (*columns, self._sizes_column + fused, self._keys_column + fused)
         for r in active[1:]:
-            columns = _MUST_AGREE if first[KIND] in (ALLGATHER, ALLTOALL) else (*_MUST_AGREE, DIM0)
             if any(rows[r][c] != first[c] for c in columns):
                 raise RuntimeError(
                     f"rank {active[0]} called {_describe(first)} while rank {r} called {_describe(rows[r])}; "
@@ -175,8 +298,7 @@ class Engine:
 
     def _take_part(self, rows: Rows) -> None:
         """A joined rank's part in the collective that the active ranks announced."""
-        call = rows[next(r for r, row in enumerate(rows) if row[ACTIVE])]
-        kind = call[KIND]
+        kind = _announced(rows)[KIND]
         if kind == ALLREDUCE:
             self.all_reduce(rows, None)
         elif kind == ALLGATHER:
@@ -193,7 +315,8 @@ class Engine:
         call = _announced(rows)
         op = REDUCE_OPS[call[OP]]
         if flat is None:
-            flat = _neutral(op, DTYPES[call[DTYPE]], call[ROW_NUMEL], self.device)
+            numel = call[self._sizes_column + self._fused_count(rows) - 1]
+            flat = _neutral(op, DTYPES[call[DTYPE]], numel, self.device)
         self._all_reduce(flat, op=op)
 
     def all_gather(self, rows: Rows, flat: torch.Tensor | None) -> list[torch.Tensor]:
@@ -225,7 +348,7 @@ class Engine:
         """Send ``splits[d]`` rows to each rank d; return what arrived and the rows from each rank."""
         call = _announced(rows)
         row_numel = call[ROW_NUMEL]
-        sent = rows[self.rank][SPLITS:]  # a joined rank's row is all zeros: it sends nothing
+        sent = rows[self.rank][SPLITS:SPLITS + self.world_size]  # a joined rank's row is all zeros: it sends nothing
         received = [row[SPLITS + self.rank] for row in rows]
         device = flat.device if flat is not None else self.device
         if flat is None:

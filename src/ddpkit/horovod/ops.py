@@ -206,28 +206,31 @@ def _grouped(tensors: list[torch.Tensor], outputs: list[torch.Tensor], average: 
     if len({t.dtype for t in tensors}) > 1:
         raise ValueError("grouped_allreduce needs tensors of one dtype; group tensors by dtype")
     dtype = tensors[0].dtype if tensors else torch.float32
+    if not tensors:
+        raise ValueError("grouped_allreduce got no tensors; pass at least one")
     results, outputs = outputs, [o.detach() for o in outputs]  # the in-place work must not be recorded by autograd
     shape = tuple(tensors[0].shape) if single else tuple(tuple(t.shape) for t in tensors)
     numel = sum(t.numel() for t in tensors)
     call = Call(ALLREDUCE, dtype=dtype, op=_ENGINE_OP[op], row_numel=numel, shape=shape, name=name)
     eng = engine.current()
+    in_place = single and outputs[0].is_contiguous()  # reduce the output's own memory, no copy
 
-    def run(rows: Rows) -> Any:
-        if single and outputs[0].is_contiguous():
-            flat = outputs[0].view(-1)  # reduce in place, no copy
-        else:
-            flat = torch.cat([o.reshape(-1) for o in outputs]) if outputs else torch.empty(0, dtype=dtype)
+    def prepare() -> torch.Tensor:
+        flat = outputs[0].view(-1) if in_place else torch.cat([o.reshape(-1) for o in outputs])
         _scale(flat, prescale)
-        eng.all_reduce(rows, flat)
+        return flat
+
+    def finish(flat: torch.Tensor) -> Any:
         if op == Average:
             _divide(flat, eng.world_size)
         _scale(flat, postscale)
-        if not (single and outputs[0].is_contiguous()):
+        if not (in_place and flat.data_ptr() == outputs[0].data_ptr()):  # fused: a part of a shared buffer
             for out, part in zip(outputs, torch.split(flat, [o.numel() for o in outputs])):
                 out.copy_(part.view_as(out))
         return results[0] if single else results
 
-    return eng.submit(call, run)
+    device = outputs[0].device if outputs else eng.device
+    return eng.submit_allreduce(call, prepare, finish, device)
 
 
 def _scale(flat: torch.Tensor, factor: float) -> None:
