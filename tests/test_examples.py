@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.cli_runner import REPO
 
@@ -62,3 +63,16 @@ def test_example_under_torchrun(example, tmp_path):
                _script(example), *TINY, "--out", str(tmp_path)]
     _check(subprocess.run(command, cwd=tmp_path, env=_environ(), capture_output=True, text=True, timeout=300),
            example)
+
+
+def test_horovod_example_under_ddpkit_run_ends_with_stock_ddp_weights(tmp_path):
+    from tests.horovod.ddp_reference import PYTHONPATH, SCRIPT, TINY, assert_same_weights, ddp_weights
+
+    weights = tmp_path / "weights.pt"
+    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPT), *TINY, "--save-weights", str(weights)]
+    env = _environ(PYTHONPATH=PYTHONPATH)
+    out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"], out.stdout  # rank 0 only
+    assert_same_weights(torch.load(weights), ddp_weights())
