@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ddpkit.errors import UserError
 
-class HorovodUnsupportedError(ValueError):
+
+class HorovodUnsupportedError(UserError):
     """A Horovod feature that ddpkit.horovod does not provide; the message names the alternative."""
 
 
