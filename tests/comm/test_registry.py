@@ -33,7 +33,8 @@ def test_resolve_allreduce_returns_the_registered_function():
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(ValueError, match=r"unknown all_reduce algorithm 'rign'; choose one of builtin, naive, ring"):
+    with pytest.raises(ValueError, match=r"allreduce='rign' is not an all_reduce algorithm \(did you mean 'ring'\?\); "
+                                         r"choose one of: builtin, naive, ring"):
         resolve_allreduce("rign")
 
 

@@ -97,7 +97,7 @@ def test_raising_rank_is_reported_once_with_its_traceback(tmp_path):
 
 @pytest.mark.parametrize("status,returncode,message", [
     (3, 1, "error: worker rank 0 failed (exit code 3): exited without an error message"),
-    (75, 75, "ddpkit: preempted: a worker exited with status 75 (preempted); run the same command to continue"),
+    (75, 75, "ddpkit: preempted: a worker exited with status 75; run the same command to continue"),
 ])
 def test_exit_status_of_a_rank(tmp_path, status, returncode, message):
     # nproc=1 also goes through the launcher (a spawned worker with RANK set), as nproc=2 does.
