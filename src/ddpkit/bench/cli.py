@@ -35,9 +35,10 @@ KINDS = {
 
 BENCH_HELP = CommandHelp(
     usage="ddpkit bench KIND [key=value ...]      (KIND: " + " | ".join(KINDS) + ")",
-    summary="Benchmarks, with results written as JSON and Markdown: "
-            + "; ".join(f"{kind}: {help.summary.split(':')[0].split('. ')[0]}" for kind, help in KINDS.items())
-            + ". ddpkit bench KIND --help lists the options of KIND.",
+    summary="Benchmarks, with results written as JSON and Markdown (and a PNG with matplotlib): train (training "
+            "time against a bare loop: targets T1, T6, T7), comm (every collective and algorithm over a size "
+            "sweep, and ping-pong), scaling (where a workload's step time goes as workers, nodes and all_reduce "
+            "change). ddpkit bench KIND --help lists the options of KIND.",
     examples=tuple(help.examples[0] for help in KINDS.values()),
 )
 """What ``ddpkit bench --help`` shows."""
