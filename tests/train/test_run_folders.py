@@ -81,3 +81,10 @@ def test_train_twice_in_one_folder_then_resume_auto_continues_the_latest(here, c
     assert (summary["epochs"], summary["global_steps"]) == (2, 16)
     assert json.loads((first / "summary.json").read_text())["epochs"] == 1  # the first run is untouched
     assert f"run folder runs/mlp-synthetic/{second.name}" in err
+
+    # Once more: the run is finished; its train time and throughput are those of the two epochs it trained.
+    assert main(["train", *TINY, "epochs=2", "resume=auto"]) == 0
+    assert "this run is finished: all 2 epochs are complete" in capsys.readouterr().err
+    finished = json.loads((second / "summary.json").read_text())
+    assert finished["train_time_s"] == pytest.approx(summary["train_time_s"], rel=0.2)
+    assert finished["samples_per_s"] == pytest.approx(summary["samples_per_s"], rel=0.2)
