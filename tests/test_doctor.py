@@ -33,7 +33,7 @@ from ddpkit.doctor import (
 )
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.ports import free_port
-from tests.cli_runner import REPO, run_ddpkit
+from tests.cli_runner import PYTHONPATH, run_ddpkit
 
 
 def environment(rank: int = 0, world_size: int = 2, num_nodes: int = 1, master_addr: str = "10.0.0.1",
@@ -224,7 +224,7 @@ def test_doctor_two_local_workers_as_json(tmp_path):
 def torchrun_like_env(rank: int, port: int) -> dict[str, str]:
     """The env:// variables of one of two workers, without an agent store (as under srun or mpirun)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI"))}
-    return {**env, "PYTHONPATH": str(REPO), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+    return {**env, "PYTHONPATH": PYTHONPATH, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH, REPO
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ TINY = ["--dataset", "synthetic", "--samples", "192", "--epochs", "2"]
 def _environ(**extra: str) -> dict[str, str]:
     launchers = ("MASTER_", "OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launchers)}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
+    return {**env, "PYTHONPATH": PYTHONPATH, **extra}
 
 
 def _check(out: subprocess.CompletedProcess, example: str) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.mpi import run_mpirun
 from tests.test_examples import EXAMPLES, TINY, _check, _environ, _script
 
@@ -23,5 +23,5 @@ def test_example_under_mpirun(example, tmp_path):
 def test_example_under_srun(example, slurm_cluster, tmp_path):
     command = ["srun", "--ntasks=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", f"--chdir={tmp_path}",
                sys.executable, _script(example), *TINY, "--out", str(tmp_path)]
-    env = {**slurm_cluster.env, "PYTHONPATH": str(REPO)}
+    env = {**slurm_cluster.env, "PYTHONPATH": PYTHONPATH}
     _check(slurm_cluster.run(command, env=env, timeout=300, check=False), example)

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.env.ports import free_port
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.netns import Host, TwoHosts, netns_hosts  # noqa: F401  (netns_hosts is a fixture)
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
@@ -69,7 +69,7 @@ def worker_environment(**extra: str) -> dict[str, str]:
     drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     launchers = ("SLURM_", "OMPI_", "TORCHELASTIC_")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(launchers)}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
+    return {**env, "PYTHONPATH": PYTHONPATH, **extra}
 
 
 def rendezvous_flags(host: Host, node_rank: int, master: Host, port: int, form: str) -> list[str]:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, verify_checkpoint
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 
 WORDS = ["train", "nproc=1", "model=tests.train.checkpoint_helpers:ballast", "dataset=synthetic",
          "synthetic_samples=256", "batch_size=16", "epochs=3", "threads=1", "progress=false"]
@@ -35,7 +35,7 @@ def _kill_during_write(folder, proc, timeout=240.0):
 
 @pytest.mark.slow
 def test_sigkill_mid_save_leaves_the_previous_checkpoint_resumable(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     root = tmp_path / "runs" / "latest" / "checkpoints"
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit", *WORDS], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
