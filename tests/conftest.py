@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 import pytest
 import torch.distributed as dist
+
+from ddpkit.data.datasets import FASHION_MNIST
+from ddpkit.data.sources import DataNotFoundError, locate
 
 
 @pytest.fixture(autouse=True)
@@ -47,3 +51,12 @@ def _is_alive(proc: psutil.Process) -> bool:
         )
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist() -> Path:
+    """The folder ddpkit finds the real Fashion-MNIST files in without a download; skips the test without them."""
+    try:
+        return locate(FASHION_MNIST, download=False)
+    except DataNotFoundError as e:
+        pytest.skip(f"needs the real Fashion-MNIST files (run `bash scripts/setup.sh --test`): {e}")

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.timeout(900)
-def test_mpirun_trains_w1(tmp_path):
+def test_mpirun_trains_w1(tmp_path, fashion_mnist):
     output_dir = tmp_path / "runs" / "latest"
     command = [sys.executable, "-m", "ddpkit", "train", "progress=false", f"output_dir={output_dir}"]
     # No MASTER_ADDR/MASTER_PORT: ddpkit derives both from OpenMPI's variables.

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)
-def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path):
+def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path, fashion_mnist):
     argv = [
         sys.executable, "-m", "ddpkit", "slurm", "--submit", "--launch", "srun", "--tasks-per-node", "2",
         "--project-root", str(tmp_path), "--output", "logs/train-%j.out", "--job-name", "w1",

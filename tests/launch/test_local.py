@@ -39,7 +39,7 @@ def test_port_taken_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_w1_two_workers_real_fashion_mnist(tmp_path):
+def test_w1_two_workers_real_fashion_mnist(tmp_path, fashion_mnist):
     """The README's main job: W1 on real Fashion-MNIST with 2 workers trains to its quality floor."""
     out = run_ddpkit("train", "nproc=2", "progress=false", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
