@@ -60,3 +60,11 @@ def fashion_mnist() -> Path:
         return locate(FASHION_MNIST, download=False)
     except DataNotFoundError as e:
         pytest.skip(f"needs the real Fashion-MNIST files (run `bash scripts/setup.sh --test`): {e}")
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of a test's random choices: DDPKIT_TEST_SEED (default 0), printed so that a failure can be replayed."""
+    value = int(os.environ.get("DDPKIT_TEST_SEED", "0"))
+    print(f"DDPKIT_TEST_SEED={value} for {request.node.nodeid}")
+    return value

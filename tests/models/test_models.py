@@ -10,7 +10,7 @@ from tests.helpers.workers import run_on_ranks
 
 
 def test_reference_models_shapes():
-    x = torch.rand(3, 1, 28, 28)
+    x = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     assert get_model_spec("mlp").build()(x).shape == (3, 10)
     assert get_model_spec("cnn").build()(x).shape == (3, 10)
     assert get_model_spec("autoencoder").build()(x).shape == (3, 1, 28, 28)
@@ -21,7 +21,7 @@ def test_reference_models_shapes():
 def test_cnn_normalizes_its_input_itself():
     """The MNIST example's (x - 0.1307) / 0.3081 is the CNN's first module, so any data path gets it."""
     cnn = get_model_spec("cnn").build()
-    x = torch.rand(2, 1, 28, 28)
+    x = torch.rand(2, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(cnn[0](x), (x - 0.1307) / 0.3081)
     assert list(dict(cnn.named_parameters()))[:2] == ["1.weight", "1.bias"]  # Normalize holds no parameters
 
