@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.slurm import SlurmCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -47,7 +47,7 @@ def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(sl
         "time=30", "preempt_signal=USR1", f"project_root={tmp_path}", "output=train-%j.out",
         "progress=false", f"epochs={EPOCHS}",
     ]
-    job_id = int(slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": str(REPO)}).stdout)
+    job_id = int(slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH}).stdout)
     output = tmp_path / f"train-{job_id}.out"
     first = f"step-{STEPS_PER_EPOCH:09d}"
     wait_for_line(output, rf"^\[rank 0/2\] checkpoint \S*{first} \(epoch_end", timeout=600)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.slurm import SlurmCluster
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
@@ -16,14 +16,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)
-def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path):
+def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path, fashion_mnist):
     argv = [
         sys.executable, "-m", "ddpkit", "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
         f"project_root={tmp_path}", "output=logs/train-%j.out", "job_name=w1",
         "progress=false",
     ]
     # sbatch passes its environment on to the job: the workers import this checkout.
-    submitted = slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": str(REPO)})
+    submitted = slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH})
     job_id = int(submitted.stdout)
 
     result = slurm_cluster.wait(job_id, timeout=900)

@@ -13,7 +13,7 @@ import pytest
 import ddpkit.launch.local
 from ddpkit.cli import main
 from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
-from tests.cli_runner import REPO, run_ddpkit
+from tests.cli_runner import PYTHONPATH, run_ddpkit
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("ddpkit")
@@ -23,7 +23,7 @@ TIMEOUT = 120
 def run_console_script(*words: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run the installed ``ddpkit`` console script (its sys.path[0] is its bin folder, not ``cwd``)."""
     assert CONSOLE_SCRIPT.is_file(), f"no console script beside {sys.executable}; pip install -e . first"
-    environ = {**os.environ, "PYTHONPATH": str(REPO)}
+    environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
     return subprocess.run([str(CONSOLE_SCRIPT), *words], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=TIMEOUT)
 

@@ -18,6 +18,7 @@ attempt and fails on rank 1.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import logging
 import os
@@ -93,11 +94,47 @@ def always_fails() -> nn.Module:
     return mlp_dropout()
 
 
-def ballast() -> nn.Module:
-    """An MLP carrying 48 MB of frozen weights: its checkpoints take long enough to be killed mid-write."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
-    model.register_parameter("ballast", nn.Parameter(torch.zeros(12 << 20), requires_grad=False))
-    return model
+class _KillsTheJobWhenPickled:
+    """A model's extra state; pickling it (inside ``torch.save``, mid-write) at or after a chosen step SIGKILLs.
+
+    It is saved as an empty OrderedDict, which ``torch.load(weights_only=True)`` accepts.
+    """
+
+    def __init__(self, model: _KilledMidSave):
+        self.model = model
+
+    def __reduce__(self):
+        step = int(os.environ.get("DDPKIT_TEST_KILL_SAVE_STEP", "0"))
+        if step and self.model.calls >= step:
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # the whole job, as a power cut would
+        return (collections.OrderedDict, ())
+
+
+class _KilledMidSave(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return self.inner(x)
+
+    def get_extra_state(self) -> _KillsTheJobWhenPickled:
+        return _KillsTheJobWhenPickled(self)
+
+    def set_extra_state(self, state: object) -> None:
+        pass
+
+
+def killed_mid_save() -> nn.Module:
+    """An MLP whose first checkpoint write after global step DDPKIT_TEST_KILL_SAVE_STEP SIGKILLs its process group.
+
+    The kill comes from inside ``torch.save`` of ``model.pt``: the checkpoint's
+    folder and the model file's temporary file exist, its manifest does not.
+    """
+    return _KilledMidSave()
 
 
 # -- in-process trainers --------------------------------------------------------
