@@ -76,11 +76,11 @@ def test_example_under_torchrun(example, tmp_path):
 
 
 def test_horovod_example_under_ddpkit_run_ends_with_stock_ddp_weights(tmp_path):
-    from tests.horovod.ddp_reference import PYTHONPATH, SCRIPT, TINY, assert_same_weights, ddp_weights
+    from tests.horovod.ddp_reference import SCRIPT, TINY, assert_same_weights, ddp_weights
 
     weights = tmp_path / "weights.pt"
     command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPT), *TINY, "--save-weights", str(weights)]
-    env = _environ(PYTHONPATH=PYTHONPATH)
+    env = _environ()
     out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]

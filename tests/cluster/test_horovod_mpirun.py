@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.mpi import run_mpirun
-from tests.horovod.ddp_reference import PYTHONPATH, SCRIPT, TINY, assert_same_weights, ddp_weights
+from tests.horovod.ddp_reference import SCRIPT, TINY, assert_same_weights, ddp_weights
 from tests.test_examples import _environ
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 def test_horovod_example_under_mpirun_ends_with_stock_ddp_weights(tmp_path):
     weights = tmp_path / "weights.pt"
-    out = run_mpirun(2, [sys.executable, str(SCRIPT), *TINY, "--save-weights", str(weights)], env=_environ(PYTHONPATH=PYTHONPATH),
+    out = run_mpirun(2, [sys.executable, str(SCRIPT), *TINY, "--save-weights", str(weights)], env=_environ(),
                      timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]

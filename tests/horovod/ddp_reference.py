@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from types import ModuleType
 
 import torch
@@ -21,8 +20,6 @@ SCRIPT = REPO / "examples" / "horovod_mnist.py"
 TINY = ["--dataset", "synthetic", "--train-samples", "512", "--test-samples", "256", "--epochs", "2",
         "--batch-size", "32", "--log-interval", "1000"]
 """Arguments for a run of a few seconds: 2 epochs of 8 steps on each of 2 workers."""
-PYTHONPATH = os.pathsep.join([str(REPO / "src"), str(REPO)])
-"""For the launched workers: this tree's ddpkit, whichever one the environment has installed."""
 
 
 def load_example() -> ModuleType:

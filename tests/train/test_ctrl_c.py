@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from ddpkit.checkpoint.preemption import EXIT_INTERRUPTED, Preempted, PreemptionSignals
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.train.checkpoint_helpers import CLI_TOTAL_STEPS, CLI_WORDS, assert_same_weights, final_weights, manifests
 
 SHM_PREFIX = f"ddpkit-shm-{os.getuid()}-"
@@ -44,7 +44,7 @@ def _shm_segments() -> set[str]:
 
 def _train(folder, *words: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``ddpkit train`` in a session of its own (as a terminal's foreground job is), never past 240 s."""
-    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environ = {**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})}
     command = [sys.executable, "-m", "ddpkit", "train", *CLI_WORDS, "allreduce=shm", *words]
     process = subprocess.Popen(command, cwd=folder, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
@@ -99,7 +99,7 @@ def test_ctrl_c_checkpoints_at_the_step_exits_130_and_resume_auto_ends_bit_equal
     words = shlex.split(line.split("continue with: ")[1])[2:]
     assert words[-2:] == [f"output_dir={_run_folder(tmp_path).relative_to(tmp_path)}", "resume=auto"], words
     again = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+                           text=True, timeout=240, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert again.returncode == 0, again.stderr
     assert re.search(rf"resumed from \S+step-{step:09d}", again.stderr), again.stderr
     assert_same_weights(final_weights(_run_folder(tmp_path)), final_weights(reference), f"Ctrl-C at step {step}")

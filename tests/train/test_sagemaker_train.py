@@ -8,7 +8,6 @@ and arguments are those the real sagemaker-training toolkit computes for it
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +16,9 @@ import pytest
 
 from ddpkit.checkpoint.export import load_exported
 from ddpkit.env.ports import free_port
+from tests.cli_runner import PYTHONPATH
 from tests.env.test_sagemaker import toolkit_environment, write_job
 
-REPO = Path(__file__).resolve().parents[2]
 ENTRY_POINT = """\
 import sys
 
@@ -42,9 +41,8 @@ def start_entry_point(base: Path, environ: dict[str, str], args: list[str]) -> s
     code = base / "code"
     code.mkdir(exist_ok=True)
     (code / "train.py").write_text(ENTRY_POINT)
-    pythonpath = os.pathsep.join([str(REPO / "src"), str(REPO)])
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=code, text=True,
-                            env={**environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"},
+                            env={**environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -139,7 +137,7 @@ def test_under_the_toolkits_torchrun(tmp_path):
     assert command[:5] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
     environ = {**environ, "SM_NUM_GPUS": "2", "PET_MASTER_PORT": str(free_port()),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+               "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(torchrun, cwd=base / "code", env=environ, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "torchrun: world_size 2" in done.stdout + done.stderr

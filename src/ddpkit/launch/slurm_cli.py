@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.command_help import CommandHelp
-from ddpkit.config import ConfigError, TrainConfig, check_choice, parse
+from ddpkit.config import ConfigError, check_choice, parse
 from ddpkit.errors import UserError
 from ddpkit.launch.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, render_sbatch
 
