@@ -31,7 +31,9 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_resumable(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ddpkit", *WORDS, "resume=auto"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
-    shown = "runs/latest/checkpoints/"  # as the log names them: under the relative output_dir
+    # resume=auto continued the run the kill interrupted (runs/latest points to it); the log names its
+    # checkpoints under the relative run folder.
+    shown = f"{root.resolve().relative_to(tmp_path)}/"
     assert f"removing {shown}{checkpoint_name(32)}: an interrupted checkpoint write" in out.stderr, out.stderr
     assert f"resumed from {shown}{checkpoint_name(16)} (global step 16" in out.stderr, out.stderr
     assert verify_checkpoint(root / checkpoint_name(48))["manifest"]["completed_epochs"] == 3
