@@ -106,7 +106,7 @@ def _patch_control_device(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
 
     real = ddpkit.distributed.control_device
     for name, module in list(sys.modules.items()):
-        if name.split(".")[0] == "ddpkit" and getattr(module, "control_device", None) is real:
+        if name.split(".")[0] == "ddpkit" and vars(module).get("control_device") is real:
             monkeypatch.setattr(module, "control_device", lambda group=None: torch.device(device))
 
 

@@ -13,7 +13,12 @@ from typing import NoReturn
 from ddpkit.horovod.unsupported import ELASTIC, HorovodUnsupportedError
 
 
+class ElasticUnsupportedError(HorovodUnsupportedError, AttributeError):
+    """hvd.elastic.<name>: also an AttributeError, so that probes such as ``getattr(module, name, default)``
+    and ``hasattr`` (tools that walk modules) see a missing name instead of failing."""
+
+
 def __getattr__(name: str) -> NoReturn:
     if name.startswith("__"):  # the import machinery's probes (__path__, __file__...) stay ordinary misses
         raise AttributeError(name)
-    raise HorovodUnsupportedError(ELASTIC)
+    raise ElasticUnsupportedError(ELASTIC)
