@@ -6,7 +6,8 @@ import importlib
 from collections.abc import Sequence
 
 # Each kind's module has ``main(words) -> int``.
-KINDS = {"train": "ddpkit.bench.train", "comm": "ddpkit.bench.comm", "scaling": "ddpkit.bench.scaling"}
+KINDS = {"train": "ddpkit.bench.train", "comm": "ddpkit.bench.comm", "scaling": "ddpkit.bench.scaling",
+         "startup": "ddpkit.bench.startup"}
 
 
 def bench_command(args: Sequence[str]) -> int:
