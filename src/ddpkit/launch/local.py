@@ -35,7 +35,10 @@ fork, as it does for every DataLoader worker.) A forked worker gets the
 server's environment, not the launcher's of the moment, so
 :func:`_worker_main` installs the launcher's environment as it was at the
 launch, then the agent's per-worker variables over it, as a spawned worker
-would have seen them. The server is stopped when the launch ends.
+would have seen them. The server ignores the signals the launcher handles
+(a signal sent to the whole job must not kill it while its workers run);
+each worker takes the default handlers back. The server is stopped when the
+launch ends.
 """
 
 from __future__ import annotations
@@ -67,11 +70,25 @@ WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.elastic.multiproc
                   "ddpkit.train.run")
 """Modules the worker server imports once, so that no forked worker imports them again."""
 
+SERVER_IGNORES = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+"""Signals the worker server ignores (it ignores SIGINT already): the launcher's to handle and pass on."""
+
+_SERVER_VARIABLE = "DDPKIT_WORKER_SERVER"
+# Set only in the worker server's environment, so that this module knows it is being preloaded there.
+
 _ENVIRON_AT_IMPORT = dict(os.environ)
 # In the worker server (which imports this module first thing), its own environment: what
 # every worker it forks starts from, before the agent sets its per-worker variables.
 
 _server_users = 0
+
+if os.environ.get(_SERVER_VARIABLE) == "1":
+    # A signal sent to every process of the job (a process-group kill, Slurm's
+    # scancel --signal) must not kill the server: the launcher would read its
+    # workers' status from the dead server as exit code 255 while they still
+    # run (and checkpoint). Workers set these signals back to the default.
+    for _name in SERVER_IGNORES:
+        signal.signal(getattr(signal, _name), signal.SIG_IGN)
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,8 @@ def worker_server() -> Iterator[None]:
     if _server_users == 0:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(WORKER_PRELOAD))
-        multiprocessing.forkserver.ensure_running()
+        with _environ(_SERVER_VARIABLE, "1"):  # the server's environment only; workers get the launcher's
+            multiprocessing.forkserver.ensure_running()
     _server_users += 1
     try:
         yield
@@ -169,6 +187,17 @@ def _stop_worker_server() -> None:
     server._stop()
 
 
+@contextlib.contextmanager
+def _environ_restored() -> Iterator[None]:
+    """Give the caller its os.environ back: the agent writes into it (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     """A forked worker: the launcher's environment and the platform's default start method, then ``fn``.
 
@@ -180,6 +209,8 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     The agent's start method becomes a worker's own default; a DataLoader's
     workers are then forked as under ``python script.py`` or torchrun.
     """
+    for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
     os.environ.clear()
     os.environ.update(launcher_environ)
@@ -226,7 +257,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _quiet_elastic_logs()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
-            with worker_server(), _fresh_store_per_restart(spec.max_restarts), \
+            with worker_server(), _environ_restored(), _fresh_store_per_restart(spec.max_restarts), \
                     _environ(FAILURE_DIR_VARIABLE, failure_dir):
                 return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
         except ChildFailedError as e:
