@@ -96,4 +96,20 @@ def test_dataset_loads_through_the_cache_of_the_environment(tmp_path):
     data = load_images("fashion-mnist", DataOptions(data_dir=str(folder), download=False), environ)
     assert data.train_images.shape == (6, 1, 28, 28) and data.test_labels.dtype == torch.int64
     assert torch.equal(data.train_images[:, 0], torch.from_numpy(train))
-    assert len(list((tmp_path / "xdg" / "ddpkit" / "idx").iterdir())) == 4
+    assert len(list((tmp_path / "xdg" / "ddpkit" / "idx").iterdir())) == 4 + 2  # 4 files, 2 of pixels
+    train_set, test_set = data.datasets()
+    assert torch.equal(train_set.tensors[0], data.train_images.float() / 255) and len(test_set) == 4
+
+
+def test_pixels_are_the_images_over_255_mapped_from_one_copy(tmp_path):
+    from ddpkit.data.idx import map_pixels
+
+    source, cache = tmp_path / "images.gz", tmp_path / "cache"
+    write_idx(source, _images())
+    pixels = map_pixels(source, cache)
+    assert isinstance(pixels, np.memmap) and pixels.dtype == np.float32
+    assert torch.equal(torch.from_numpy(pixels), torch.from_numpy(_images()).float() / 255)
+    copies = sorted(p.name for p in cache.iterdir())
+    assert len(copies) == 2 and copies[1].startswith("images-pixels-") and copies[1].endswith(".npy")
+    np.testing.assert_array_equal(map_pixels(source, cache), pixels)
+    assert sorted(p.name for p in cache.iterdir()) == copies  # read, not written again

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from ddpkit.data.idx import CorruptDataError, map_idx
+from ddpkit.data.idx import CorruptDataError, map_idx, map_pixels
 from ddpkit.data.sources import DatasetSource, RemoteFile, locate, user_cache_dir
 
 FASHION_MNIST = DatasetSource(
@@ -74,11 +74,14 @@ class ImageData:
     """Test labels, int64."""
     num_classes: int = 10
     """Number of label classes."""
+    pixels: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(train, test) images as float32 pixels in [0, 1] when already made (memory-mapped from the
+    user cache); otherwise :meth:`datasets` converts the images."""
 
     def datasets(self) -> tuple[TensorDataset, TensorDataset]:
         """(train, test) as torch TensorDatasets of (float32 pixels in [0, 1], int64 label)."""
-        return (TensorDataset(self.train_images.float().div_(255.0), self.train_labels),
-                TensorDataset(self.test_images.float().div_(255.0), self.test_labels))
+        train, test = self.pixels or (self.train_images.float().div_(255.0), self.test_images.float().div_(255.0))
+        return TensorDataset(train, self.train_labels), TensorDataset(test, self.test_labels)
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
     cache = user_cache_dir(environ) / "idx"
     arrays = [map_idx(folder / f.name, cache) for f in source.files]
     train_x, train_y, test_x, test_y = (torch.from_numpy(a) for a in arrays)
+    pixels = tuple(torch.from_numpy(map_pixels(folder / f.name, cache)).unsqueeze(1) for f in source.files[0::2])
     for images, labels, split in ((train_x, train_y, "train"), (test_x, test_y, "test")):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise CorruptDataError(
@@ -198,6 +202,7 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
         train_y.long(),
         test_x.unsqueeze(1),
         test_y.long(),
+        pixels=pixels,
     )
 
 

@@ -7,7 +7,8 @@ unsigned-byte type (0x08) is used by the MNIST family.
 :func:`map_idx` serves a ``.gz`` file from a decompressed copy kept in a
 cache folder, memory-mapped: the workers of a job (and later jobs) share its
 pages instead of each decompressing the file again (about 0.5 s for
-Fashion-MNIST).
+Fashion-MNIST); :func:`map_pixels` does the same for the images as float32
+pixels in [0, 1], the form training reads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import io
 import os
 import struct
 import tempfile
@@ -91,10 +93,41 @@ def map_idx(path: str | Path, cache_dir: str | Path) -> np.ndarray:
         except OSError:
             return array.copy()
         for old in copy.parent.glob(f"{stem}-*"):
-            if old != copy and not old.name.endswith(".part"):
+            if old != copy and not old.name.endswith((".part", ".npy")):
                 with contextlib.suppress(OSError):
                     old.unlink()
     return _mapped(copy)
+
+
+def map_pixels(path: str | Path, cache_dir: str | Path) -> np.ndarray:
+    """An IDX image file as float32 pixels in [0, 1] (``value / 255``), memory-mapped from a copy in ``cache_dir``.
+
+    The copy (``.npy``, beside :func:`map_idx`'s and keyed the same way) is
+    made once; every worker then maps the same pages instead of converting
+    the images itself (about 0.2 s and 188 MB each for Fashion-MNIST's
+    training set). The values are those of ``torch.from_numpy(images).float() / 255``.
+    Without a writable ``cache_dir`` they are computed in memory.
+
+    Raises:
+        CorruptDataError: as :func:`read_idx`.
+    """
+    images = map_idx(path, cache_dir)
+    path = Path(path)
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:f32".encode()).hexdigest()[:16]
+    stem = path.name[:-len(".gz")] if path.name.endswith(".gz") else path.name
+    copy = Path(cache_dir) / f"{stem}-pixels-{key}.npy"
+    if not copy.is_file():
+        pixels = np.divide(images, np.float32(255.0), dtype=np.float32)
+        try:
+            _write_atomically(copy, _npy_bytes(pixels))
+        except OSError:
+            return pixels
+        for old in copy.parent.glob(f"{stem}-pixels-*.npy"):
+            if old != copy:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+    return np.load(copy, mmap_mode="c")
 
 
 def write_idx(path: str | Path, array: np.ndarray) -> None:
@@ -125,6 +158,12 @@ def _mapped(path: Path) -> np.ndarray:
     if size != header_size + int(np.prod(shape, dtype=np.int64)) or 0 in shape:
         return read_idx(path)  # a size mismatch says so; an empty array cannot be mapped
     return np.memmap(path, dtype=np.uint8, mode="c", offset=header_size, shape=shape)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
 
 
 def _write_atomically(target: Path, data: bytes) -> None:
