@@ -96,7 +96,7 @@ def test_dataset_loads_through_the_cache_of_the_environment(tmp_path):
     data = load_images("fashion-mnist", DataOptions(data_dir=str(folder), download=False), environ)
     assert data.train_images.shape == (6, 1, 28, 28) and data.test_labels.dtype == torch.int64
     assert torch.equal(data.train_images[:, 0], torch.from_numpy(train))
-    assert len(list((tmp_path / "xdg" / "ddpkit" / "idx").iterdir())) == 4 + 2  # 4 files, 2 of pixels
+    assert len(list((tmp_path / "xdg" / "ddpkit" / "idx" / "fashion-mnist").iterdir())) == 4 + 2  # 4 files, 2 of pixels
     train_set, test_set = data.datasets()
     assert torch.equal(train_set.tensors[0], data.train_images.float() / 255) and len(test_set) == 4
 

@@ -6,7 +6,7 @@ never rescales inputs: a dataset hands them over as the model should see them.
 
 MNIST-family datasets are small (60,000 + 10,000 images of 28 x 28 bytes), so
 each worker maps them whole (:class:`ImageData`, uint8, from the decompressed
-copies in the user cache, ``<cache>/idx``: see :func:`ddpkit.data.idx.map_idx`)
+copies in the user cache, ``<cache>/idx/<dataset>``: see :func:`ddpkit.data.idx.map_idx`)
 and serves them as
 ``torch.utils.data.TensorDataset`` of float32 pixels in [0, 1]: a batch is
 then one indexing operation (``ddpkit.DataLoader``'s fast path), no
@@ -186,7 +186,7 @@ def _checked(name: str, splits: object) -> Splits:
 
 def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapping[str, str]) -> ImageData:
     folder = locate(source, options.data_dir, options.download, options.mirrors, environ)
-    cache = user_cache_dir(environ) / "idx"
+    cache = user_cache_dir(environ) / "idx" / source.name  # (MNIST and Fashion-MNIST share file names)
     arrays = [map_idx(folder / f.name, cache) for f in source.files]
     train_x, train_y, test_x, test_y = (torch.from_numpy(a) for a in arrays)
     pixels = tuple(torch.from_numpy(map_pixels(folder / f.name, cache)).unsqueeze(1) for f in source.files[0::2])
