@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,7 @@ def _check(out: subprocess.CompletedProcess, name: str) -> None:
 def run_startup_benchmark(cfg: StartupBenchConfig) -> dict[str, Any]:
     """Run the three commands ``cfg.repeats`` times, the order rotating each round; return the results."""
     words = _train_words(cfg)
+    load_before = os.getloadavg()
     names = [DDPKIT_1, DDPKIT_2, TORCHRUN]
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-bare-") as tmp:
@@ -141,7 +143,9 @@ def run_startup_benchmark(cfg: StartupBenchConfig) -> dict[str, Any]:
                 row[key] = summarize([s[key] for s in samples[name]])
         results.append(row)
     return {"benchmark": "startup", "machine": machine_info(), "config": dataclasses.asdict(cfg),
-            "train_words": words, "bare_script": BARE_SCRIPT, "results": results, "ratios": _ratios(results)}
+            "train_words": words, "bare_script": BARE_SCRIPT, "results": results, "ratios": _ratios(results),
+            # A busy shared machine slows the 2-thread single worker most: say how busy it was.
+            "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]}}
 
 
 def _ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -160,7 +164,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Start-up benchmark: ddpkit train (W1) and torchrun's bare 2-worker launch",
         "",
-        f"{m['date']} · torch {m['torch']} · {m['cpu_model']} · {m['cores']} cores",
+        f"{m['date']} · torch {m['torch']} · {m['cpu_model']} · {m['cores']} cores"
+        + (f" · load average (1 min) {load['before']:.1f} before, {load['after']:.1f} after"
+           if (load := report.get("load_average_1min")) else ""),
         "",
         f"Command: `ddpkit bench startup {' '.join(report.get('command_words', []))}`",
         f"Train words (besides nproc and output_dir): `{' '.join(report['train_words'])}`",

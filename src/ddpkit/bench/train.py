@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -341,6 +342,7 @@ def main(words: list[str]) -> int:
         report["t2"] = run_t2(cfg)
     if cfg.t5_seeds:
         report["t5"] = run_t5(cfg)
+    report["load_average_1min_at_end"] = os.getloadavg()[0]  # how busy the shared machine was
     report["command_words"] = list(words)
     date = report["machine"]["date"][:10]
     stem = file_stem(f"train-{cfg.model}-{machine_tag()}-{date}", cfg.smoke)
