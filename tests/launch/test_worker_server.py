@@ -4,6 +4,7 @@ import multiprocessing.forkserver
 import os
 import sys
 
+import psutil
 import pytest
 
 from ddpkit.launch.local import LaunchSpec, launch_local, worker_server
@@ -32,6 +33,8 @@ def test_workers_fork_from_one_server_with_the_launchers_environment_of_each_lau
         server = multiprocessing.forkserver._forkserver._forkserver_pid
         monkeypatch.setenv(name, "first launch")
         first = launch_local(LaunchSpec(2), _report, name)
+        # Forking is safe only from a process without threads: no OpenMP pool, no store.
+        server_threads = psutil.Process(server).num_threads()
         monkeypatch.delenv(name)
         second = launch_local(LaunchSpec(2), _report, name)
     assert [first[r]["rank"] for r in (0, 1)] == [0, 1]
@@ -39,5 +42,6 @@ def test_workers_fork_from_one_server_with_the_launchers_environment_of_each_lau
     assert [second[r]["value"] for r in (0, 1)] == [None, None]
     assert {r["parent"] for r in [*first.values(), *second.values()]} == {server}
     assert server != os.getpid()
+    assert server_threads == 1
     assert all(r["preloaded"] and r["matmul_ok"] for r in [*first.values(), *second.values()])
     assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # stopped with the outermost block

@@ -8,8 +8,7 @@ ddpkit adds what the command lacks:
 - a rendezvous on loopback (``127.0.0.1``) at a free port asked from the OS
   (or the one given, checked first), so nothing listens on the network;
 - one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
-  instead of every worker's traceback.
-
+  instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below).
 
 Pipeline: LaunchSpec -> LaunchConfig (torch) -> elastic_launch -> results
@@ -27,11 +26,10 @@ first act (:func:`worker_server`), so the server's imports run beside the
 launcher's own on the other core.
 
 Why a fork here is safe: the server only imports. It never runs a torch
-operator, so torch's intra-op (OpenMP) pool and autograd threads do not
-exist when it forks; it joins no process group and holds no store or
-socket of torch's. (The one other thread of the server is OpenBLAS's pool,
-which numpy's import starts and which OpenBLAS itself shuts down around a
-fork, as it does for every DataLoader worker.) A forked worker gets the
+operator nor asks for the thread count, so torch's intra-op (OpenMP) pool
+and autograd threads do not exist when it forks (the server has one thread,
+which tests/launch/test_worker_server.py checks); it never initializes CUDA,
+joins no process group and holds no store or socket of torch's. A forked worker gets the
 server's environment, not the launcher's of the moment, so
 :func:`_worker_main` installs the launcher's environment as it was at the
 launch, then the agent's per-worker variables over it, as a spawned worker
