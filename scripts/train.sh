@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# A new folder per run (later words win, so output_dir=... overrides it): a run
-# never meets the checkpoints of an earlier one; resume one with
-# output_dir=runs/<its folder> resume=auto.
-exec "${DDPKIT_VENV:-.venv}/bin/ddpkit" train nproc=2 "output_dir=runs/$(date +%Y%m%d-%H%M%S)" "$@"
+# Every run gets its own folder runs/<model>-<dataset>/<date-time> (runs/latest points to it);
+# scripts/train.sh resume=auto continues the latest one.
+exec "${DDPKIT_VENV:-.venv}/bin/ddpkit" train nproc=2 "$@"

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 import pytest
 import torch.distributed as dist
+
+from ddpkit.data.datasets import FASHION_MNIST
+from ddpkit.data.sources import DataNotFoundError, locate
 
 
 @pytest.fixture(autouse=True)
@@ -47,3 +51,20 @@ def _is_alive(proc: psutil.Process) -> bool:
         )
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist() -> Path:
+    """The folder ddpkit finds the real Fashion-MNIST files in without a download; skips the test without them."""
+    try:
+        return locate(FASHION_MNIST, download=False)
+    except DataNotFoundError as e:
+        pytest.skip(f"needs the real Fashion-MNIST files (run `bash scripts/setup.sh --test`): {e}")
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of a test's random choices: DDPKIT_TEST_SEED (default 0), printed so that a failure can be replayed."""
+    value = int(os.environ.get("DDPKIT_TEST_SEED", "0"))
+    print(f"DDPKIT_TEST_SEED={value} for {request.node.nodeid}")
+    return value

@@ -2,6 +2,7 @@
 
 import pytest
 
+from ddpkit.cli import main
 from ddpkit.models import MODELS, get_model_spec
 from tests.cli_runner import run_ddpkit
 
@@ -12,10 +13,18 @@ from tests.cli_runner import run_ddpkit
     (["train", "epoch=2"], "error: unknown config key 'epoch' (did you mean 'epochs'?)"),
     (["fly"], "error: unknown command 'fly'"),
 ])
-def test_bad_input_is_one_line(tmp_path, words, message):
-    out = run_ddpkit(*words, cwd=tmp_path, timeout=60)
+def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, words, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(words) == 2  # in-process: the exit path of the command itself is checked below
+    out = capsys.readouterr()
+    assert out.err.startswith(message) and out.err.count("\n") == 1, out.err
+    assert out.out == ""
+
+
+def test_bad_input_exits_2_from_the_command(tmp_path):
+    out = run_ddpkit("train", "nproc=0", cwd=tmp_path, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr == "error: nproc=0 is not valid; it must be > 0\n", out.stderr
 
 
 def test_unknown_model_lists_every_registered_one(tmp_path):

@@ -257,10 +257,11 @@ def _control_paths(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         seen["prepare_model"] = calls
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         checkpointer = Checkpointer(folder, model=model, optimizer=optimizer, sync_seconds=1e-6)
+        inputs = torch.Generator().manual_seed(0)
         try:
             with record_collectives() as calls:
                 for _ in range(3):
-                    model(torch.randn(2, 4)).sum().backward()
+                    model(torch.randn(2, 4, generator=inputs)).sum().backward()
                     optimizer.step()
                     optimizer.zero_grad()
                     checkpointer.step()

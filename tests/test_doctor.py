@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from ddpkit import cli
 from ddpkit.config import ConfigError, parse
 from ddpkit.doctor import (
     Check,
@@ -33,7 +34,7 @@ from ddpkit.doctor import (
 )
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.ports import free_port
-from tests.cli_runner import REPO, run_ddpkit
+from tests.cli_runner import PYTHONPATH, run_ddpkit
 
 
 def environment(rank: int = 0, world_size: int = 2, num_nodes: int = 1, master_addr: str = "10.0.0.1",
@@ -195,10 +196,10 @@ def test_doctor_alone_reports_one_process_and_how_to_run_more(tmp_path):
     assert out.stdout.rstrip().endswith("result: OK")
 
 
-def test_doctor_bad_option_is_one_line(tmp_path):
-    out = run_ddpkit("doctor", "timeout=-1", cwd=tmp_path, timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip() == "error: timeout=-1.0 is not valid; it must be > 0"
+def test_doctor_bad_option_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["doctor", "timeout=-1"]) == 2  # in-process: tests/test_cli.py checks the command's exit path
+    assert capsys.readouterr().err == "error: timeout=-1.0 is not valid; it must be > 0\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -224,7 +225,7 @@ def test_doctor_two_local_workers_as_json(tmp_path):
 def torchrun_like_env(rank: int, port: int) -> dict[str, str]:
     """The env:// variables of one of two workers, without an agent store (as under srun or mpirun)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI"))}
-    return {**env, "PYTHONPATH": str(REPO), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+    return {**env, "PYTHONPATH": PYTHONPATH, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 

@@ -1,9 +1,10 @@
 """The own-script examples run as documented, under ddpkit run, torchrun, srun and mpirun.
 
 Each example is a plain PyTorch script made distributed with ddpkit; each
-runs here (and under srun and mpirun in tests/cluster/test_examples.py) on 2 workers with tiny synthetic data (the launcher is what is
-tested, not the workload's quality), prints its epoch lines on rank 0 only,
-and leaves a checkpoint that a second run resumes from.
+runs under ``ddpkit run`` and one other launcher (LAUNCHED_BY; srun and
+mpirun in tests/cluster/test_examples.py) on 2 workers with tiny synthetic
+data (the launcher is what is tested, not the workload's quality), prints its
+epoch lines on rank 0 only, and leaves a checkpoint that a second run resumes from.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH, REPO
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +26,17 @@ EXAMPLES = {
     "autoencoder_fashion_mnist.py": "test mse",
 }
 TINY = ["--dataset", "synthetic", "--samples", "192", "--epochs", "2"]
+LAUNCHED_BY = {"torchrun": "cnn_mnist.py", "mpirun": "autoencoder_fashion_mnist.py", "srun": "mlp_fashion_mnist.py"}
+"""The example each other launcher starts. Every example runs under ``ddpkit run`` (as its docstring says)
+and under one more launcher: the three call the same ddpkit functions (init, main_process_first,
+prepare_model, DataLoader, Checkpointer, reduce_sums), so what a launcher changes (the environment
+ddpkit.init reads) is shown by one of them, and each launch costs seconds."""
 
 
 def _environ(**extra: str) -> dict[str, str]:
     launchers = ("MASTER_", "OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launchers)}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
+    return {**env, "PYTHONPATH": PYTHONPATH, **extra}
 
 
 def _check(out: subprocess.CompletedProcess, example: str) -> None:
@@ -56,9 +63,26 @@ def test_example_under_ddpkit_run_then_resumes(example, tmp_path):
     assert not [line for line in again.stdout.splitlines() if line.startswith("epoch")], again.stdout
 
 
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_every_example_runs_under_two_launchers():
+    assert sorted(LAUNCHED_BY.values()) == sorted(EXAMPLES)  # and all of them under ddpkit run
+
+
+@pytest.mark.parametrize("example", [LAUNCHED_BY["torchrun"]])
 def test_example_under_torchrun(example, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                _script(example), *TINY, "--out", str(tmp_path)]
     _check(subprocess.run(command, cwd=tmp_path, env=_environ(), capture_output=True, text=True, timeout=300),
            example)
+
+
+def test_horovod_example_under_ddpkit_run_ends_with_stock_ddp_weights(tmp_path):
+    from tests.horovod.ddp_reference import SCRIPT, TINY, assert_same_weights, ddp_weights
+
+    weights = tmp_path / "weights.pt"
+    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPT), *TINY, "--save-weights", str(weights)]
+    env = _environ()
+    out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"], out.stdout  # rank 0 only
+    assert_same_weights(torch.load(weights), ddp_weights())

@@ -145,7 +145,7 @@ def _single_worker(rank: int, world_size: int) -> dict:
 
     ddpkit.distributed.init()
     try:
-        with pytest.raises(ValueError, match="unknown all_reduce algorithm 'bogus'; choose one of builtin, naive"):
+        with pytest.raises(ValueError, match="allreduce='bogus' is not an all_reduce algorithm; choose one of: builtin, naive"):
             prepare_model(Net(), allreduce="bogus")
         with pytest.raises(ValueError, match="grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"):
             prepare_model(Net(), grad_sync="bogus")

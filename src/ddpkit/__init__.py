@@ -49,6 +49,8 @@ _PUBLIC = {
     "Preempted": "ddpkit.checkpoint.preemption",
     # exact metrics
     "reduce_sums": "ddpkit.reduce",
+    # errors that are the user's to fix: one line, exit status 2
+    "UserError": "ddpkit.errors",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -7,38 +7,124 @@ a non-zero exit status.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from ddpkit.config import TrainConfig, parse, peek  # no torch import: `ddpkit slurm` starts fast
-from ddpkit.launch.failure import USER_ERRORS, LaunchError, record_for_launcher
+from ddpkit import __version__
+from ddpkit.bench.cli import BENCH_HELP
+from ddpkit.checkpoint.cli import CHECKPOINTS_HELP, EXPORT_HELP
+from ddpkit.command_help import HELP_WORDS, CommandHelp, render_help, wants_help
+from ddpkit.config import TRAIN_OPTION_GROUPS, TrainConfig, parse, peek  # no torch import: `ddpkit slurm` starts fast
+from ddpkit.errors import UserError
+from ddpkit.launch.failure import LaunchError, record_for_launcher
+from ddpkit.launch.script import wants_run_help
+from ddpkit.launch.slurm_cli import SLURM_HELP
 
 if TYPE_CHECKING:
+    from ddpkit.checkpoint.format import CheckpointInfo
     from ddpkit.launch.local import LaunchSpec
-
-USAGE = """usage: ddpkit COMMAND [key=value ...] [config.yaml ...]
-
-commands:
-  train        train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)
-  run          run your own Python script as nproc=N workers here, as torchrun does (RANK, WORLD_SIZE... set)
-  bench        benchmarks: bench train | bench comm | bench scaling
-  slurm        write or submit an sbatch script for a training job
-  doctor       print the detected environment and check the network between workers
-  checkpoints  list the checkpoints of a folder, with step, epoch, metric and whether each verifies
-  export       write a checkpoint's weights and model config for inference
-
-examples:
-  ddpkit train nproc=2                         # W1: MLP on Fashion-MNIST, 2 workers
-  ddpkit train model=cnn epochs=1 nproc=2
-  torchrun --nproc-per-node 2 -m ddpkit train
-  ddpkit run nproc=2 train.py --lr 0.1         # your script, 2 workers; its arguments follow it
-  ddpkit run nproc=2 max_restarts=1 -m mypackage.train
-"""
 
 EXIT_USER_ERROR = 2
 EXIT_WORKER_FAILED = 1
+EXIT_PREEMPTED = 75
+"""Exit status after a preemption checkpoint (ddpkit.checkpoint.preemption.EXIT_PREEMPTED): run again."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """A ``ddpkit`` command: the function that runs it and its help."""
+
+    run: str
+    """``module:function`` taking the words after the command name, returning the exit status."""
+    help: CommandHelp
+    """What ``ddpkit COMMAND --help`` shows."""
+    brief: str
+    """What the command does, in one line of the top-level usage."""
+
+
+TRAIN_HELP = CommandHelp(
+    usage="ddpkit train [key=value ...] [config.yaml ...]",
+    summary="Train a model data-parallel: nproc=N workers on this machine, or one worker of a torchrun, "
+            "srun or mpirun job (detected). YAML files and key=value words are merged in the order given; "
+            "the model's recipe sets the defaults of some options (lr, epochs...). The run writes "
+            "metrics.jsonl, summary.json and checkpoints into its own folder runs/<model>-<dataset>/<time> "
+            "(runs/latest points to it).",
+    schema="ddpkit.config:TrainConfig", groups=TRAIN_OPTION_GROUPS,
+    examples=("ddpkit train nproc=2                          # W1: MLP on Fashion-MNIST, 2 workers",
+              "ddpkit train model=cnn epochs=1 nproc=2 checkpoint.every_steps=200",
+              "ddpkit train nproc=2 resume=auto             # continue the latest run of this model and data",
+              "torchrun --nproc-per-node 2 -m ddpkit train"))
+
+RUN_HELP = CommandHelp(
+    usage="ddpkit run [key=value ...] SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]",
+    summary="Run your own Python program as nproc workers on this machine, as torchrun does: each worker "
+            "gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT... and runs the program as "
+            "__main__. The key=value words before the program are ddpkit's; the program's own arguments "
+            "follow it and are not read by ddpkit.",
+    schema="ddpkit.launch.script:RunConfig",
+    positional=(("SCRIPT.py [ARGS ...]", "the script each worker runs, with its arguments"),
+                ("-m MODULE [ARGS ...]", "or a module, as python -m runs it")),
+    examples=("ddpkit run nproc=2 train.py --lr 0.1",
+              "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"))
+
+DOCTOR_HELP = CommandHelp(
+    usage="ddpkit doctor [key=value ...]",
+    summary="Print what each worker sees (launcher, ranks, network interface, devices, backend) and check "
+            "that the workers reach each other: rendezvous, roll call, process group, all_reduce, then "
+            "latency and bandwidth between rank 0 and every peer. Run it as the training runs "
+            "(nproc=N here, or under torchrun, srun or mpirun).",
+    schema="ddpkit.doctor.config:DoctorConfig",
+    examples=("ddpkit doctor nproc=2", "srun --nodes 2 --ntasks-per-node 4 python -m ddpkit doctor"))
+
+PLOT_HELP = CommandHelp(
+    usage="ddpkit plot RUN_DIR [RUN_DIR ...] [key=value ...]",
+    summary="Draw runs' training loss, test metric and throughput against the step (or epoch) from their "
+            "metrics.jsonl into one PNG, several runs overlaid and named by the settings in which they differ.",
+    schema="ddpkit.train.plot:PlotConfig",
+    positional=(("RUN_DIR", "a run's folder (e.g. runs/latest) or its metrics.jsonl; several are overlaid"),),
+    examples=("ddpkit plot runs/latest", "ddpkit plot runs/w1 runs/w2 output=workers.png",
+              "ddpkit plot runs/lr-a runs/lr-b x=epoch panels=loss,test"))
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("ddpkit.cli:train_command", TRAIN_HELP,
+                     "train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)"),
+    "run": Command("ddpkit.cli:run_command", RUN_HELP,
+                   "run your own Python script as nproc=N workers here, as torchrun does (RANK, WORLD_SIZE... set)"),
+    "bench": Command("ddpkit.bench.cli:bench_command", BENCH_HELP,
+                     "benchmarks: bench train | bench comm | bench scaling"),
+    "slurm": Command("ddpkit.launch.slurm_cli:main", SLURM_HELP,
+                     "write or submit an sbatch script for a training job"),
+    "doctor": Command("ddpkit.doctor:main", DOCTOR_HELP,
+                      "print the detected environment and check the network between workers"),
+    "checkpoints": Command("ddpkit.checkpoint.cli:checkpoints_command", CHECKPOINTS_HELP,
+                           "list the checkpoints of a folder, with step, epoch, metric and whether each verifies"),
+    "export": Command("ddpkit.checkpoint.cli:export_command", EXPORT_HELP,
+                      "write a checkpoint's weights and model config for inference"),
+    "plot": Command("ddpkit.train.plot:plot_command", PLOT_HELP,
+                    "draw runs' loss, test metric and throughput from their metrics.jsonl into a PNG"),
+}
+"""Every command, in the order the usage lists them."""
+
+
+def usage() -> str:
+    """The top-level usage: every command in one line."""
+    lines = ["usage: ddpkit COMMAND [key=value ...] [config.yaml ...]",
+             "       ddpkit COMMAND --help      every option of COMMAND, with its type, default and meaning",
+             "       ddpkit --version", "", "commands:"]
+    lines += [f"  {name:<12} {command.brief}" for name, command in COMMANDS.items()]
+    lines += ["", "examples:", *(f"  {line}" for line in COMMANDS["train"].help.examples[:2]),
+              "  ddpkit run nproc=2 train.py --lr 0.1        # your script, 2 workers; its arguments follow it"]
+    return "\n".join(lines)
 
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
@@ -62,37 +148,69 @@ def train_command(args: Sequence[str]) -> int:
 
 
 def _train(args: Sequence[str]) -> int:
+    from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.detect import detect_environment
+    from ddpkit.env.sagemaker import key_value_words, model_dir, train_words
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
+    from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 
-    cfg = parse_train_config(args)
-    env = detect_environment(os.environ)
-    if env.source != "local":
-        run_worker(cfg)  # started by torchrun, srun or mpirun: this process is one worker
+    # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
+    cfg = parse_train_config(train_words(os.environ) + key_value_words(os.environ, args))
+    export_dir = model_dir(os.environ)  # inside SageMaker: the model is exported there at the end
+    if detect_environment(os.environ).source != "local":
+        run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
+    cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
     check_before_launch(cfg, cfg.nproc)
-    if cfg.nproc == 1 and not cfg.max_restarts:
-        run_worker(cfg)  # a preemption ends it with SystemExit(EXIT_PREEMPTED)
-        return 0
-    signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
-    spec = LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals)
-    resume = "run the same command with resume=auto to continue"
-    return _launch(spec, run_worker, cfg, preempted=f"the workers wrote a checkpoint and stopped; {resume}",
-                   stopped=f"the workers wrote a checkpoint on their way out; {resume}")
+    claim_run_folder(Path(cfg.output_dir))
+    try:
+        if cfg.nproc == 1 and not cfg.max_restarts:
+            run_worker(cfg, export_dir)  # in this process
+            return 0
+        signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
+        code = _launch(LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals),
+                       run_worker, cfg, export_dir)
+    except Preempted as stop:  # the one worker, in this process
+        code = int(stop.code)
+    except LaunchError as e:
+        print(e.failure.report(), file=sys.stderr)
+        if _newest_checkpoint(cfg) is not None:  # the work so far is not lost: say how to go on from it
+            print(f"ddpkit: {_how_to_continue(cfg, args)}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        what = "interrupted" if code == EXIT_INTERRUPTED else "preempted"
+        print(f"ddpkit: {what}: {_how_to_continue(cfg, args)}", file=sys.stderr)
+    return code
+
+
+def _how_to_continue(cfg: TrainConfig, args: Sequence[str]) -> str:
+    """One line: the newest complete checkpoint of the run and the command that continues from it."""
+    newest = _newest_checkpoint(cfg)
+    if newest is None:
+        return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
+    words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
+    words += [f"output_dir={cfg.output_dir}", "resume=auto"]
+    command = "ddpkit train " + " ".join(shlex.quote(word) for word in words)
+    return f"checkpoint {newest.path} (global step {newest.global_step}) is complete; continue with: {command}"
+
+
+def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
+    from ddpkit.checkpoint.format import list_checkpoints
+    from ddpkit.train.run import checkpoint_root
+
+    complete = [info for info in list_checkpoints(checkpoint_root(cfg)) if info.complete]
+    return complete[-1] if complete else None
 
 
 def run_command(args: Sequence[str]) -> int:
     """``ddpkit run``: a Python script (or -m module) as nproc workers here, each as ``python SCRIPT ARGS``."""
-    if list(args[:1]) in (["-h"], ["--help"]):
-        from ddpkit.launch.script import USAGE
-
-        print(USAGE)
+    if wants_run_help(args):
+        print(render_help(COMMANDS["run"].help))
         return 0
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.launch.script import describe, parse_run_command, run_script
-    from ddpkit.checkpoint.preemption import EXIT_PREEMPTED
 
     config, target = parse_run_command(args)
     print(describe(config, target), file=sys.stderr)
@@ -101,34 +219,38 @@ def run_command(args: Sequence[str]) -> int:
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
     # may call sys.exit, os._exit or signal.signal as it likes. The spawn costs
     # about a second; behaviour does not change with nproc.
-    spec = LaunchSpec(config.nproc, config.master_port, config.max_restarts)
-    preempted = f"a worker exited with status {EXIT_PREEMPTED} (preempted); run the same command to continue"
-    return _launch(spec, run_script, target, preempted=preempted)
+    code = _launch(LaunchSpec(config.nproc, config.master_port, config.max_restarts), run_script, target)
+    if code == EXIT_PREEMPTED:
+        print(f"ddpkit: preempted: a worker exited with status {EXIT_PREEMPTED}; run the same command to continue "
+              "(a script with a ddpkit.Checkpointer resumes from its checkpoint)", file=sys.stderr)
+    elif code == EXIT_INTERRUPTED:
+        print("ddpkit: interrupted: run the same command to continue (a script with a ddpkit.Checkpointer "
+              "wrote a checkpoint at Ctrl-C and resumes from it)", file=sys.stderr)
+    return code
 
 
-def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object, preempted: str, stopped: str = "") -> int:
+def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> int:
     """Run ``fn(*args)`` in ``spec.nproc`` local workers; the exit status of the command.
 
-    A worker's exit status EXIT_PREEMPTED (said with ``preempted``), or one of
-    ``spec.forward_signals`` received by the launcher (said with ``stopped``),
-    is a preemption: EXIT_PREEMPTED. Another signal gives 128 + its number.
+    0 when every worker succeeded; EXIT_PREEMPTED when a worker exited with it
+    or the launcher received one of ``spec.forward_signals`` (the workers
+    checkpoint on their way out); EXIT_INTERRUPTED after Ctrl-C; 128 + the
+    number of another signal the launcher received.
 
     Raises:
-        LaunchError: a worker failed (after the allowed restarts); main() reports it.
+        LaunchError: a worker failed (after the allowed restarts).
     """
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ddpkit.launch.local import launch_local
-    from ddpkit.checkpoint.preemption import EXIT_PREEMPTED
 
     try:
         launch_local(spec, fn, *args)
     except LaunchError as e:
-        if e.failure.exitcode == EXIT_PREEMPTED:
-            print(f"ddpkit: preempted: {preempted}", file=sys.stderr)
-            return EXIT_PREEMPTED
+        if e.failure.exitcode in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            return e.failure.exitcode
         if spec.max_restarts:
             print(f"error: the job failed after {spec.max_restarts} restart(s) (max_restarts={spec.max_restarts})",
                   file=sys.stderr)
@@ -136,41 +258,22 @@ def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object, preempte
     except SignalException as e:  # the launcher itself got the signal and passed it on to the workers
         name = signal.Signals(e.sigval).name
         if name in spec.forward_signals:
-            print(f"ddpkit: stopped by {name}: {stopped}", file=sys.stderr)
+            print(f"ddpkit: stopped by {name}: the workers finished their step and wrote a checkpoint",
+                  file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"error: stopped by {name}", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
 
 
-def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
-    commands: dict[str, Callable[[Sequence[str]], int]] = {"train": train_command, "run": run_command}
-    try:
-        from ddpkit.bench.cli import bench_command
-
-        commands["bench"] = bench_command
-    except ImportError:
-        pass
-    try:
-        from ddpkit.launch.slurm_cli import main as slurm_main
-
-        commands["slurm"] = slurm_main
-    except ImportError:
-        pass
-    from ddpkit.doctor import main as doctor_main
-
-    commands["doctor"] = doctor_main
-    from ddpkit.checkpoint.cli import checkpoints_command, export_command
-
-    commands["export"] = export_command
-    commands["checkpoints"] = checkpoints_command
-    return commands
-
-
 def run() -> NoReturn:
     """The ``ddpkit`` console script and ``python -m ddpkit``: :func:`main`, then the process's exit."""
     _current_folder_importable()
-    code = main()
+    try:
+        code = main()
+    except BrokenPipeError:  # `ddpkit train --help | head`: the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     distributed = sys.modules.get("ddpkit.distributed")
     if distributed is None:  # never joined a job (`ddpkit slurm`, `--help`): no torch to import now
         sys.exit(code)
@@ -191,23 +294,38 @@ def _current_folder_importable() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script and ``python -m ddpkit``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _subcommands()
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+    if not argv or argv[0] in (*HELP_WORDS, "help"):
+        print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"ddpkit {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in commands:
-        print(f"error: unknown command {name!r}; choose one of: {', '.join(commands)}", file=sys.stderr)
+    if name not in COMMANDS:
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"error: unknown command {name!r}{hint}; choose one of: {', '.join(COMMANDS)} (ddpkit --help)",
+              file=sys.stderr)
         return EXIT_USER_ERROR
+    command = COMMANDS[name]
+    if name not in ("run", "bench") and wants_help(rest):  # run and bench read their own words (a script's, a kind)
+        print(render_help(command.help))
+        return 0
     try:
-        return commands[name](rest)
+        return load_function(command.run)(rest)
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
         return EXIT_WORKER_FAILED
-    except USER_ERRORS as e:
+    except UserError as e:
         record_for_launcher(e)  # under torchrun, its failure summary then names the error
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        print("ddpkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def load_function(path: str) -> Callable[[Sequence[str]], int]:
+    """The function named by ``module:function``."""
+    module, _, function = path.partition(":")
+    return getattr(importlib.import_module(module), function)

@@ -12,16 +12,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddpkit.errors import UserError
+
 T = TypeVar("T")
+_SEXAGESIMAL = re.compile(r"[-+]?\d+(?::[0-5]?\d)+(?:\.\d*)?")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration word or file is invalid; the message names it and the fix."""
 
 
@@ -93,6 +97,8 @@ def _read_layer(word: str) -> dict[str, Any]:
     key, value = word.split("=", 1)
     if not key:
         raise ConfigError(f"{word!r} has an empty key; write it as key=value, e.g. epochs=5")
+    if _SEXAGESIMAL.fullmatch(value.strip()):
+        value = f"'{value}'"  # YAML 1.1 would read 2:00:00 as the number 7200; keep it a string (a time limit)
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
     except OmegaConfBaseException as e:
@@ -170,8 +176,9 @@ class CheckpointConfig:
     """Test metric that picks the best checkpoint (accuracy, loss, mse; auto: accuracy or mse by task; empty: off)."""
     best_mode: str = "auto"
     """max or min of best_metric (auto: max for accuracy, min otherwise)."""
-    preempt_signals: str = "SIGTERM,SIGUSR1,SIGUSR2"
-    """Signals that make every worker finish its step, write a checkpoint and exit with status 75."""
+    preempt_signals: str = "SIGTERM,SIGINT,SIGUSR1,SIGUSR2"
+    """Signals that make every worker finish its step, write a checkpoint and exit with status 75 (130 for
+    SIGINT: Ctrl-C keeps the work; a second Ctrl-C stops at once)."""
     requeue: bool = False
     """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
     sync_seconds: float = 1.0
@@ -192,6 +199,20 @@ class CheckpointConfig:
         """The preemption signals as names, e.g. ("SIGTERM", "SIGUSR1"); USR1 is accepted for SIGUSR1."""
         names = [word.strip().upper() for word in self.preempt_signals.split(",") if word.strip()]
         return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
+
+
+TRAIN_OPTION_GROUPS = (
+    ("model and data", ("model", "dataset", "task", "loss", "data_dir", "download", "data_mirror",
+                        "synthetic_samples", "num_workers", "init_from", "freeze")),
+    ("optimization", ("epochs", "max_steps", "batch_size", "batch_scope", "optimizer", "lr", "momentum",
+                      "lr_schedule", "warmup_steps", "lr_step_epochs", "lr_gamma", "weight_decay", "scale_lr",
+                      "grad_accum_steps", "precision", "seed")),
+    ("distributed", ("nproc", "backend", "device", "allreduce", "grad_sync", "sync_batchnorm", "timeout",
+                     "threads", "master_port", "max_restarts")),
+    ("checkpoints", ("checkpoint", "resume")),
+    ("output", ("output_dir", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
+)
+"""The groups of ``ddpkit train --help`` (a field in none is listed under "other options")."""
 
 
 @dataclasses.dataclass
@@ -267,10 +288,15 @@ class TrainConfig:
     """Torch threads per worker; 0 shares this machine's cores among the local workers."""
     master_port: int = 0
     """Rendezvous port for nproc > 1 on this machine; 0 asks the OS for a free one."""
-    output_dir: str = "runs/latest"
-    """Folder for metrics.jsonl and the run summary."""
+    output_dir: str = ""
+    """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
+    runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
+    runs/latest points to; with resume=auto, the newest run of this model and dataset."""
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
+    logger: str = "jsonl"
+    """jsonl (metrics.jsonl only), or tensorboard (also event files in <output_dir>/tensorboard;
+    pip install ddpkit[tensorboard])."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     eval_every_epoch: bool = True
@@ -298,6 +324,7 @@ class TrainConfig:
         check_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
         check_choice("task", self.task, ("auto", *TASKS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("logger", self.logger, ("jsonl", "tensorboard"))
         check_positive("num_workers", self.num_workers, allow_zero=True)
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("lr_step_epochs", self.lr_step_epochs)

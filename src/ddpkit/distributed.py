@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.detect import detect_environment
 from ddpkit.env.network import gloo_interface_environ
+from ddpkit.errors import UserError
 
 BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 
@@ -95,7 +97,7 @@ def resolve_device(requested: str, local_rank: int, cuda_available: bool) -> tor
         ValueError: cuda was asked for on a machine without CUDA.
     """
     if requested == "cuda" and not cuda_available:
-        raise ValueError("device=cuda but CUDA is not available here; use device=cpu or device=auto")
+        raise UserError("device=cuda but CUDA is not available here; use device=cpu or device=auto")
     if requested == "cpu" or not cuda_available:
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
@@ -108,11 +110,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         ValueError: unknown backend, or nccl without a CUDA device.
     """
     if requested not in BACKENDS:
-        raise ValueError(f"backend={requested!r} is not valid; choose one of: {', '.join(BACKENDS)}")
+        raise UserError(f"backend={requested!r} is not valid; choose one of: {', '.join(BACKENDS)}")
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and device.type != "cuda":
-        raise ValueError("backend=nccl needs CUDA devices; use backend=gloo (or auto) on CPU")
+        raise UserError("backend=nccl needs CUDA devices; use backend=gloo (or auto) on CPU")
     return requested
 
 
@@ -255,7 +257,7 @@ def _environment_of_existing_group(env: ClusterEnvironment) -> ClusterEnvironmen
     if (env.rank, env.world_size) == (rank, world_size):
         return env
     if env.source != "local":
-        raise ValueError(
+        raise UserError(
             f"the existing process group makes this process rank {rank} of {world_size}, but {env.source}'s "
             f"variables say rank {env.rank} of {env.world_size}; form the group from the same variables "
             f"(init_method='env://'), or let ddpkit.init() form it"
@@ -282,7 +284,7 @@ def _existing_backend(requested: str) -> str:
     """The backend of the existing default group, checked against ``requested``."""
     backend = dist.get_backend()
     if requested not in ("auto", backend):
-        raise ValueError(f"backend={requested!r} but the existing process group uses {backend!r}; pass backend=auto")
+        raise UserError(f"backend={requested!r} but the existing process group uses {backend!r}; pass backend=auto")
     return backend
 
 
@@ -300,22 +302,24 @@ def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, e
         WORLD_SIZE=str(env.world_size),
         LOCAL_RANK=str(env.local_rank),
     )
+    started = time.monotonic()
     try:
         # env:// reuses the store torchrun's agent already runs (TORCHELASTIC_USE_AGENT_STORE).
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
-        raise RuntimeError(_explain_init_failure(env, timeout, e)) from e
+        raise RuntimeError(_explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
 
 
-def _explain_init_failure(env: ClusterEnvironment, timeout: float, error: Exception) -> str:
+def _explain_init_failure(env: ClusterEnvironment, waited: float, timeout: float, error: Exception) -> str:
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = f"{env.master_addr}:{env.master_port}"
+    after = f"after {waited:.0f}s (timeout={timeout:g}s)"  # a refused connection may end long before the timeout
     if "address already in use" in text.lower() or "EADDRINUSE" in text:
         fix = f"port {env.master_port} is taken on the master; set MASTER_PORT to a free port"
     elif env.rank == 0:
-        fix = f"not every one of the {env.world_size} workers joined within {timeout:.0f}s; check that all were started"
+        fix = f"not every one of the {env.world_size} workers joined {after}; check that all were started"
     else:
-        fix = f"cannot reach the master at {where} within {timeout:.0f}s; check that rank 0 runs and the address routes here"
+        fix = f"could not reach the master at {where} {after}; check that rank 0 runs and the address routes here"
     return f"rank {env.rank}/{env.world_size} could not join the process group at {where} ({env.source}): {text}; {fix}"
 
 

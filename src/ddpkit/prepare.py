@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.comm.grad_sync import GradientSync, choose_allreduce, choose_grad_sync, wrap_ddp
 from ddpkit.config import GRAD_SYNC_MODES
 from ddpkit.distributed import context
+from ddpkit.errors import UserError
 
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, GradientSync] = weakref.WeakKeyDictionary()
 """The synchronisation of every module prepare_model returned, gone with the module."""
@@ -78,19 +79,19 @@ def prepare_model(
     except RuntimeError as e:
         raise RuntimeError("ddpkit.prepare_model() needs the process group: call ddpkit.init() first") from e
     if grad_sync not in GRAD_SYNC_MODES:
-        raise ValueError(f"grad_sync={grad_sync!r} is not valid; choose one of: {', '.join(GRAD_SYNC_MODES)}")
+        raise UserError(f"grad_sync={grad_sync!r} is not valid; choose one of: {', '.join(GRAD_SYNC_MODES)}")
     if allreduce != "auto":
         from ddpkit.comm.registry import resolve_allreduce
 
         resolve_allreduce(allreduce)  # an unknown or unavailable name: ValueError naming the valid ones
     if sync_batchnorm and ctx.device.type == "cpu":
-        raise ValueError("sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
+        raise UserError("sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
                          "drop it on CPU")
     if sync_batchnorm and grad_sync in ("flat", "manual"):
-        raise ValueError(f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
+        raise UserError(f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
                          f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'")
     if isinstance(model, DDP) or model in _SYNCS:
-        raise ValueError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
+        raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
     model = model.to(ctx.device)
     if sync_batchnorm and ctx.world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -115,7 +116,7 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """
     sync = _SYNCS.get(model)
     if sync is None:
-        raise ValueError("no_sync(model) needs the module that ddpkit.prepare_model returned")
+        raise UserError("no_sync(model) needs the module that ddpkit.prepare_model returned")
     return sync.no_sync()
 
 

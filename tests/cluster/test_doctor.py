@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.mpi import run_mpirun
 from tests.helpers.slurm import SlurmCluster
 
@@ -31,14 +31,14 @@ def check_two_worker_report(report: dict, source: str) -> None:
 
 def test_doctor_under_mpirun():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "OMPI_", "PMIX_", "SLURM_"))}
-    result = run_mpirun(2, DOCTOR, env={**env, "PYTHONPATH": str(REPO)}, timeout=180)
+    result = run_mpirun(2, DOCTOR, env={**env, "PYTHONPATH": PYTHONPATH}, timeout=180)
 
     assert result.returncode == 0, result.stderr
     check_two_worker_report(json.loads(result.stdout), "openmpi")
 
 
 def test_doctor_under_srun(slurm_cluster: SlurmCluster):
-    result = slurm_cluster.run(["srun", "-n2", *DOCTOR], env={**slurm_cluster.env, "PYTHONPATH": str(REPO)},
+    result = slurm_cluster.run(["srun", "-n2", *DOCTOR], env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH},
                                timeout=180)
 
     report = json.loads(result.stdout)

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.env.ports import free_port
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.netns import Host, TwoHosts, netns_hosts  # noqa: F401  (netns_hosts is a fixture)
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
@@ -69,7 +69,7 @@ def worker_environment(**extra: str) -> dict[str, str]:
     drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     launchers = ("SLURM_", "OMPI_", "TORCHELASTIC_")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(launchers)}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
+    return {**env, "PYTHONPATH": PYTHONPATH, **extra}
 
 
 def rendezvous_flags(host: Host, node_rank: int, master: Host, port: int, form: str) -> list[str]:
@@ -131,7 +131,7 @@ def test_no_interface_variable_reaches_the_workers():
 
 
 @pytest.mark.timeout(900)
-def test_two_hosts_one_worker_each_train_w1(netns_hosts: TwoHosts, tmp_path):
+def test_two_hosts_one_worker_each_train_w1(netns_hosts: TwoHosts, tmp_path, fashion_mnist):
     a, b = run_on_two_hosts(netns_hosts, 1, ["train", "progress=false", *SHARED_CORES], tmp_path, form="static")
 
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
@@ -143,7 +143,7 @@ def test_two_hosts_one_worker_each_train_w1(netns_hosts: TwoHosts, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_two_hosts_two_workers_each_train_w1_one_epoch(netns_hosts: TwoHosts, tmp_path):
+def test_two_hosts_two_workers_each_train_w1_one_epoch(netns_hosts: TwoHosts, tmp_path, fashion_mnist):
     # Four workers on two cores: one epoch keeps the test short; one epoch of W1 reaches about 82.8%.
     a, b = run_on_two_hosts(netns_hosts, 2, ["train", "progress=false", "epochs=1", *SHARED_CORES], tmp_path,
                             form="c10d")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.slurm import SlurmCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -43,11 +43,11 @@ def wait_for_line(path: Path, pattern: str, timeout: float) -> str:
 @pytest.mark.timeout(900)
 def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(slurm_cluster: SlurmCluster, tmp_path):
     argv = [
-        sys.executable, "-m", "ddpkit", "slurm", "--submit", "--launch", "srun", "--tasks-per-node", "2",
-        "--time", "30", "--preempt-signal", "USR1", "--project-root", str(tmp_path), "--output", "train-%j.out",
+        sys.executable, "-m", "ddpkit", "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
+        "time=30", "preempt_signal=USR1", f"project_root={tmp_path}", "output=train-%j.out",
         "progress=false", f"epochs={EPOCHS}",
     ]
-    job_id = int(slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": str(REPO)}).stdout)
+    job_id = int(slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH}).stdout)
     output = tmp_path / f"train-{job_id}.out"
     first = f"step-{STEPS_PER_EPOCH:09d}"
     wait_for_line(output, rf"^\[rank 0/2\] checkpoint \S*{first} \(epoch_end", timeout=600)
@@ -70,5 +70,7 @@ def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(sl
         (f"step-{step:09d}", step, epoch + 1, in_epoch, STEPS_PER_EPOCH)
     ]
     assert log.index("preempted by SIGUSR1") < log.index("resumed from") < log.index("[rank 0/2] done:")
+    # The requeued job (same id) continued in the same run folder.
+    assert (tmp_path / "runs" / "latest").resolve() == tmp_path / "runs" / "mlp-fashion-mnist" / f"slurm-{job_id}"
     summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
     assert summary["global_steps"] == EPOCHS * STEPS_PER_EPOCH and summary["world_size"] == 2

@@ -107,9 +107,9 @@ def test_cluster_runs_a_two_task_step(slurm_cluster: SlurmCluster):
 
 def test_ddpkit_slurm_submit_runs_the_job(slurm_cluster: SlurmCluster, project: Path):
     argv = [
-        sys.executable, "-m", "ddpkit.launch.slurm_cli", "--submit", "--tasks-per-node", "2",
-        "--project-root", str(project), "--output", "out-%j.txt", "--command", "python worker.py",
-        "--output-script", str(project / "job.sbatch"), "model=mlp", "--", "epochs=1",
+        sys.executable, "-m", "ddpkit", "slurm", "submit=true", "tasks_per_node=2",
+        f"project_root={project}", "output=out-%j.txt", "command=python worker.py",
+        f"output_script={project / 'job.sbatch'}", "model=mlp", "--", "epochs=1",
     ]
     submitted = slurm_cluster.run(argv)
 

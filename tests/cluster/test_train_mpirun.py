@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.mpi import run_mpirun
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
@@ -17,13 +17,13 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.timeout(900)
-def test_mpirun_trains_w1(tmp_path):
+def test_mpirun_trains_w1(tmp_path, fashion_mnist):
     output_dir = tmp_path / "runs" / "latest"
     command = [sys.executable, "-m", "ddpkit", "train", "progress=false", f"output_dir={output_dir}"]
     # No MASTER_ADDR/MASTER_PORT: ddpkit derives both from OpenMPI's variables.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "OMPI_", "PMIX_", "SLURM_"))}
 
-    result = run_mpirun(2, command, env={**env, "PYTHONPATH": str(REPO)}, timeout=600)
+    result = run_mpirun(2, command, env={**env, "PYTHONPATH": PYTHONPATH}, timeout=600)
 
     assert result.returncode == 0, result.stderr
     log = result.stdout + result.stderr

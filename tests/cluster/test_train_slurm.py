@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 from tests.helpers.slurm import SlurmCluster
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
@@ -16,14 +16,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)
-def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path):
+def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path, fashion_mnist):
     argv = [
-        sys.executable, "-m", "ddpkit", "slurm", "--submit", "--launch", "srun", "--tasks-per-node", "2",
-        "--project-root", str(tmp_path), "--output", "logs/train-%j.out", "--job-name", "w1",
+        sys.executable, "-m", "ddpkit", "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
+        f"project_root={tmp_path}", "output=logs/train-%j.out", "job_name=w1",
         "progress=false",
     ]
     # sbatch passes its environment on to the job: the workers import this checkout.
-    submitted = slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": str(REPO)})
+    submitted = slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH})
     job_id = int(submitted.stdout)
 
     result = slurm_cluster.wait(job_id, timeout=900)
@@ -35,6 +35,7 @@ def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path):
     done = r"\[rank 0/2\] done: mlp on fashion-mnist, 2 worker\(s\), test accuracy ([0-9.]+)%"
     (accuracy,) = re.findall(done, result.output)
     assert float(accuracy) >= 100 * W1_ACCURACY_FLOOR, result.output
-    # The job ran in the project root: its default output_dir is there.
+    # The job ran in the project root, into a run folder of its own named by the job id; runs/latest points to it.
+    assert (tmp_path / "runs" / "latest").resolve() == tmp_path / "runs" / "mlp-fashion-mnist" / f"slurm-{job_id}"
     summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["epochs"] == 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import pytest
@@ -12,6 +13,7 @@ from ddpkit.comm import (
     available_allreduce_algorithms,
     butterfly,
     naive,
+    registry,
     resolve,
     resolve_allreduce,
     ring,
@@ -27,13 +29,27 @@ def test_every_required_name_is_registered():
     assert ALLREDUCE_ALGORITHMS["naive"] is naive.all_reduce
 
 
-def test_resolve_allreduce_returns_the_registered_function():
-    for name in available_allreduce_algorithms():
-        assert resolve_allreduce(name) is ALLREDUCE_ALGORITHMS[name]
+def test_resolve_allreduce_returns_the_algorithm_of_that_name():
+    # Linux has shared memory: every name resolves here, shm and hierarchical included.
+    assert available_allreduce_algorithms() == list(ALLREDUCE_ALGORITHMS)
+    expected = {
+        "builtin": registry.builtin_all_reduce,
+        "naive": naive.all_reduce,
+        "ring": ring.all_reduce,
+        "butterfly": butterfly.all_reduce,
+        "tree": tree.all_reduce,
+        "shm": registry.shm_all_reduce,
+        "hierarchical": registry.hierarchical_all_reduce,
+    }
+    assert {name: resolve_allreduce(name) for name in ALLREDUCE_ALGORITHMS} == expected
+    # The two forwards reach modules that exist and define all_reduce.
+    assert callable(importlib.import_module("ddpkit.comm.shm").all_reduce)
+    assert callable(importlib.import_module("ddpkit.comm.hierarchical").all_reduce)
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(ValueError, match=r"unknown all_reduce algorithm 'rign'; choose one of builtin, naive, ring"):
+    with pytest.raises(ValueError, match=r"allreduce='rign' is not an all_reduce algorithm \(did you mean 'ring'\?\); "
+                                         r"choose one of: builtin, naive, ring"):
         resolve_allreduce("rign")
 
 

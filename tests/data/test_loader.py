@@ -222,7 +222,7 @@ def test_global_mean_gives_the_gradient_of_the_global_mean(num_samples):
 
 
 def test_tensor_dataset_fast_path_matches_the_generic_path():
-    images = torch.randint(0, 255, (26, 1, 4, 4), dtype=torch.uint8)
+    images = torch.randint(0, 255, (26, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = torch.arange(26)
     dataset = TensorDataset(images, labels)
     for world_size in (1, 3, 4):

@@ -71,7 +71,7 @@ def test_load_from_data_dir_and_corrupt_file(tmp_path):
         load_datasets("fashion-mnist", DataOptions(data_dir=str(tmp_path / "d")))
 
 
-def test_real_fashion_mnist_is_found():
+def test_real_fashion_mnist_is_found(fashion_mnist):
     data = load_images("fashion-mnist", DataOptions(download=False))
     assert data.train_images.shape == (60000, 1, 28, 28)
     assert data.test_images.shape == (10000, 1, 28, 28)

@@ -23,7 +23,7 @@ TORCHRUN = {
 
 
 def test_sources_order():
-    assert [source.name for source in SOURCES] == ["torchrun", "openmpi", "mpich", "slurm", "local"]
+    assert [source.name for source in SOURCES] == ["torchrun", "openmpi", "mpich", "slurm", "sagemaker", "local"]
     assert SOURCES[0] is TorchrunEnvironment and SOURCES[-1] is LocalEnvironment
 
 

@@ -97,7 +97,8 @@ def test_inconsistent_variables_name_the_variable_and_the_fix(overrides, message
 _PRINT_ENVIRONMENT = """
 import dataclasses, json, os
 from ddpkit.env.detect import detect_environment
-print(json.dumps(dataclasses.asdict(detect_environment(os.environ))))
+# One write of the whole line (under PIPE_BUF bytes): the two workers' lines never interleave.
+os.write(1, (json.dumps(dataclasses.asdict(detect_environment(os.environ))) + "\\n").encode())
 """
 
 

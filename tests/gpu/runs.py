@@ -20,7 +20,7 @@ import torch
 
 from ddpkit.checkpoint.format import load_file
 from ddpkit.env.ports import free_port
-from tests.cli_runner import REPO
+from tests.cli_runner import PYTHONPATH
 
 TIMEOUT = 600
 LAUNCHER_VARIABLES = ("MASTER_", "OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_", "GROUP_")
@@ -33,7 +33,7 @@ def environ(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, with the repository importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
     # cuBLAS picks deterministic kernels with a fixed workspace: resumed runs compare bit for bit.
-    return {**env, "PYTHONPATH": str(REPO), "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **extra}
+    return {**env, "PYTHONPATH": PYTHONPATH, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **extra}
 
 
 def two_workers_share_one_gpu() -> bool:

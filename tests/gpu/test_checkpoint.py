@@ -83,3 +83,18 @@ def _equal(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def test_cpu_checkpoint_resumes_with_the_optimizer_state_on_the_gpu(tmp_path):
+    """A checkpoint written on CPU, resumed with device=cuda: Adam's state lands on the parameters' GPU."""
+    from tests.train.checkpoint_helpers import train as train_here
+    from tests.train.test_resume import WORDS
+
+    words = [*WORDS, f"output_dir={tmp_path}", "checkpoint.every_steps=3"]
+    train_here(0, 1, [*words, "max_steps=7"])  # device=cpu
+    trainer, start = train_here(0, 1, [*words, "device=cuda", "resume=auto", "epochs=1"])
+    assert start is not None and start.name.endswith("7") and trainer.state.global_step == 12
+    for param in trainer.module.parameters():
+        assert param.device.type == "cuda"
+        state = trainer.optimizer.state[param]
+        assert state["exp_avg"].device == state["exp_avg_sq"].device == param.device

@@ -86,7 +86,7 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_completes_bit_identic
     # No checkpoint cadence: the one mid-epoch checkpoint is the preemption's own.
     first = _run(tmp_path, "nproc=2", every_steps=0, env=env)
     assert first.returncode == 75, first.stdout + first.stderr
-    assert "ddpkit: preempted: a worker exited with status 75 (preempted); run the same command to continue" \
+    assert "ddpkit: preempted: a worker exited with status 75; run the same command to continue" \
         in first.stderr
     stop = re.search(r"preempted by SIGTERM after global step (\d+): checkpoint (\S+) is complete", first.stderr)
     assert stop is not None, first.stderr

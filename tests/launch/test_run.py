@@ -13,7 +13,7 @@ import pytest
 import ddpkit.launch.local
 from ddpkit.cli import main
 from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
-from tests.cli_runner import REPO, run_ddpkit
+from tests.cli_runner import PYTHONPATH, run_ddpkit
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("ddpkit")
@@ -23,7 +23,7 @@ TIMEOUT = 120
 def run_console_script(*words: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run the installed ``ddpkit`` console script (its sys.path[0] is its bin folder, not ``cwd``)."""
     assert CONSOLE_SCRIPT.is_file(), f"no console script beside {sys.executable}; pip install -e . first"
-    environ = {**os.environ, "PYTHONPATH": str(REPO)}
+    environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
     return subprocess.run([str(CONSOLE_SCRIPT), *words], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=TIMEOUT)
 
@@ -97,7 +97,7 @@ def test_raising_rank_is_reported_once_with_its_traceback(tmp_path):
 
 @pytest.mark.parametrize("status,returncode,message", [
     (3, 1, "error: worker rank 0 failed (exit code 3): exited without an error message"),
-    (75, 75, "ddpkit: preempted: a worker exited with status 75 (preempted); run the same command to continue"),
+    (75, 75, "ddpkit: preempted: a worker exited with status 75; run the same command to continue"),
 ])
 def test_exit_status_of_a_rank(tmp_path, status, returncode, message):
     # nproc=1 also goes through the launcher (a spawned worker with RANK set), as nproc=2 does.

@@ -7,7 +7,8 @@ step on the first run only (restart count 0), driven by environment variables:
 - DDPKIT_TEST_SIGNAL_STEP: the global step (1-based) whose forward sends it;
 - DDPKIT_TEST_SIGNAL_RANK: the rank that sends it (default 1);
 - DDPKIT_TEST_SIGNAL: the signal name (default SIGKILL);
-- DDPKIT_TEST_SIGNAL_TARGET: "self" (default) or "parent" (the launcher);
+- DDPKIT_TEST_SIGNAL_TARGET: "self" (default), "parent" (the launcher) or "group" (the launcher's process
+  group, as the terminal sends Ctrl-C);
 - DDPKIT_TEST_STEP_SLEEP: seconds each training forward sleeps (default 0).
 
 ``always_fails`` appends its restart count to DDPKIT_TEST_ATTEMPTS on every
@@ -17,6 +18,7 @@ attempt and fails on rank 1.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import logging
 import os
@@ -70,7 +72,10 @@ class _Signalled(nn.Module):
         if self.training:
             self.calls += 1
             if self.calls == self.step and self.first_run and self.mine:
-                os.kill(_launcher_pid() if self.target == "parent" else os.getpid(), self.signal)
+                if self.target == "group":
+                    os.killpg(os.getpgid(_launcher_pid()), self.signal)
+                else:
+                    os.kill(_launcher_pid() if self.target == "parent" else os.getpid(), self.signal)
             if self.sleep:
                 time.sleep(self.sleep)
         return self.inner(x)
@@ -96,11 +101,47 @@ def always_fails() -> nn.Module:
     return mlp_dropout()
 
 
-def ballast() -> nn.Module:
-    """An MLP carrying 48 MB of frozen weights: its checkpoints take long enough to be killed mid-write."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
-    model.register_parameter("ballast", nn.Parameter(torch.zeros(12 << 20), requires_grad=False))
-    return model
+class _KillsTheJobWhenPickled:
+    """A model's extra state; pickling it (inside ``torch.save``, mid-write) at or after a chosen step SIGKILLs.
+
+    It is saved as an empty OrderedDict, which ``torch.load(weights_only=True)`` accepts.
+    """
+
+    def __init__(self, model: _KilledMidSave):
+        self.model = model
+
+    def __reduce__(self):
+        step = int(os.environ.get("DDPKIT_TEST_KILL_SAVE_STEP", "0"))
+        if step and self.model.calls >= step:
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # the whole job, as a power cut would
+        return (collections.OrderedDict, ())
+
+
+class _KilledMidSave(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return self.inner(x)
+
+    def get_extra_state(self) -> _KillsTheJobWhenPickled:
+        return _KillsTheJobWhenPickled(self)
+
+    def set_extra_state(self, state: object) -> None:
+        pass
+
+
+def killed_mid_save() -> nn.Module:
+    """An MLP whose first checkpoint write after global step DDPKIT_TEST_KILL_SAVE_STEP SIGKILLs its process group.
+
+    The kill comes from inside ``torch.save`` of ``model.pt``: the checkpoint's
+    folder and the model file's temporary file exist, its manifest does not.
+    """
+    return _KilledMidSave()
 
 
 # -- in-process trainers --------------------------------------------------------

@@ -14,15 +14,16 @@ from tests.train.checkpoint_helpers import (
 
 
 @pytest.mark.slow
-def test_sigkill_of_one_worker_at_a_random_step_restarts_and_ends_bit_equal(tmp_path):
-    step = random.randrange(1, CLI_TOTAL_STEPS + 1)
+def test_sigkill_of_one_worker_at_a_random_step_restarts_and_ends_bit_equal(tmp_path, seed):
+    step = random.Random(seed).randrange(1, CLI_TOTAL_STEPS + 1)
+    print(f"SIGKILL to rank 1 at global step {step}")
     out = run_job(tmp_path, "max_restarts=1",
                   env={"DDPKIT_TEST_SIGNAL_STEP": str(step), "DDPKIT_TEST_SIGNAL": "SIGKILL"})
-    assert out.returncode == 0, f"killed at step {step}:\n{out.stderr}"
+    assert out.returncode == 0, f"seed {seed}: killed at step {step}:\n{out.stderr}"
     if step > 4:  # a checkpoint existed when rank 1 died
         assert "restart 1: resuming from the newest checkpoint" in out.stderr, out.stderr
         assert "resumed from" in out.stderr, out.stderr
-    assert_same_weights(final_weights(tmp_path), reference_weights(), f"rank 1 killed at step {step}")
+    assert_same_weights(final_weights(tmp_path), reference_weights(), f"seed {seed}: rank 1 killed at step {step}")
 
 
 @pytest.mark.slow

@@ -1,4 +1,11 @@
-"""The training loop on real gloo ranks: same result for any number of workers."""
+"""The training loop on real gloo ranks: same result for any number of workers.
+
+Spawning ranks costs seconds (each imports torch); training these tiny runs
+takes a fraction of that. So every 2-rank run of this module happens in ONE
+2-rank job (the ``two_ranks`` fixture: the same worker processes train each
+configuration in turn, in one process group), and the tests compare its
+results. One worker trains in the test process; 3 workers are one more job.
+"""
 
 import pytest
 import torch
@@ -10,63 +17,88 @@ from tests.train.checkpoint_helpers import close, make_trainer
 
 
 def _train(rank, world_size, words, output_dir):
-    """The run's summary and final parameters; the parts built by build_trainer, no checkpoints."""
+    """The run's summary, final parameters and learning rate; the parts built by build_trainer, no checkpoints."""
     words = [f"{key}={value}" for key, value in words.items()]
     trainer = make_trainer(rank, world_size, [*words, f"output_dir={output_dir}", "checkpoint.enabled=false"])
     try:
         summary = trainer.fit()
     finally:
         close(trainer)
-    return summary, [p.detach().clone() for p in trainer.module.parameters()]
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    return summary, [p.detach().clone() for p in trainer.module.parameters()], lr
+
+
+def _train_each(rank, world_size, runs, root):
+    """``_train`` of every (name -> words) of ``runs`` in turn, in these ranks; output folders root/name."""
+    return {name: _train(rank, world_size, words, f"{root}/{name}") for name, words in runs.items()}
 
 
 # 101 training samples, global batch 6: the last batch of each epoch has 5 samples
 # and splits unevenly over 2 or 3 workers. A metrics line every 5 steps.
 WORDS = {"model": "mlp", "synthetic_samples": 101, "batch_size": 6, "epochs": 2, "allreduce": "builtin", "log_every": 5}
 
+# W2 and W3 (and cnn_bn, whose BatchNorm trains without sync_batchnorm on CPU ranks) for a few steps.
+MODELS = {
+    "cnn": {"model": "cnn", "batch_size": 8, "batch_scope": "per_worker", "optimizer": "sgd", "lr": 0.01,
+            "momentum": 0.5},
+    "cnn_bn": {"model": "cnn_bn", "batch_size": 8},
+    "autoencoder": {"model": "autoencoder", "batch_size": 16, "precision": "bf16"},
+    "mlp-bf16-scale_lr": {"model": "mlp", "batch_size": 16, "precision": "bf16", "scale_lr": True},
+}
+MODEL_STEPS = {"cnn": 4, "cnn_bn": 8, "autoencoder": 4, "mlp-bf16-scale_lr": 4}
+"""Optimizer steps of one epoch of 64 samples: global batches of 16 (8 per worker), 8 and 16."""
+
+TWO_RANK_RUNS = {
+    "auto": WORDS,
+    **{sync: {**WORDS, "grad_sync": sync} for sync in ("flat", "ddp", "manual")},
+    **{f"accumulated-{sync}": {**WORDS, "grad_sync": sync, "grad_accum_steps": 3} for sync in ("flat", "ddp")},
+    **{allreduce: {**WORDS, "allreduce": allreduce} for allreduce in ("shm", "ring")},
+    **{name: {"synthetic_samples": 64, "epochs": 1, "allreduce": "builtin", **words} for name, words in MODELS.items()},
+}
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """``two_ranks(grad_sync)``: (results, output_dir) of WORDS on 2 ranks, each run once for this module."""
-    runs = {}
+    """(results, root): ``results[rank][name]`` is ``_train``'s value for TWO_RANK_RUNS[name]; folders root/name."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    return run_on_ranks(_train_each, 2, TWO_RANK_RUNS, str(root), timeout=300), root
 
-    def run(grad_sync: str = "auto"):
-        if grad_sync not in runs:
-            folder = tmp_path_factory.mktemp(f"two-ranks-{grad_sync}")
-            runs[grad_sync] = run_on_ranks(_train, 2, {**WORDS, "grad_sync": grad_sync}, str(folder)), folder
-        return runs[grad_sync]
 
-    return run
+def _assert_close(params, reference):
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path, two_ranks):
-    results = {n: run_on_ranks(_train, n, WORDS, str(tmp_path / str(n))) for n in (1, 3)}
-    results[2] = two_ranks()[0]
-    reference_summary, reference_params = results[1][0]
+    # One worker needs no process group of ours: it trains here, as `ddpkit train nproc=1` does, without a spawn.
+    results = {1: [_train(0, 1, WORDS, str(tmp_path / "1"))],
+               2: [by_name["auto"] for by_name in two_ranks[0]],
+               3: run_on_ranks(_train, 3, WORDS, str(tmp_path / "3"))}
+    reference_summary, reference_params, _ = results[1][0]
     for n in (2, 3):
-        for rank, (summary, params) in enumerate(results[n]):
-            for p, q in zip(params, reference_params):
-                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        for summary, params, _ in results[n]:
+            _assert_close(params, reference_params)
             assert summary["test"]["accuracy"] == pytest.approx(reference_summary["test"]["accuracy"], abs=1e-3)
             assert summary["global_steps"] == reference_summary["global_steps"] == 2 * 17
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_sync", ["flat", "ddp"])
-def test_gradient_accumulation_matches_one_big_step(tmp_path, two_ranks, grad_sync):
-    plain, _ = two_ranks(grad_sync)
-    accumulated = run_on_ranks(_train, 2, {**WORDS, "grad_sync": grad_sync, "grad_accum_steps": 3}, str(tmp_path))
-    for p, q in zip(plain[0][1], accumulated[0][1]):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+def test_gradient_accumulation_matches_one_big_step(two_ranks, grad_sync):
+    results, _ = two_ranks
+    plain, accumulated = results[0][grad_sync], results[0][f"accumulated-{grad_sync}"]
+    assert accumulated[0]["global_steps"] == plain[0]["global_steps"] == 2 * 17
+    _assert_close(accumulated[1], plain[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_sync", ["flat", "manual"])
 def test_grad_sync_modes_match_ddp(two_ranks, grad_sync):
-    ddp, _ = two_ranks("ddp")
-    other, _ = two_ranks(grad_sync)
-    assert ddp[0][0]["grad_sync"] == "ddp" and other[0][0]["grad_sync"] == grad_sync
-    for p, q in zip(ddp[1][1], other[1][1]):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    results, _ = two_ranks
+    ddp, other = results[1]["ddp"], results[1][grad_sync]
+    assert ddp[0]["grad_sync"] == "ddp" and other[0]["grad_sync"] == grad_sync
+    _assert_close(other[1], ddp[1])
 
 
 def test_grad_sync_auto_is_flat_for_small_gradients_only():
@@ -77,37 +109,43 @@ def test_grad_sync_auto_is_flat_for_small_gradients_only():
     assert choose_grad_sync("manual", cnn, sync_batchnorm=False) == "manual"
 
 
+@pytest.mark.slow
 def test_metrics_file_written_by_rank_zero(two_ranks):
-    _, folder = two_ranks()
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    results, root = two_ranks
+    assert results[0]["auto"][0]["grad_sync"] == "flat"  # what auto chose for the MLP
+    lines = (root / "auto" / "metrics.jsonl").read_text().splitlines()
     events = [line.split('"event": "')[1].split('"')[0] for line in lines]
     assert events.count("train") == 6 and events.count("eval") == 2 and events[-1] == "summary"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("words", [
-    {"model": "cnn", "batch_size": 8, "batch_scope": "per_worker", "optimizer": "sgd", "lr": 0.01, "momentum": 0.5},
-    {"model": "autoencoder", "batch_size": 16, "precision": "bf16"},
-    # (sync_batchnorm needs CUDA: on these CPU ranks it is refused, as tests/models/test_models.py checks)
-    {"model": "mlp", "batch_size": 16, "precision": "bf16", "scale_lr": True},
-])
-def test_reference_models_and_options_train(tmp_path, words):
-    """W2 and W3 train for a few steps on 2 ranks; replicas stay identical; metrics are finite."""
-    config = {"synthetic_samples": 64, "epochs": 1, "allreduce": "builtin", **words}
-    results = run_on_ranks(_train, 2, config, str(tmp_path))
-    (summary0, params0), (summary1, params1) = results
-    for p, q in zip(params0, params1):
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_reference_models_and_options_train(two_ranks, name):
+    """W2, W3 and cnn_bn train for a few steps on 2 ranks; replicas stay identical; metrics are finite."""
+    results, _ = two_ranks
+    (summary0, params0, _), (summary1, params1, _) = results[0][name], results[1][name]
+    assert summary0["model"] == MODELS[name]["model"] and summary0["world_size"] == 2
+    assert summary0["global_steps"] == MODEL_STEPS[name]
+    for p, q in zip(params0, params1, strict=True):
         assert torch.equal(p, q)
-    metric = "accuracy" if words["model"] != "autoencoder" else "mse"
+    metric = "accuracy" if MODELS[name]["model"] != "autoencoder" else "mse"
     assert torch.isfinite(torch.tensor(summary0["test"][metric]))
     assert summary0["test"] == summary1["test"]
 
 
+@pytest.mark.slow
+def test_scale_lr_multiplies_the_learning_rate_by_the_number_of_workers(two_ranks):
+    results, _ = two_ranks
+    plain_lr, scaled_lr = results[0]["auto"][2], results[0]["mlp-bf16-scale_lr"][2]
+    assert plain_lr == 1e-3  # W1's Adam recipe
+    assert scaled_lr == 2 * plain_lr == results[1]["mlp-bf16-scale_lr"][2]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("allreduce", ["shm", "ring"])
-def test_allreduce_algorithms_train_like_builtin(tmp_path, two_ranks, allreduce):
+def test_allreduce_algorithms_train_like_builtin(two_ranks, allreduce):
     """shm and ring (in the flat all_reduce grad_sync=auto picks for the MLP) give the builtin's weights."""
-    builtin, _ = two_ranks()
-    other = run_on_ranks(_train, 2, {**WORDS, "allreduce": allreduce}, str(tmp_path / allreduce))
-    assert other[0][0]["allreduce"] == allreduce
-    for p, q in zip(builtin[0][1], other[0][1]):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    results, _ = two_ranks
+    builtin, other = results[0]["auto"], results[0][allreduce]
+    assert other[0]["allreduce"] == allreduce
+    _assert_close(other[1], builtin[1])

@@ -193,7 +193,9 @@ def test_resume_auto_on_a_finished_run_continues_fine(image_run):
     folder, words, _, first = image_run
     again = _train(folder, *words, "resume=auto")
     assert again.returncode == 0, again.stdout + again.stderr
-    assert re.search(r"resumed from \S+step-000000015 \(global step 15: epoch 4, step 0 of \d+\)", again.stderr), again.stderr
+    assert re.search(r"resumed from \S+step-000000015 \(global step 15: 3 epoch\(s\) complete\)",
+                     again.stderr), again.stderr
+    assert "this run is finished: all 3 epochs are complete; nothing to train" in again.stderr, again.stderr
     summary = _summary(folder)
     assert summary["global_steps"] == 15 and summary["epochs"] == 3
     assert summary["test"] == first["test"]  # nothing left to train: the same weights, evaluated again
@@ -209,7 +211,7 @@ def test_csv_regression_trains_and_resumes_with_more_epochs(table_run):
     more = _train(folder, "dataset=mymod:build_table", "model=mymod:table_net", "task=regression", "nproc=1",
                   "epochs=4", "batch_size=16", "optimizer=sgd", "lr=0.1", "resume=auto")
     assert more.returncode == 0, more.stdout + more.stderr
-    assert re.search(r"resumed from \S+step-000000020 \(global step 20: epoch 3, step 0 of \d+\)", more.stderr), more.stderr
+    assert re.search(r"resumed from \S+step-000000020 \(global step 20: 2 epoch\(s\) complete\)", more.stderr), more.stderr
     continued = _summary(folder)
     assert (continued["global_steps"], continued["epochs"]) == (40, 4)
     assert continued["test"]["mse"] < 0.05 * variance

@@ -3,8 +3,9 @@
 import random
 
 import pytest
+import torch
 
-from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints
+from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints, load_file
 from tests.helpers.workers import run_on_ranks
 from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, close, final_state, make_trainer, train
 from tests.train.test_checkpoint import plant_payload
@@ -30,12 +31,14 @@ def _stop_and_resume(rank, world_size, tmp, stops):
 
 
 @pytest.mark.slow
-def test_stop_anywhere_and_resume_is_bit_exact(tmp_path):
-    mid_epoch = random.Random().randrange(1, STEPS_PER_EPOCH)  # 1..11: inside the first epoch
-    later = random.Random().randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # inside the second
+def test_stop_anywhere_and_resume_is_bit_exact(tmp_path, seed):
+    rng = random.Random(seed)
+    mid_epoch = rng.randrange(1, STEPS_PER_EPOCH)  # 1..11: inside the first epoch
+    later = rng.randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # inside the second
     stops = [mid_epoch, STEPS_PER_EPOCH, later]  # and exactly at the epoch boundary
+    print(f"stops at global steps {stops}")
     resumed_from = run_on_ranks(_stop_and_resume, 2, str(tmp_path), stops, timeout=240)
-    assert resumed_from[0] == resumed_from[1] == [checkpoint_name(s) for s in stops], f"stops {stops}"
+    assert resumed_from[0] == resumed_from[1] == [checkpoint_name(s) for s in stops], f"seed {seed}: stops {stops}"
 
 
 # -- corrupt and unsafe checkpoints (one process, no process group) ----------------
@@ -151,12 +154,25 @@ def test_changed_global_batch_is_refused(tmp_path):
         train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "batch_size=16"])
 
 
-def test_optimizer_state_lands_on_the_parameters_device(tmp_path):
+def test_resume_restores_the_optimizer_state_on_the_parameters_device_and_dtype(tmp_path):
+    """The optimizer's state after a resume is the checkpoint's, bit for bit, shaped and placed like its parameter.
+
+    On CPU this shows the state is loaded at all (a fresh Adam has none); that
+    it moves to a CUDA parameter's device is tests/gpu/test_checkpoint.py's
+    test_cpu_checkpoint_resumes_with_the_optimizer_state_on_the_gpu.
+    """
     root = _checkpointed_run(tmp_path)
-    trainer, _ = train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}", "epochs=1",
+    saved = load_file(root / checkpoint_name(7) / "optimizer.pt")["state"]
+    trainer, _ = train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}", "max_steps=7",
                               "checkpoint.enabled=false"])
-    for param in trainer.module.parameters():
-        for value in trainer.optimizer.state[param].values():
-            if value.dim():
-                assert value.device == param.device
-    assert trainer.state.global_step == STEPS_PER_EPOCH  # continued from step 7 to the end of epoch 1
+    assert trainer.state.global_step == 7  # resumed at its step, nothing trained since
+    restored = trainer.optimizer.state_dict()["state"]
+    params = list(trainer.module.parameters())
+    assert sorted(restored) == sorted(saved) == list(range(len(params)))
+    for index, param in enumerate(params):
+        assert restored[index].keys() == saved[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = trainer.optimizer.state[param][key]
+            assert (value.device, value.dtype, value.shape) == (param.device, param.dtype, param.shape)
+            assert torch.equal(value, saved[index][key]), f"parameter {index} {key}"
+        assert torch.equal(restored[index]["step"], saved[index]["step"]) and saved[index]["step"].item() == 7

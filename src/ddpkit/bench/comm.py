@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag, summarize
 from ddpkit.config import ConfigError, check_positive, parse
+from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
     from ddpkit.bench.comm_report import TerminalTable
@@ -552,7 +553,7 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
     known = {name for op in collectives for name in COLLECTIVES[op]}
     for name in cfg.algorithms:
         if name not in known:
-            raise ValueError(f"algorithms: {name!r} is not an algorithm of {', '.join(collectives) or 'any op'}; "
+            raise UserError(f"algorithms: {name!r} is not an algorithm of {', '.join(collectives) or 'any op'}; "
                              f"choose among: {', '.join(sorted(known))}")
     plan, skipped = {}, {}
     for op in collectives:
@@ -560,14 +561,14 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
         if cfg.device != "cpu":
             for name in [n for n in names if n in CPU_ONLY_ALGORITHMS]:
                 if cfg.algorithms:
-                    raise ValueError(f"algorithms: {name} takes CPU tensors but device={cfg.device}; leave {name} out "
+                    raise UserError(f"algorithms: {name} takes CPU tensors but device={cfg.device}; leave {name} out "
                                      "or use device=cpu")
                 names.remove(name)
                 skipped[f"{op}/{name}"] = f"takes CPU tensors (device={cfg.device})"
         if "shm" in names:
             if num_nodes > 1:
                 if cfg.algorithms:
-                    raise ValueError(f"algorithms: shm needs every rank on one node, but this job spans {num_nodes}; "
+                    raise UserError(f"algorithms: shm needs every rank on one node, but this job spans {num_nodes}; "
                                      "leave shm out")
                 names.remove("shm")
                 skipped[f"{op}/shm"] = f"the job spans {num_nodes} nodes"
@@ -577,7 +578,7 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
                 names.remove("shm")
                 skipped[f"{op}/shm"] = _shm_reason()
         if not names:
-            raise ValueError(f"algorithms={cfg.algorithms} names none of {op}'s algorithms "
+            raise UserError(f"algorithms={cfg.algorithms} names none of {op}'s algorithms "
                              f"({', '.join(COLLECTIVES[op])}); add one or drop {op} from ops")
         plan[op] = sorted(names, key=lambda n: n != BUILTIN)
     return plan, skipped

@@ -90,6 +90,7 @@ from ddpkit.bench.plot import format_bytes
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag
 from ddpkit.config import ConfigError, check_positive, parse
+from ddpkit.errors import UserError
 
 WORKLOADS = {"W1": "mlp", "W2": "cnn", "W3": "autoencoder"}
 """Reference workloads (WORKLOADS.md) by id, and the registered model each trains."""
@@ -492,7 +493,7 @@ def _run_on_two_hosts(job: dict[str, Any], workers: int, timeout: float) -> None
 
     reason = netns.unavailable_reason()
     if reason:
-        raise ValueError(f"nodes=2 emulates two hosts with network namespaces, but {reason}; run with nodes=[1]")
+        raise UserError(f"nodes=2 emulates two hosts with network namespaces, but {reason}; run with nodes=[1]")
     job_path = Path(job["scratch_dir"]) / "job.json"
     job_path.write_text(json.dumps(job))
     torchrun = str(Path(sys.executable).with_name("torchrun"))

@@ -11,33 +11,68 @@ torch is imported only when a command runs, so ``ddpkit --help`` stays quick.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
-EXPORT_USAGE = "usage: ddpkit export CHECKPOINT OUT [readable_by=user|group|all]"
-CHECKPOINTS_USAGE = "usage: ddpkit checkpoints DIR [verify=true|false]"
+from ddpkit.command_help import CommandHelp
+from ddpkit.config import check_choice, parse
+from ddpkit.errors import UserError
 
 
-def _split(args: Sequence[str], usage: str, num_positional: int) -> tuple[list[str], dict[str, str]]:
+@dataclasses.dataclass
+class ExportConfig:
+    """Options of ``ddpkit export``."""
+
+    readable_by: str = "user"
+    """Who may read the exported files: user (mode 0600), group (0640) or all (0644)."""
+
+    def __post_init__(self) -> None:
+        check_choice("readable_by", self.readable_by, ("user", "group", "all"))
+
+
+@dataclasses.dataclass
+class CheckpointsConfig:
+    """Options of ``ddpkit checkpoints``."""
+
+    verify: bool = True
+    """Read every file and check its SHA-256 against the manifest (false: only read the manifests)."""
+
+
+EXPORT_HELP = CommandHelp(
+    usage="ddpkit export CHECKPOINT OUT [key=value ...]",
+    summary="Write a checkpoint's weights and model config for inference: OUT/model.pt (the weights, loadable "
+            "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
+    schema="ddpkit.checkpoint.cli:ExportConfig",
+    positional=(("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified "
+                               "checkpoint)"), ("OUT", "the folder to write")),
+    examples=("ddpkit export runs/latest exported/", "ddpkit export runs/latest/checkpoints/best-000000940 out/"),
+)
+CHECKPOINTS_HELP = CommandHelp(
+    usage="ddpkit checkpoints DIR [key=value ...]",
+    summary="List the checkpoints of a folder, one line each: step, epoch, metric, size and whether it verifies "
+            "(newest, best, incomplete or corrupt).",
+    schema="ddpkit.checkpoint.cli:CheckpointsConfig",
+    positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
+    examples=("ddpkit checkpoints runs/latest", "ddpkit checkpoints runs/latest verify=false"),
+)
+
+
+def _split(args: Sequence[str], help: CommandHelp, num_positional: int) -> tuple[list[str], list[str]]:
+    """The positional words (checked in number) and the key=value words."""
     positional = [a for a in args if "=" not in a]
-    options = dict(a.split("=", 1) for a in args if "=" in a)
-    if any(a in ("-h", "--help") for a in args):
-        print(usage)
-        raise SystemExit(0)
     if len(positional) != num_positional:
-        raise ValueError(f"expected {num_positional} path(s), got {len(positional)}; {usage}")
-    return positional, options
+        raise UserError(f"expected {num_positional} path(s), got {len(positional)}; usage: {help.usage}")
+    return positional, [a for a in args if "=" in a]
 
 
 def export_command(args: Sequence[str]) -> int:
     """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
     from ddpkit.checkpoint.export import export_checkpoint
 
-    (checkpoint, out), options = _split(args, EXPORT_USAGE, 2)
-    unknown = set(options) - {"readable_by"}
-    if unknown:
-        raise ValueError(f"unknown option {sorted(unknown)[0]!r}; {EXPORT_USAGE}")
-    folder = export_checkpoint(checkpoint, out, options.get("readable_by", "user"))
+    (checkpoint, out), words = _split(args, EXPORT_HELP, 2)
+    config = parse(ExportConfig, words)
+    folder = export_checkpoint(checkpoint, out, config.readable_by)
     source = json.loads((folder / "model.json").read_text())["source"]["checkpoint"]
     print(f"exported {source} to {folder} (model.pt, model.json)")
     return 0
@@ -55,12 +90,10 @@ def checkpoints_command(args: Sequence[str]) -> int:
         verify_checkpoint,
     )
 
-    (folder,), options = _split(args, CHECKPOINTS_USAGE, 1)
-    verify = options.pop("verify", "true").lower() not in ("false", "0", "no")
-    if options:
-        raise ValueError(f"unknown option {sorted(options)[0]!r}; {CHECKPOINTS_USAGE}")
+    (folder,), words = _split(args, CHECKPOINTS_HELP, 1)
+    verify = parse(CheckpointsConfig, words).verify
     if not Path(folder).is_dir():
-        raise ValueError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
+        raise UserError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
     root = resolve_checkpoint_dir(folder)
     infos = list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
     if not infos:

@@ -35,6 +35,7 @@ from ddpkit.checkpoint.format import (
     write_file_atomic,
 )
 from ddpkit.checkpoint.transfer import EXPORT_INFO, newest_verified
+from ddpkit.errors import UserError
 
 EXPORT_FORMAT = "ddpkit-export/1"
 """Value of model.json's ``format`` key."""
@@ -58,7 +59,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
         ValueError: ``out`` exists and is not an export, or a bad ``readable_by``.
     """
     if readable_by not in READABLE_BY:
-        raise ValueError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
+        raise UserError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
     mode = READABLE_BY[readable_by]
     source = Path(checkpoint)
     if not (source / MANIFEST).exists():
@@ -68,7 +69,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
     state = load_file(source / WEIGHTS)
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_INFO).exists())):
-        raise ValueError(f"{out} exists and is not a ddpkit export; choose a new or empty folder for the export")
+        raise UserError(f"{out} exists and is not a ddpkit export; choose a new or empty folder for the export")
     out.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
     weights = write_file_atomic(out, WEIGHTS, lambda f: torch.save(state, f), mode)
     info = {

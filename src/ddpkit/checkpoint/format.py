@@ -53,6 +53,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ddpkit.errors import UserError
+
 FORMAT = "ddpkit-checkpoint/2"
 """Value of the manifest's ``format`` key."""
 MANIFEST = "manifest.json"
@@ -66,7 +68,7 @@ READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
 """File modes of checkpoint files for each ``checkpoint.readable_by`` value."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint is missing, incomplete, corrupt or refused; the message names the file and the fix."""
 
 

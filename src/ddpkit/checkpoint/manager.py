@@ -75,13 +75,21 @@ from ddpkit.checkpoint.format import (
     rewrite_manifest,
     write_checkpoint,
 )
-from ddpkit.checkpoint.preemption import Agreement, Preempted, PreemptionSignals, requeue_slurm_job, signal_name
+from ddpkit.checkpoint.preemption import (
+    Agreement,
+    Preempted,
+    PreemptionSignals,
+    exit_status,
+    requeue_slurm_job,
+    signal_name,
+)
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
 from ddpkit.distributed import control_device
+from ddpkit.errors import UserError
 from ddpkit.log import get_logger
 
-DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
-"""Signals that, by default, mean "checkpoint now and exit with status 75"."""
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""Signals that, by default, mean "checkpoint now and exit" (status 75; 130 for SIGINT, Ctrl-C)."""
 
 TRAIN_FILE = "train.pt"
 RNG_FILE = "rng.pt"
@@ -127,7 +135,7 @@ class Checkpointer:
         keep: complete checkpoints kept (the newest; best ones are kept apart).
         best_metric: metric name (passed to ``epoch_end``/``save``) that picks ``best-*``; "" for none.
         best_mode: max or min.
-        preempt_signals: signal names meaning "checkpoint now, exit 75"; () for none.
+        preempt_signals: signal names meaning "checkpoint now, exit 75" (130 for SIGINT); () for none.
         requeue: after a preemption checkpoint under Slurm, requeue the job.
         readable_by: user (0600), group (0640) or all (0644).
         sync_seconds: target seconds between the ranks' agreements on signals and the clock.
@@ -281,7 +289,10 @@ class Checkpointer:
                 "(per-rank random states and the all_reduce order differ)"
             )
         epoch, step = self._position()
-        where = f"epoch {epoch + 1}" + (f", step {step} of {self.loader.steps_per_epoch}" if self.loader else "")
+        if step == 0:  # between epochs: say what is complete, not an epoch that may never come
+            where = f"{epoch} epoch(s) complete"
+        else:
+            where = f"epoch {epoch + 1}" + (f", step {step} of {self.loader.steps_per_epoch}" if self.loader else "")
         log.info(f"resumed from {path} (global step {self.global_step}: {where})")
 
     def _position(self) -> tuple[int, int]:
@@ -372,8 +383,9 @@ class Checkpointer:
         name = signal_name(signum)
         if self.rank == 0:
             log = get_logger()
-            log.warning(f"preempted by {name} after global step {self.global_step}: checkpoint "
-                        f"{self.last_path} is complete; exiting with status 75 (run again with resume=auto)")
+            what = "interrupted (Ctrl-C)" if name == "SIGINT" else f"preempted by {name}"
+            log.warning(f"{what} after global step {self.global_step}: checkpoint {self.last_path} is complete; "
+                        f"exiting with status {exit_status(name)} (continue with resume=auto)")
             if self.requeue:
                 log.warning(requeue_slurm_job(self.environ))
         self.close()
@@ -511,12 +523,12 @@ def _collect_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, lo
     objects = {name: obj for name, obj in named.items() if obj is not None}
     for name, obj in extra.items():
         if not _NAME.match(name) or name in _RESERVED or name in named:
-            raise ValueError(f"extra object name {name!r} is not usable; use an identifier other than "
+            raise UserError(f"extra object name {name!r} is not usable; use an identifier other than "
                              f"{', '.join(sorted(_RESERVED | set(named)))}")
         objects[name] = obj
     for name, obj in objects.items():
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise ValueError(f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
+            raise UserError(f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
                              "pass objects with both (a model, optimizer, scheduler, ...) or wrap it in one that has")
     return objects
 
@@ -531,18 +543,18 @@ def _unwrap(model: Any) -> Any:
 def _check_options(every_steps: int, every_seconds: float, keep: int, best_mode: str, readable_by: str,
                    sync_seconds: float, timeout: float, preempt_signals: Sequence[str]) -> None:
     if every_steps < 0 or every_seconds < 0:
-        raise ValueError("every_steps and every_seconds must be >= 0 (0: off)")
+        raise UserError("every_steps and every_seconds must be >= 0 (0: off)")
     if keep < 1:
-        raise ValueError(f"keep={keep} is not valid; keep at least 1 checkpoint")
+        raise UserError(f"keep={keep} is not valid; keep at least 1 checkpoint")
     if best_mode not in ("max", "min"):
-        raise ValueError(f"best_mode={best_mode!r} is not valid; choose max or min")
+        raise UserError(f"best_mode={best_mode!r} is not valid; choose max or min")
     if readable_by not in READABLE_BY:
-        raise ValueError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
+        raise UserError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
     if sync_seconds <= 0 or timeout <= 0:
-        raise ValueError("sync_seconds and timeout must be > 0")
+        raise UserError("sync_seconds and timeout must be > 0")
     unknown = [name for name in preempt_signals if not name.startswith("SIG") or not hasattr(signal, name)]
     if unknown:
-        raise ValueError(f"preempt_signals: {', '.join(unknown)} are not signal names; use e.g. SIGTERM, SIGUSR1")
+        raise UserError(f"preempt_signals: {', '.join(unknown)} are not signal names; use e.g. SIGTERM, SIGUSR1")
 
 
 def _rank_and_size() -> tuple[int, int]:

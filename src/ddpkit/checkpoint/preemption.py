@@ -31,11 +31,16 @@ How ddpkit reacts, cheaply:
    which resume from that checkpoint; with ``checkpoint.requeue`` under Slurm,
    rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` once the checkpoint is complete.
 
-The launcher side: torch's elastic agent handles SIGTERM, SIGINT, SIGHUP and
-SIGQUIT itself: it passes the signal to the workers, waits for them (30 s by
+SIGINT (Ctrl-C) is a preemption signal by default: the same checkpoint, then
+exit status :data:`EXIT_INTERRUPTED` (130) instead of 75, since nobody
+should restart a job its user interrupted. A second Ctrl-C stops at once.
+
+The launcher side: torch's elastic agent handles SIGTERM, SIGHUP and SIGQUIT
+itself: it passes the signal to the workers, waits for them (30 s by
 default, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) and then kills them. ddpkit's
 launcher adds the preemption signals to that list, so a SIGUSR1 sent to the
-launcher reaches the workers too instead of killing the launcher alone.
+launcher reaches the workers too instead of killing the launcher alone; it
+handles SIGINT itself (see :mod:`ddpkit.launch.local`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ import torch.distributed as dist
 
 EXIT_PREEMPTED = 75
 """Exit status of a worker (and of ``ddpkit train``) after a preemption checkpoint: restart me."""
+EXIT_INTERRUPTED = 130
+"""Exit status after a checkpoint made for Ctrl-C (SIGINT): 128 + 2, what shells report for an interrupted command."""
 
 MAX_SYNC_INTERVAL = 100_000
 """Upper bound of K, the steps between two agreements."""
@@ -65,9 +72,14 @@ class Preempted(SystemExit):
     """
 
     def __init__(self, signal_name: str, checkpoint: str):
-        super().__init__(EXIT_PREEMPTED)
+        super().__init__(exit_status(signal_name))
         self.signal_name = signal_name
         self.checkpoint = checkpoint
+
+
+def exit_status(signal_name: str) -> int:
+    """The exit status after a preemption checkpoint for that signal: 130 for Ctrl-C (SIGINT), else 75."""
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 
 def signal_name(signum: int) -> str:
@@ -80,6 +92,9 @@ def signal_name(signum: int) -> str:
 
 class PreemptionSignals:
     """Handlers that record the first preemption signal received; ``close()`` restores the previous ones.
+
+    A second SIGINT (Ctrl-C pressed again while the first one's checkpoint is
+    pending) raises KeyboardInterrupt, as Python's own handler does.
 
     Args:
         names: signal names, e.g. ("SIGTERM", "SIGUSR1").
@@ -101,6 +116,8 @@ class PreemptionSignals:
             signal.siginterrupt(sig, False)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT == self.received:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
         if not self.received:
             self.received = signum
 

@@ -35,6 +35,7 @@ from ddpkit.checkpoint.format import (
     resolve_checkpoint_dir,
     verify_checkpoint,
 )
+from ddpkit.errors import UserError
 
 EXPORT_INFO = "model.json"
 """The file that marks an export folder (written by ``ddpkit export``)."""
@@ -152,7 +153,7 @@ def freeze_parameters(model: nn.Module, prefixes: str) -> tuple[str, ...]:
     for prefix in wanted:
         matches = [name for name in names if name == prefix or name.startswith(prefix + ".")]
         if not matches:
-            raise ValueError(f"freeze={prefix!r} matches no parameter of the model; "
+            raise UserError(f"freeze={prefix!r} matches no parameter of the model; "
                              f"its parameters are: {', '.join(names)}")
         frozen += [name for name in matches if name not in frozen]
     parameters = dict(model.named_parameters())

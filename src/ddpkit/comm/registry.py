@@ -30,6 +30,7 @@ and name the alternatives when not.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from ddpkit.comm import butterfly, dissemination, linear, naive, ops, pairwise, ring, tree
 from ddpkit.comm.ops import ReduceOp
+from ddpkit.errors import UserError
 
 AllReduce = Callable[..., None]
 """``fn(tensor, op=ReduceOp.SUM, group=None)``, reducing ``tensor`` in place."""
@@ -145,12 +147,14 @@ def resolve_allreduce(name: str) -> AllReduce:
     """
     if name not in ALLREDUCE_ALGORITHMS:
         available = ", ".join(available_allreduce_algorithms())
-        raise ValueError(f"unknown all_reduce algorithm {name!r}; choose one of {available}")
+        close = difflib.get_close_matches(name, list(ALLREDUCE_ALGORITHMS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"allreduce={name!r} is not an all_reduce algorithm{hint}; choose one of: {available}")
     if name in _NEEDS_SHM:
         reason = _shm_unavailable_reason()
         if reason is not None:
             available = ", ".join(available_allreduce_algorithms())
-            raise ValueError(f"all_reduce algorithm {name!r} is not available here ({reason}); choose one of {available}")
+            raise UserError(f"all_reduce algorithm {name!r} is not available here ({reason}); choose one of {available}")
     return ALLREDUCE_ALGORITHMS[name]
 
 
@@ -168,10 +172,10 @@ def resolve(collective: str, algorithm: str) -> Callable[..., object]:
         ValueError: unknown collective or algorithm, or an algorithm unavailable here.
     """
     if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+        raise UserError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     if collective == "all_reduce":
         return resolve_allreduce(algorithm)
     algorithms = COLLECTIVES[collective]
     if algorithm not in algorithms:
-        raise ValueError(f"unknown {collective} algorithm {algorithm!r}; choose one of {', '.join(algorithms)}")
+        raise UserError(f"unknown {collective} algorithm {algorithm!r}; choose one of {', '.join(algorithms)}")
     return algorithms[algorithm]

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ddpkit.data.idx import CorruptDataError, map_idx, map_pixels
 from ddpkit.data.sources import DatasetSource, RemoteFile, locate, user_cache_dir
+from ddpkit.errors import UserError
 
 FASHION_MNIST = DatasetSource(
     name="fashion-mnist",
@@ -139,7 +140,7 @@ def load_images(name: str, options: DataOptions, environ: Mapping[str, str] | No
         DataNotFoundError, CorruptDataError: the files are missing or damaged.
     """
     if name not in IMAGE_DATASETS:
-        raise ValueError(f"unknown image dataset {name!r}; choose one of: {', '.join(sorted(IMAGE_DATASETS))}")
+        raise UserError(f"unknown image dataset {name!r}; choose one of: {', '.join(sorted(IMAGE_DATASETS))}")
     return IMAGE_DATASETS[name](options, os.environ if environ is None else environ)
 
 
@@ -164,22 +165,22 @@ def dataset_function(name: str) -> Callable[[], Splits]:
         ValueError: not module:function, or it cannot be imported.
     """
     if ":" not in name:
-        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}, "
+        raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}, "
                          "or give module:function returning (train, test) Datasets")
     module_name, _, attr = name.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"dataset {name!r} cannot be imported ({e}); check the module:function path "
+        raise UserError(f"dataset {name!r} cannot be imported ({e}); check the module:function path "
                          "(the current folder is importable)") from None
 
 
 def _checked(name: str, splits: object) -> Splits:
     if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
-        raise ValueError(f"dataset {name!r} returned {type(splits).__name__}; return a pair (train, test) of Datasets")
+        raise UserError(f"dataset {name!r} returned {type(splits).__name__}; return a pair (train, test) of Datasets")
     for split, data in zip(("train", "test"), splits):
         if isinstance(data, IterableDataset) or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-            raise ValueError(f"dataset {name!r}: the {split} split is a {type(data).__name__}, not a map-style "
+            raise UserError(f"dataset {name!r}: the {split} split is a {type(data).__name__}, not a map-style "
                              "Dataset (__getitem__ and __len__); ddpkit shards by index so that resumes are exact")
     return splits[0], splits[1]
 

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpkit.errors import UserError
+
 _UBYTE = 0x08
 
 
-class CorruptDataError(ValueError):
+class CorruptDataError(UserError):
     """A data file is truncated, corrupt or not of the expected shape."""
 
 

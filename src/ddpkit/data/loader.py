@@ -53,6 +53,7 @@ import torch.utils.data
 from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset, default_collate, get_worker_info
 
 from ddpkit.data.sampler import GlobalBatchSampler
+from ddpkit.errors import UserError
 
 try:
     import numpy as np
@@ -304,7 +305,7 @@ class DataLoader(torch.utils.data.DataLoader):
         multiprocessing_context: Any = None,
     ):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError(
+            raise UserError(
                 "ddpkit.DataLoader needs a map-style Dataset (__getitem__ and __len__); "
                 f"{type(dataset).__name__} is not one, and an IterableDataset cannot be resumed at another "
                 "world size (its order is not a function of the sample index); wrap your data in a map-style Dataset"

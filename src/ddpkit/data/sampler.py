@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ddpkit.errors import UserError
+
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     """The global sample order of ``epoch``: identical on every rank and every world size."""
@@ -86,12 +88,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if rank is None:
             rank = dist.get_rank() if initialized else 0
         if global_batch_size < world_size or global_batch_size % world_size:
-            raise ValueError(
+            raise UserError(
                 f"global batch size {global_batch_size} does not divide among {world_size} workers; "
                 f"use a global_batch_size that is a multiple of {world_size}"
             )
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size}); pass a rank below world_size")
+            raise UserError(f"rank {rank} is not in [0, {world_size}); pass a rank below world_size")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.rank = rank
@@ -238,7 +240,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         ):
             saved, here = state[name], getattr(self, name)
             if saved != here:
-                raise ValueError(
+                raise UserError(
                     f"sampler state was saved with {name}={saved} but this sampler has {name}={here}; "
                     + fix.format(saved)
                 )

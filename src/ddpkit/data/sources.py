@@ -29,6 +29,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ddpkit.errors import UserError
+
 
 @dataclass(frozen=True)
 class RemoteFile:
@@ -54,7 +56,7 @@ class DatasetSource:
     """Folders where system packages install the files."""
 
 
-class DataNotFoundError(FileNotFoundError):
+class DataNotFoundError(UserError, FileNotFoundError):
     """The dataset is in no known folder and could not be downloaded."""
 
 
@@ -157,7 +159,7 @@ def _download_to(url: str, file: RemoteFile, target: Path) -> None:
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != file.md5:
-            raise ValueError(f"checksum mismatch (md5 {digest.hexdigest()}, expected {file.md5})")
+            raise UserError(f"checksum mismatch (md5 {digest.hexdigest()}, expected {file.md5})")
         os.replace(tmp, target / file.name)
     finally:
         if os.path.exists(tmp):

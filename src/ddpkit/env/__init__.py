@@ -3,7 +3,7 @@
     detect_environment(os.environ) -> ClusterEnvironment
 
 asks each source of detect.SOURCES in turn (torchrun, OpenMPI, MPICH/Hydra,
-Slurm, then the one-process fallback) and resolves the first that detects
+Slurm, a multi-host SageMaker job, then the one-process fallback) and resolves the first that detects
 itself. network.gloo_interface_environ chooses gloo's network interface, and
 ports has the port helpers the launchers share.
 """

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddpkit.errors import UserError
+
 
 @dataclass(frozen=True)
 class ClusterEnvironment:
@@ -48,5 +50,5 @@ class ClusterEnvironment:
         return self.num_nodes == 1
 
 
-class InconsistentEnvironment(ValueError):
+class InconsistentEnvironment(UserError):
     """The environment variables of a launcher are missing or contradict each other."""

@@ -8,6 +8,13 @@ it, so the launcher that started the process directly must be asked first:
 - mpirun / mpiexec run inside Slurm allocations and batch scripts, whose
   SLURM_* variables they pass on to their ranks;
 - Slurm tasks (see SlurmEnvironment.detect for what counts as one);
+- a SageMaker training job of several hosts, one process per host. The
+  container is the outermost layer: under the estimator's torch_distributed
+  or mpi distribution the toolkit's torchrun or mpirun started the process
+  and is asked first (mpirun also hands every rank the master's
+  SM_CURRENT_HOST, so SageMaker's variables cannot tell a rank's host there).
+  Inside such a job, MASTER_ADDR defaults to the first host for every source
+  (sagemaker.with_master_addr): where the toolkit's mpirun puts rank 0;
 - local, which always matches: a single process.
 """
 
@@ -19,6 +26,7 @@ from typing import Protocol
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.local import LocalEnvironment
 from ddpkit.env.mpi import MPICHEnvironment, OpenMPIEnvironment
+from ddpkit.env.sagemaker import SageMakerEnvironment, with_master_addr
 from ddpkit.env.slurm import SlurmEnvironment
 from ddpkit.env.torchrun import TorchrunEnvironment
 
@@ -41,6 +49,7 @@ SOURCES: tuple[type[EnvironmentSource], ...] = (
     OpenMPIEnvironment,
     MPICHEnvironment,
     SlurmEnvironment,
+    SageMakerEnvironment,
     LocalEnvironment,
 )
 
@@ -60,5 +69,6 @@ def detect_environment(environ: Mapping[str, str]) -> ClusterEnvironment:
             malformed or contradict each other; the message names the
             variable and the fix.
     """
+    environ = with_master_addr(environ)
     source = next(source for source in SOURCES if source.detect(environ))
     return source.from_env(environ)

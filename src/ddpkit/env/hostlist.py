@@ -36,6 +36,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ddpkit.errors import UserError
+
 MAX_NAMES_PER_RANGE = 65_536
 """Slurm's MAX_RANGE and MAX_PREFIX_CNT (64K): names in one range, and in one bracket group before the last."""
 
@@ -126,11 +128,11 @@ def _split_expressions(hostlist: str) -> list[str]:
     for char in hostlist:
         if char == "[":
             if inside:
-                raise ValueError(f"nested '[' in hostlist {hostlist!r}; brackets hold only numbers and ranges")
+                raise UserError(f"nested '[' in hostlist {hostlist!r}; brackets hold only numbers and ranges")
             inside = True
         elif char == "]":
             if not inside:
-                raise ValueError(f"']' without '[' in hostlist {hostlist!r}")
+                raise UserError(f"']' without '[' in hostlist {hostlist!r}")
             inside = False
         elif (char == "," or char.isspace()) and not inside:
             expressions.append("".join(current))
@@ -138,7 +140,7 @@ def _split_expressions(hostlist: str) -> list[str]:
             continue
         current.append(char)
     if inside:
-        raise ValueError(f"unclosed '[' in hostlist {hostlist!r}")
+        raise UserError(f"unclosed '[' in hostlist {hostlist!r}")
     expressions.append("".join(current))
     return [expression for expression in expressions if expression]
 
@@ -148,7 +150,7 @@ def _parse_group(group: str, hostlist: str, last: bool) -> tuple[_Range, ...]:
     ranges = tuple(_parse_item(item, hostlist) for item in group.split(","))
     # Slurm expands every group but the last into name prefixes, hence its cap there (MAX_PREFIX_CNT).
     if not last and _group_size(ranges) > MAX_NAMES_PER_RANGE:
-        raise ValueError(
+        raise UserError(
             f"bracket group [{group}] in hostlist {hostlist!r} has {_group_size(ranges):,} names, more than "
             f"the {MAX_NAMES_PER_RANGE:,} Slurm allows in a group before the last; Slurm refuses this "
             "hostlist too: split the expression at commas into smaller ones"
@@ -160,12 +162,12 @@ def _parse_item(item: str, hostlist: str) -> _Range:
     """Parse one bracket item, "N" or "N-M", checking Slurm's MAX_RANGE."""
     match = _ITEM.fullmatch(item)
     if match is None:
-        raise ValueError(f"invalid range {item!r} in hostlist {hostlist!r}; expected N or N-M")
+        raise UserError(f"invalid range {item!r} in hostlist {hostlist!r}; expected N or N-M")
     low, high = int(match.group(1)), int(match.group(2) or match.group(1))
     if high < low:
-        raise ValueError(f"range {item!r} in hostlist {hostlist!r} ends below its start")
+        raise UserError(f"range {item!r} in hostlist {hostlist!r} ends below its start")
     if high - low + 1 > MAX_NAMES_PER_RANGE:
-        raise ValueError(
+        raise UserError(
             f"range {item!r} in hostlist {hostlist!r} has {high - low + 1:,} names, more than the "
             f"{MAX_NAMES_PER_RANGE:,} Slurm allows in one range; Slurm refuses this hostlist too: "
             f"split the range into ranges of at most {MAX_NAMES_PER_RANGE:,} names"

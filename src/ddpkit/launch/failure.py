@@ -8,9 +8,10 @@ usually fail *because* it did, for instance in a collective), and prints one
 report. Workers of ddpkit's own launcher also record into a folder the
 launcher names (``DDPKIT_FAILURE_DIR``): the agent's spawn-based workers
 report only the first failed process it happens to find, which may be a
-peer that failed because of the root cause. Errors ddpkit raises for bad input (``ValueError`` and
-``FileNotFoundError`` families) are reported as their one-line message; any
-other exception with its traceback.
+peer that failed because of the root cause. Errors ddpkit raises for bad input
+(:class:`ddpkit.errors.UserError`) are reported as their one-line message;
+any other exception, a ValueError from torch or the user's model included,
+with its traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-USER_ERRORS = (ValueError, FileNotFoundError)
+from ddpkit.errors import UserError
+
 
 FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
 """Environment variable naming the folder where ddpkit's launcher collects its workers' errors."""
@@ -92,7 +94,7 @@ def _record(error: Exception) -> None:
     if getattr(error, "_ddpkit_recorded", False):
         return  # recorded where it happened; a second record would carry a later time
     error._ddpkit_recorded = True  # type: ignore[attr-defined]
-    user_error = isinstance(error, USER_ERRORS)
+    user_error = isinstance(error, UserError)
     message = f"{type(error).__name__}: {error}" if not user_error else str(error)
     stack = "" if user_error else traceback.format_exc()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from ddpkit.errors import UserError
+
 # A host name or address: no whitespace, no "#" (comment), no "=" (option).
 _HOST = re.compile(r"[^\s#=]+")
 
@@ -37,15 +39,15 @@ def render_hostfile(hosts: Sequence[str], slots: int) -> str:
         ValueError: no hosts, a host repeated or not a plain name, or slots < 1.
     """
     if not hosts:
-        raise ValueError("hosts is empty; give at least one host name")
+        raise UserError("hosts is empty; give at least one host name")
     if not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots={slots!r} must be an integer >= 1")
+        raise UserError(f"slots={slots!r} must be an integer >= 1")
     seen: set[str] = set()
     for host in hosts:
         if not _HOST.fullmatch(host):
-            raise ValueError(f"host {host!r} is not a host name or address (no spaces, '#' or '=')")
+            raise UserError(f"host {host!r} is not a host name or address (no spaces, '#' or '=')")
         if host in seen:
-            raise ValueError(f"host {host!r} is listed twice; list each host once and set slots")
+            raise UserError(f"host {host!r} is listed twice; list each host once and set slots")
         seen.add(host)
     return "".join(f"{host} slots={slots}\n" for host in hosts)
 
@@ -77,10 +79,10 @@ def parse_hostfile(text: str) -> list[tuple[str, int]]:
         match = re.search(r"(?:^|\s)slots\s*[=\s]\s*(\S+)", options)
         if match:
             if not match.group(1).isdecimal() or int(match.group(1)) < 1:
-                raise ValueError(f"hostfile line {number}: slots={match.group(1)!r} must be an integer >= 1")
+                raise UserError(f"hostfile line {number}: slots={match.group(1)!r} must be an integer >= 1")
             slots = int(match.group(1))
         if not _HOST.fullmatch(host):
-            raise ValueError(f"hostfile line {number}: {raw.strip()!r} does not start with a host name")
+            raise UserError(f"hostfile line {number}: {raw.strip()!r} does not start with a host name")
         entries.append((host, slots))
     return entries
 

@@ -49,6 +49,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import socket
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -58,11 +59,23 @@ from typing import Any
 # torch is imported inside launch_local: `ddpkit train` starts the worker
 # server (below) before this process imports torch itself.
 from ddpkit.env.ports import free_port
-from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, LaunchError, root_cause, run_reporting_failure
+from ddpkit.errors import UserError
+from ddpkit.launch.failure import (
+    FAILURE_DIR_VARIABLE,
+    LaunchError,
+    WorkerFailure,
+    root_cause,
+    run_reporting_failure,
+)
 
 LOOPBACK = "127.0.0.1"
-AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-"""Signals torch's elastic agent handles by default: passed on to the workers, which are then stopped."""
+AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
+"""Signals torch's elastic agent handles (it also would SIGINT, which ddpkit's launcher handles itself):
+passed on to the workers, which are then stopped."""
+EXIT_INTERRUPTED = 130
+"""A worker's exit status after Ctrl-C (128 + SIGINT)."""
+INTERRUPTED_MARKER = "interrupted"
+"""File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
 
 WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing", "ddpkit.launch.local",
                   "ddpkit.train.run")
@@ -112,7 +125,7 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
         try:
             sock.bind((host, port))
         except OSError:
-            raise ValueError(f"master_port={port} is already in use on {host}; choose another port or master_port=0") from None
+            raise UserError(f"master_port={port} is already in use on {host}; choose another port or master_port=0") from None
 
 
 def _quiet_elastic_logs() -> None:
@@ -197,24 +210,80 @@ def _environ_restored() -> Iterator[None]:
 
 
 def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
-    """A forked worker: the launcher's environment and the platform's default start method, then ``fn``.
+    """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
 
     The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
     the server's environment; they are kept over ``launcher_environ``, the
     launcher's environment at the launch. A variable the agent sets to the
     value the server already had is taken from the launcher.
 
-    The agent's start method becomes a worker's own default; a DataLoader's
-    workers are then forked as under ``python script.py`` or torchrun.
+    In a process group of its own, the worker does not get the terminal's
+    Ctrl-C: the launcher passes on one SIGINT per Ctrl-C (see
+    :class:`_CtrlC`), so a worker can tell the first (checkpoint and stop)
+    from the second (stop now). The agent's start method becomes a worker's
+    own default; a DataLoader's workers are then forked as under ``python
+    script.py`` or torchrun. ``fn`` runs with one failure report
+    (:func:`run_reporting_failure`); a KeyboardInterrupt ends the worker with
+    status 130 and no traceback.
     """
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+    os.setpgrp()
     worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
     os.environ.clear()
     os.environ.update(launcher_environ)
     os.environ.update(worker_variables)
-    multiprocessing.set_start_method(None, force=True)
-    return run_reporting_failure(fn, *args)
+    folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
+    try:
+        if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
+            raise KeyboardInterrupt  # a restart after Ctrl-C: the user asked to stop
+        multiprocessing.set_start_method(None, force=True)
+        result = run_reporting_failure(fn, *args)
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
+    return result
+
+
+class _CtrlC:
+    """The launcher's SIGINT handler: each Ctrl-C is passed on to the workers once.
+
+    The workers take the first as a preemption (finish the step, checkpoint,
+    exit 130) and the second as "stop now". The first also leaves a marker,
+    so that the agent's restarts (``max_restarts``) start nothing more.
+    """
+
+    def __init__(self, failure_dir: str):
+        self.failure_dir = failure_dir
+        self.count = 0
+        """Ctrl-C presses so far."""
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            open(os.path.join(self.failure_dir, INTERRUPTED_MARKER), "w").close()
+            print("\nddpkit: Ctrl-C: the workers finish their step, write a checkpoint and stop "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        elif self.count == 2:
+            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
+        for child in multiprocessing.active_children():  # the agent's workers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
+    """Install :class:`_CtrlC` for SIGINT for the block (main thread only), then restore the previous handler."""
+    handler = _CtrlC(failure_dir)
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: leave SIGINT alone
+        yield handler
+        return
+    try:
+        yield handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
@@ -231,7 +300,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if spec.nproc < 1:
-        raise ValueError(f"nproc={spec.nproc} is not valid; it must be at least 1")
+        raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
     if spec.master_port:
         check_port_free(spec.master_port)
     port = spec.master_port or free_port(LOOPBACK)
@@ -248,15 +317,21 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         monitor_interval=spec.monitor_interval,
         start_method="forkserver",
     )
-    if spec.forward_signals and "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        # torch >= 2.7; older agents handle only their own list.
-        names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in AGENT_SIGNALS)
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # torch >= 2.7; older agents handle only their own list (SIGINT included: Ctrl-C then stops the
+        # workers without a checkpoint).
+        names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in (*AGENT_SIGNALS, "SIGINT"))
         config.signals_to_handle = ",".join(names)
     _quiet_elastic_logs()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with worker_server(), _environ_restored(), _fresh_store_per_restart(spec.max_restarts), \
-                    _environ(FAILURE_DIR_VARIABLE, failure_dir):
+                    _environ(FAILURE_DIR_VARIABLE, failure_dir), _ctrl_c_passed_on(failure_dir) as ctrl_c:
                 return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
         except ChildFailedError as e:
-            raise LaunchError(root_cause(e.failures, failure_dir)) from None
+            failure = root_cause(e.failures, failure_dir)
+            if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:
+                # Whatever a worker died of after Ctrl-C (e.g. the interrupt hit it while it was still
+                # starting), the user asked the job to stop: report that, not a failure.
+                failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
+            raise LaunchError(failure) from None

@@ -83,6 +83,7 @@ import signal
 from dataclasses import dataclass
 
 from ddpkit.env.ports import JOB_PORT_BASE, JOB_PORT_SPAN
+from ddpkit.errors import UserError
 
 LAUNCH_MODES = ("srun", "torchrun", "mpirun")
 """Ways to start the workers, see the module docstring."""
@@ -379,76 +380,76 @@ def _validate(spec: SbatchSpec) -> None:
     for name in ("nodes", "tasks_per_node", "cpus_per_task"):
         value = getattr(spec, name)
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+            raise UserError(f"{name}={value!r} must be an integer >= 1")
     if not isinstance(spec.gpus_per_node, int) or spec.gpus_per_node < 0:
-        raise ValueError(f"gpus_per_node={spec.gpus_per_node!r} must be an integer >= 0")
+        raise UserError(f"gpus_per_node={spec.gpus_per_node!r} must be an integer >= 0")
     if spec.launch_mode not in LAUNCH_MODES:
-        raise ValueError(f"launch_mode={spec.launch_mode!r} is unknown; choose one of: {', '.join(LAUNCH_MODES)}")
+        raise UserError(f"launch_mode={spec.launch_mode!r} is unknown; choose one of: {', '.join(LAUNCH_MODES)}")
     if spec.env_mode not in ENV_MODES:
-        raise ValueError(f"env_mode={spec.env_mode!r} is unknown; choose one of: {', '.join(ENV_MODES)}")
+        raise UserError(f"env_mode={spec.env_mode!r} is unknown; choose one of: {', '.join(ENV_MODES)}")
     for name in ("job_name", "partition", "account", "qos", "output", "error", "project_root"):
         value = getattr(spec, name)
         if value and not _DIRECTIVE_VALUE.fullmatch(value):
-            raise ValueError(f"{name}={value!r} contains whitespace or quotes, which #SBATCH lines cannot hold")
+            raise UserError(f"{name}={value!r} contains whitespace or quotes, which #SBATCH lines cannot hold")
     if not spec.job_name:
-        raise ValueError("job_name is empty; give the job a name")
+        raise UserError("job_name is empty; give the job a name")
     if not spec.output:
-        raise ValueError("output is empty; give a file name such as ddpkit-%j.out")
+        raise UserError("output is empty; give a file name such as ddpkit-%j.out")
     if spec.time:
         _time_limit_seconds(spec.time)
     _validate_environment(spec)
     if spec.nccl_debug and spec.nccl_debug not in NCCL_DEBUG_LEVELS:
-        raise ValueError(f"nccl_debug={spec.nccl_debug!r} is unknown; choose one of: {', '.join(NCCL_DEBUG_LEVELS)}")
+        raise UserError(f"nccl_debug={spec.nccl_debug!r} is unknown; choose one of: {', '.join(NCCL_DEBUG_LEVELS)}")
     if spec.nccl_debug_subsys and not re.fullmatch(r"\^?[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", spec.nccl_debug_subsys):
-        raise ValueError(f"nccl_debug_subsys={spec.nccl_debug_subsys!r} is not a comma-separated list such as INIT,NET")
+        raise UserError(f"nccl_debug_subsys={spec.nccl_debug_subsys!r} is not a comma-separated list such as INIT,NET")
     if spec.stage_data_from:
         for name in ("stage_data_from", "stage_data_to"):
             value = getattr(spec, name)
             if not (_SHELL_PATH.fullmatch(value) and value.startswith(("/", "$"))):
-                raise ValueError(
+                raise UserError(
                     f"{name}={value!r} must be an absolute path without spaces or quotes ($VAR allowed)"
                 )
         if spec.stage_data_key and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", spec.stage_data_key):
-            raise ValueError(f"stage_data_key={spec.stage_data_key!r} is not a config key such as data_dir")
+            raise UserError(f"stage_data_key={spec.stage_data_key!r} is not a config key such as data_dir")
     _validate_preemption(spec)
     if not spec.python:
-        raise ValueError("python is empty; give the workers' Python executable, e.g. python")
+        raise UserError("python is empty; give the workers' Python executable, e.g. python")
     for name in ("modules", "train_args", "command"):
         value = getattr(spec, name)
         if not isinstance(value, tuple) or not all(isinstance(w, str) for w in value):
-            raise ValueError(f"{name}={value!r} must be a tuple of strings")
+            raise UserError(f"{name}={value!r} must be a tuple of strings")
 
 
 def _validate_environment(spec: SbatchSpec) -> None:
     if spec.env_mode == "venv" and not spec.venv:
-        raise ValueError(
+        raise UserError(
             "env_mode='venv' needs venv, the virtual environment directory; or choose modules or apptainer"
         )
     if spec.env_mode == "modules" and not spec.modules:
-        raise ValueError("env_mode='modules' needs at least one module to load; or choose venv or apptainer")
+        raise UserError("env_mode='modules' needs at least one module to load; or choose venv or apptainer")
     if spec.env_mode == "apptainer":
         if not spec.apptainer_image:
-            raise ValueError("env_mode='apptainer' needs apptainer_image, the image file; or choose venv or modules")
+            raise UserError("env_mode='apptainer' needs apptainer_image, the image file; or choose venv or modules")
         if spec.venv:
-            raise ValueError("venv is not used with env_mode='apptainer'; put the Python environment in the image")
+            raise UserError("venv is not used with env_mode='apptainer'; put the Python environment in the image")
     elif spec.apptainer_image:
-        raise ValueError(f"apptainer_image is set but env_mode={spec.env_mode!r}; set env_mode='apptainer'")
+        raise UserError(f"apptainer_image is set but env_mode={spec.env_mode!r}; set env_mode='apptainer'")
 
 
 def _validate_preemption(spec: SbatchSpec) -> None:
     if not isinstance(spec.preempt_grace_seconds, int) or not 0 < spec.preempt_grace_seconds <= 65535:
-        raise ValueError(f"preempt_grace_seconds={spec.preempt_grace_seconds!r} must be an integer in 1..65535")
+        raise UserError(f"preempt_grace_seconds={spec.preempt_grace_seconds!r} must be an integer in 1..65535")
     if not spec.preempt_signal:
         return
     valid = sorted(s.name[3:] for s in signal.Signals if s.name.startswith("SIG") and not s.name.startswith("SIG_"))
     if spec.preempt_signal not in valid or spec.preempt_signal in _UNUSABLE_SIGNALS:
         usable = [s for s in valid if s not in _UNUSABLE_SIGNALS]
-        raise ValueError(
+        raise UserError(
             f"preempt_signal={spec.preempt_signal!r} is not a signal name a shell can trap; "
             f"use USR1 or USR2 (or one of {', '.join(usable)}), without the SIG prefix"
         )
     if spec.time and _time_limit_seconds(spec.time) <= spec.preempt_grace_seconds:
-        raise ValueError(
+        raise UserError(
             f"preempt_grace_seconds={spec.preempt_grace_seconds} is not shorter than time={spec.time!r}; "
             "lengthen the time limit or shorten the grace period"
         )
@@ -458,7 +459,7 @@ def _time_limit_seconds(value: str) -> int:
     """Seconds in a Slurm time limit, or ValueError naming the accepted formats."""
     match = _TIME.fullmatch(value)
     if match is None:
-        raise ValueError(
+        raise UserError(
             f"time={value!r} is not a Slurm time limit; use minutes, minutes:seconds, hours:minutes:seconds, "
             "days-hours, days-hours:minutes or days-hours:minutes:seconds (e.g. 90, 2:00:00, 1-12:00)"
         )
@@ -473,10 +474,10 @@ def _time_limit_seconds(value: str) -> int:
         parts, limits = (second,), (60,)
         seconds = first * 60 + second
     if any(p >= limit for p, limit in zip(parts, limits)):
-        raise ValueError(
+        raise UserError(
             f"time={value!r} has a field out of range: minutes and seconds must be < 60, and hours < 24 after days-"
         )
     if seconds == 0:
-        raise ValueError(f"time={value!r} is zero; give a positive time limit, or none for the partition's")
+        raise UserError(f"time={value!r} is zero; give a positive time limit, or none for the partition's")
     return seconds
 

@@ -102,6 +102,16 @@ def parse_run_command(words: Sequence[str]) -> tuple[RunConfig, ScriptTarget]:
     return config, target
 
 
+def wants_run_help(words: Sequence[str]) -> bool:
+    """True if -h or --help comes before the program (after it, the words are the program's)."""
+    for word in words:
+        if word in ("-h", "--help"):
+            return True
+        if word.startswith("-m") or word.endswith(".py"):
+            return False
+    return False
+
+
 def _split(words: Sequence[str]) -> tuple[list[str], ScriptTarget]:
     # The first word ending in .py, or -m, starts the program's command line:
     # nothing after it is ddpkit's, as with `python [options] script.py args`.

@@ -1,22 +1,29 @@
 """``ddpkit slurm``: write, print or submit the sbatch script of a training job.
 
-Options name the Slurm resources and how to launch; the remaining words
-(bare ``key=value`` words, and everything after ``--``) are the training
-config overrides that every worker's ``python -m ddpkit train`` receives::
+Words are key=value, as for every command: the keys of :class:`SlurmConfig`
+name the Slurm resources and how to launch; any other key=value word is a
+training option that every worker's ``python -m ddpkit train`` receives
+(checked against ``ddpkit train``'s options here, before anything is
+submitted); ``train.KEY=VALUE`` says so explicitly, and every word after
+``--`` is passed on unread (the arguments of ``command=``)::
 
-    ddpkit slurm --nodes 2 --tasks-per-node 4 --gpus-per-node 4 --time 2:00:00 \\
-        --launch torchrun --preempt-signal USR1 model=mlp epochs=5
-    ddpkit slurm ... --output-script train.sbatch    # write it
-    ddpkit slurm ... --submit                        # sbatch it, print the job id
+    ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 \\
+        launch=torchrun preempt_signal=USR1 model=mlp epochs=5
+    ddpkit slurm ... output_script=train.sbatch      # write it
+    ddpkit slurm ... submit=true                     # sbatch it, print the job id
 
 The environment is the virtual environment ddpkit runs from unless
-``--venv``, ``--module`` or ``--apptainer`` says otherwise. See
+``venv``, ``modules`` or ``apptainer`` says otherwise. The former
+``--flag value`` spelling is refused with a line naming the key=value form.
+Every job writes into its own run folder (``runs/<model>-<dataset>/slurm-<job
+id>``, see ``ddpkit train --help``: output_dir), so resubmitting the same
+script starts a new run and a requeued job continues its own. See
 :mod:`ddpkit.launch.sbatch` for what the script does.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -24,144 +31,212 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from ddpkit.command_help import CommandHelp
+from ddpkit.config import ConfigError, check_choice, parse
+from ddpkit.errors import UserError
 from ddpkit.launch.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, render_sbatch
 
-EXIT_USER_ERROR = 2
-SBATCH_MISSING = "sbatch not found: install Slurm's client or run without --submit"
+SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
+NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
+"""Folders that are on each node's own disk on most clusters: other nodes do not see what is there."""
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SbatchSpec)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``ddpkit slurm``."""
-    defaults = SbatchSpec.__dataclass_fields__
-    p = argparse.ArgumentParser(
-        prog="ddpkit slurm",
-        description="Write, print or submit an sbatch script that trains with ddpkit.",
-        epilog="Words after the options (key=value, or anything after --) are passed to `ddpkit train`.",
-    )
-    res = p.add_argument_group("resources")
-    res.add_argument("--nodes", "-N", type=int, default=1, help="number of nodes (default 1)")
-    res.add_argument("--tasks-per-node", "--ntasks-per-node", type=int, default=1, metavar="T",
-                     help="workers per node (default 1)")
-    res.add_argument("--gpus-per-node", type=int, default=0, metavar="G", help="GPUs per node (default 0)")
-    res.add_argument("--cpus-per-task", "-c", type=int, default=1, metavar="C", help="CPU cores per worker (default 1)")
-    res.add_argument("--partition", "-p", default="")
-    res.add_argument("--account", "-A", default="")
-    res.add_argument("--qos", default="")
-    res.add_argument("--time", "-t", default="", help="time limit, e.g. 90 (minutes), 2:00:00, 1-12:00")
-    res.add_argument("--job-name", "-J", default=defaults["job_name"].default)
-    res.add_argument("--output", "-o", default=defaults["output"].default, help="stdout file (%%j: job id)")
-    res.add_argument("--error", "-e", default="", help="stderr file (default: with stdout)")
+@dataclasses.dataclass
+class SlurmConfig:
+    """Options of ``ddpkit slurm``; every field can be set as key=value."""
 
-    run = p.add_argument_group("launch and environment")
-    run.add_argument("--launch", choices=LAUNCH_MODES, default="srun",
-                     help="srun: a task per worker; torchrun: a torchrun per node; mpirun: OpenMPI ranks")
-    run.add_argument("--env", choices=ENV_MODES, default=None,
-                     help="software environment (default: apptainer with --apptainer, modules with only "
-                          "--module, else venv)")
-    run.add_argument("--venv", default="", help="virtual environment to activate (default: the one running ddpkit)")
-    run.add_argument("--module", action="append", default=[], metavar="NAME", help="module to load (repeatable)")
-    run.add_argument("--apptainer", default="", metavar="IMAGE", help="Apptainer image to run every worker in")
-    run.add_argument("--project-root", default="", metavar="DIR", help="where the job runs (default: here)")
-    run.add_argument("--python", default="python", help="Python executable of the workers (default python)")
-    run.add_argument("--command", default="", metavar="CMD",
-                     help="run CMD instead of `python -m ddpkit train`, e.g. 'python my_train.py'")
+    nodes: int = 1
+    """Number of nodes (--nodes)."""
+    tasks_per_node: int = 1
+    """Workers per node: Slurm tasks, torchrun processes or MPI ranks (--ntasks-per-node)."""
+    gpus_per_node: int = 0
+    """GPUs per node (--gpus-per-node); 0 requests none."""
+    cpus_per_task: int = 1
+    """CPU cores per worker (--cpus-per-task)."""
+    partition: str = ""
+    """Partition to run in; empty for the cluster's default."""
+    account: str = ""
+    """Account charged for the job; empty for the user's default."""
+    qos: str = ""
+    """Quality of service; empty for the default."""
+    time: str = ""
+    """Time limit, e.g. 90 (minutes), 2:00:00, 1-12:00; empty for the partition's."""
+    job_name: str = _DEFAULTS["job_name"]
+    """Name shown by squeue."""
+    output: str = _DEFAULTS["output"]
+    """Standard output file, relative to project_root (%j: the job id)."""
+    error: str = ""
+    """Standard error file; empty: with the standard output."""
+    launch: str = "srun"
+    """How workers start: srun (a task per worker), torchrun (one per node) or mpirun (OpenMPI ranks)."""
+    env: str = "auto"
+    """Software environment: venv, modules or apptainer; auto: apptainer with apptainer=, modules with only
+    modules=, else venv."""
+    venv: str = ""
+    """Virtual environment to activate; empty: the one running ddpkit."""
+    modules: str = ""
+    """Comma-separated environment modules to load first, e.g. modules=cuda/12.4,python/3.11."""
+    apptainer: str = ""
+    """Apptainer image every worker runs in."""
+    project_root: str = ""
+    """Folder the job runs in (--chdir); empty: the current folder. Every node must see it."""
+    python: str = "python"
+    """Python executable of the workers, inside the environment."""
+    command: str = ""
+    """Run this instead of `python -m ddpkit train`, e.g. command="python my_train.py"; words after -- follow it."""
+    nccl_debug: str = ""
+    """NCCL_DEBUG: VERSION, WARN, INFO or TRACE; empty leaves it unset."""
+    nccl_debug_subsys: str = ""
+    """NCCL_DEBUG_SUBSYS, e.g. INIT,NET; empty leaves it unset."""
+    stage_data: str = ""
+    """Data folder on shared storage to copy to node-local storage on every node first; empty: no staging."""
+    stage_data_to: str = _DEFAULTS["stage_data_to"]
+    """The node-local copy; $VAR is expanded on the node."""
+    stage_data_key: str = _DEFAULTS["stage_data_key"]
+    """Training option given the node-local path (empty: none)."""
+    preempt_signal: str = ""
+    """Signal the training processes get before the time limit, e.g. USR1; they checkpoint, and the job
+    is requeued."""
+    preempt_grace: int = _DEFAULTS["preempt_grace_seconds"]
+    """Seconds before the time limit that preempt_signal is sent."""
+    requeue: str = "auto"
+    """Make the job requeueable: true, false, or auto (true with preempt_signal)."""
+    output_script: str = ""
+    """Write the script to this file (else it is printed, unless submit=true)."""
+    submit: bool = False
+    """Submit the script with sbatch and print the job id."""
 
-    opt = p.add_argument_group("options")
-    opt.add_argument("--nccl-debug", default="", metavar="LEVEL", help="NCCL_DEBUG: VERSION, WARN, INFO or TRACE")
-    opt.add_argument("--nccl-debug-subsys", default="", metavar="LIST", help="NCCL_DEBUG_SUBSYS, e.g. INIT,NET")
-    opt.add_argument("--stage-data", default="", metavar="DIR", help="copy DIR to node-local storage first")
-    opt.add_argument("--stage-data-to", default=defaults["stage_data_to"].default, metavar="DIR",
-                     help="node-local copy (default %(default)s)")
-    opt.add_argument("--stage-data-key", default=defaults["stage_data_key"].default, metavar="KEY",
-                     help="config key given the node-local path (default %(default)s)")
-    opt.add_argument("--preempt-signal", default="", metavar="SIG",
-                     help="signal the training processes before the time limit, e.g. USR1; then requeue")
-    opt.add_argument("--preempt-grace", type=int, default=defaults["preempt_grace_seconds"].default,
-                     metavar="SECONDS", help="seconds before the time limit (default %(default)s)")
-    opt.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=None,
-                     help="make the job requeueable (default: with --preempt-signal)")
-
-    out = p.add_argument_group("output")
-    out.add_argument("--output-script", default="", metavar="PATH", help="write the script to PATH")
-    out.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
-    p.add_argument("train_args", nargs="*", metavar="key=value", help=argparse.SUPPRESS)
-    return p
+    def __post_init__(self) -> None:
+        check_choice("launch", self.launch, LAUNCH_MODES)
+        check_choice("env", self.env, ("auto", *ENV_MODES))
+        check_choice("requeue", str(self.requeue).lower(), ("auto", "true", "false"))
 
 
-def spec_from_args(args: argparse.Namespace, train_args: Sequence[str]) -> SbatchSpec:
-    """The SbatchSpec that parsed options describe; ValueError if they do not make one."""
-    env_mode = args.env or _infer_env_mode(args)
-    venv = args.venv
+SLURM_HELP = CommandHelp(
+    usage="ddpkit slurm [key=value ...] [training key=value ...] [-- words for command=]",
+    summary="Write, print or submit an sbatch script that trains with ddpkit: #SBATCH resources, the "
+            "environment (venv, modules or Apptainer), the rendezvous, and the launch (srun, torchrun or "
+            "mpirun). Key=value words that are not the options below are training options, checked against "
+            "ddpkit train's (ddpkit train --help); train.KEY=VALUE says so explicitly. Each job trains into its "
+            "own folder runs/<model>-<dataset>/slurm-<job id>.",
+    schema="ddpkit.launch.slurm_cli:SlurmConfig",
+    examples=("ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
+              "ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command=\"python train.py\" submit=true",
+              "ddpkit slurm launch=torchrun preempt_signal=USR1 output_script=train.sbatch"),
+)
+"""What ``ddpkit slurm --help`` shows."""
+
+
+def split_words(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """(ddpkit slurm's words, the training words, the words after ``--``) from the words after ``ddpkit slurm``.
+
+    Raises:
+        ConfigError: a ``--flag`` (the former spelling) before ``--``.
+    """
+    argv = list(argv)
+    head, tail = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own_keys = {field.name for field in dataclasses.fields(SlurmConfig)}
+    own, train = [], []
+    for i, word in enumerate(head):
+        if word.startswith("-"):
+            value = head[i + 1] if i + 1 < len(head) and not head[i + 1].startswith("-") else ""
+            raise ConfigError(_new_spelling(word, value if "=" not in value else ""))
+        key = word.split("=", 1)[0].split(".", 1)[0]
+        if "=" not in word or key in own_keys:
+            own.append(word)  # a YAML file of slurm options, or one of them
+        else:
+            train.append(word.removeprefix("train."))
+    return own, train, tail
+
+
+def _new_spelling(flag: str, following: str) -> str:
+    """The error for a former ``--flag [value]``: the key=value word to write instead."""
+    aliases = {"N": "nodes", "c": "cpus_per_task", "p": "partition", "A": "account", "t": "time", "J": "job_name",
+               "o": "output", "e": "error", "ntasks-per-node": "tasks_per_node", "module": "modules",
+               "no-requeue": "requeue"}
+    name, _, inline = flag.lstrip("-").partition("=")
+    key = aliases.get(name, name.replace("-", "_"))
+    switches = {"submit": "true", "requeue": "true", "no-requeue": "false"}
+    value = switches.get(name) or inline or following or "VALUE"
+    given = flag if name in switches or inline or not following else f"{flag} {following}"
+    return f"ddpkit slurm takes key=value words: write {given} as {key}={value} (ddpkit slurm --help lists them)"
+
+
+def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Sequence[str] = ()) -> SbatchSpec:
+    """The SbatchSpec that the options describe; ``train_args`` are checked as ``ddpkit train``'s, ``unread`` not.
+
+    Raises:
+        UserError: they do not make one (no environment, bad time, ...).
+    """
+    env_mode = config.env if config.env != "auto" else _infer_env_mode(config)
+    venv = config.venv
     if env_mode == "venv" and not venv:
         venv = _running_venv()
         if not venv:
-            raise ValueError("no environment to run in: pass --venv PATH, --module NAME or --apptainer IMAGE")
-    signal_name = args.preempt_signal.upper().removeprefix("SIG")
+            raise UserError("no environment to run in: pass venv=PATH, modules=NAME or apptainer=IMAGE")
+    if not config.command:  # the workers run `ddpkit train`: check its words here, not on the cluster
+        _check_train_words(train_args)
+    signal_name = config.preempt_signal.upper().removeprefix("SIG")
+    requeue = str(config.requeue).lower()
     return SbatchSpec(
-        job_name=args.job_name,
-        nodes=args.nodes,
-        tasks_per_node=args.tasks_per_node,
-        gpus_per_node=args.gpus_per_node,
-        cpus_per_task=args.cpus_per_task,
-        partition=args.partition,
-        account=args.account,
-        qos=args.qos,
-        time=args.time,
-        output=args.output,
-        error=args.error,
-        launch_mode=args.launch,
-        env_mode=env_mode,
-        venv=_absolute(venv),
-        modules=tuple(args.module),
-        apptainer_image=_absolute(args.apptainer),
-        project_root=_absolute(args.project_root or os.getcwd()),
-        nccl_debug=args.nccl_debug.upper(),
-        nccl_debug_subsys=args.nccl_debug_subsys,
-        stage_data_from=_absolute(args.stage_data),
-        stage_data_to=args.stage_data_to,
-        stage_data_key=args.stage_data_key,
-        preempt_signal=signal_name,
-        preempt_grace_seconds=args.preempt_grace,
-        requeue=bool(signal_name) if args.requeue is None else args.requeue,
-        train_args=tuple(train_args),
-        python=args.python,
-        command=tuple(shlex.split(args.command)),
+        job_name=config.job_name, nodes=config.nodes, tasks_per_node=config.tasks_per_node,
+        gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task, partition=config.partition,
+        account=config.account, qos=config.qos, time=str(config.time), output=config.output, error=config.error,
+        launch_mode=config.launch, env_mode=env_mode, venv=_absolute(venv),
+        modules=tuple(m.strip() for m in config.modules.split(",") if m.strip()),
+        apptainer_image=_absolute(config.apptainer), project_root=_absolute(config.project_root or os.getcwd()),
+        nccl_debug=config.nccl_debug.upper(), nccl_debug_subsys=config.nccl_debug_subsys,
+        stage_data_from=_absolute(config.stage_data), stage_data_to=config.stage_data_to,
+        stage_data_key=config.stage_data_key, preempt_signal=signal_name,
+        preempt_grace_seconds=config.preempt_grace,
+        requeue=bool(signal_name) if requeue == "auto" else requeue == "true",
+        train_args=(*train_args, *unread), python=config.python, command=tuple(shlex.split(config.command)),
     )
+
+
+def _check_train_words(words: Sequence[str]) -> None:
+    from ddpkit.cli import parse_train_config
+
+    try:
+        parse_train_config(words)
+    except ConfigError as e:
+        raise ConfigError(f"training option: {e}") from None
+
+
+def node_local_warnings(spec: SbatchSpec) -> list[str]:
+    """Warnings for paths the job needs on every node that are on one node's own disk."""
+    paths = {"project_root (the job's --chdir)": spec.project_root, "venv": spec.venv,
+             "apptainer": spec.apptainer_image}
+    return [f"warning: {name} {path} is node-local on most clusters: the other nodes (and this one, "
+            "in a later job) may not see it; use a folder on shared storage"
+            for name, path in paths.items() if path and (path + "/").startswith(NODE_LOCAL_PREFIXES)]
 
 
 def main(argv: Sequence[str]) -> int:
     """Run ``ddpkit slurm`` with argv (the words after "slurm").
 
-    Args:
-        argv: Options, then training overrides (bare key=value words or
-            anything after ``--``).
-
     Returns:
-        0 on success, 2 for bad input or a missing sbatch, sbatch's status
-        when it fails.
+        0 on success, sbatch's status when it fails.
+
+    Raises:
+        UserError: bad input, or sbatch missing with submit=true.
     """
-    argv = list(argv)
-    head, tail = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = build_parser()
-    try:
-        args = parser.parse_intermixed_args(head)
-    except SystemExit as e:  # argparse has printed usage and the error
-        return int(e.code or 0)
-    try:
-        spec = spec_from_args(args, [*args.train_args, *tail])
-    except ValueError as e:
-        print(f"ddpkit slurm: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    own, train, unread = split_words(argv)
+    config = parse(SlurmConfig, own)
+    spec = spec_from_config(config, train, unread)
+    for warning in node_local_warnings(spec):
+        print(warning, file=sys.stderr)
     script = render_sbatch(spec)
-    if args.output_script:
-        with open(args.output_script, "w") as f:
+    if config.output_script:
+        with open(config.output_script, "w") as f:
             f.write(script)
-        os.chmod(args.output_script, 0o755)
-        print(f"wrote {args.output_script}", file=sys.stderr)
-    if args.submit:
+        os.chmod(config.output_script, 0o755)
+        print(f"wrote {config.output_script}", file=sys.stderr)
+    if config.submit:
         _make_log_folders(spec)
-        return _submit(script, args.output_script)
-    if not args.output_script:
+        return _submit(script, config.output_script)
+    if not config.output_script:
         sys.stdout.write(script)
     return 0
 
@@ -170,8 +245,7 @@ def _submit(script: str, path: str) -> int:
     """sbatch the script (the written file, else on stdin) and print the job id."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        print(f"ddpkit slurm: error: {SBATCH_MISSING}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        raise UserError(SBATCH_MISSING)
     command = [sbatch, "--parsable", *([path] if path else [])]
     result = subprocess.run(command, input=None if path else script, capture_output=True, text=True)
     if result.returncode != 0:
@@ -191,10 +265,10 @@ def _make_log_folders(spec: SbatchSpec) -> None:
             os.makedirs(os.path.join(spec.project_root, folder), exist_ok=True)
 
 
-def _infer_env_mode(args: argparse.Namespace) -> str:
-    if args.apptainer:
+def _infer_env_mode(config: SlurmConfig) -> str:
+    if config.apptainer:
         return "apptainer"
-    if args.module and not args.venv:
+    if config.modules and not config.venv:
         return "modules"
     return "venv"
 
@@ -208,7 +282,3 @@ def _absolute(path: str) -> str:
     # Paths are resolved where the script is written; the job may run elsewhere.
     # $VAR paths are left for the batch shell.
     return os.path.abspath(os.path.expanduser(path)) if path and not path.startswith("$") else path
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from ddpkit.config import TASKS
+from ddpkit.errors import UserError
 
 
 
@@ -54,7 +55,7 @@ def register_model(
         ValueError: ``task`` is not one of TASKS.
     """
     if task not in TASKS:
-        raise ValueError(f"task={task!r} is not valid; choose one of: {', '.join(TASKS)}")
+        raise UserError(f"task={task!r} is not valid; choose one of: {', '.join(TASKS)}")
 
     def add(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
         MODELS[name] = ModelSpec(name, build, task, dict(recipe or {}))
@@ -73,7 +74,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if ":" in name and name not in MODELS:
         return _import_model(name)
     if name not in MODELS:
-        raise ValueError(
+        raise UserError(
             f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))}, or give module:function"
         )
     return MODELS[name]
@@ -84,7 +85,7 @@ def _import_model(path: str) -> ModelSpec:
     try:
         build = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"model {path!r} cannot be imported ({e}); check the module:function path") from None
+        raise UserError(f"model {path!r} cannot be imported ({e}); check the module:function path") from None
     registered = next((spec for spec in MODELS.values() if spec.build is build), None)
     return registered or ModelSpec(path, build, "classification")
 

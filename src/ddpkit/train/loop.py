@@ -79,7 +79,8 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.module = unwrap_model(self.model)
-        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process)
+        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, logger=self.cfg.logger,
+                                     config=to_dict(self.cfg))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
         sync = gradient_sync(self.model)
         self.grad_sync = sync.mode if sync is not None else "none"
@@ -139,8 +140,7 @@ class Trainer:
         bar = self._progress_bar()
         running = torch.zeros((), device=self.ctx.device)
         window_samples, window_start = 0, time.perf_counter()
-        start = time.perf_counter()
-        saving = self.checkpointer.save_seconds if self.checkpointer is not None else 0.0
+        clock = _TrainClock(state, self.checkpointer)
         try:
             for batch in loader:
                 running += self.train_step(batch)
@@ -151,12 +151,12 @@ class Trainer:
                 if state.global_step % cfg.log_every == 0:
                     window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
                 if self.checkpointer is not None:
+                    clock.update()  # a checkpoint written now holds the train time up to this step
                     self.checkpointer.step()
                 if cfg.max_steps and state.global_step >= cfg.max_steps and loader.step_in_epoch < loader.steps_per_epoch:
                     raise StopTraining(f"max_steps={cfg.max_steps} reached")
         finally:  # also when training stops mid-epoch
-            spent_saving = (self.checkpointer.save_seconds if self.checkpointer is not None else 0.0) - saving
-            state.train_time += time.perf_counter() - start - spent_saving
+            clock.update()
             if bar is not None:
                 bar.close()
 
@@ -206,6 +206,9 @@ class Trainer:
         log.info(sync.describe() if sync is not None else "single worker: no gradient synchronisation")
         test: dict[str, float] = {}
         tested_at = -1
+        if self.loader.epoch >= cfg.epochs:
+            log.info(f"this run is finished: all {cfg.epochs} epochs are complete; nothing to train "
+                     "(raise epochs=... to train on, or start a new run without resume)")
         try:
             for epoch in range(self.loader.epoch, cfg.epochs):
                 if cfg.max_steps and self.state.global_step >= cfg.max_steps:
@@ -252,6 +255,22 @@ class Trainer:
         if self.train_loader_for_eval is not None:
             summary["train"] = self.evaluate(self.train_loader_for_eval)
         return summary
+
+
+class _TrainClock:
+    """Keeps ``state.train_time`` up to date during an epoch: time since the epoch began, minus checkpoint saves."""
+
+    def __init__(self, state: TrainState, checkpointer: Checkpointer | None):
+        self.state, self.checkpointer = state, checkpointer
+        self.base, self.start, self.saved = state.train_time, time.perf_counter(), self._save_seconds()
+
+    def _save_seconds(self) -> float:
+        return self.checkpointer.save_seconds if self.checkpointer is not None else 0.0
+
+    def update(self) -> None:
+        """Set the train time to what it is now."""
+        elapsed = time.perf_counter() - self.start - (self._save_seconds() - self.saved)
+        self.state.train_time = self.base + elapsed
 
 
 def _format(metrics: dict[str, float]) -> str:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import torch
 
 from ddpkit.checkpoint.select import RESUME_MODES, check_resume
+from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate
+from ddpkit.distributed import resolve_backend, resolve_device
+from ddpkit.errors import UserError
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
+from ddpkit.train.metrics_file import check_logger
 from ddpkit.train.run import checkpoint_root, data_options
 from ddpkit.train.task import resolve_task
 
@@ -23,20 +27,22 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
     """Validate ``cfg`` for ``world_size`` workers and fetch the dataset once.
 
     Raises:
-        ValueError: unknown model, dataset or task, a batch that does not divide,
-            or sync_batchnorm on the CPU.
+        UserError: an unknown name (model, dataset, task, device, backend, allreduce...), a batch that
+            does not divide, or sync_batchnorm on the CPU.
         DataNotFoundError: the dataset is missing and cannot be downloaded.
         CheckpointError: ``resume`` cannot work with the checkpoints folder.
     """
+    _check_names(cfg)
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
         raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
+    check_logger(cfg.logger)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)
     if cfg.dataset not in dataset_names():
         dataset_function(cfg.dataset)  # importable here, so not N workers fail at once
     batch = global_batch_size(cfg, world_size)
     if batch < world_size or batch % world_size:
-        raise ValueError(
+        raise UserError(
             f"global batch size {batch} does not divide among {world_size} workers; "
             f"use a multiple of {world_size} (batch_size=...) or batch_scope=per_worker"
         )
@@ -46,3 +52,15 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         # Here, once, rather than in N workers at the same time.
         options = data_options(cfg)
         locate(_FILE_DATASETS[cfg.dataset], options.data_dir, options.download, options.mirrors)
+
+
+def _check_names(cfg: TrainConfig) -> None:
+    """The names the config dataclass cannot check alone: device, backend and all_reduce, against this machine.
+
+    (optimizer, precision, grad_sync, task and lr_schedule are checked when the config is parsed; model and
+    dataset by check_before_launch.)
+    """
+    device = resolve_device(cfg.device, 0, torch.cuda.is_available())
+    resolve_backend(cfg.backend, device)
+    if cfg.allreduce != "auto":
+        resolve_allreduce(cfg.allreduce)

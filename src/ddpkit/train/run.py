@@ -8,13 +8,17 @@ and its ``resume``. Nothing here reaches past that API.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddpkit import distributed
+from ddpkit.checkpoint.export import export_checkpoint
 from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
 from ddpkit.checkpoint.rng import seed_everything
 from ddpkit.checkpoint.transfer import apply_transfer
@@ -26,6 +30,7 @@ from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import ModelSpec, get_model_spec
 from ddpkit.prepare import prepare_model
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
+from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 from ddpkit.train.schedule import build_scheduler
 from ddpkit.train.task import resolve_task
 
@@ -126,13 +131,16 @@ def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:
                              "training continues, but not as the original run would have")
 
 
-def run_worker(cfg: TrainConfig) -> dict[str, Any]:
+def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
     """Train as one worker of the job this process belongs to; returns the summary.
 
     Works the same under ddpkit's launcher, torchrun, srun, mpirun or alone.
+    With ``export_dir`` (SageMaker's model folder), rank 0 exports the final
+    checkpoint there at the end (see ddpkit.checkpoint.export).
     """
     ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
     try:
+        cfg = _with_run_folder(cfg, ctx)
         log = setup_logging(ctx.rank, ctx.world_size)
         log.info(
             f"{ctx.env.source}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
@@ -147,6 +155,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         trainer.metrics.write("start", world_size=ctx.world_size)
         try:
             summary = trainer.fit()
+            if export_dir:
+                _export_final(trainer, ctx, export_dir)
         finally:
             if trainer.checkpointer is not None:
                 trainer.checkpointer.close()
@@ -166,10 +176,34 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         distributed.shutdown()
 
 
+def _with_run_folder(cfg: TrainConfig, ctx: distributed.Context) -> TrainConfig:
+    """``cfg`` with its run folder; rank 0 chooses it when no launcher of ddpkit's did, the others follow."""
+    if cfg.output_dir:
+        return cfg
+    box = [str(claim_run_folder(plan_run_folder(cfg, os.environ)))] if ctx.is_main_process else [""]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0, device=distributed.control_device())
+    return dataclasses.replace(cfg, output_dir=box[0])
+
+
+def _export_final(trainer: Trainer, ctx: distributed.Context, export_dir: str) -> None:
+    """Export the trained model: a checkpoint of the final step (collective; none is written if
+    the last step has one), then rank 0 writes its export into ``export_dir``."""
+    if trainer.checkpointer is None:
+        get_logger().warning(f"no export to {export_dir}: checkpoints are off (checkpoint.enabled=false)")
+        return
+    trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
+    final = trainer.checkpointer.save("export")
+    if ctx.is_main_process:
+        export_checkpoint(final, export_dir, readable_by=trainer.cfg.checkpoint.readable_by)
+        get_logger().info(f"exported the model of {final.name} to {export_dir}")
+
+
 def _final_line(summary: dict[str, Any]) -> str:
     test = summary["test"]
     quality = f"test accuracy {100 * test['accuracy']:.2f}%" if "accuracy" in test else f"test MSE {test['mse']:.5f}"
     return (
         f"done: {summary['model']} on {summary['dataset']}, {summary['world_size']} worker(s), "
-        f"{quality}, train time {summary['train_time_s']:.2f}s, {summary['samples_per_s']:,.0f} samples/s"
+        f"{quality}, train time {summary['train_time_s']:.2f}s, {summary['samples_per_s']:,.0f} samples/s; "
+        f"run folder {summary['config']['output_dir']}"
     )

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit.config import TASKS
+from ddpkit.errors import UserError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,7 +51,7 @@ class Task:
         if self.name == "reconstruction":
             return inputs
         if target is None:
-            raise ValueError(f"task={self.name} needs (input, target) samples, but the dataset yields inputs only; "
+            raise UserError(f"task={self.name} needs (input, target) samples, but the dataset yields inputs only; "
                              "return (input, target) pairs or use task=reconstruction")
         return target
 
@@ -90,18 +91,18 @@ def resolve_task(task: str, model_task: str, loss: str = "") -> Task:
     """
     name = model_task if task == "auto" else task
     if name not in TASKS:
-        raise ValueError(f"task={name!r} is not valid; choose one of: {', '.join(TASKS)}")
+        raise UserError(f"task={name!r} is not valid; choose one of: {', '.join(TASKS)}")
     return Task(name, _import_loss(loss) if loss else None)
 
 
 def _import_loss(path: str) -> LossFn:
     module_name, _, attr = path.partition(":")
     if not attr:
-        raise ValueError(f"loss={path!r} is not module:function; name a function returning per-sample losses")
+        raise UserError(f"loss={path!r} is not module:function; name a function returning per-sample losses")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"loss {path!r} cannot be imported ({e}); check the module:function path") from None
+        raise UserError(f"loss {path!r} cannot be imported ({e}); check the module:function path") from None
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,5 +111,5 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return batch, None
     if isinstance(batch, (list, tuple)) and batch:
         return batch[0], (batch[1] if len(batch) > 1 else None)
-    raise ValueError(f"a batch of type {type(batch).__name__} is neither a tensor nor (input, target); "
+    raise UserError(f"a batch of type {type(batch).__name__} is neither a tensor nor (input, target); "
                      "make the dataset return (input, target) pairs of tensors")

@@ -1,0 +1,149 @@
+"""``--help`` of every command, generated from the command's config dataclass.
+
+Every option of a command is a field of a dataclass with a type, a default
+and a docstring (the string literal under the field, as in
+:class:`ddpkit.config.TrainConfig`). The help lists them all from the class
+itself, so it cannot drift from what the parser accepts: nested dataclasses
+appear as dotted keys (``checkpoint.every_steps``), and a field that no
+group names still appears, under "other options".
+
+Field docstrings are not kept by Python at run time; :func:`field_docs`
+reads them from the class's source with :mod:`ast`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+HELP_WORDS = ("-h", "--help")
+_WIDTH = 100
+
+
+@dataclass(frozen=True)
+class Option:
+    """One key=value option of a command."""
+
+    key: str
+    """Dotted key, e.g. ``checkpoint.every_steps``."""
+    type: str
+    """The field's annotation as written, e.g. ``int``."""
+    default: Any
+    """The default value."""
+    doc: str
+    """The field's docstring, one paragraph."""
+
+
+@dataclass(frozen=True)
+class CommandHelp:
+    """What ``ddpkit COMMAND --help`` shows."""
+
+    usage: str
+    """The usage line(s), after "usage: "."""
+    summary: str
+    """What the command does, a few sentences."""
+    schema: str = ""
+    """``module:Class`` of the config dataclass (imported only when the help is shown); empty: no options."""
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(title, keys or key prefixes) in display order; options no group names go under "other options"."""
+    positional: tuple[tuple[str, str], ...] = ()
+    """(NAME, meaning) of the words that are not key=value."""
+    examples: tuple[str, ...] = ()
+    """Example command lines."""
+
+
+def wants_help(words: Sequence[str]) -> bool:
+    """True if the words ask for help (-h or --help anywhere)."""
+    return any(word in HELP_WORDS for word in words)
+
+
+def field_docs(schema: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source; {} without source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+    except (OSError, TypeError):  # no source (e.g. a frozen executable)
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for statement, following in zip(body, body[1:]):
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[statement.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def options(schema: type, prefix: str = "") -> list[Option]:
+    """Every option of a config dataclass, nested dataclasses expanded to dotted keys, in field order."""
+    docs = field_docs(schema)
+    found = []
+    for field in dataclasses.fields(schema):
+        factory = field.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            found += options(factory, f"{prefix}{field.name}.")  # type: ignore[arg-type]
+            continue
+        default = factory() if factory is not dataclasses.MISSING else field.default
+        annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        found.append(Option(prefix + field.name, annotation, default, docs.get(field.name, "")))
+    return found
+
+
+def load_schema(path: str) -> type:
+    """The class named by ``module:Class``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def render_help(help: CommandHelp) -> str:
+    """The text of ``--help``: usage, summary, positional words, options by group, examples."""
+    parts = [f"usage: {help.usage}", "", _wrap(help.summary, "")]
+    if help.positional:
+        parts += ["", "arguments:"] + [_entry(name, meaning) for name, meaning in help.positional]
+    if help.schema:
+        for title, group in _grouped(options(load_schema(help.schema)), help.groups):
+            parts += ["", f"{title}:"] + [_option_entry(option) for option in group]
+    if help.examples:
+        parts += ["", "examples:"] + [f"  {line}" for line in help.examples]
+    return "\n".join(parts)
+
+
+def _grouped(found: list[Option], groups: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[str, list[Option]]]:
+    if not groups:
+        return [("options (key=value)", found)]
+    result: list[tuple[str, list[Option]]] = [(title, []) for title, _ in groups]
+    other: list[Option] = []
+    for option in found:
+        index = next((i for i, (_, keys) in enumerate(groups) if _in_group(option.key, keys)), None)
+        (other if index is None else result[index][1]).append(option)
+    return [(title, group) for title, group in result if group] + ([("other options", other)] if other else [])
+
+
+def _in_group(key: str, keys: Sequence[str]) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def _option_entry(option: Option) -> str:
+    return _entry(f"{option.key}=<{option.type}>   (default: {_show(option.default)})", option.doc)
+
+
+def _entry(name: str, text: str) -> str:
+    return f"  {name}\n" + _wrap(text, "      ")
+
+
+def _wrap(text: str, indent: str) -> str:
+    return textwrap.fill(text, _WIDTH, initial_indent=indent, subsequent_indent=indent)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value) if value == "" or " " in value else value
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) or "(none)"
+    return str(value)

@@ -1,0 +1,91 @@
+"""Where a run writes: a folder of its own, so that runs never collide.
+
+Without ``output_dir``, every fresh run gets a new folder
+``runs/<model>-<dataset>/<date-time>`` (in a Slurm job ``slurm-<job id>``,
+the same for every rank and for a requeued job), and ``runs/latest`` points
+to it. ``resume=auto`` without ``output_dir`` continues the newest run of the
+same model and dataset (and starts a new one when there is none); so does a
+restarted job (torchrun's ``max_restarts``, a Slurm requeue).
+
+The folder is planned (:func:`plan_run_folder`, no side effects, so that
+bad input leaves nothing behind) and then claimed (:func:`claim_run_folder`:
+created, ``runs/latest`` pointed to it). Every rank must write into the same
+folder: the launcher plans it once before starting local workers; workers of
+another launcher take the folder rank 0 chose (see ``ddpkit.train.run``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ddpkit.checkpoint.select import restart_count
+from ddpkit.config import TrainConfig
+
+RUNS_DIR = Path("runs")
+"""Where the run folders go, relative to the current folder."""
+LATEST = RUNS_DIR / "latest"
+"""Symbolic link to the newest run's folder."""
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | None = None) -> Path:
+    """The folder of the run ``cfg`` describes (``cfg.output_dir`` when given); nothing is created."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    series = RUNS_DIR / f"{_safe(cfg.model)}-{_safe(cfg.dataset)}"
+    job = environ.get("SLURM_JOB_ID", "")
+    if job:  # every rank, and the requeued job, agree on it without talking
+        return series / f"slurm-{_safe(job)}"
+    if cfg.resume == "auto" or restart_count(environ):
+        newest = newest_run(series)
+        if newest is not None:
+            return newest
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    folder, n = series / stamp, 1
+    while folder.exists():  # two runs started within the same second
+        n += 1
+        folder = series / f"{stamp}-{n}"
+    return folder
+
+
+def newest_run(series: Path) -> Path | None:
+    """The newest run folder of ``runs/<model>-<dataset>`` (by name: the names are times), if any."""
+    if not series.is_dir():
+        return None
+    runs = sorted((p for p in series.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: _order(p.name))
+    return runs[-1] if runs else None
+
+
+def claim_run_folder(folder: Path) -> Path:
+    """Create ``folder`` and, for a folder under runs/, point ``runs/latest`` to it; returns ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if folder.resolve().is_relative_to(RUNS_DIR.resolve()) and folder.resolve() != LATEST.resolve():
+        _point_latest(folder)
+    return folder
+
+
+def _point_latest(folder: Path) -> None:
+    if LATEST.exists() and not LATEST.is_symlink():
+        return  # a real folder of that name (an older ddpkit's runs/latest): leave it alone
+    # A new link under a temporary name, renamed over the old one: readers see the old or the new run, never none.
+    temporary = RUNS_DIR / f".latest-{os.getpid()}"
+    temporary.unlink(missing_ok=True)
+    temporary.symlink_to(os.path.relpath(folder.resolve(), RUNS_DIR.resolve()))
+    os.replace(temporary, LATEST)
+
+
+def _order(name: str) -> tuple[str, int]:
+    # "20261124-071900-2" after "20261124-071900"; slurm-<id> by id.
+    stamp, _, n = name.rpartition("-")
+    if n.isdigit() and len(n) < 4 and stamp:
+        return stamp, int(n)
+    return name, 1
+
+
+def _safe(name: str) -> str:
+    """A name usable in a path: my_models:build -> my_models.build."""
+    return _UNSAFE.sub(".", name).strip(".") or "run"

@@ -1,0 +1,105 @@
+"""``--help`` of every command, generated from the config dataclasses; ``--version``; the top-level usage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ddpkit import __version__
+from ddpkit.cli import COMMANDS, main
+from ddpkit.bench.cli import KINDS
+from ddpkit.command_help import field_docs, load_schema
+from ddpkit.config import TrainConfig
+
+
+def help_text(capsys, *words: str) -> str:
+    assert main(list(words)) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    return out
+
+
+def dotted_fields(schema: type, prefix: str = "") -> list[tuple[str, type, str]]:
+    """(dotted key, owning class, field name) of every leaf field, walked here independently of the help code."""
+    found = []
+    for field in dataclasses.fields(schema):
+        nested = field.default_factory if field.default_factory is not dataclasses.MISSING else None
+        if nested is not None and dataclasses.is_dataclass(nested):
+            found += dotted_fields(nested, f"{prefix}{field.name}.")
+        else:
+            found.append((prefix + field.name, schema, field.name))
+    return found
+
+
+def test_train_help_names_every_config_field_with_its_default_and_docstring(capsys):
+    text = help_text(capsys, "train", "--help")
+    fields = dotted_fields(TrainConfig)
+    assert len(fields) > 50 and any(key.startswith("checkpoint.") for key, _, _ in fields)
+    for key, owner, name in fields:
+        assert f"\n  {key}=<" in text, f"{key} is missing from ddpkit train --help"
+        doc = field_docs(owner)[name]
+        assert doc.split()[0] in text.split(f"\n  {key}=<", 1)[1].split("\n  ")[1], key
+    assert "(default: 0.001)" in text.split("\n  lr=<float>", 1)[1].splitlines()[0]
+    assert "(default: SIGTERM,SIGINT,SIGUSR1,SIGUSR2)" in text
+    for group in ("model and data:", "optimization:", "distributed:", "checkpoints:", "output:"):
+        assert f"\n{group}\n" in text
+    assert "other options:" not in text  # every field is in a group
+
+
+def test_a_field_in_no_group_is_still_listed(capsys):
+    from ddpkit.command_help import CommandHelp, render_help
+
+    text = render_help(CommandHelp(usage="x", summary="y", schema="ddpkit.config:CheckpointConfig",
+                                   groups=(("cadence", ("every_steps", "every_seconds")),)))
+    assert "\ncadence:\n  every_steps=<int>" in text
+    assert "\nother options:\n  enabled=<bool>" in text and "  requeue=<bool>" in text
+
+
+@pytest.mark.parametrize("words", [
+    *[[name, flag] for name in COMMANDS for flag in ("--help", "-h")],
+    *[["bench", kind, "--help"] for kind in KINDS],
+    ["train", "epochs=3", "--help"],
+    ["run", "nproc=2", "--help"],
+])
+def test_every_command_has_help(capsys, words):
+    text = help_text(capsys, *words)
+    assert text.startswith("usage: ddpkit ")
+    name = words[0] if words[0] != "bench" or words[1].startswith("-") else f"bench {words[1]}"
+    assert text.startswith(f"usage: ddpkit {name}")
+
+
+@pytest.mark.parametrize("name", [name for name, command in COMMANDS.items() if command.help.schema])
+def test_each_help_lists_every_field_of_its_schema(capsys, name):
+    text = help_text(capsys, name, "--help")
+    for key, _, _ in dotted_fields(load_schema(COMMANDS[name].help.schema)):
+        assert f"\n  {key}=<" in text, f"{key} is missing from ddpkit {name} --help"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_benchmark_help_lists_every_field(capsys, kind):
+    text = help_text(capsys, "bench", kind, "--help")
+    for key, _, _ in dotted_fields(load_schema(KINDS[kind].schema)):
+        assert f"\n  {key}=<" in text, f"{key} is missing from ddpkit bench {kind} --help"
+
+
+def test_help_after_the_script_belongs_to_the_script():
+    from ddpkit.launch.script import wants_run_help
+
+    assert wants_run_help(["nproc=2", "-h"])
+    assert not wants_run_help(["nproc=2", "train.py", "--help"])
+    assert not wants_run_help(["-m", "pkg.mod", "--help"])
+
+
+def test_version_and_usage(capsys):
+    assert help_text(capsys, "--version") == f"ddpkit {__version__}\n"
+    usage = help_text(capsys, "--help")
+    assert help_text(capsys) == usage
+    for name, command in COMMANDS.items():
+        assert f"\n  {name:<12} {command.brief}\n" in usage
+
+
+def test_unknown_command_suggests_the_close_one(capsys):
+    assert main(["trian"]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("error: unknown command 'trian' (did you mean 'train'?); choose one of: train, run,")

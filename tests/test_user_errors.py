@@ -1,0 +1,97 @@
+"""User errors are one line and exit 2 before any worker starts; any other exception shows its traceback and rank."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.cli import main
+from ddpkit.config import ConfigError
+from ddpkit.data.idx import CorruptDataError
+from ddpkit.data.sources import DataNotFoundError
+from ddpkit.env.base import InconsistentEnvironment
+from ddpkit.errors import UserError
+from ddpkit.launch.failure import run_reporting_failure
+from tests.cli_runner import run_ddpkit
+
+TINY = ["dataset=synthetic", "synthetic_samples=256", "batch_size=32", "epochs=1", "progress=false"]
+
+
+@pytest.mark.parametrize("error", [ConfigError, CheckpointError, CorruptDataError, DataNotFoundError,
+                                   InconsistentEnvironment])
+def test_ddpkit_s_errors_for_the_user_share_one_base_class(error):
+    assert issubclass(error, UserError)
+
+
+def _fail(error: Exception) -> None:
+    raise error
+
+
+def test_a_user_error_is_reported_as_its_line_and_any_other_with_its_traceback(capsys, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        run_reporting_failure(_fail, UserError("epochs=0 is not valid; it must be > 0"))
+    assert capsys.readouterr().err == "error: rank 1: epochs=0 is not valid; it must be > 0\n"
+
+    with pytest.raises(SystemExit):
+        run_reporting_failure(_fail, ValueError("mat1 and mat2 shapes cannot be multiplied"))
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 1: ValueError: mat1 and mat2 shapes cannot be multiplied\nTraceback")
+    assert "in _fail" in err
+
+
+@pytest.mark.parametrize("words, message", [
+    (["allreduce=rign"], "error: allreduce='rign' is not an all_reduce algorithm (did you mean 'ring'?); "
+                         "choose one of: builtin,"),
+    (["backend=mpi"], "error: backend='mpi' is not valid; choose one of: auto, gloo, nccl, cpu:gloo,cuda:nccl"),
+    (["device=tpu"], "error: device='tpu' is not valid; choose one of: auto, cpu, cuda"),
+    (["optimizer=lamb"], "error: optimizer='lamb' is not valid; choose one of: adam, sgd"),
+    (["lr_schedule=linear"], "error: lr_schedule='linear' is not valid; choose one of:"),
+    (["model=resnet"], "error: unknown model 'resnet'"),
+    (["dataset=cifar"], "error: unknown dataset 'cifar'"),
+    (["batch_size=33"], "error: global batch size 33 does not divide among 2 workers"),
+    (["sync_batchnorm=true", "device=cpu"], "error: sync_batchnorm=true needs CUDA devices"),
+])
+def test_bad_names_and_combinations_fail_before_any_worker_starts(tmp_path, monkeypatch, capsys, words, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "nproc=2", *TINY, *words]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert "[rank" not in err + out  # no worker ever logged
+    assert not (tmp_path / "runs").exists()  # and nothing was created
+
+
+def test_the_command_itself_exits_2_with_one_line_for_a_bad_name(tmp_path):
+    out = run_ddpkit("train", "nproc=2", *TINY, "allreduce=rign", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: allreduce='rign' is not an all_reduce algorithm") \
+        and out.stderr.count("\n") == 1, out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.slow
+def test_a_value_error_in_the_user_s_model_shows_its_traceback_and_rank(tmp_path):
+    (tmp_path / "broken_model.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Broken(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = nn.Linear(784, 10)
+
+            def forward(self, x):
+                raise ValueError("my model cannot take a batch of " + str(tuple(x.shape)))
+
+        def build():
+            return Broken()
+    """))
+    out = run_ddpkit("train", "nproc=2", *TINY, "model=broken_model:build", cwd=tmp_path, timeout=180)
+    assert out.returncode == 1, out.stderr
+    assert "error: worker rank " in out.stderr and "failed (exit code 1): ValueError: my model cannot take a batch " \
+        "of (16, 1, 28, 28)" in out.stderr, out.stderr
+    assert "Traceback (most recent call last)" in out.stderr and "broken_model.py" in out.stderr, out.stderr
+    assert 'raise ValueError("my model cannot take a batch of "' in out.stderr, out.stderr
