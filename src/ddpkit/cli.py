@@ -137,6 +137,17 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
 
 def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
+    from ddpkit.env.detect import detect_environment
+    from ddpkit.launch.local import worker_server
+
+    nproc = peek(args, "nproc") or "1"
+    if not (nproc.isdigit() and int(nproc) > 1 and detect_environment(os.environ).source == "local"):
+        return _train(args)
+    with worker_server():  # its imports run beside this process's own (parsing the config imports torch)
+        return _train(args)
+
+
+def _train(args: Sequence[str]) -> int:
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.detect import detect_environment
     from ddpkit.env.sagemaker import key_value_words, model_dir, train_words

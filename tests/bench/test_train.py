@@ -60,3 +60,35 @@ def test_smoke_run_writes_times_ratios_and_what_auto_chose(tmp_path):
     assert ratios["T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"] == \
         pytest.approx(results[OWN_SAMPLES]["train_time_s"]["median"] / results[OWN_TORCH]["train_time_s"]["median"])
     assert "| ratio (medians, same run) | value |" in json_path.with_suffix(".md").read_text()
+
+
+def test_restated_targets_compare_in_their_direction():
+    from ddpkit.bench.train import T2_W1, T2_W2, T5_GAP, _target
+
+    assert _target(T2_W2, 0.9)["met"] and not _target(T2_W2, 0.8)["met"]
+    assert _target(T2_W1, 1.1)["met"] and not _target(T2_W1, 1.2)["met"]
+    assert _target(T5_GAP, 0.1) == {"value": 0.1, "target": "<= 0.2", "met": True}
+
+
+@pytest.mark.slow
+def test_smoke_run_reports_t2_and_t5(tmp_path):
+    from ddpkit.bench.train import T2_W1, T2_W2, T5_GAP, T5_ONE, T5_TWO
+
+    out = run_ddpkit("bench", "train", "smoke=true", f"output_dir={tmp_path}", "workers=[1]", "own_loop=false",
+                     "t2=true", "t5_seeds=[3]", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (json_path,) = tmp_path.glob("train-mlp-*-smoke.json")
+    report = json.loads(json_path.read_text())
+    t2 = report["t2"]["stats"]
+    assert report["t2"]["targets"][T2_W2]["value"] == pytest.approx(t2["w2_ddpkit"]["median"] / t2["w2_ceiling"]["median"])
+    assert report["t2"]["targets"][T2_W1]["value"] == pytest.approx(
+        t2["w1_ddpkit_step"]["median"] / t2["w1_ceiling_step"]["median"])
+    assert all(t2[key]["median"] > 0 for key in t2)
+    t5 = report["t5"]
+    assert t5["seeds"] == [3] and all(len(values) == 1 for values in t5["accuracy"].values())
+    # One seed, same batches on 1 and 2 workers and in the bare loop: the same model, the same accuracy.
+    (one,), (two,), (bare,) = t5["accuracy"].values()
+    assert one == two == pytest.approx(bare, abs=1e-6)  # (the bare loop's mean is float32)
+    assert t5["targets"][T5_ONE]["value"] == pytest.approx(100 * t5["accuracy"]["ddpkit 1 worker"][0])
+    assert t5["targets"][T5_GAP]["value"] == pytest.approx(0.0, abs=1e-4)
+    assert T5_TWO in json_path.with_suffix(".md").read_text()

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch._dynamo  # noqa: F401  # sets TORCHINDUCTOR_CACHE_DIR when first imported: here, not inside a test
 from torch import nn
@@ -72,12 +73,18 @@ class _Signalled(nn.Module):
             self.calls += 1
             if self.calls == self.step and self.first_run and self.mine:
                 if self.target == "group":
-                    os.killpg(os.getpgid(os.getppid()), self.signal)
+                    os.killpg(os.getpgid(_launcher_pid()), self.signal)
                 else:
-                    os.kill(os.getppid() if self.target == "parent" else os.getpid(), self.signal)
+                    os.kill(_launcher_pid() if self.target == "parent" else os.getpid(), self.signal)
             if self.sleep:
                 time.sleep(self.sleep)
         return self.inner(x)
+
+
+def _launcher_pid() -> int:
+    # ddpkit's launcher forks its workers from a server process it started: the launcher is the server's parent.
+    parent = psutil.Process().parent()
+    return parent.parent().pid if "forkserver" in " ".join(parent.cmdline()) else parent.pid
 
 
 def signalled() -> nn.Module:

@@ -3,7 +3,9 @@
 Same model, optimizer, global batches, in-memory tensors and batch
 indexing (``index_select``) as ``ddpkit train`` with one worker, and nothing
 else: no process group, no sampler object, no metrics, no checkpoints. Run as ``python -m ddpkit.bench.bare_loop key=value ...``
-(the TrainConfig words); prints one JSON line with the train time.
+(the TrainConfig words); prints one JSON line with the train time, the
+steps taken and the test accuracy. ``max_steps`` stops it after that many
+steps (``ddpkit bench train``'s T2 rows match another run's step count).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ddpkit.train.run import data_options
 
 
 def bare_loop(words: list[str]) -> dict[str, float]:
-    """Train as a textbook loop and return train time and test accuracy."""
+    """Train as a textbook loop and return train time, steps, samples and test accuracy."""
     cfg = parse_train_config(words)
     torch.set_num_threads(cfg.threads or default_num_threads(1))
     spec = get_model_spec(cfg.model)
@@ -37,18 +39,22 @@ def bare_loop(words: list[str]) -> dict[str, float]:
     optimizer = build_optimizer(cfg, model.parameters(), 1)
     # Pixels in [0, 1] once, as the dataset hands them to ddpkit's loader.
     images, labels = data.train_images.float().div_(255.0), data.train_labels
+    steps, samples = 0, 0
     start = time.perf_counter()
     for epoch in range(cfg.epochs):
         order = epoch_permutation(len(labels), cfg.seed, epoch)
         for batch in order.split(cfg.batch_size):
+            if cfg.max_steps and steps == cfg.max_steps:
+                break
             loss = F.cross_entropy(model(images.index_select(0, batch)), labels.index_select(0, batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            steps, samples = steps + 1, samples + len(batch)
     train_time = time.perf_counter() - start
     with torch.no_grad():
         accuracy = (model(data.test_images.float() / 255.0).argmax(1) == data.test_labels).float().mean().item()
-    return {"train_time_s": train_time, "test_accuracy": accuracy}
+    return {"train_time_s": train_time, "steps": steps, "samples": samples, "test_accuracy": accuracy}
 
 
 if __name__ == "__main__":

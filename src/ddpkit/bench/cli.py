@@ -30,6 +30,12 @@ KINDS = {
                 "alpha-beta model projected to other networks.",
         schema="ddpkit.bench.scaling:ScalingBenchConfig",
         examples=("ddpkit bench scaling", "ddpkit bench scaling workload=W3 workers=[1,2,4] nodes=[1]")),
+    "startup": CommandHelp(
+        usage="ddpkit bench startup [key=value ...]",
+        summary="Time from the command to the first training step, and whole-process wall time, of ddpkit train "
+                "nproc=1 and nproc=2 beside torchrun's bare 2-worker launch, rounds rotated: targets T8 and T9.",
+        schema="ddpkit.bench.startup:StartupBenchConfig",
+        examples=("ddpkit bench startup repeats=5", "ddpkit bench startup smoke=true output_dir=/tmp/out")),
 }
 """Help of each benchmark kind; the kind's code is ``ddpkit.bench.<kind>``."""
 
@@ -38,7 +44,7 @@ BENCH_HELP = CommandHelp(
     summary="Benchmarks, with results written as JSON and Markdown (and a PNG with matplotlib): train (training "
             "time against a bare loop: targets T1, T6, T7), comm (every collective and algorithm over a size "
             "sweep, and ping-pong), scaling (where a workload's step time goes as workers, nodes and all_reduce "
-            "change). ddpkit bench KIND --help lists the options of KIND.",
+            "change), startup (time to the first step: T8, T9). ddpkit bench KIND --help lists the options of KIND.",
     examples=tuple(help.examples[0] for help in KINDS.values()),
 )
 """What ``ddpkit bench --help`` shows."""

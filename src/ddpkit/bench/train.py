@@ -13,6 +13,18 @@ median with min and max, and the ratios the targets are stated in:
 
 The own-loop rows run ``ddpkit.bench.own_loop`` (one worker in-process, two through ``ddpkit run``).
 
+Two targets of WORKLOADS.md are measured on request, being long:
+
+- ``t2=true``, T2 against the machine's own ceiling: W2 with 2 workers
+  (``model=cnn``, 16 per worker): its throughput / the summed throughput of
+  two independent single-thread bare W2 loops (batch 16, as many steps as
+  each worker took) run at the same time (target >= 0.85); and W1: the
+  2-worker step / the step of two independent single-thread bare W1 loops
+  at batch 32 run at the same time (target <= 1.15).
+- ``t5_seeds=[0,1,2,3,4]``, T5: W1's mean test accuracy over those seeds
+  with 1 and with 2 workers (target >= 85.7% each) and its distance from the
+  bare loop's mean over the same seeds (target <= 0.2 points).
+
 Results go to ``<output_dir>/train-<model>-<machine>-<date>.json`` and ``.md``.
 """
 
@@ -20,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +65,10 @@ class TrainBenchConfig:
     """Rounds of every configuration."""
     own_loop: bool = True
     """Also run W1 as an own loop with the public API (rows for T6 and T7)."""
+    t2: bool = False
+    """Also measure T2: W2 and W1 with 2 workers against two independent single-thread processes at the same time."""
+    t5_seeds: list[int] = dataclasses.field(default_factory=list)
+    """Seeds of T5 (W1's mean test accuracy at 1 and 2 workers and of the bare loop); none: no T5."""
     smoke: bool = False
     """A tiny run (synthetic data, one short epoch, one round) to check the benchmark works."""
     output_dir: str = "benchmarks"
@@ -181,6 +199,95 @@ def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     return ratios
 
 
+T2_W2 = "T2 W2: 2 workers' throughput / summed throughput of 2 independent single-thread processes (16 per worker)"
+T2_W1 = "T2 W1: 2-worker step / step of 2 independent single-thread processes at batch 32, same time"
+T5_ONE = "T5 W1 mean test accuracy, 1 worker (%)"
+T5_TWO = "T5 W1 mean test accuracy, 2 workers (%)"
+T5_GAP = "T5 W1 largest distance of a ddpkit mean from the bare loop's mean (points)"
+TARGETS = {T2_W2: (">=", 0.85), T2_W1: ("<=", 1.15), T5_ONE: (">=", 85.7), T5_TWO: (">=", 85.7), T5_GAP: ("<=", 0.2)}
+"""The restated targets: comparison and bound."""
+
+
+def _target(name: str, value: float) -> dict[str, Any]:
+    op, bound = TARGETS[name]
+    return {"value": value, "target": f"{op} {bound}", "met": value >= bound if op == ">=" else value <= bound}
+
+
+def _ddpkit_summary(words: list[str], timeout: float) -> dict[str, Any]:
+    """``ddpkit train WORDS`` in a fresh process; its summary.json."""
+    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
+        out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
+                             capture_output=True, text=True, timeout=timeout)
+        _check(out, {"name": "ddpkit train " + " ".join(words)})
+        return json.loads((Path(tmp) / "summary.json").read_text())
+
+
+def _bare_loops_at_once(words: list[str], count: int, timeout: float) -> list[dict[str, Any]]:
+    """``count`` bare loops with ``words``, started together and running at the same time; their results."""
+    command = [sys.executable, "-m", "ddpkit.bench.bare_loop", *words]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        _check(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), {"name": "bare loop " + " ".join(words)})
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results
+
+
+def _data_words(cfg: TrainBenchConfig, samples: int = 2048) -> list[str]:
+    return ["dataset=synthetic", f"synthetic_samples={samples}"] if cfg.smoke else [f"dataset={cfg.dataset}"]
+
+
+def run_t2(cfg: TrainBenchConfig) -> dict[str, Any]:
+    """T2's runs, ``cfg.repeats`` rounds (one when smoke): each 2-worker run, then its two independent processes."""
+    w2 = [*_data_words(cfg), "model=cnn", "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
+    w1 = [*_data_words(cfg), "model=mlp", "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
+    rounds: dict[str, list[float]] = {"w2_ddpkit": [], "w2_ceiling": [], "w1_ddpkit_step": [], "w1_ceiling_step": []}
+    for round_index in range(1 if cfg.smoke else cfg.repeats):
+        run = _ddpkit_summary([*w2, "nproc=2"], cfg.timeout)
+        steps = run["global_steps"]  # each worker's steps, 16 samples each
+        alone = _bare_loops_at_once([*w2, "threads=1", f"max_steps={steps}"], 2, cfg.timeout)
+        rounds["w2_ddpkit"].append(run["samples_per_s"])
+        rounds["w2_ceiling"].append(sum(r["samples"] / r["train_time_s"] for r in alone))
+        run = _ddpkit_summary([*w1, "nproc=2"], cfg.timeout)
+        steps = run["global_steps"]
+        alone = _bare_loops_at_once([*w1, "threads=1", "batch_size=32", f"max_steps={steps}"], 2, cfg.timeout)
+        rounds["w1_ddpkit_step"].append(run["train_time_s"] / steps)
+        rounds["w1_ceiling_step"].append(statistics.mean(r["train_time_s"] / r["steps"] for r in alone))
+        print(f"T2 round {round_index + 1}: W2 {rounds['w2_ddpkit'][-1]:,.0f} vs {rounds['w2_ceiling'][-1]:,.0f} "
+              f"samples/s; W1 step {1e3 * rounds['w1_ddpkit_step'][-1]:.3f} vs {1e3 * rounds['w1_ceiling_step'][-1]:.3f} ms",
+              file=sys.stderr)
+    stats = {key: summarize(values) for key, values in rounds.items()}
+    targets = {
+        T2_W2: _target(T2_W2, stats["w2_ddpkit"]["median"] / stats["w2_ceiling"]["median"]),
+        T2_W1: _target(T2_W1, stats["w1_ddpkit_step"]["median"] / stats["w1_ceiling_step"]["median"]),
+    }
+    return {"w2_words": w2, "w1_words": w1, "samples": rounds, "stats": stats, "targets": targets}
+
+
+def run_t5(cfg: TrainBenchConfig) -> dict[str, Any]:
+    """T5's runs: for every seed, W1 with 1 worker, with 2, and the bare loop."""
+    words = [*_data_words(cfg), "model=mlp", "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
+    accuracy: dict[str, list[float]] = {"ddpkit 1 worker": [], "ddpkit 2 workers": [], "bare loop": []}
+    for seed in cfg.t5_seeds:
+        seeded = [*words, f"seed={seed}"]
+        accuracy["ddpkit 1 worker"].append(_ddpkit_summary([*seeded, "nproc=1"], cfg.timeout)["test"]["accuracy"])
+        accuracy["ddpkit 2 workers"].append(_ddpkit_summary([*seeded, "nproc=2"], cfg.timeout)["test"]["accuracy"])
+        out = subprocess.run([sys.executable, "-m", "ddpkit.bench.bare_loop", *seeded],
+                             capture_output=True, text=True, timeout=cfg.timeout)
+        _check(out, {"name": "bare loop"})
+        accuracy["bare loop"].append(json.loads(out.stdout.strip().splitlines()[-1])["test_accuracy"])
+        print(f"T5 seed {seed}: " + ", ".join(f"{k} {100 * v[-1]:.2f}%" for k, v in accuracy.items()), file=sys.stderr)
+    means = {name: 100 * statistics.mean(values) for name, values in accuracy.items()}
+    gap = max(abs(means["ddpkit 1 worker"] - means["bare loop"]), abs(means["ddpkit 2 workers"] - means["bare loop"]))
+    targets = {
+        T5_ONE: _target(T5_ONE, means["ddpkit 1 worker"]),
+        T5_TWO: _target(T5_TWO, means["ddpkit 2 workers"]),
+        T5_GAP: _target(T5_GAP, gap),
+    }
+    return {"words": words, "seeds": list(cfg.t5_seeds), "accuracy": accuracy, "mean_percent": means, "targets": targets}
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table plus the target ratios."""
     m = report["machine"]
@@ -200,6 +307,30 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | {t['median']:.2f} | {t['min']:.2f} | {t['max']:.2f} | {100 * a['median']:.2f}% |")
     lines += ["", "| ratio (medians, same run) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
+    if "t2" in report:
+        t2 = report["t2"]["stats"]
+        lines += ["", "## T2: against two independent single-thread processes at the same time", "",
+                  f"W2 words: `{' '.join(report['t2']['w2_words'])}`; W1 words: `{' '.join(report['t2']['w1_words'])}`", "",
+                  "| measure | median | min | max |", "|---|---|---|---|"]
+        for key, label, scale in (("w2_ddpkit", "W2 ddpkit 2 workers, samples/s", 1),
+                                  ("w2_ceiling", "W2 2 independent processes, summed samples/s", 1),
+                                  ("w1_ddpkit_step", "W1 ddpkit 2 workers, step (ms)", 1e3),
+                                  ("w1_ceiling_step", "W1 independent process at batch 32, step (ms)", 1e3)):
+            lines.append(f"| {label} | {scale * t2[key]['median']:,.3f} | {scale * t2[key]['min']:,.3f} | "
+                         f"{scale * t2[key]['max']:,.3f} |")
+    if "t5" in report:
+        t5 = report["t5"]
+        lines += ["", f"## T5: W1 test accuracy over seeds {', '.join(map(str, t5['seeds']))}", "",
+                  "| run | " + " | ".join(f"seed {s}" for s in t5["seeds"]) + " | mean |",
+                  "|---|" + "---|" * (len(t5["seeds"]) + 1)]
+        for name, values in t5["accuracy"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{100 * v:.2f}%" for v in values) +
+                         f" | {t5['mean_percent'][name]:.2f}% |")
+    targets = {**report.get("t2", {}).get("targets", {}), **report.get("t5", {}).get("targets", {})}
+    if targets:
+        lines += ["", "| restated target (same run) | value | target | met |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['value']:.3f} | {v['target']} | {'met' if v['met'] else 'not met'} |"
+                  for k, v in targets.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +338,11 @@ def main(words: list[str]) -> int:
     """``ddpkit bench train [key=value ...]``."""
     cfg = parse(TrainBenchConfig, words)
     report = run_train_benchmark(cfg)
+    if cfg.t2:
+        report["t2"] = run_t2(cfg)
+    if cfg.t5_seeds:
+        report["t5"] = run_t5(cfg)
+    report["load_average_1min_at_end"] = os.getloadavg()[0]  # how busy the shared machine was
     report["command_words"] = list(words)
     date = report["machine"]["date"][:10]
     stem = file_stem(f"train-{cfg.model}-{machine_tag()}-{date}", cfg.smoke)

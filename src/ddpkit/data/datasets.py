@@ -5,7 +5,9 @@ whose items are ``(input, target)``; any input shape and dtype. The trainer
 never rescales inputs: a dataset hands them over as the model should see them.
 
 MNIST-family datasets are small (60,000 + 10,000 images of 28 x 28 bytes), so
-each worker reads them whole (:class:`ImageData`, uint8) and serves them as
+each worker maps them whole (:class:`ImageData`, uint8, from the decompressed
+copies in the user cache, ``<cache>/idx/<dataset>``: see :func:`ddpkit.data.idx.map_idx`)
+and serves them as
 ``torch.utils.data.TensorDataset`` of float32 pixels in [0, 1]: a batch is
 then one indexing operation (``ddpkit.DataLoader``'s fast path), no
 per-sample Python.
@@ -25,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from ddpkit.data.idx import CorruptDataError, read_idx
-from ddpkit.data.sources import DatasetSource, RemoteFile, locate
+from ddpkit.data.idx import CorruptDataError, map_idx, map_pixels
+from ddpkit.data.sources import DatasetSource, RemoteFile, locate, user_cache_dir
 from ddpkit.errors import UserError
 
 FASHION_MNIST = DatasetSource(
@@ -73,11 +75,14 @@ class ImageData:
     """Test labels, int64."""
     num_classes: int = 10
     """Number of label classes."""
+    pixels: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(train, test) images as float32 pixels in [0, 1] when already made (memory-mapped from the
+    user cache); otherwise :meth:`datasets` converts the images."""
 
     def datasets(self) -> tuple[TensorDataset, TensorDataset]:
         """(train, test) as torch TensorDatasets of (float32 pixels in [0, 1], int64 label)."""
-        return (TensorDataset(self.train_images.float().div_(255.0), self.train_labels),
-                TensorDataset(self.test_images.float().div_(255.0), self.test_labels))
+        train, test = self.pixels or (self.train_images.float().div_(255.0), self.test_images.float().div_(255.0))
+        return TensorDataset(train, self.train_labels), TensorDataset(test, self.test_labels)
 
 
 @dataclass(frozen=True)
@@ -182,8 +187,10 @@ def _checked(name: str, splits: object) -> Splits:
 
 def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapping[str, str]) -> ImageData:
     folder = locate(source, options.data_dir, options.download, options.mirrors, environ)
-    arrays = [read_idx(folder / f.name) for f in source.files]
-    train_x, train_y, test_x, test_y = (torch.from_numpy(a.copy()) for a in arrays)
+    cache = user_cache_dir(environ) / "idx" / source.name  # (MNIST and Fashion-MNIST share file names)
+    arrays = [map_idx(folder / f.name, cache) for f in source.files]
+    train_x, train_y, test_x, test_y = (torch.from_numpy(a) for a in arrays)
+    pixels = tuple(torch.from_numpy(map_pixels(folder / f.name, cache)).unsqueeze(1) for f in source.files[0::2])
     for images, labels, split in ((train_x, train_y, "train"), (test_x, test_y, "test")):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise CorruptDataError(
@@ -196,6 +203,7 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
         train_y.long(),
         test_x.unsqueeze(1),
         test_y.long(),
+        pixels=pixels,
     )
 
 

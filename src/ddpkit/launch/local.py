@@ -8,10 +8,35 @@ ddpkit adds what the command lacks:
 - a rendezvous on loopback (``127.0.0.1``) at a free port asked from the OS
   (or the one given, checked first), so nothing listens on the network;
 - one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
-  instead of every worker's traceback.
+  instead of every worker's traceback;
+- workers forked from a warm process instead of spawned (see below).
 
 Pipeline: LaunchSpec -> LaunchConfig (torch) -> elastic_launch -> results
 by rank, or LaunchError carrying the root cause.
+
+Starting workers fast
+---------------------
+A spawned worker is a fresh interpreter that imports torch again (about
+1.5 s of one core each, plus about 1 s for ``torch._dynamo``, which the
+first optimizer pulls in). The agent starts its workers with
+multiprocessing's *forkserver* instead: one server process imports torch,
+``torch._dynamo`` and ddpkit once (:data:`WORKER_PRELOAD`), and every worker
+is a fork of it, ready at once. ``ddpkit train`` starts the server as its
+first act (:func:`worker_server`), so the server's imports run beside the
+launcher's own on the other core.
+
+Why a fork here is safe: the server only imports. It never runs a torch
+operator nor asks for the thread count, so torch's intra-op (OpenMP) pool
+and autograd threads do not exist when it forks (the server has one thread,
+which tests/launch/test_worker_server.py checks); it never initializes CUDA,
+joins no process group and holds no store or socket of torch's. A forked worker gets the
+server's environment, not the launcher's of the moment, so
+:func:`_worker_main` installs the launcher's environment as it was at the
+launch, then the agent's per-worker variables over it, as a spawned worker
+would have seen them. The server ignores the signals the launcher handles
+(a signal sent to the whole job must not kill it while its workers run);
+each worker takes the default handlers back. The server is stopped when the
+launch ends.
 """
 
 from __future__ import annotations
@@ -20,19 +45,19 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+# torch is imported inside launch_local: `ddpkit train` starts the worker
+# server (below) before this process imports torch itself.
 from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import (
@@ -51,6 +76,30 @@ EXIT_INTERRUPTED = 130
 """A worker's exit status after Ctrl-C (128 + SIGINT)."""
 INTERRUPTED_MARKER = "interrupted"
 """File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
+
+WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing", "ddpkit.launch.local",
+                  "ddpkit.train.run")
+"""Modules the worker server imports once, so that no forked worker imports them again."""
+
+SERVER_IGNORES = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+"""Signals the worker server ignores (it ignores SIGINT already): the launcher's to handle and pass on."""
+
+_SERVER_VARIABLE = "DDPKIT_WORKER_SERVER"
+# Set only in the worker server's environment, so that this module knows it is being preloaded there.
+
+_ENVIRON_AT_IMPORT = dict(os.environ)
+# In the worker server (which imports this module first thing), its own environment: what
+# every worker it forks starts from, before the agent sets its per-worker variables.
+
+_server_users = 0
+
+if os.environ.get(_SERVER_VARIABLE) == "1":
+    # A signal sent to every process of the job (a process-group kill, Slurm's
+    # scancel --signal) must not kill the server: the launcher would read its
+    # workers' status from the dead server as exit code 255 while they still
+    # run (and checkpoint). Workers set these signals back to the default.
+    for _name in SERVER_IGNORES:
+        signal.signal(getattr(signal, _name), signal.SIG_IGN)
 
 
 @dataclass(frozen=True)
@@ -113,20 +162,77 @@ def _environ(key: str, value: str) -> Iterator[None]:
             os.environ[key] = previous
 
 
-def _worker_main(fn: Callable[..., Any], *args: Any) -> Any:
-    """A spawned worker: its own process group, the platform's default start method back, then ``fn``.
+@contextlib.contextmanager
+def worker_server() -> Iterator[None]:
+    """Keep the warm process workers are forked from running for the block; nested blocks share one.
+
+    The server starts importing :data:`WORKER_PRELOAD` at once, in its own
+    process: call this before the launcher's own work (parsing the config
+    imports torch too) and the two run side by side. It is stopped when the
+    outermost block ends, so that no process outlives a launch.
+    """
+    global _server_users
+    if _server_users == 0:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(WORKER_PRELOAD))
+        with _environ(_SERVER_VARIABLE, "1"):  # the server's environment only; workers get the launcher's
+            multiprocessing.forkserver.ensure_running()
+    _server_users += 1
+    try:
+        yield
+    finally:
+        _server_users -= 1
+        if _server_users == 0:
+            _stop_worker_server()
+
+
+def _stop_worker_server() -> None:
+    # Killed, not asked to exit: its workers are gone and it holds nothing to
+    # flush, while an interpreter that imported torch takes about a second to
+    # tear itself down. ForkServer._stop (the standard library's own way to
+    # stop its server, used by its tests) then reaps it and removes its socket.
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+    server._stop()
+
+
+@contextlib.contextmanager
+def _environ_restored() -> Iterator[None]:
+    """Give the caller its os.environ back: the agent writes into it (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
+
+    The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
+    the server's environment; they are kept over ``launcher_environ``, the
+    launcher's environment at the launch. A variable the agent sets to the
+    value the server already had is taken from the launcher.
 
     In a process group of its own, the worker does not get the terminal's
     Ctrl-C: the launcher passes on one SIGINT per Ctrl-C (see
     :class:`_CtrlC`), so a worker can tell the first (checkpoint and stop)
-    from the second (stop now). The agent spawns its workers, and a spawned
-    process inherits "spawn" as its own default; a DataLoader's workers would
-    then re-import torch and the user's script each, where under ``python
-    script.py`` or torchrun they are forked. ``fn`` runs with one failure
-    report (:func:`run_reporting_failure`); a KeyboardInterrupt ends the
-    worker with status 130 and no traceback.
+    from the second (stop now). The agent's start method becomes a worker's
+    own default; a DataLoader's workers are then forked as under ``python
+    script.py`` or torchrun. ``fn`` runs with one failure report
+    (:func:`run_reporting_failure`); a KeyboardInterrupt ends the worker with
+    status 130 and no traceback.
     """
+    for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     os.setpgrp()
+    worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launcher_environ)
+    os.environ.update(worker_variables)
     folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
     try:
         if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
@@ -183,12 +289,16 @@ def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``spec.nproc`` workers; return their results by rank.
 
-    ``fn`` must be picklable (a module-level function): workers are spawned.
+    ``fn`` must be picklable (a module-level function): workers are forked
+    from the worker server, which receives ``fn`` and ``args`` pickled.
 
     Raises:
         ValueError: nproc < 1 or the port is taken.
         LaunchError: a worker failed (after the allowed restarts).
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     if spec.nproc < 1:
         raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
     if spec.master_port:
@@ -205,7 +315,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         local_addr=LOOPBACK,
         max_restarts=spec.max_restarts,
         monitor_interval=spec.monitor_interval,
-        start_method="spawn",
+        start_method="forkserver",
     )
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         # torch >= 2.7; older agents handle only their own list (SIGINT included: Ctrl-C then stops the
@@ -215,9 +325,9 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _quiet_elastic_logs()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
-            with _fresh_store_per_restart(spec.max_restarts), _environ(FAILURE_DIR_VARIABLE, failure_dir), \
-                    _ctrl_c_passed_on(failure_dir) as ctrl_c:
-                return elastic_launch(config, _worker_main)(fn, *args)
+            with worker_server(), _environ_restored(), _fresh_store_per_restart(spec.max_restarts), \
+                    _environ(FAILURE_DIR_VARIABLE, failure_dir), _ctrl_c_passed_on(failure_dir) as ctrl_c:
+                return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:

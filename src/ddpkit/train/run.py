@@ -151,6 +151,8 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         with distributed.main_process_first(local=True):  # one download per node
             train_set, test_set = load_datasets(cfg.dataset, data_options(cfg))
         trainer = build_trainer(cfg, ctx, spec, train_set, test_set)
+        # Every part is ready and the first step begins: the end of start-up (`ddpkit bench startup`).
+        trainer.metrics.write("start", world_size=ctx.world_size)
         try:
             summary = trainer.fit()
             if export_dir:

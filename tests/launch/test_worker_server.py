@@ -1,0 +1,47 @@
+"""Workers forked from the warm worker server: preloaded, with the launcher's environment, and no server left."""
+
+import multiprocessing.forkserver
+import os
+import sys
+
+import psutil
+import pytest
+
+from ddpkit.launch.local import LaunchSpec, launch_local, worker_server
+
+
+def _report(name: str) -> dict:
+    preloaded = "torch._dynamo" in sys.modules  # before this worker imports anything of its own
+    import torch
+
+    torch.set_num_threads(2)  # the intra-op pool starts in the worker, never in the server
+    a = torch.arange(512 * 512, dtype=torch.float64).reshape(512, 512) / 1e5
+    return {
+        "rank": int(os.environ["RANK"]),
+        "value": os.environ.get(name),
+        "parent": os.getppid(),
+        "preloaded": preloaded,
+        "matmul_ok": torch.allclose(a @ a, torch.from_numpy(a.numpy() @ a.numpy())),
+    }
+
+
+@pytest.mark.slow
+def test_workers_fork_from_one_server_with_the_launchers_environment_of_each_launch(monkeypatch):
+    name = "DDPKIT_TEST_WORKER_SERVER"
+    monkeypatch.setenv(name, "at the start")
+    with worker_server():  # as `ddpkit train` does first; the launches reuse it
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        monkeypatch.setenv(name, "first launch")
+        first = launch_local(LaunchSpec(2), _report, name)
+        # Forking is safe only from a process without threads: no OpenMP pool, no store.
+        server_threads = psutil.Process(server).num_threads()
+        monkeypatch.delenv(name)
+        second = launch_local(LaunchSpec(2), _report, name)
+    assert [first[r]["rank"] for r in (0, 1)] == [0, 1]
+    assert [first[r]["value"] for r in (0, 1)] == ["first launch"] * 2
+    assert [second[r]["value"] for r in (0, 1)] == [None, None]
+    assert {r["parent"] for r in [*first.values(), *second.values()]} == {server}
+    assert server != os.getpid()
+    assert server_threads == 1
+    assert all(r["preloaded"] and r["matmul_ok"] for r in [*first.values(), *second.values()])
+    assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # stopped with the outermost block
