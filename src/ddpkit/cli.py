@@ -138,26 +138,29 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
 def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
+    from ddpkit.env.sagemaker import key_value_words, train_words
     from ddpkit.launch.local import worker_server
 
-    nproc = peek(args, "nproc") or "1"
+    # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
+    words = train_words(os.environ) + key_value_words(os.environ, args)
+    nproc = peek(words, "nproc") or "1"
     if not (nproc.isdigit() and int(nproc) > 1 and detect_environment(os.environ).source == "local"):
-        return _train(args)
+        return _train(words, args)
     with worker_server():  # its imports run beside this process's own (parsing the config imports torch)
-        return _train(args)
+        return _train(words, args)
 
 
-def _train(args: Sequence[str]) -> int:
+def _train(words: Sequence[str], args: Sequence[str]) -> int:
+    """``ddpkit train`` with its config ``words``; ``args`` as the user gave them (for the line that continues)."""
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.detect import detect_environment
-    from ddpkit.env.sagemaker import key_value_words, model_dir, train_words
+    from ddpkit.env.sagemaker import model_dir
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
     from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 
-    # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
-    cfg = parse_train_config(train_words(os.environ) + key_value_words(os.environ, args))
+    cfg = parse_train_config(words)
     export_dir = model_dir(os.environ)  # inside SageMaker: the model is exported there at the end
     if detect_environment(os.environ).source != "local":
         run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
