@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.report import file_stem, write_report
-from ddpkit.bench.system import machine_info, machine_tag, summarize
+from ddpkit.bench.system import check_run, machine_info, machine_tag, summarize
 from ddpkit.config import parse
 from ddpkit.env.ports import free_port
 
@@ -93,7 +93,7 @@ def _run_ddpkit(nproc: int, words: list[str], timeout: float) -> dict[str, float
         start = time.time()
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp)
         wall = time.time() - start
-        _check(out, f"ddpkit train nproc={nproc}")
+        check_run(out, f"ddpkit train nproc={nproc}")
         events = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((Path(tmp) / "summary.json").read_text())
     first_step = next(e["time"] for e in events if e["event"] == "start")
@@ -107,13 +107,8 @@ def _run_torchrun(script: Path, timeout: float) -> dict[str, float]:
     start = time.time()
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=script.parent)
     wall = time.time() - start
-    _check(out, "torchrun bare launch")
+    check_run(out, "torchrun bare launch")
     return {"wall_s": wall}
-
-
-def _check(out: subprocess.CompletedProcess, name: str) -> None:
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark command {name!r} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
 
 
 def run_startup_benchmark(cfg: StartupBenchConfig) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,3 +52,9 @@ def machine_tag() -> str:
     words = [w.lower() for w in cpu_model().replace("(R)", "").replace("(TM)", "").split() if w.isalpha()]
     family = next((w for w in words if w not in ("intel", "amd", "cpu", "processor", "core")), "cpu")
     return f"{len(os.sched_getaffinity(0))}core-{family}"
+
+
+def check_run(out: subprocess.CompletedProcess, name: str) -> None:
+    """Raise RuntimeError, with the end of its stderr, if the benchmark run ``name`` failed."""
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark run {name!r} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.report import file_stem, write_report
-from ddpkit.bench.system import machine_info, machine_tag, summarize
+from ddpkit.bench.system import check_run, machine_info, machine_tag, summarize
 from ddpkit.config import GRAD_SYNC_MODES, check_choice, parse
 
 
@@ -134,29 +134,15 @@ def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str
         module = ["-m", "ddpkit.bench.own_loop", *words]
         command = [sys.executable, *module] if run["workers"] == 1 else \
             [sys.executable, "-m", "ddpkit", "run", f"nproc={run['workers']}", *module]
-        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        _check(out, run)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return _last_json_line(command, timeout, run["name"])
     if run["kind"] == "bare":
-        out = subprocess.run([sys.executable, "-m", "ddpkit.bench.bare_loop", *words],
-                             capture_output=True, text=True, timeout=timeout)
-        _check(out, run)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
-        extra = [f"nproc={run['workers']}", f"output_dir={tmp}"]
-        if run["workers"] > 1:
-            extra += [f"allreduce={run['allreduce']}", f"grad_sync={run['grad_sync']}"]
-        out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, *extra],
-                             capture_output=True, text=True, timeout=timeout)
-        _check(out, run)
-        summary = json.loads((Path(tmp) / "summary.json").read_text())
+        return _last_json_line([sys.executable, "-m", "ddpkit.bench.bare_loop", *words], timeout, run["name"])
+    extra = [f"nproc={run['workers']}"]
+    if run["workers"] > 1:
+        extra += [f"allreduce={run['allreduce']}", f"grad_sync={run['grad_sync']}"]
+    summary = _ddpkit_summary([*words, *extra], timeout, run["name"])
     return {"train_time_s": summary["train_time_s"], "test_accuracy": summary["test"].get("accuracy"),
             "allreduce": summary["allreduce"], "grad_sync": summary.get("grad_sync")}
-
-
-def _check(out: subprocess.CompletedProcess, run: dict[str, Any]) -> None:
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark run {run['name']!r} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
 
 
 def run_train_benchmark(cfg: TrainBenchConfig) -> dict[str, Any]:
@@ -213,12 +199,19 @@ def _target(name: str, value: float) -> dict[str, Any]:
     return {"value": value, "target": f"{op} {bound}", "met": value >= bound if op == ">=" else value <= bound}
 
 
-def _ddpkit_summary(words: list[str], timeout: float) -> dict[str, Any]:
-    """``ddpkit train WORDS`` in a fresh process; its summary.json."""
+def _last_json_line(command: list[str], timeout: float, name: str) -> dict[str, Any]:
+    """Run ``command`` (a bare loop or an own loop, which print their result last, as JSON); that result."""
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    check_run(out, name)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _ddpkit_summary(words: list[str], timeout: float, name: str = "") -> dict[str, Any]:
+    """``ddpkit train WORDS`` in a fresh process, into a temporary folder; its summary.json."""
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
         out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
                              capture_output=True, text=True, timeout=timeout)
-        _check(out, {"name": "ddpkit train " + " ".join(words)})
+        check_run(out, name or "ddpkit train " + " ".join(words))
         return json.loads((Path(tmp) / "summary.json").read_text())
 
 
@@ -229,7 +222,7 @@ def _bare_loops_at_once(words: list[str], count: int, timeout: float) -> list[di
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=timeout)
-        _check(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), {"name": "bare loop " + " ".join(words)})
+        check_run(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), "bare loop " + " ".join(words))
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
 
@@ -273,10 +266,8 @@ def run_t5(cfg: TrainBenchConfig) -> dict[str, Any]:
         seeded = [*words, f"seed={seed}"]
         accuracy["ddpkit 1 worker"].append(_ddpkit_summary([*seeded, "nproc=1"], cfg.timeout)["test"]["accuracy"])
         accuracy["ddpkit 2 workers"].append(_ddpkit_summary([*seeded, "nproc=2"], cfg.timeout)["test"]["accuracy"])
-        out = subprocess.run([sys.executable, "-m", "ddpkit.bench.bare_loop", *seeded],
-                             capture_output=True, text=True, timeout=cfg.timeout)
-        _check(out, {"name": "bare loop"})
-        accuracy["bare loop"].append(json.loads(out.stdout.strip().splitlines()[-1])["test_accuracy"])
+        bare = _last_json_line([sys.executable, "-m", "ddpkit.bench.bare_loop", *seeded], cfg.timeout, "bare loop")
+        accuracy["bare loop"].append(bare["test_accuracy"])
         print(f"T5 seed {seed}: " + ", ".join(f"{k} {100 * v[-1]:.2f}%" for k, v in accuracy.items()), file=sys.stderr)
     means = {name: 100 * statistics.mean(values) for name, values in accuracy.items()}
     gap = max(abs(means["ddpkit 1 worker"] - means["bare loop"]), abs(means["ddpkit 2 workers"] - means["bare loop"]))
