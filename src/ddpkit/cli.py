@@ -143,17 +143,20 @@ def train_command(args: Sequence[str]) -> int:
 
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
+    here = detect_environment(os.environ).source == "local"  # else one worker of torchrun, srun or mpirun
     nproc = peek(words, "nproc") or "1"
-    if not (nproc.isdigit() and int(nproc) > 1 and detect_environment(os.environ).source == "local"):
-        return _train(words, args)
+    if not (here and nproc.isdigit() and int(nproc) > 1):
+        return _train(words, args, here)
     with worker_server():  # its imports run beside this process's own (parsing the config imports torch)
-        return _train(words, args)
+        return _train(words, args, here)
 
 
-def _train(words: Sequence[str], args: Sequence[str]) -> int:
-    """``ddpkit train`` with its config ``words``; ``args`` as the user gave them (for the line that continues)."""
+def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
+    """``ddpkit train`` with its config ``words``: nproc workers here (``here``), else this process as one worker.
+
+    ``args`` are the words as the user gave them, for the line that says how to continue.
+    """
     from ddpkit.checkpoint.preemption import Preempted
-    from ddpkit.env.detect import detect_environment
     from ddpkit.env.sagemaker import model_dir
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.preflight import check_before_launch
@@ -162,7 +165,7 @@ def _train(words: Sequence[str], args: Sequence[str]) -> int:
 
     cfg = parse_train_config(words)
     export_dir = model_dir(os.environ)  # inside SageMaker: the model is exported there at the end
-    if detect_environment(os.environ).source != "local":
+    if not here:
         run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
     cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
@@ -179,18 +182,18 @@ def _train(words: Sequence[str], args: Sequence[str]) -> int:
         code = int(stop.code)
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
-        if _newest_checkpoint(cfg) is not None:  # the work so far is not lost: say how to go on from it
-            print(f"ddpkit: {_how_to_continue(cfg, args)}", file=sys.stderr)
+        newest = _newest_checkpoint(cfg)
+        if newest is not None:  # the work so far is not lost: say how to go on from it
+            print(f"ddpkit: {_how_to_continue(cfg, args, newest)}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         what = "interrupted" if code == EXIT_INTERRUPTED else "preempted"
-        print(f"ddpkit: {what}: {_how_to_continue(cfg, args)}", file=sys.stderr)
+        print(f"ddpkit: {what}: {_how_to_continue(cfg, args, _newest_checkpoint(cfg))}", file=sys.stderr)
     return code
 
 
-def _how_to_continue(cfg: TrainConfig, args: Sequence[str]) -> str:
-    """One line: the newest complete checkpoint of the run and the command that continues from it."""
-    newest = _newest_checkpoint(cfg)
+def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointInfo | None) -> str:
+    """One line: ``newest``, the run's newest complete checkpoint, and the command that continues from it."""
     if newest is None:
         return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
     words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
