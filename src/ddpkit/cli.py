@@ -280,10 +280,11 @@ def run() -> NoReturn:
     except BrokenPipeError:  # `ddpkit train --help | head`: the reader left, nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
-    distributed = sys.modules.get("ddpkit.distributed")
-    if distributed is None:  # never joined a job (`ddpkit slurm`, `--help`): no torch to import now
+    if "torch" not in sys.modules:  # `ddpkit slurm`, `--help`: a light process, no teardown to skip
         sys.exit(code)
-    distributed.exit_process(code)
+    from ddpkit.distributed import exit_process
+
+    exit_process(code)
 
 
 def _current_folder_importable() -> None:
