@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import ReduceOp, divide
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 """Size of DDP's first gradient bucket: below it DDP has a single bucket and no overlap to offer."""
@@ -40,13 +40,18 @@ class FlatGradients:
         model: the plain (not DDP-wrapped) model, identical on every rank.
         all_reduce_fn: ``fn(tensor, op=ReduceOp.SUM, group=None)`` reducing in place.
         group: process group, or None for the world group.
+        averaging: ``all_reduce_fn`` takes ``op=ReduceOp.AVG`` (every ddpkit algorithm does, gloo's
+            built-in does not): the reduction then averages, which the shared-memory all_reduce does
+            in the same pass, instead of a sum followed by a pass dividing the buffer.
     """
 
     def __init__(
-        self, model: nn.Module, all_reduce_fn: Callable[..., None], group: dist.ProcessGroup | None = None
+        self, model: nn.Module, all_reduce_fn: Callable[..., None], group: dist.ProcessGroup | None = None,
+        averaging: bool = False,
     ) -> None:
         self.all_reduce_fn = all_reduce_fn
         self.group = group
+        self.averaging = averaging
         self.world_size = dist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers: list[torch.Tensor] = []
@@ -77,8 +82,11 @@ class FlatGradients:
                     "averaged; zero gradients with FlatGradients.zero_grad(), not zero_grad(set_to_none=True)"
                 )
         for buffer in self.buffers:
-            self.all_reduce_fn(buffer, op=ReduceOp.SUM, group=self.group)
-            buffer.div_(self.world_size)
+            if self.averaging:
+                self.all_reduce_fn(buffer, op=ReduceOp.AVG, group=self.group)
+            else:
+                self.all_reduce_fn(buffer, op=ReduceOp.SUM, group=self.group)
+                divide(buffer, self.world_size)
 
     @property
     def nbytes(self) -> int:

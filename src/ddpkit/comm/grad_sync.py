@@ -59,7 +59,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.distributed import Context, control_device
 from ddpkit.log import get_logger
 
@@ -166,7 +166,9 @@ class GradientSync:
         broadcast_parameters(model)  # start from rank 0's weights, as DDP does
         self._all_reduce = all_reduce_fn or _resolve(allreduce)
         if self.mode == "flat":
-            self.flat = FlatGradients(model, self._all_reduce)
+            # ddpkit's algorithms average in the reduction (AVG); gloo's built-in and an injected function may not.
+            averaging = all_reduce_fn is None and allreduce != "builtin"
+            self.flat = FlatGradients(model, self._all_reduce, averaging=averaging)
             self.nbytes = self.flat.nbytes
             hooks = [self._flat_hook(view) for view in self.flat.views]
         else:
@@ -240,7 +242,7 @@ class GradientSync:
             if param.grad is None:  # unused here; maybe used on another rank, which waits for this one
                 param.grad = torch.zeros_like(param)
             self._all_reduce(param.grad, op=ReduceOp.SUM)
-            param.grad.div_(world_size)
+            divide(param.grad, world_size)
 
 
 def _resolve(name: str) -> AllReduce:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.comm.tree import broadcast
 
 AllReduce = Callable[..., None]
@@ -62,7 +62,7 @@ def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
         def run() -> None:
             try:
                 all_reduce_fn(buffer, op=ReduceOp.SUM, group=state)
-                buffer.div_(dist.get_world_size(state))
+                divide(buffer, dist.get_world_size(state))
             except BaseException as e:  # surface the failure to DDP's wait() on the training thread
                 future.set_exception(e)
                 return
@@ -108,7 +108,7 @@ def manual_gradient_sync(
         if param.grad is None:
             continue
         all_reduce_fn(param.grad, op=ReduceOp.SUM, group=group)
-        param.grad.div_(world_size)
+        divide(param.grad, world_size)
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:

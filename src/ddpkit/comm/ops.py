@@ -135,9 +135,22 @@ def finish(tensor: torch.Tensor, op: RedOpType, world_size: int) -> None:
     if op != ReduceOp.AVG or world_size == 1:
         return
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-        tensor.div_(world_size)
+        divide(tensor, world_size)
     else:
         tensor.div_(world_size, rounding_mode="trunc")
+
+
+def divide(tensor: torch.Tensor, divisor: int) -> None:
+    """``tensor /= divisor`` in place, for a floating-point tensor, with the bits of ``div_``.
+
+    By a power of two it multiplies by the inverse instead: the same correctly
+    rounded result (the inverse is exact), at half the cost of a division on
+    the CPU.
+    """
+    if divisor & (divisor - 1) == 0:
+        tensor.mul_(1.0 / divisor)
+    else:
+        tensor.div_(divisor)
 
 
 def run_all_reduce(
