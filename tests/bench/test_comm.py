@@ -26,7 +26,7 @@ from ddpkit.bench.plot import format_bytes
 from ddpkit.bench.report import write_report
 from ddpkit.comm import available_allreduce_algorithms
 from ddpkit.config import ConfigError
-from tests.cli_runner import run_ddpkit
+from tests.bench.in_process import run_main
 from tests.cluster.test_multinode import run_on_two_hosts
 from tests.helpers.netns import netns_hosts  # noqa: F401  (a fixture)
 
@@ -149,17 +149,17 @@ def test_targets_are_ratios_of_medians_over_their_size_ranges():
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """``ddpkit bench comm smoke=true nproc=2`` in a subprocess, as a user runs it."""
+    """``ddpkit bench comm smoke=true nproc=2`` (in-process; 2 workers launched as always): its output and report."""
     folder = tmp_path_factory.mktemp("comm")
-    out = run_ddpkit("bench", "comm", "smoke=true", "nproc=2", f"output_dir={folder}", cwd=folder, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, stdout = run_main("bench", "comm", "smoke=true", "nproc=2", f"output_dir={folder}")
+    assert code == 0
     [json_path] = folder.glob("comm-*-2r-*-smoke.json")
-    return out, json_path, json.loads(json_path.read_text())
+    return stdout, json_path, json.loads(json_path.read_text())
 
 
 @pytest.mark.slow
 def test_smoke_run_measures_every_op_and_algorithm(smoke_run):
-    out, json_path, report = smoke_run
+    _, json_path, report = smoke_run
     plan, _ = plan_algorithms(CommBenchConfig(), num_nodes=1)
     assert report["algorithms"] == plan
     assert report["world_size"] == 2 and report["num_nodes"] == 1 and report["dtype"] == "float32"
@@ -192,9 +192,9 @@ def test_smoke_run_measures_every_op_and_algorithm(smoke_run):
 
 @pytest.mark.slow
 def test_smoke_run_prints_a_table_and_writes_markdown_and_png(smoke_run):
-    out, json_path, report = smoke_run
-    assert "# all_reduce, float32, 2 ranks" in out.stdout and "# pingpong" in out.stdout
-    builtin_4b = next(line for line in out.stdout.splitlines() if line.split()[:3] == ["4", "1", "builtin"])
+    stdout, json_path, report = smoke_run
+    assert "# all_reduce, float32, 2 ranks" in stdout and "# pingpong" in stdout
+    builtin_4b = next(line for line in stdout.splitlines() if line.split()[:3] == ["4", "1", "builtin"])
     assert builtin_4b.split()[-1] == "1.00x"
     markdown = json_path.with_suffix(".md").read_text()
     for op in report["algorithms"]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +18,7 @@ from ddpkit.bench.scaling import (
     parse_config,
 )
 from ddpkit.config import ConfigError
-from tests.cli_runner import REPO
+from tests.bench.in_process import run_main
 
 # --- the model ------------------------------------------------------------------------------
 
@@ -157,9 +155,8 @@ def test_bottleneck_names_communication_and_its_kind():
 @pytest.mark.cluster  # nodes=2 creates network namespaces
 @pytest.mark.timeout(300)
 def test_smoke_run_through_the_cli_writes_consistent_outputs(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "scaling", "smoke=true", "threads=1",
-                          f"output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, stdout = run_main("bench", "scaling", "smoke=true", "threads=1", f"output_dir={tmp_path}")  # in-process
+    assert code == 0
     (json_path,) = tmp_path.glob("scaling-mlp-*-smoke.json")
     stem = json_path.with_suffix("")
     assert stem.with_suffix(".png").stat().st_size > 10_000
@@ -195,4 +192,4 @@ def test_smoke_run_through_the_cli_writes_consistent_outputs(tmp_path):
     assert "stops scaling at about" in markdown
     # The terminal table: a line per configuration.
     for r in rows:
-        assert r["name"] in out.stdout
+        assert r["name"] in stdout

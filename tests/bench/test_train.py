@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from ddpkit.bench.train import OWN_SAMPLES, OWN_TENSORS, OWN_TORCH, TrainBenchConfig, _configurations
+from ddpkit.bench.train import OWN_SAMPLES, OWN_TENSORS, OWN_TORCH, TrainBenchConfig, _configurations, _ratios
 from ddpkit.config import ConfigError, parse
-from tests.cli_runner import run_ddpkit
+from tests.bench.in_process import run_main
 
 
 def test_matrix_crosses_allreduce_and_grad_sync_for_several_workers_only():
@@ -35,12 +35,20 @@ def test_bad_names_are_refused_before_any_run(word, message):
         parse(TrainBenchConfig, [word])
 
 
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One ``ddpkit bench train smoke=true t2=true t5_seeds=[3]`` (in-process; every configuration in its own
+    process, as always): the default matrix with the own loops, T2 and T5. Its JSON path and report."""
+    folder = tmp_path_factory.mktemp("train")
+    code, _ = run_main("bench", "train", "smoke=true", f"output_dir={folder}", "t2=true", "t5_seeds=[3]")
+    assert code == 0
+    (json_path,) = folder.glob("train-mlp-*-smoke.json")
+    return json_path, json.loads(json_path.read_text())
+
+
 @pytest.mark.slow
-def test_smoke_run_writes_times_ratios_and_what_auto_chose(tmp_path):
-    out = run_ddpkit("bench", "train", "smoke=true", f"output_dir={tmp_path}", cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (json_path,) = tmp_path.glob("train-mlp-*-smoke.json")
-    report = json.loads(json_path.read_text())
+def test_smoke_run_writes_times_ratios_and_what_auto_chose(smoke_run):
+    json_path, report = smoke_run
     results = {r["name"]: r for r in report["results"]}
     assert len(results) == 9  # bare loop, 1 + 4 ddpkit runs, 3 own loops on the public API
     for r in results.values():
@@ -62,6 +70,17 @@ def test_smoke_run_writes_times_ratios_and_what_auto_chose(tmp_path):
     assert "| ratio (medians, same run) | value |" in json_path.with_suffix(".md").read_text()
 
 
+def test_ratios_leave_out_what_was_not_run():
+    def row(name, median):
+        return {"name": name, "train_time_s": {"median": median}}
+
+    # workers=[1] own_loop=false: T1 alone; no own loop on one side of T7: no T7.
+    assert _ratios([row("bare loop", 2.0), row("ddpkit 1 worker", 2.2)]) == {
+        "T1 ddpkit 1 worker / bare loop": pytest.approx(1.1)}
+    assert _ratios([row("bare loop", 2.0), row(OWN_TENSORS, 2.1), row(OWN_SAMPLES, 1.0)]) == {
+        "T6 own loop (public API, tensors) / bare loop": pytest.approx(1.05)}
+
+
 def test_restated_targets_compare_in_their_direction():
     from ddpkit.bench.train import T2_W1, T2_W2, T5_GAP, _target
 
@@ -71,14 +90,10 @@ def test_restated_targets_compare_in_their_direction():
 
 
 @pytest.mark.slow
-def test_smoke_run_reports_t2_and_t5(tmp_path):
+def test_smoke_run_reports_t2_and_t5(smoke_run):
     from ddpkit.bench.train import T2_W1, T2_W2, T5_GAP, T5_ONE, T5_TWO
 
-    out = run_ddpkit("bench", "train", "smoke=true", f"output_dir={tmp_path}", "workers=[1]", "own_loop=false",
-                     "t2=true", "t5_seeds=[3]", cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (json_path,) = tmp_path.glob("train-mlp-*-smoke.json")
-    report = json.loads(json_path.read_text())
+    json_path, report = smoke_run
     t2 = report["t2"]["stats"]
     assert report["t2"]["targets"][T2_W2]["value"] == pytest.approx(t2["w2_ddpkit"]["median"] / t2["w2_ceiling"]["median"])
     assert report["t2"]["targets"][T2_W1]["value"] == pytest.approx(

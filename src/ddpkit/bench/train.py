@@ -86,10 +86,14 @@ class TrainBenchConfig:
             check_choice("grad_sync", mode, GRAD_SYNC_MODES)
 
 
+SMOKE_SAMPLES = 256
+"""Synthetic training samples of every run of a smoke run: a few steps each (4 of W1's global batch of 64)."""
+
+
 def _train_words(cfg: TrainBenchConfig) -> list[str]:
     words = [f"model={cfg.model}", f"dataset={cfg.dataset}", "progress=false", "eval_every_epoch=false"]
     if cfg.smoke:
-        words = [f"model={cfg.model}", "dataset=synthetic", "synthetic_samples=2048", "epochs=1",
+        words = [f"model={cfg.model}", "dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}", "epochs=1",
                  "progress=false", "eval_every_epoch=false"]
     elif cfg.epochs:
         words.append(f"epochs={cfg.epochs}")
@@ -123,7 +127,7 @@ OWN_TORCH = "own loop 2 workers, per-sample Dataset, torch DataLoader + Distribu
 def _own_loop_words(cfg: TrainBenchConfig, loader: str) -> list[str]:
     words = [f"loader={loader}", f"dataset={cfg.dataset}"]
     if cfg.smoke:
-        words = [f"loader={loader}", "dataset=synthetic", "synthetic_samples=2048", "epochs=1"]
+        words = [f"loader={loader}", "dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}", "epochs=1"]
     elif cfg.epochs:
         words.append(f"epochs={cfg.epochs}")
     return words
@@ -227,8 +231,8 @@ def _bare_loops_at_once(words: list[str], count: int, timeout: float) -> list[di
     return results
 
 
-def _data_words(cfg: TrainBenchConfig, samples: int = 2048) -> list[str]:
-    return ["dataset=synthetic", f"synthetic_samples={samples}"] if cfg.smoke else [f"dataset={cfg.dataset}"]
+def _data_words(cfg: TrainBenchConfig) -> list[str]:
+    return ["dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}"] if cfg.smoke else [f"dataset={cfg.dataset}"]
 
 
 def run_t2(cfg: TrainBenchConfig) -> dict[str, Any]:
