@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from ddpkit.cli import main
 from tests.cli_runner import PYTHONPATH
 from tests.helpers.slurm import SlurmCluster
 
@@ -85,14 +85,20 @@ def wait_for_line(path: Path, pattern: str, timeout: float) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(slurm_cluster: SlurmCluster, tmp_path):
+def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(
+    slurm_cluster: SlurmCluster, tmp_path, monkeypatch, capsys
+):
     (tmp_path / "slow_images.py").write_text(DATASET)
-    argv = [
-        sys.executable, "-m", "ddpkit", "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
+    words = [
+        "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
         "time=30", "preempt_signal=USR1", f"project_root={tmp_path}", "output=train-%j.out",
         "progress=false", "dataset=slow_images:build", f"epochs={EPOCHS}", "checkpoint.sync_seconds=0.01",
     ]
-    job_id = int(slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH}).stdout)
+    # ddpkit slurm in this process (tests/cluster/test_slurm_cluster.py runs the command); sbatch passes its
+    # environment on to the job: the workers import this checkout.
+    slurm_cluster.patch_environ(monkeypatch, PYTHONPATH=PYTHONPATH)
+    assert main(words) == 0
+    job_id = int(capsys.readouterr().out)
     output = tmp_path / f"train-{job_id}.out"
     first = f"step-{STEPS_PER_EPOCH:09d}"
     wait_for_line(output, rf"^\[rank 0/2\] checkpoint \S*{first} \(epoch_end", timeout=180)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 
+from ddpkit.cli import main
 from tests.cli_runner import PYTHONPATH
 from tests.cluster.short_w1 import W1_SHORT, W1_SHORT_ACCURACY_FLOOR, W1_SHORT_STEPS
 from tests.helpers.slurm import SlurmCluster
@@ -16,15 +16,17 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.timeout(600)
-def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path, fashion_mnist):
-    argv = [
-        sys.executable, "-m", "ddpkit", "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
+def test_ddpkit_slurm_submit_trains_w1(slurm_cluster: SlurmCluster, tmp_path, fashion_mnist, monkeypatch, capsys):
+    words = [
+        "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
         f"project_root={tmp_path}", "output=logs/train-%j.out", "job_name=w1",
         "progress=false", *W1_SHORT,
     ]
-    # sbatch passes its environment on to the job: the workers import this checkout.
-    submitted = slurm_cluster.run(argv, env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH})
-    job_id = int(submitted.stdout)
+    # ddpkit slurm in this process (tests/cluster/test_slurm_cluster.py runs the command); sbatch passes its
+    # environment on to the job: the workers import this checkout.
+    slurm_cluster.patch_environ(monkeypatch, PYTHONPATH=PYTHONPATH)
+    assert main(words) == 0
+    job_id = int(capsys.readouterr().out)
 
     result = slurm_cluster.wait(job_id, timeout=500)
 

@@ -11,7 +11,10 @@ ports free when the cluster starts. The system's /etc/slurm and
 /etc/munge are neither read nor changed, so clusters of concurrent test runs
 on one machine do not meet. Clients find the cluster through SLURM_CONF,
 which is only in ``cluster.env``: pass ``env=cluster.env`` to subprocesses
-(``cluster.run`` does), never set it in os.environ.
+(``cluster.run`` does). Code under test that runs sbatch itself, called in
+the test's own process, finds the cluster through ``cluster.patch_environ(
+monkeypatch)``, which pytest undoes at the end of the test; never set
+SLURM_CONF in os.environ otherwise.
 
 The daemons daemonize (munged, slurmctld, slurmd fork and their parent
 exits), so they are not children of the test process. On exit, even after a
@@ -167,6 +170,18 @@ class SlurmCluster:
                 f"{' '.join(argv)} exited with {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
             )
         return result
+
+    def patch_environ(self, monkeypatch, **extra: str) -> None:
+        """Make os.environ this cluster's ``env`` plus extra for the rest of the test (pytest's monkeypatch undoes it).
+
+        For code under test called in this process that runs Slurm's clients itself, e.g.
+        ``ddpkit.cli.main(["slurm", "submit=true", ...])``; a batch job inherits sbatch's environment.
+        """
+        for name in os.environ:
+            if name.startswith("SLURM_"):
+                monkeypatch.delenv(name)
+        for name, value in {"SLURM_CONF": self.env["SLURM_CONF"], **extra}.items():
+            monkeypatch.setenv(name, value)
 
     def submit(self, script: str | Path, *sbatch_args: str, env: Mapping[str, str] | None = None) -> int:
         """Submit a batch script (its text, or a path to it) with sbatch; return the job id.
