@@ -11,7 +11,10 @@ ports free when the cluster starts. The system's /etc/slurm and
 /etc/munge are neither read nor changed, so clusters of concurrent test runs
 on one machine do not meet. Clients find the cluster through SLURM_CONF,
 which is only in ``cluster.env``: pass ``env=cluster.env`` to subprocesses
-(``cluster.run`` does), never set it in os.environ.
+(``cluster.run`` does). Code under test that runs sbatch itself, called in
+the test's own process, finds the cluster through ``cluster.patch_environ(
+monkeypatch)``, which pytest undoes at the end of the test; never set
+SLURM_CONF in os.environ otherwise.
 
 The daemons daemonize (munged, slurmctld, slurmd fork and their parent
 exits), so they are not children of the test process. On exit, even after a
@@ -20,7 +23,7 @@ munged and any process left from a job are killed.
 
 Finished jobs stay visible to ``scontrol show job`` for MinJobAge (10 min);
 there is no slurmdbd, hence no sacct. A requeued job may start again after
-``cred_expire`` (10 s here, 120 s by default). Needs root and Debian's
+``cred_expire`` (5 s here, the least Slurm accepts; 120 s by default). Needs root and Debian's
 packages slurmctld, slurmd, slurm-client and munge: scripts/cluster-setup.sh.
 """
 
@@ -49,8 +52,11 @@ TERMINAL_STATES = frozenset(
 )
 """Job states after which a job never runs again (unless requeued by hand)."""
 
-CRED_EXPIRE_SECONDS = 10
-"""Step credential lifetime; also how long a requeued job waits before it may start again."""
+CRED_EXPIRE_SECONDS = 5
+"""Step credential lifetime; also how long a requeued job waits before it may start again (Slurm's minimum)."""
+
+POLL_SECONDS = 0.05
+"""Pause between two looks at a job's state (one scontrol call each, a few ms)."""
 
 _SLURM_CONF = """\
 ClusterName=ddpkit
@@ -77,8 +83,10 @@ SlurmdLogFile={root}/log/slurmd.log
 # Finished jobs stay in scontrol's view this long (there is no accounting database).
 MinJobAge=600
 KillWait=5
-# Schedule every 2 s rather than 60 s, so a requeued job starts soon after cred_expire.
-SchedulerParameters=sched_interval=2
+# Schedule every second rather than every 60 s: slurmctld starts batch jobs only from this loop
+# (its background thread wakes once a second), so a job waits up to this long to start, and a
+# requeued job this long after cred_expire.
+SchedulerParameters=sched_interval=1
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
@@ -163,6 +171,18 @@ class SlurmCluster:
             )
         return result
 
+    def patch_environ(self, monkeypatch, **extra: str) -> None:
+        """Make os.environ this cluster's ``env`` plus extra for the rest of the test (pytest's monkeypatch undoes it).
+
+        For code under test called in this process that runs Slurm's clients itself, e.g.
+        ``ddpkit.cli.main(["slurm", "submit=true", ...])``; a batch job inherits sbatch's environment.
+        """
+        for name in os.environ:
+            if name.startswith("SLURM_"):
+                monkeypatch.delenv(name)
+        for name, value in {"SLURM_CONF": self.env["SLURM_CONF"], **extra}.items():
+            monkeypatch.setenv(name, value)
+
     def submit(self, script: str | Path, *sbatch_args: str, env: Mapping[str, str] | None = None) -> int:
         """Submit a batch script (its text, or a path to it) with sbatch; return the job id.
 
@@ -208,7 +228,7 @@ class SlurmCluster:
                     f"job {job_id} is still {info.get('JobState')} after {timeout} s "
                     f"(reason {info.get('Reason')})\noutput so far:\n{_read(info.get('StdOut', ''))}\n{self.logs()}"
                 )
-            time.sleep(0.25)
+            time.sleep(POLL_SECONDS)
 
     def wait_for_state(self, job_id: int, states: Sequence[str], timeout: float = 60.0) -> dict[str, str]:
         """Wait until the job is in one of states (e.g. RUNNING); return its fields."""
@@ -219,7 +239,7 @@ class SlurmCluster:
                 return info
             if time.monotonic() > deadline or info.get("JobState") in TERMINAL_STATES:
                 raise SlurmError(f"job {job_id} is {info.get('JobState')}, not {' or '.join(states)}\n{self.logs()}")
-            time.sleep(0.1)
+            time.sleep(POLL_SECONDS)
 
     def signal_batch_shell(self, job_id: int, signal_name: str) -> None:
         """Send a signal to the job's batch shell only, as ``--signal=B:SIG@t`` does at time t."""
@@ -326,7 +346,7 @@ def _wait_idle(cluster: SlurmCluster, timeout: float) -> None:
                 f"node {cluster.node_name} is {state.stdout.strip() or state.stderr.strip()!r}, not idle, "
                 f"after {timeout} s\n{cluster.logs()}"
             )
-        time.sleep(0.1)
+        time.sleep(POLL_SECONDS)
 
 
 def _stop_slurm(cluster: SlurmCluster) -> None:
