@@ -1,9 +1,10 @@
 """Every collective of ddpkit.comm against torch.distributed's built-in and a single-process reference.
 
-Each world size is one run whose workers loop over all cases (algorithms x
-sizes x dtypes x ops) and return the failures they found, so one run reports
-every broken case; the runs of every world size fork from one warm worker
-server (the module's fixture), so the suite stays fast on 2 cores.
+Each world size is one job whose workers loop over all cases (algorithms x
+sizes x dtypes x ops) and return the failures they found, so one job reports
+every broken case; the jobs of every world size run side by side, forked from
+one warm worker server (the module's fixture), so the suite stays fast on 2
+cores.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import threading
 import time
 
 import pytest
@@ -33,8 +33,7 @@ from ddpkit.comm import (
     scatter,
 )
 from ddpkit.comm.registry import ALLREDUCE_ALGORITHMS
-from tests.helpers.module_runs import attempt, selected_params
-from tests.helpers.workers import run_on_ranks, warm_workers
+from tests.helpers.module_runs import run_side_by_side, selected_params
 
 R = dist.ReduceOp
 SIZES = [0, 1, 5, 1023]
@@ -356,25 +355,9 @@ def _every_collective(rank: int, world_size: int, folder: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def every_world_size(request, tmp_path_factory):
-    """Each selected world size's failures by rank.
-
-    The runs go side by side, forked from one warm worker server: their
-    workers mostly wait on each other's messages (on 2 cores, 4 ranks keep
-    less than one core busy), so one run's waits are another's turn.
-    """
-    outcomes: dict = {}
-
-    def run(world_size: int, folder: str) -> None:
-        outcomes[world_size] = attempt(run_on_ranks, _every_collective, world_size, folder, timeout=280)
-
-    with warm_workers():
-        threads = [threading.Thread(target=run, args=(n, str(tmp_path_factory.mktemp(f"barrier-{n}"))))
-                   for n in selected_params(request, "world_size")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    return outcomes
+    """Each selected world size's failures by rank, the world sizes side by side."""
+    return run_side_by_side({n: (_every_collective, n, (str(tmp_path_factory.mktemp(f"barrier-{n}")),), {})
+                             for n in selected_params(request, "world_size")})
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,8 @@ from torch.distributed import ReduceOp
 
 from ddpkit.comm import shm
 from ddpkit.comm.shm import communicator
-from tests.helpers.module_runs import attempt, selected_params, selected_tests
-from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
+from tests.helpers.module_runs import attempt, run_side_by_side, selected_params, selected_tests
+from tests.helpers.workers import DYNAMO, warm_workers
 
 DTYPES = [
     torch.float32,
@@ -373,22 +373,12 @@ def jobs(request, tmp_path_factory) -> dict:
         runs["failures"] = (_failures_worker, 2, (), {})
     if "test_two_concurrent_jobs_do_not_interfere" in tests:
         runs.update({f"job {i}": (_job_worker, 2, (i,), {}) for i in (1, 2)})
-    outcomes: dict = {}
+    cache = tmp_path_factory.mktemp("xdg-cache")
     if "test_builds_from_source_when_no_installed_copy_fits" in tests:
         # A compiler run of its own, beside the others: it keeps one core busy while their ranks wait on each other.
-        cache = tmp_path_factory.mktemp("xdg-cache")
-        outcomes["build cache"] = cache
         runs["build"] = (_build_worker, 1, (), {"init_process_group": False, "environ": {"XDG_CACHE_HOME": str(cache)}})
-
-    def run(key, fn, world_size, args, options) -> None:
-        outcomes[key] = attempt(run_on_ranks, fn, world_size, *args, timeout=280, **options)
-
-    with warm_workers(DYNAMO):  # 10 ranks build DDP models and optimizers: torch._dynamo imported once
-        threads = [threading.Thread(target=run, args=(key, *job)) for key, job in runs.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    outcomes = run_side_by_side(runs, DYNAMO)  # 10 ranks build DDP models and optimizers: torch._dynamo imported once
+    outcomes["build cache"] = cache
     return outcomes
 
 

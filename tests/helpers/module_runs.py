@@ -9,11 +9,14 @@ returns: no process outlives the fixture.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+from tests.helpers.workers import run_on_ranks, warm_workers
 
 
 def selected_params(request: pytest.FixtureRequest, argname: str, test: str | None = None) -> list[Any]:
@@ -62,3 +65,32 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
         return Outcome(fn(*args, **kwargs))
     except Exception as e:  # noqa: BLE001  (re-raised by Outcome.get in the test that needs it)
         return Outcome(error=e)
+
+
+def run_side_by_side(jobs: Mapping[Any, tuple], preload: tuple[str, ...] = (), timeout: float = 280) -> dict:
+    """Run several jobs at once, each :func:`run_on_ranks` of its own, forked from one warm worker server.
+
+    Their ranks mostly wait on each other's messages (on 2 cores, 3 or 4
+    ranks of one job keep less than one core busy), so one job's waits are
+    another's turn.
+
+    Args:
+        jobs: for each key, ``(fn, world_size, args, options)``: ``run_on_ranks(fn, world_size, *args, **options)``.
+        preload: more modules for the server to import once (``workers.DYNAMO``).
+        timeout: each job's ``run_on_ranks`` timeout, unless its options say otherwise.
+
+    Returns:
+        Each key's :class:`Outcome`: the ranks' values or the job's failure.
+    """
+    outcomes: dict = {}
+
+    def run(key: Any, fn: Callable[..., Any], world_size: int, args: tuple, options: dict) -> None:
+        outcomes[key] = attempt(run_on_ranks, fn, world_size, *args, **{"timeout": timeout, **options})
+
+    with warm_workers(preload):
+        threads = [threading.Thread(target=run, args=(key, *job)) for key, job in jobs.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return outcomes
