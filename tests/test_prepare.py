@@ -1,4 +1,8 @@
-"""ddpkit.prepare_model: stock DDP's weights in every mode, with the loop left as plain torch."""
+"""ddpkit.prepare_model: stock DDP's weights in every mode, with the loop left as plain torch.
+
+The jobs of 2, 3 and 1 ranks run side by side in one fixture, forked from one
+warm worker server; each test checks its job.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers.workers import run_on_ranks
+from tests.helpers.module_runs import run_side_by_side, selected_tests
+from tests.helpers.workers import DYNAMO
 
 NUM_STEPS = 3
 VARIANTS = ("set_to_none", "zero", "accumulate", "frozen", "amp", "unused")
@@ -124,21 +129,6 @@ def _check(results: list[dict], modes: list[str]) -> None:
             assert torch.equal(result["starts"][mode], results[0]["starts"]["rank 0 before"]), (rank, mode)
 
 
-def test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks():
-    modes = ["ddp", "flat", "manual"]
-    results = run_on_ranks(_matches_stock_ddp, 2, modes, ["builtin", "ring", "shm"], list(VARIANTS), ["sgd", "adam"],
-                           timeout=240)
-    _check(results, modes)
-    assert results[0]["describe"].startswith("gradients: manual of ")
-
-
-def test_every_mode_trains_like_stock_ddp_on_3_ranks():
-    modes = ["ddp", "flat", "manual"]
-    results = run_on_ranks(_matches_stock_ddp, 3, modes, ["ring", "shm"], ["set_to_none", "accumulate", "unused"],
-                           ["adam"], timeout=240)
-    _check(results, modes)
-
-
 def _single_worker(rank: int, world_size: int) -> dict:
     import ddpkit.distributed
     from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
@@ -166,8 +156,37 @@ def _single_worker(rank: int, world_size: int) -> dict:
         ddpkit.distributed.shutdown()
 
 
-def test_one_worker_returns_the_model_itself_and_trains_as_plain_torch():
-    results = run_on_ranks(_single_worker, 1, init_process_group=False)
+MODES = ["ddp", "flat", "manual"]
+JOBS = {
+    "test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks":
+        (_matches_stock_ddp, 2, (MODES, ["builtin", "ring", "shm"], list(VARIANTS), ["sgd", "adam"]), {}),
+    "test_every_mode_trains_like_stock_ddp_on_3_ranks":
+        (_matches_stock_ddp, 3, (MODES, ["ring", "shm"], ["set_to_none", "accumulate", "unused"], ["adam"]), {}),
+    "test_one_worker_returns_the_model_itself_and_trains_as_plain_torch":
+        (_single_worker, 1, (), {"init_process_group": False}),
+}
+"""The job each multi-process test checks: function, ranks, arguments, options."""
+
+
+@pytest.fixture(scope="module")
+def jobs(request) -> dict:
+    """The outcome of each selected test's job, run side by side (every rank builds optimizers and DDP models)."""
+    selected = selected_tests(request)
+    return run_side_by_side({name: job for name, job in JOBS.items() if name in selected}, DYNAMO, timeout=240)
+
+
+def test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks(jobs):
+    results = jobs["test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks"].get()
+    _check(results, MODES)
+    assert results[0]["describe"].startswith("gradients: manual of ")
+
+
+def test_every_mode_trains_like_stock_ddp_on_3_ranks(jobs):
+    _check(jobs["test_every_mode_trains_like_stock_ddp_on_3_ranks"].get(), MODES)
+
+
+def test_one_worker_returns_the_model_itself_and_trains_as_plain_torch(jobs):
+    results = jobs["test_one_worker_returns_the_model_itself_and_trains_as_plain_torch"].get()
     assert results == [{"set_to_none": True, "accumulate": True}]
 
 

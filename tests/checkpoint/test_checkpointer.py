@@ -1,8 +1,9 @@
 """ddpkit.Checkpointer: bad input is one clear line; save, keep, best, resume and exact restore.
 
 Most tests run in this process, without a process group (world size 1: the
-Checkpointer needs none). Two run on 2 real gloo ranks through run_on_ranks:
-a save reached by one rank only, and every rank's RNG restored as its own.
+Checkpointer needs none). Two check jobs of 2 real gloo ranks, run side by
+side by the ``two_rank_jobs`` fixture: a save reached by one rank only, and
+every rank's RNG restored as its own.
 Preemption signals are off (``preempt_signals=()``) so that no handler is
 installed in the pytest process, except in the last test, which sends
 SIGTERM to this process and its DataLoader worker as Slurm would on
@@ -29,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset
 import ddpkit
 from ddpkit import CheckpointError, Checkpointer
 from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
-from tests.helpers.workers import run_on_ranks
+from tests.helpers.module_runs import run_side_by_side, selected_tests
 
 SEED = 20240607
 """Seed of every random choice here: data, initial weights, generator states."""
@@ -193,11 +194,15 @@ def test_resuming_a_model_of_another_architecture_names_the_keys(tmp_path, check
     assert "resume with the settings it was written with, or start a new run in another folder" in message
 
 
+SAVE_TIMEOUT_S = 1
+"""How long a save waits for the other ranks in the test of a save that one rank never reaches."""
+
+
 def _save_on_rank_one_only(rank: int, world_size: int, folder: str) -> tuple[str, float]:
-    ckpt = Checkpointer(folder, model=nn.Linear(2, 2), timeout=3, preempt_signals=())
+    ckpt = Checkpointer(folder, model=nn.Linear(2, 2), timeout=SAVE_TIMEOUT_S, preempt_signals=())
     try:
         if rank == 0:
-            time.sleep(1.0)  # busy elsewhere, then done: it never reaches the save
+            time.sleep(0.5)  # busy elsewhere, then done: it never reaches the save
             return "", 0.0
         start = time.monotonic()
         try:
@@ -209,12 +214,13 @@ def _save_on_rank_one_only(rank: int, world_size: int, folder: str) -> tuple[str
         ckpt.close()
 
 
-def test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout(tmp_path):
-    _, (message, waited) = run_on_ranks(_save_on_rank_one_only, 2, str(tmp_path / "ckpt"), timeout=60)
-    assert message == ("a checkpoint save was reached by rank(s) [1] but not by rank(s) [0] within 3s; saving is "
-                       "collective: call Checkpointer.step()/save() on every rank at the same point")
-    assert 3 <= waited < 10
-    assert _steps(tmp_path / "ckpt") == []
+def test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout(two_rank_jobs):
+    folder = two_rank_jobs["folder"] / "save-on-one-rank"
+    _, (message, waited) = two_rank_jobs["save-on-one-rank"].get()
+    assert message == (f"a checkpoint save was reached by rank(s) [1] but not by rank(s) [0] within {SAVE_TIMEOUT_S}s; "
+                       "saving is collective: call Checkpointer.step()/save() on every rank at the same point")
+    assert SAVE_TIMEOUT_S <= waited < 10
+    assert _steps(folder) == []
 
 
 # -- what is saved, and when ------------------------------------------------------------------
@@ -361,9 +367,26 @@ def _save_then_resume_every_ranks_rng(rank: int, world_size: int, folder: str) -
             "expected": expected, "got": got, "weight": weights["0.weight"]}
 
 
-def test_two_ranks_save_and_resume_each_ranks_rng(tmp_path):
-    folder = tmp_path / "ckpt"
-    results = run_on_ranks(_save_then_resume_every_ranks_rng, 2, str(folder), timeout=90)
+TWO_RANK_JOBS = {
+    "save-on-one-rank": ("test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout",
+                         _save_on_rank_one_only),
+    "rng": ("test_two_ranks_save_and_resume_each_ranks_rng", _save_then_resume_every_ranks_rng),
+}
+"""Each 2-rank job (named by the folder it saves into under the fixture's): the test that checks it, its function."""
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs(request, tmp_path_factory) -> dict:
+    """The selected tests' 2-rank jobs, side by side: each job's outcome, and "folder" holding their folders."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    selected = selected_tests(request)
+    jobs = {name: (fn, 2, (str(folder / name),), {}) for name, (test, fn) in TWO_RANK_JOBS.items() if test in selected}
+    return {**run_side_by_side(jobs, timeout=90), "folder": folder}
+
+
+def test_two_ranks_save_and_resume_each_ranks_rng(two_rank_jobs):
+    folder = two_rank_jobs["folder"] / "rng"
+    results = two_rank_jobs["rng"].get()
     assert _steps(folder) == [2]
     assert read_manifest(folder / "step-000000002")["world_size"] == 2
     for result in results:

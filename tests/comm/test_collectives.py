@@ -1,8 +1,10 @@
 """Every collective of ddpkit.comm against torch.distributed's built-in and a single-process reference.
 
-Processes are spawned once per world size; each worker loops over all cases
-(algorithms x sizes x dtypes x ops) and returns the failures it found, so one
-run reports every broken case and the suite stays fast on 2 cores.
+Each world size is one job whose workers loop over all cases (algorithms x
+sizes x dtypes x ops) and return the failures they found, so one job reports
+every broken case; the jobs of every world size run side by side, forked from
+one warm worker server (the module's fixture), so the suite stays fast on 2
+cores.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import tempfile
 import time
 
 import pytest
@@ -32,7 +33,7 @@ from ddpkit.comm import (
     scatter,
 )
 from ddpkit.comm.registry import ALLREDUCE_ALGORITHMS
-from tests.helpers.workers import run_on_ranks
+from tests.helpers.module_runs import run_side_by_side, selected_params
 
 R = dist.ReduceOp
 SIZES = [0, 1, 5, 1023]
@@ -119,26 +120,30 @@ def _all_reduce_worker(rank: int, world_size: int) -> list[str]:
     digests: list[str] = []
     default_segment = chunks.SEGMENT_BYTES
     seed = 0
-    for algorithm in ALGORITHMS:
-        fn = ALLREDUCE_ALGORITHMS[algorithm]
-        for dtype in DTYPES:
-            for op in ops_for(dtype):
-                for shape, contiguous in shapes_for(op):
-                    seed += 1
-                    inputs = [make_input(r, shape, dtype, op, seed) for r in range(world_size)]
+    # Each case's inputs, reference and dist.all_reduce once, against every algorithm.
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for shape, contiguous in shapes_for(op):
+                seed += 1
+                inputs = [make_input(r, shape, dtype, op, seed) for r in range(world_size)]
+                want = reference(op, inputs)
+                builtin = None
+                if op != R.AVG or dtype.is_floating_point:  # gloo has no integer AVG
+                    builtin = inputs[rank].clone()
+                    dist.all_reduce(builtin, op=op)
+                for algorithm in ALGORITHMS:
                     tensor = as_case_tensor(inputs[rank], contiguous)
-                    fn(tensor, op=op)
+                    ALLREDUCE_ALGORITHMS[algorithm](tensor, op=op)
                     case = f"all_reduce[{algorithm}] n={world_size} {dtype} {op.name} shape={shape}"
                     if not contiguous:
                         case += " non-contiguous"
-                    if (problem := mismatch(tensor, reference(op, inputs))) is not None:
+                    if (problem := mismatch(tensor, want)) is not None:
                         failures.append(f"{case} vs reference: {problem}")
-                    if op != R.AVG or dtype.is_floating_point:  # gloo has no integer AVG
-                        builtin = inputs[rank].clone()
-                        dist.all_reduce(builtin, op=op)
-                        if (problem := mismatch(tensor, builtin)) is not None:
-                            failures.append(f"{case} vs dist.all_reduce: {problem}")
+                    if builtin is not None and (problem := mismatch(tensor, builtin)) is not None:
+                        failures.append(f"{case} vs dist.all_reduce: {problem}")
                     digests.append(hashlib.sha1(tensor.contiguous().numpy().tobytes()).hexdigest())
+    for algorithm in ALGORITHMS:
+        fn = ALLREDUCE_ALGORITHMS[algorithm]
         if algorithm in ("ring", "tree"):  # the pipelined ones: several uneven segments per chunk
             try:
                 for dtype in DTYPES:
@@ -292,8 +297,8 @@ def _everyone_worker(rank: int, world_size: int) -> list[str]:
 def _barrier_worker(rank: int, world_size: int, folder: str) -> list[str]:
     failures = []
     for round_ in range(world_size):
-        if rank == round_:  # this round's latecomer
-            time.sleep(0.2)
+        if rank == round_:  # this round's latecomer: the others must wait for it
+            time.sleep(0.1)
         open(os.path.join(folder, f"{round_}-{rank}"), "w").close()
         barrier()
         missing = [r for r in range(world_size) if not os.path.exists(os.path.join(folder, f"{round_}-{r}"))]
@@ -348,14 +353,19 @@ def _every_collective(rank: int, world_size: int, folder: str) -> list[str]:
     return failures
 
 
+@pytest.fixture(scope="module")
+def every_world_size(request, tmp_path_factory):
+    """Each selected world size's failures by rank, the world sizes side by side."""
+    return run_side_by_side({n: (_every_collective, n, (str(tmp_path_factory.mktemp(f"barrier-{n}")),), {})
+                             for n in selected_params(request, "world_size")})
+
+
 @pytest.mark.parametrize(
     "world_size",
-    # 3 and 4 ranks oversubscribe 2 cores: tens of seconds on a busy machine.
+    # 3 and 4 ranks oversubscribe 2 cores: the longest runs.
     [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)],
 )
-def test_every_collective_matches_builtin_and_reference(world_size):
-    # One spawn per world size: starting processes costs more than all the cases.
-    with tempfile.TemporaryDirectory() as folder:
-        results = run_on_ranks(_every_collective, world_size, folder, timeout=280)
+def test_every_collective_matches_builtin_and_reference(every_world_size, world_size):
+    results = every_world_size[world_size].get()
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])

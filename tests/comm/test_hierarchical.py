@@ -1,4 +1,8 @@
-"""The hierarchical all_reduce against gloo's built-in, with ranks spread over emulated nodes."""
+"""The hierarchical all_reduce against gloo's built-in, with ranks spread over emulated nodes.
+
+Each layout is one job of its own (the hierarchical all_reduce works on the
+world group only); the layouts run side by side in one fixture.
+"""
 
 import pytest
 import torch
@@ -6,7 +10,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.hierarchical import HierarchicalAllReduce
 from ddpkit.comm.ops import ReduceOp
-from tests.helpers.workers import run_on_ranks
+from tests.helpers.module_runs import run_side_by_side, selected_params
 
 CASES = [(op, dtype, numel) for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT)
          for dtype in (torch.float32, torch.int64) for numel in (0, 1, 1023, 70000)]
@@ -27,8 +31,15 @@ def _compare(rank, world_size, node_keys):
     return hierarchical.num_nodes
 
 
+@pytest.fixture(scope="module")
+def layouts(request) -> dict:
+    """Each selected layout's result by rank (the number of nodes it saw)."""
+    return run_side_by_side({keys: (_compare, len(keys), (keys,), {})
+                             for keys in selected_params(request, "node_keys")}, timeout=180)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("node_keys", [(0, 0, 1, 1), (0, 1, 1), (0, 0)], ids=["2x2", "1+2", "one-node"])
-def test_matches_builtin(node_keys):
-    num_nodes = run_on_ranks(_compare, len(node_keys), node_keys, timeout=180)
+def test_matches_builtin(layouts, node_keys):
+    num_nodes = layouts[node_keys].get()
     assert num_nodes == [len(set(node_keys))] * len(node_keys)

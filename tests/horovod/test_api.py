@@ -1,9 +1,11 @@
 """ddpkit.horovod against Horovod's documented semantics, on 3 real gloo ranks.
 
-One spawn per all_reduce runs every check in turn (starting processes costs
-more than the checks); each test below reports one check's result from every
-rank. ``auto`` is what ``hvd.init()`` picks on one node (shared memory);
-``builtin`` is gloo's own, what a job with one rank per node gets.
+One job per all_reduce runs every check in turn (starting processes costs
+more than the checks); both jobs, and the one-worker job, run side by side
+in one fixture, forked from one warm worker server. Each test below reports
+one check's result from every rank. ``auto`` is what ``hvd.init()`` picks on
+one node (shared memory); ``builtin`` is gloo's own, what a job with one rank
+per node gets.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers.workers import run_on_ranks
+from tests.helpers.module_runs import run_side_by_side, selected_params, selected_tests
+from tests.helpers.workers import DYNAMO
 
-pytestmark = pytest.mark.slow  # two spawns of 3 ranks, ~15 s each on 2 cores (mostly torch's first optimizer step)
+pytestmark = pytest.mark.slow  # two jobs of 3 ranks and one of 1, side by side
 
 WORLD_SIZE = 3
 NUM_STEPS = 3
@@ -385,13 +388,20 @@ def _run_checks(rank: int, world_size: int, allreduce: str) -> dict[str, str | N
     return results
 
 
-@pytest.fixture(scope="module", params=["auto", "builtin"])
-def results(request) -> list[dict[str, str | None]]:
-    return run_on_ranks(_run_checks, WORLD_SIZE, request.param, timeout=240)
+@pytest.fixture(scope="module")
+def jobs(request) -> dict:
+    """Each selected job's outcome: the checks' results by rank for "auto" and "builtin", and "one worker"."""
+    jobs = {allreduce: (_run_checks, WORLD_SIZE, (allreduce,), {})
+            for allreduce in selected_params(request, "allreduce", "test_horovod_api")}
+    if "test_one_worker_trains_as_plain_torch" in selected_tests(request):
+        jobs["one worker"] = (_one_worker, 1, (), {"init_process_group": False})
+    return run_side_by_side(jobs, DYNAMO, timeout=240)  # every rank builds optimizers and DDP models
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
-def test_horovod_api(results, name):
+@pytest.mark.parametrize("allreduce", ["auto", "builtin"])
+def test_horovod_api(jobs, allreduce, name):
+    results = jobs[allreduce].get()
     failures = [f"rank {r}:\n{result[name]}" for r, result in enumerate(results) if result[name]]
     assert not failures, "\n".join(failures)
 
@@ -414,6 +424,6 @@ def _one_worker(rank: int, world_size: int) -> dict:
         hvd.shutdown()
 
 
-def test_one_worker_trains_as_plain_torch():
-    assert run_on_ranks(_one_worker, 1, init_process_group=False) == [
+def test_one_worker_trains_as_plain_torch(jobs):
+    assert jobs["one worker"].get() == [
         {"same": True, "size": 1, "sum": [1.0, 1.0], "join": 0}]
