@@ -21,7 +21,7 @@ set before starting it. Workers receive the launcher's working folder and
 ``sys.path`` at each launch (multiprocessing's preparation data) and its
 environment (ddpkit's ``_worker_main``), so the commands may run in different
 folders with different variables. What the launcher leaves in this process
-(its signal handlers, ddpkit's log handler) is put back when the block ends.
+(its signal handlers, ddpkit's log handler, torch's thread count) is put back when the block ends.
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ class Commands:
             logger.propagate = state[2]
 
         stack.callback(restore_logger)
+        import torch
+
+        stack.callback(torch.set_num_threads, torch.get_num_threads())  # a command run here sets its own
         saved_path, saved_cwd = list(sys.path), os.getcwd()
         stack.callback(os.chdir, saved_cwd)
         stack.callback(lambda: sys.path.__setitem__(slice(None), saved_path))
