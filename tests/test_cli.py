@@ -27,19 +27,20 @@ def test_bad_input_exits_2_from_the_command(tmp_path):
     assert out.stderr == "error: nproc=0 is not valid; it must be > 0\n", out.stderr
 
 
-def test_unknown_model_lists_every_registered_one(tmp_path):
+def test_unknown_model_lists_every_registered_one(tmp_path, monkeypatch, capsys):
     get_model_spec("mlp")  # registers the reference models here too
     reference = sorted(name for name, spec in MODELS.items() if spec.build.__module__.startswith("ddpkit.models."))
     assert {"autoencoder", "cnn", "mlp"} <= set(reference)
-    out = run_ddpkit("train", "model=resnet", cwd=tmp_path, timeout=60)
-    assert out.returncode == 2
-    assert out.stderr == (f"error: unknown model 'resnet'; choose one of: {', '.join(reference)}, "
-                          "or give module:function\n"), out.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "model=resnet"]) == 2  # in-process, as above
+    assert capsys.readouterr().err == (f"error: unknown model 'resnet'; choose one of: {', '.join(reference)}, "
+                                       "or give module:function\n")
 
 
-def test_missing_data_offline_and_corrupt_file(tmp_path):
-    out = run_ddpkit("train", f"data_dir={tmp_path / 'none'}", "download=false", cwd=tmp_path, timeout=60)
-    assert out.returncode == 2 and "fashion-mnist not found in" in out.stderr
+def test_missing_data_offline_and_corrupt_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"data_dir={tmp_path / 'none'}", "download=false"]) == 2  # in-process, as above
+    assert "fashion-mnist not found in" in capsys.readouterr().err
     folder = tmp_path / "fm"
     folder.mkdir()
     for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
@@ -48,8 +49,8 @@ def test_missing_data_offline_and_corrupt_file(tmp_path):
     damaged = folder / "train-labels-idx1-ubyte.gz"
     damaged.write_bytes(damaged.read_bytes()[:1000])
     before = damaged.read_bytes()
-    out = run_ddpkit("train", f"data_dir={folder}", "progress=false", cwd=tmp_path, timeout=120)
-    assert out.returncode in (1, 2)
-    assert "train-labels-idx1-ubyte.gz is not a complete gzip file" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert main(["train", f"data_dir={folder}", "progress=false"]) in (1, 2)  # nproc=1: trains in this process
+    err = capsys.readouterr().err
+    assert "train-labels-idx1-ubyte.gz is not a complete gzip file" in err
+    assert "Traceback" not in err
     assert damaged.read_bytes() == before, "ddpkit must not touch the user's files"

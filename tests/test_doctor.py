@@ -6,8 +6,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,7 +32,7 @@ from ddpkit.doctor import (
 )
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.ports import free_port
-from tests.cli_runner import PYTHONPATH, run_ddpkit
+from tests.helpers.launch_in_process import Commands
 
 
 def environment(rank: int = 0, world_size: int = 2, num_nodes: int = 1, master_addr: str = "10.0.0.1",
@@ -184,16 +182,16 @@ def test_doctor_alone_in_process_as_json(capsys):
     assert report["peers"] == [] and len(report["hints"]) == 4
 
 
-@pytest.mark.slow
-def test_doctor_alone_reports_one_process_and_how_to_run_more(tmp_path):
-    out = run_ddpkit("doctor", cwd=tmp_path, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "environment   local: rank 0 of world_size 1" in out.stdout
-    assert "ok    all_reduce: sum of ranks 0 == 0" in out.stdout
+def test_doctor_alone_reports_one_process_and_how_to_run_more(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["doctor"]) == 0  # in-process: tests/test_cli.py checks the command's exit path
+    out = capsys.readouterr().out
+    assert "environment   local: rank 0 of world_size 1" in out
+    assert "ok    all_reduce: sum of ranks 0 == 0" in out
     for hint in ("ddpkit doctor nproc=2", "torchrun --nnodes N", "-m ddpkit doctor",
                  "srun --nodes N --ntasks-per-node K python -m ddpkit doctor", "mpirun -np N python -m ddpkit doctor"):
-        assert hint in out.stdout
-    assert out.stdout.rstrip().endswith("result: OK")
+        assert hint in out
+    assert out.rstrip().endswith("result: OK")
 
 
 def test_doctor_bad_option_is_one_line(tmp_path, monkeypatch, capsys):
@@ -210,7 +208,8 @@ def test_doctor_without_cuda_refuses_cuda_before_starting_workers():
 
 @pytest.mark.slow
 def test_doctor_two_local_workers_as_json(tmp_path):
-    out = run_ddpkit("doctor", "nproc=2", "json=true", "bandwidth_mib=1", cwd=tmp_path, timeout=180)
+    with Commands() as commands:  # in this process, the workers forked from the worker server as the command does
+        out = commands.run("doctor", "nproc=2", "json=true", "bandwidth_mib=1", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] is True and report["problem"] == ""
@@ -222,47 +221,52 @@ def test_doctor_two_local_workers_as_json(tmp_path):
     assert report["allreduce_latency_us"] > 0
 
 
-def torchrun_like_env(rank: int, port: int) -> dict[str, str]:
-    """The env:// variables of one of two workers, without an agent store (as under srun or mpirun)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI"))}
-    return {**env, "PYTHONPATH": PYTHONPATH, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+@pytest.fixture
+def doctor_as(monkeypatch, capsys):
+    """``ddpkit doctor WORDS`` in this process as rank ``rank`` of 2 with the env:// variables (master on
+    127.0.0.1:``port``) and no agent store, as under srun or mpirun: its (exit status, stdout, stderr)."""
+
+    def run(rank: int, port: int, *words: str) -> tuple[int, str, str]:
+        for name in list(os.environ):
+            if name.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI")):
+                monkeypatch.delenv(name)
+        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+            monkeypatch.setenv(name, str(value))
+        capsys.readouterr()
+        code = cli.main(["doctor", *words])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
-def run_doctor_as(rank: int, port: int, *words: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpkit", "doctor", *words], env=torchrun_like_env(rank, port),
-                          capture_output=True, text=True, timeout=120)
-
-
-@pytest.mark.slow
-def test_rank_zero_alone_names_the_missing_rank():
+def test_rank_zero_alone_names_the_missing_rank(doctor_as):
     port = free_port()
-    out = run_doctor_as(0, port, "timeout=2")
-    assert out.returncode == 1
-    assert "ok    reach master: TCP connect to 127.0.0.1:" in out.stdout
-    assert "FAIL  roll call" in out.stdout
-    assert f"problem: rank 1 of 2 did not arrive at 127.0.0.1:{port} within 2s (1 arrived, from " in out.stdout
+    code, out, _ = doctor_as(0, port, "timeout=1")  # rank 1 is waited for that long
+    assert code == 1
+    assert "ok    reach master: TCP connect to 127.0.0.1:" in out
+    assert "FAIL  roll call" in out
+    assert f"problem: rank 1 of 2 did not arrive at 127.0.0.1:{port} within 1s (1 arrived, from " in out
 
 
-@pytest.mark.slow
-def test_rank_one_without_a_master_says_what_to_check():
+def test_rank_one_without_a_master_says_what_to_check(doctor_as):
     port = free_port()
-    out = run_doctor_as(1, port, "timeout=2")
-    assert out.returncode == 1
-    assert out.stdout == ""  # only rank 0 prints the report
-    assert out.stderr.startswith(
-        f"[rank 1/2] problem: rank 1/2 cannot reach the master at 127.0.0.1:{port} within 2s: connection refused"
+    code, out, err = doctor_as(1, port, "timeout=1")  # the master is retried that long
+    assert code == 1
+    assert out == ""  # only rank 0 prints the report
+    assert err.startswith(
+        f"[rank 1/2] problem: rank 1/2 cannot reach the master at 127.0.0.1:{port} within 1s: connection refused"
     )
-    assert "check that rank 0 is running" in out.stderr
+    assert "check that rank 0 is running" in err
 
 
-@pytest.mark.slow
-def test_master_port_taken_on_rank_zero():
+def test_master_port_taken_on_rank_zero(doctor_as):
     with socket.create_server(("", 0)) as taken:
         port = taken.getsockname()[1]
-        out = run_doctor_as(0, port, "timeout=2", "json=true")
-    assert out.returncode == 1
-    report = json.loads(out.stdout)
+        code, out, _ = doctor_as(0, port, "timeout=2", "json=true")
+    assert code == 1
+    report = json.loads(out)
     assert report["ok"] is False
     assert report["problem"].startswith(f"rank 0 cannot listen on port {port}: it is taken")
     assert report["checks"][-1]["name"] == "rendezvous store" and not report["checks"][-1]["ok"]

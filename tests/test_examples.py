@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.cli_runner import PYTHONPATH, REPO
+from tests.helpers.launch_in_process import Commands
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +51,37 @@ def _script(example: str) -> str:
     return str(REPO / "examples" / example)
 
 
+@pytest.fixture(scope="module")
+def under_ddpkit_run(tmp_path_factory) -> dict:
+    """Every ``ddpkit run nproc=2`` of this module, by name: its folder and result.
+
+    The commands run in this process (``ddpkit.cli.main``) with the variables of outer launchers hidden,
+    their workers forked from one worker server shared by all of them; the ``ddpkit`` command's own
+    process is started by tests/launch/test_run.py and others.
+    """
+    from tests.horovod.ddp_reference import SCRIPT, TINY as HOROVOD_TINY
+
+    runs = {}
+    with Commands() as commands:
+        for example in sorted(EXAMPLES):
+            folder = tmp_path_factory.mktemp(example.removesuffix(".py"))
+            words = ["run", "nproc=2", _script(example), *TINY, "--out", str(folder)]
+            runs[example] = (folder, commands.run(*words, cwd=folder, clean_environment=True))
+            if example == "mlp_fashion_mnist.py":  # (one example is enough to show the re-run)
+                runs["again"] = (folder, commands.run(*words, cwd=folder, clean_environment=True))
+        folder = tmp_path_factory.mktemp("horovod")
+        words = ["run", "nproc=2", str(SCRIPT), *HOROVOD_TINY, "--save-weights", str(folder / "weights.pt")]
+        runs["horovod"] = (folder, commands.run(*words, cwd=folder, clean_environment=True))
+    return runs
+
+
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_example_under_ddpkit_run_then_resumes(example, tmp_path):
-    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", _script(example), *TINY, "--out", str(tmp_path)]
-    first = subprocess.run(command, cwd=tmp_path, env=_environ(), capture_output=True, text=True, timeout=300)
-    _check(first, example)
+def test_example_under_ddpkit_run_then_resumes(example, under_ddpkit_run):
+    _check(under_ddpkit_run[example][1], example)
     if example != "mlp_fashion_mnist.py":
         return  # (one example is enough to show the re-run; each launch costs seconds)
     # The same command again: the run is complete, so it resumes at the end and trains nothing more.
-    again = subprocess.run(command, cwd=tmp_path, env=_environ(), capture_output=True, text=True, timeout=300)
+    again = under_ddpkit_run["again"][1]
     assert again.returncode == 0, again.stderr[-3000:]
     assert not [line for line in again.stdout.splitlines() if line.startswith("epoch")], again.stdout
 
@@ -75,14 +98,11 @@ def test_example_under_torchrun(example, tmp_path):
            example)
 
 
-def test_horovod_example_under_ddpkit_run_ends_with_stock_ddp_weights(tmp_path):
-    from tests.horovod.ddp_reference import SCRIPT, TINY, assert_same_weights, ddp_weights
+def test_horovod_example_under_ddpkit_run_ends_with_stock_ddp_weights(under_ddpkit_run):
+    from tests.horovod.ddp_reference import assert_same_weights, ddp_weights
 
-    weights = tmp_path / "weights.pt"
-    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPT), *TINY, "--save-weights", str(weights)]
-    env = _environ()
-    out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    folder, out = under_ddpkit_run["horovod"]
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]
     assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"], out.stdout  # rank 0 only
-    assert_same_weights(torch.load(weights), ddp_weights())
+    assert_same_weights(torch.load(folder / "weights.pt"), ddp_weights())

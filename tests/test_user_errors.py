@@ -15,6 +15,7 @@ from ddpkit.env.base import InconsistentEnvironment
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import run_reporting_failure
 from tests.cli_runner import run_ddpkit
+from tests.helpers.launch_in_process import Commands
 
 TINY = ["dataset=synthetic", "synthetic_samples=256", "batch_size=32", "epochs=1", "progress=false"]
 
@@ -89,7 +90,8 @@ def test_a_value_error_in_the_user_s_model_shows_its_traceback_and_rank(tmp_path
         def build():
             return Broken()
     """))
-    out = run_ddpkit("train", "nproc=2", *TINY, "model=broken_model:build", cwd=tmp_path, timeout=180)
+    with Commands() as commands:  # in this process; the command's own exit path is checked above
+        out = commands.run("train", "nproc=2", *TINY, "model=broken_model:build", cwd=tmp_path)
     assert out.returncode == 1, out.stderr
     assert "error: worker rank " in out.stderr and "failed (exit code 1): ValueError: my model cannot take a batch " \
         "of (16, 1, 28, 28)" in out.stderr, out.stderr

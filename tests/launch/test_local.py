@@ -6,13 +6,31 @@ import pytest
 
 from ddpkit.cli import main
 from tests.cli_runner import run_ddpkit
+from tests.helpers.launch_in_process import Commands
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
 
 SMALL = ["dataset=synthetic", "synthetic_samples=256", "epochs=1", "progress=false"]
 
 
-def test_failing_rank_reported_once(tmp_path):
-    out = run_ddpkit("train", "nproc=2", "model=tests.launch.failing_model:fails_on_rank_one", *SMALL, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory) -> dict:
+    """``ddpkit train nproc=2`` with a model that fails on rank 1, by how it fails: each command's result.
+
+    The commands run in this process (``ddpkit.cli.main``), their workers forked from one worker server
+    shared by both; the command's own exit path is checked by tests/test_cli.py.
+    """
+    folder = tmp_path_factory.mktemp("failed")
+    with Commands() as commands:
+        return {
+            "raises": commands.run("train", "nproc=2", "model=tests.launch.failing_model:fails_on_rank_one", *SMALL,
+                                   cwd=folder),
+            "killed": commands.run("train", "nproc=2", "model=tests.launch.failing_model:killed_on_rank_one",
+                                   *SMALL, "timeout=30", cwd=folder),
+        }
+
+
+def test_failing_rank_reported_once(failed):
+    out = failed["raises"]
     assert out.returncode == 1
     error_lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert error_lines == [
@@ -22,9 +40,8 @@ def test_failing_rank_reported_once(tmp_path):
     assert "fails_on_rank_one" in out.stderr
 
 
-def test_killed_rank_reported_with_signal(tmp_path):
-    out = run_ddpkit("train", "nproc=2", "model=tests.launch.failing_model:killed_on_rank_one", *SMALL,
-                     "timeout=30", cwd=tmp_path, timeout=120)
+def test_killed_rank_reported_with_signal(failed):
+    out = failed["killed"]
     assert out.returncode == 1
     assert "error: worker rank 1 failed (exit code -9): Signal 9 (SIGKILL) received by PID" in out.stderr, out.stderr
 

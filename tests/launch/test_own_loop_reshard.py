@@ -25,12 +25,11 @@ from pathlib import Path
 
 import ddpkit
 from ddpkit.checkpoint.format import read_manifest
-from tests.cli_runner import run_ddpkit
+from tests.helpers.launch_in_process import Commands
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "own_cnn.py"
 SEED = 777
 """Seed of the stopping points."""
-TIMEOUT = 300
 EPOCHS = 2
 
 
@@ -77,13 +76,14 @@ def test_resume_at_another_world_size_and_num_workers_trains_every_sample_once_w
     launches = [("nproc=2", 2, k1), ("nproc=1", 0, k2), ("nproc=2", 2, 0)]
 
     outputs = []
-    for n, (nproc, num_workers, stop) in enumerate(launches, 1):
-        env = {"RECORD": str(tmp_path / f"launch{n}"), "STOP_AT_STEP": str(stop)}
-        out = run_ddpkit("run", nproc, str(SCRIPT), "--out", str(tmp_path / "ckpt"), "--final",
-                         str(tmp_path / "final.pt"), "--num-workers", str(num_workers), "--every-steps", "0",
-                         cwd=tmp_path, timeout=TIMEOUT, env=env)
-        assert out.returncode == 0, f"launch {n}:\n{out.stdout}\n{out.stderr}"
-        outputs.append(out)
+    with Commands() as commands:  # in this process, the three launches' workers forked from one worker server
+        for n, (nproc, num_workers, stop) in enumerate(launches, 1):
+            env = {"RECORD": str(tmp_path / f"launch{n}"), "STOP_AT_STEP": str(stop)}
+            out = commands.run("run", nproc, str(SCRIPT), "--out", str(tmp_path / "ckpt"), "--final",
+                               str(tmp_path / "final.pt"), "--num-workers", str(num_workers), "--every-steps", "0",
+                               cwd=tmp_path, env=env)
+            assert out.returncode == 0, f"launch {n}:\n{out.stdout}\n{out.stderr}"
+            outputs.append(out)
 
     # Where each launch started, and the warning that the world size changed.
     assert _start(outputs[0].stdout, 0) == (0, 0, 0, False)

@@ -13,7 +13,8 @@ import pytest
 import ddpkit.launch.local
 from ddpkit.cli import main
 from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
-from tests.cli_runner import PYTHONPATH, run_ddpkit
+from tests.cli_runner import PYTHONPATH
+from tests.helpers.launch_in_process import Commands
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("ddpkit")
@@ -64,9 +65,29 @@ def _no_launch(*args, **kwargs):
     raise AssertionError("bad input must be reported before any worker starts")
 
 
-def test_plain_torch_distributed_script_gets_torchruns_environment_and_its_arguments(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The ``ddpkit run`` commands of the tests below, by name: each one's exit status, stdout and stderr.
+
+    They run in this process (``ddpkit.cli.main``), their workers forked from one worker server shared by
+    all of them; the command's own process is what the console-script tests below start.
+    """
+    folder = tmp_path_factory.mktemp("run")
+    launches = {
+        "all_reduce": ["nproc=2", str(SCRIPTS / "all_reduce.py"), "--lr", "0.1"],
+        "raise": ["nproc=2", str(SCRIPTS / "fails.py"), "raise"],
+        # nproc=1 also goes through the launcher (a spawned worker with RANK set), as nproc=2 does.
+        "exit 3": [str(SCRIPTS / "fails.py"), "exit", "3"],
+        "exit 75": [str(SCRIPTS / "fails.py"), "exit", "75"],
+        "restarts": ["nproc=2", "max_restarts=1", str(SCRIPTS / "restarts.py")],
+    }
+    with Commands() as commands:
+        return {name: commands.run("run", *words, cwd=folder) for name, words in launches.items()}
+
+
+def test_plain_torch_distributed_script_gets_torchruns_environment_and_its_arguments(launched):
     # Workers share stdout: one rank's line may run into the other's, hence the patterns.
-    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / "all_reduce.py"), "--lr", "0.1", cwd=tmp_path, timeout=TIMEOUT)
+    out = launched["all_reduce"]
     assert out.returncode == 0, out.stderr  # the script ends with `raise SystemExit`: success, as for python
     lines = re.findall(r"rank (\d)/2 sum=(\d+) argv=(\[.*?\]) name=(\S+) path0=(\S+) env=([A-Z_,]+)", out.stdout)
     assert sorted(rank for rank, *_ in lines) == ["0", "1"], out.stdout + out.stderr
@@ -83,8 +104,8 @@ def test_module_from_the_current_folder_with_ddpkit_init_through_the_console_scr
         assert f"ddpkit rank {rank}/2 sum=1 argv=['--x', '1']" in out.stdout, out.stdout + out.stderr
 
 
-def test_raising_rank_is_reported_once_with_its_traceback(tmp_path):
-    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / "fails.py"), "raise", cwd=tmp_path, timeout=TIMEOUT)
+def test_raising_rank_is_reported_once_with_its_traceback(launched):
+    out = launched["raise"]
     assert out.returncode == 1
     error_lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     expected = "error: worker rank 1 failed (exit code 1): RuntimeError: rank 1 fails on purpose"
@@ -99,15 +120,14 @@ def test_raising_rank_is_reported_once_with_its_traceback(tmp_path):
     (3, 1, "error: worker rank 0 failed (exit code 3): exited without an error message"),
     (75, 75, "ddpkit: preempted: a worker exited with status 75; run the same command to continue"),
 ])
-def test_exit_status_of_a_rank(tmp_path, status, returncode, message):
-    # nproc=1 also goes through the launcher (a spawned worker with RANK set), as nproc=2 does.
-    out = run_ddpkit("run", str(SCRIPTS / "fails.py"), "exit", str(status), cwd=tmp_path, timeout=TIMEOUT)
+def test_exit_status_of_a_rank(launched, status, returncode, message):
+    out = launched[f"exit {status}"]
     assert out.returncode == returncode, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path):
-    out = run_ddpkit("run", "nproc=2", "max_restarts=1", str(SCRIPTS / "restarts.py"), cwd=tmp_path, timeout=TIMEOUT)
+def test_max_restarts_restarts_every_worker_after_a_failure(launched):
+    out = launched["restarts"]
     assert out.returncode == 0, out.stderr
     assert sorted(re.findall(r"rank (\d) restart=(\d) sum=(\d+)", out.stdout)) == [("0", "1", "2"), ("1", "1", "2")]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import functools
+import contextlib
 import logging
 import os
 import shutil
@@ -27,6 +27,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -43,6 +44,9 @@ from ddpkit.data.datasets import DataOptions, load_datasets
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import Trainer
 from ddpkit.train.run import build_trainer
+
+if TYPE_CHECKING:
+    from tests.helpers.launch_in_process import Commands
 
 
 def mlp_dropout() -> nn.Module:
@@ -267,11 +271,17 @@ CLI_TOTAL_STEPS = 32
 
 
 def run_job(output_dir, *words: str, env: dict[str, str] | None = None, timeout: float = 240):
-    """``ddpkit train CLI_WORDS... output_dir=...`` as a user runs it."""
+    """``ddpkit train CLI_WORDS... output_dir=...`` as a user runs it, in a process of its own."""
     from tests.cli_runner import run_ddpkit
 
     return run_ddpkit("train", *CLI_WORDS, f"output_dir={output_dir}", *words, cwd=output_dir, env=env,
                       timeout=timeout)
+
+
+def run_job_here(commands: Commands, output_dir, *words: str, env: dict[str, str] | None = None):
+    """``ddpkit train CLI_WORDS... output_dir=...`` in this process, its workers forked from the server of
+    ``commands`` (tests/helpers/launch_in_process.py)."""
+    return commands.run("train", *CLI_WORDS, f"output_dir={output_dir}", *words, cwd=output_dir, env=env)
 
 
 def manifests(output_dir) -> list[dict]:
@@ -286,14 +296,22 @@ def final_weights(output_dir) -> dict[str, torch.Tensor]:
     return verify_checkpoint(newest.path)["model.pt"]
 
 
-@functools.lru_cache(maxsize=1)
-def reference_weights() -> dict[str, torch.Tensor]:
-    """Final weights of the uninterrupted CLI_WORDS job (run once per test session)."""
-    folder = tempfile.mkdtemp(prefix="ddpkit-reference-")
-    atexit.register(shutil.rmtree, folder, True)
-    out = run_job(folder)
-    assert out.returncode == 0, out.stderr
-    return final_weights(folder)
+_REFERENCE: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def reference_weights(commands: Commands | None = None) -> dict[str, torch.Tensor]:
+    """Final weights of the uninterrupted CLI_WORDS job (run once per test session), run in ``commands``
+    (or in a block of its own)."""
+    if "weights" not in _REFERENCE:
+        folder = tempfile.mkdtemp(prefix="ddpkit-reference-")
+        atexit.register(shutil.rmtree, folder, True)
+        from tests.helpers.launch_in_process import Commands
+
+        with contextlib.nullcontext(commands) if commands is not None else Commands() as block:
+            out = run_job_here(block, folder)
+        assert out.returncode == 0, out.stderr
+        _REFERENCE["weights"] = final_weights(folder)
+    return _REFERENCE["weights"]
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:

@@ -15,7 +15,15 @@ import pytest
 
 from ddpkit.checkpoint.preemption import EXIT_INTERRUPTED, Preempted, PreemptionSignals
 from tests.cli_runner import PYTHONPATH
-from tests.train.checkpoint_helpers import CLI_TOTAL_STEPS, CLI_WORDS, assert_same_weights, final_weights, manifests
+from tests.helpers.launch_in_process import Commands
+from tests.train.checkpoint_helpers import (
+    CLI_TOTAL_STEPS,
+    CLI_WORDS,
+    assert_same_weights,
+    final_weights,
+    manifests,
+    reference_weights,
+)
 
 SHM_PREFIX = f"ddpkit-shm-{os.getuid()}-"
 
@@ -76,33 +84,34 @@ def _wait_for_session_to_end(session: int, seconds: float) -> list[str]:
 
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_at_the_step_exits_130_and_resume_auto_ends_bit_equal(tmp_path):
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    assert _train(reference, f"output_dir={reference}").returncode == 0
+    with Commands() as commands:  # the reference and the resumed run in this process, sharing one worker server
+        # The uninterrupted job of the other tests, with allreduce=builtin: the shared-memory all_reduce of this
+        # job adds two ranks' gradients as exactly (a + b, then the mean), so its weights are the same bits.
+        reference = reference_weights(commands)
 
-    shm_before = _shm_segments()
-    # During step 6, rank 1 sends SIGINT to the launcher's process group, as the terminal does on Ctrl-C.
-    out = _train(tmp_path, env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGINT",
-                                "DDPKIT_TEST_SIGNAL_TARGET": "group", "DDPKIT_TEST_STEP_SLEEP": "0.05"})
+        shm_before = _shm_segments()
+        # During step 6, rank 1 sends SIGINT to the launcher's process group, as the terminal does on Ctrl-C:
+        # that launcher is a command of its own, in a session of its own.
+        out = _train(tmp_path, env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGINT",
+                                    "DDPKIT_TEST_SIGNAL_TARGET": "group", "DDPKIT_TEST_STEP_SLEEP": "0.05"})
 
-    assert out.returncode == EXIT_INTERRUPTED, out.stderr
-    assert "Traceback" not in out.stderr, out.stderr
-    assert _shm_segments() <= shm_before, "shared-memory segments left behind"
-    interrupted = [m for m in manifests(_run_folder(tmp_path)) if m["reason"] == "preempted"]
-    assert len(interrupted) == 1 and 6 <= interrupted[0]["global_step"] < CLI_TOTAL_STEPS, out.stderr
-    step = interrupted[0]["global_step"]
-    assert manifests(_run_folder(tmp_path))[-1]["global_step"] == step  # nothing trained or saved after it
-    (line,) = [line for line in out.stderr.splitlines() if line.startswith("ddpkit: interrupted:")]
-    assert f"global step {step}) is complete; continue with: ddpkit train " in line, line
+        assert out.returncode == EXIT_INTERRUPTED, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert _shm_segments() <= shm_before, "shared-memory segments left behind"
+        interrupted = [m for m in manifests(_run_folder(tmp_path)) if m["reason"] == "preempted"]
+        assert len(interrupted) == 1 and 6 <= interrupted[0]["global_step"] < CLI_TOTAL_STEPS, out.stderr
+        step = interrupted[0]["global_step"]
+        assert manifests(_run_folder(tmp_path))[-1]["global_step"] == step  # nothing trained or saved after it
+        (line,) = [line for line in out.stderr.splitlines() if line.startswith("ddpkit: interrupted:")]
+        assert f"global step {step}) is complete; continue with: ddpkit train " in line, line
 
-    # The command the line names, as given.
-    words = shlex.split(line.split("continue with: ")[1])[2:]
-    assert words[-2:] == [f"output_dir={_run_folder(tmp_path).relative_to(tmp_path)}", "resume=auto"], words
-    again = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=240, env={**os.environ, "PYTHONPATH": PYTHONPATH})
+        # The command the line names, as given (run in this process).
+        words = shlex.split(line.split("continue with: ")[1])[2:]
+        assert words[-2:] == [f"output_dir={_run_folder(tmp_path).relative_to(tmp_path)}", "resume=auto"], words
+        again = commands.run("train", *words, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert re.search(rf"resumed from \S+step-{step:09d}", again.stderr), again.stderr
-    assert_same_weights(final_weights(_run_folder(tmp_path)), final_weights(reference), f"Ctrl-C at step {step}")
+    assert_same_weights(final_weights(_run_folder(tmp_path)), reference, f"Ctrl-C at step {step}")
 
 
 def _run_folder(root):

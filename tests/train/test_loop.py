@@ -1,10 +1,12 @@
 """The training loop on real gloo ranks: same result for any number of workers.
 
-Spawning ranks costs seconds (each imports torch); training these tiny runs
+Starting ranks costs seconds (each imports torch); training these tiny runs
 takes a fraction of that. So every 2-rank run of this module happens in ONE
 2-rank job (the ``two_ranks`` fixture: the same worker processes train each
 configuration in turn, in one process group), and the tests compare its
 results. One worker trains in the test process; 3 workers are one more job.
+The ranks of both jobs are forked from one worker server (torch imported
+once), not spawned.
 """
 
 import pytest
@@ -12,7 +14,8 @@ import torch
 
 from ddpkit.comm.grad_sync import choose_grad_sync
 from ddpkit.models.registry import get_model_spec
-from tests.helpers.workers import run_on_ranks
+from ddpkit.launch.local import worker_server
+from tests.helpers.launch_in_process import run_on_forked_ranks
 from tests.train.checkpoint_helpers import close, make_trainer
 
 
@@ -58,10 +61,20 @@ TWO_RANK_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """(results, root): ``results[rank][name]`` is ``_train``'s value for TWO_RANK_RUNS[name]; folders root/name."""
+def jobs(tmp_path_factory):
+    """The module's two jobs, their ranks forked from one worker server: by world size, 2: ``two_ranks``'s value,
+    3: ``_train``'s value of WORDS on each of 3 ranks (output folder root/3)."""
     root = tmp_path_factory.mktemp("two-ranks")
-    return run_on_ranks(_train_each, 2, TWO_RANK_RUNS, str(root), timeout=300), root
+    with worker_server():
+        two = run_on_forked_ranks(_train_each, 2, TWO_RANK_RUNS, str(root), timeout=300)
+        three = run_on_forked_ranks(_train, 3, WORDS, str(root / "3"))
+    return {2: (two, root), 3: three}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(jobs):
+    """(results, root): ``results[rank][name]`` is ``_train``'s value for TWO_RANK_RUNS[name]; folders root/name."""
+    return jobs[2]
 
 
 def _assert_close(params, reference):
@@ -70,11 +83,11 @@ def _assert_close(params, reference):
 
 
 @pytest.mark.slow
-def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path, two_ranks):
+def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path, jobs):
     # One worker needs no process group of ours: it trains here, as `ddpkit train nproc=1` does, without a spawn.
     results = {1: [_train(0, 1, WORDS, str(tmp_path / "1"))],
-               2: [by_name["auto"] for by_name in two_ranks[0]],
-               3: run_on_ranks(_train, 3, WORDS, str(tmp_path / "3"))}
+               2: [by_name["auto"] for by_name in jobs[2][0]],
+               3: jobs[3]}
     reference_summary, reference_params, _ = results[1][0]
     for n in (2, 3):
         for summary, params, _ in results[n]:

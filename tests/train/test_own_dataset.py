@@ -26,11 +26,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.cli_runner import run_ddpkit
+from tests.helpers.launch_in_process import Commands
 
 SEED = 8675309
 """Seed of the images and of the CSV rows."""
-TIMEOUT = 300
 
 MYMOD = '''
 """The user's data and models: PNG classes in folders, and a CSV."""
@@ -133,8 +132,8 @@ def _write_table(path: Path, rng: np.random.Generator, rows: int = 200) -> float
     return float(np.var(y[160:]))
 
 
-def _train(folder: Path, *words: str):
-    return run_ddpkit("train", *words, "progress=false", "output_dir=out", cwd=folder, timeout=TIMEOUT)
+def _train(commands: Commands, folder: Path, *words: str):
+    return commands.run("train", *words, "progress=false", "output_dir=out", cwd=folder)
 
 
 def _summary(folder: Path) -> dict:
@@ -150,77 +149,107 @@ def _checkpoints(folder: Path, prefix: str = "step-") -> list[str]:
     return sorted(path.name for path in folders if (path / "manifest.json").is_file())
 
 
+IMAGE_WORDS = ("dataset=mymod:build_images", "model=mymod:image_net", "task=classification", "nproc=2", "epochs=3",
+               "batch_size=8", "optimizer=sgd", "lr=0.5")
+TABLE_WORDS = ("dataset=mymod:build_table", "model=mymod:table_net", "task=regression", "nproc=1", "batch_size=16",
+               "optimizer=sgd", "lr=0.1")
+
+
 @pytest.fixture(scope="module")
-def image_run(tmp_path_factory):
-    """One classification run on the PNG folder, nproc=2: (folder, its result, its summary)."""
-    folder = tmp_path_factory.mktemp("images")
+def runs(tmp_path_factory) -> dict:
+    """Every ``ddpkit train`` of this module, in this process (as ``python -m ddpkit train`` in the data's folder
+    runs it, the folder importable), the nproc=2 ones' workers forked from one worker server.
+
+    By name, a dict of: folder, out (the command's result), summary and checkpoints (step-*, best-*) right after
+    it; and for the second command on the same folder, again, summary_again, checkpoints_again:
+
+    - images: classification on the PNG folder, nproc=2, 3 epochs; again: the same words with resume=auto;
+    - table: regression on the CSV, nproc=1, 2 epochs; again: epochs=4 and resume=auto; and variance,
+      the variance of the test targets.
+    """
+    images = tmp_path_factory.mktemp("images")
     print(f"seed {SEED}: PNG images")
     rng = np.random.default_rng(SEED)
-    _write_images(folder / "data" / "train", rng, per_class=20)
-    _write_images(folder / "data" / "test", rng, per_class=8)
-    (folder / "mymod.py").write_text(MYMOD)
-    words = ("dataset=mymod:build_images", "model=mymod:image_net", "task=classification", "nproc=2", "epochs=3",
-             "batch_size=8", "optimizer=sgd", "lr=0.5")
-    out = _train(folder, *words)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return folder, words, out, _summary(folder)
+    _write_images(images / "data" / "train", rng, per_class=20)
+    _write_images(images / "data" / "test", rng, per_class=8)
+    (images / "mymod.py").write_text(MYMOD)
+
+    table = tmp_path_factory.mktemp("table")
+    print(f"seed {SEED}: CSV rows")
+    (table / "data").mkdir()
+    variance = _write_table(table / "data" / "table.csv", np.random.default_rng(SEED))
+    (table / "mymod.py").write_text(MYMOD)
+
+    results = {"images": {"folder": images}, "table": {"folder": table, "variance": variance}}
+    commands_of = {"images": (IMAGE_WORDS, (*IMAGE_WORDS, "resume=auto")),
+                   "table": ((*TABLE_WORDS, "epochs=2"), (*TABLE_WORDS, "epochs=4", "resume=auto"))}
+    with Commands() as commands:
+        for name, (first, second) in commands_of.items():
+            result, folder = results[name], results[name]["folder"]
+            for words, suffix in ((first, ""), (second, "_again")):
+                result["out" if not suffix else "again"] = out = _train(commands, folder, *words)
+                if out.returncode == 0:
+                    result["summary" + suffix] = _summary(folder)
+                result["checkpoints" + suffix] = (_checkpoints(folder), _checkpoints(folder, "best-"))
+    return results
 
 
 @pytest.fixture(scope="module")
-def table_run(tmp_path_factory):
-    """One regression run on the CSV, nproc=1: (folder, its result, its summary, variance of the test targets)."""
-    folder = tmp_path_factory.mktemp("table")
-    print(f"seed {SEED}: CSV rows")
-    (folder / "data").mkdir()
-    variance = _write_table(folder / "data" / "table.csv", np.random.default_rng(SEED))
-    (folder / "mymod.py").write_text(MYMOD)
-    out = _train(folder, "dataset=mymod:build_table", "model=mymod:table_net", "task=regression", "nproc=1",
-                 "epochs=2", "batch_size=16", "optimizer=sgd", "lr=0.1")
-    assert out.returncode == 0, out.stdout + out.stderr
-    return folder, out, _summary(folder), variance
+def image_run(runs):
+    """The classification run on the PNG folder, nproc=2, and its resume=auto (see ``runs``)."""
+    run = runs["images"]
+    assert run["out"].returncode == 0, run["out"].stdout + run["out"].stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def table_run(runs):
+    """The regression run on the CSV, nproc=1, and its resume=auto with more epochs (see ``runs``)."""
+    run = runs["table"]
+    assert run["out"].returncode == 0, run["out"].stdout + run["out"].stderr
+    return run
 
 
 def test_png_folder_classification_trains_and_writes_checkpoints(image_run):
-    folder, _, _, summary = image_run
+    summary = image_run["summary"]
     assert (summary["task"], summary["world_size"], summary["epochs"], summary["global_steps"]) == \
         ("classification", 2, 3, 15)
     assert summary["test"]["accuracy"] > 0.75  # chance is 0.5
-    assert _checkpoints(folder) == ["step-000000010", "step-000000015"]  # keep=2, one per epoch
-    assert len(_checkpoints(folder, "best-")) == 1
+    steps, best = image_run["checkpoints"]
+    assert steps == ["step-000000010", "step-000000015"]  # keep=2, one per epoch
+    assert len(best) == 1
 
 
 def test_resume_auto_on_a_finished_run_continues_fine(image_run):
-    folder, words, _, first = image_run
-    again = _train(folder, *words, "resume=auto")
+    again = image_run["again"]
     assert again.returncode == 0, again.stdout + again.stderr
     assert re.search(r"resumed from \S+step-000000015 \(global step 15: 3 epoch\(s\) complete\)",
                      again.stderr), again.stderr
     assert "this run is finished: all 3 epochs are complete; nothing to train" in again.stderr, again.stderr
-    summary = _summary(folder)
+    summary = image_run["summary_again"]
     assert summary["global_steps"] == 15 and summary["epochs"] == 3
-    assert summary["test"] == first["test"]  # nothing left to train: the same weights, evaluated again
-    assert _checkpoints(folder) == ["step-000000010", "step-000000015"]
+    assert summary["test"] == image_run["summary"]["test"]  # nothing left to train: the same weights, evaluated again
+    assert image_run["checkpoints_again"][0] == ["step-000000010", "step-000000015"]
 
 
 def test_csv_regression_trains_and_resumes_with_more_epochs(table_run):
-    folder, _, summary, variance = table_run
+    summary, variance = table_run["summary"], table_run["variance"]
     assert (summary["task"], summary["world_size"], summary["global_steps"]) == ("regression", 1, 20)
     assert summary["test"]["mse"] < 0.05 * variance, (summary["test"], variance)
-    assert _checkpoints(folder) == ["step-000000010", "step-000000020"]
+    assert table_run["checkpoints"][0] == ["step-000000010", "step-000000020"]
 
-    more = _train(folder, "dataset=mymod:build_table", "model=mymod:table_net", "task=regression", "nproc=1",
-                  "epochs=4", "batch_size=16", "optimizer=sgd", "lr=0.1", "resume=auto")
+    more = table_run["again"]
     assert more.returncode == 0, more.stdout + more.stderr
     assert re.search(r"resumed from \S+step-000000020 \(global step 20: 2 epoch\(s\) complete\)", more.stderr), more.stderr
-    continued = _summary(folder)
+    continued = table_run["summary_again"]
     assert (continued["global_steps"], continued["epochs"]) == (40, 4)
     assert continued["test"]["mse"] < 0.05 * variance
-    assert _checkpoints(folder) == ["step-000000030", "step-000000040"]
+    assert table_run["checkpoints_again"][0] == ["step-000000030", "step-000000040"]
 
 
 def test_inputs_reach_the_model_unscaled(image_run, table_run):
     # Every bright image holds a pixel of 255, every row the feature 1000.0: what the user's Dataset
     # returns is what the model trains on, on every worker (one file each).
-    images, table = image_run[0], table_run[0]
+    images, table = image_run["folder"], table_run["folder"]
     assert _input_max(images) == [255.0, 255.0]  # nproc=2; the resumed run had nothing left to train
     assert set(_input_max(table)) == {1000.0}

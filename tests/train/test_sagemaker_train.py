@@ -80,12 +80,16 @@ def test_trains_into_sagemakers_folders_and_resumes_from_the_checkpoints(tmp_pat
     assert info["source"]["global_step"] == 2 * STEPS_PER_EPOCH
 
 
-def test_the_export_is_of_the_last_step_when_no_checkpoint_has_it(tmp_path):
+def test_one_worker_per_gpu_and_the_export_is_of_the_last_step_when_no_checkpoint_has_it(tmp_path):
+    # The toolkit counts this machine's GPUs (none): the count is raised to 2, and the two
+    # workers that `ddpkit train` starts for them run on the CPU.
     # No epoch-end nor best checkpoints: the export writes a checkpoint of the final step first.
     hyperparameters = {**HYPERPARAMETERS, "checkpoint.on_epoch_end": False, "checkpoint.best_metric": ""}
     base = write_job(tmp_path, ["algo-1"], "algo-1", hyperparameters)
     environ, args = toolkit_environment(base)
-    output = run_entry_point(base, environ, args)
+    output = run_entry_point(base, {**environ, "SM_NUM_GPUS": "2"}, args)
+    summary = json.loads((base / "output/data/summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_steps"] == STEPS_PER_EPOCH, output
     assert sorted(p.name for p in (base / "checkpoints").iterdir()) == [f"step-{STEPS_PER_EPOCH:09d}"], output
     _, info = load_exported(base / "model")
     assert info["source"]["global_step"] == STEPS_PER_EPOCH
@@ -98,18 +102,6 @@ def test_a_bad_hyperparameter_is_one_line(tmp_path):
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 2
     assert output.strip().splitlines()[-1].startswith("error: unknown config key 'epoch' (did you mean 'epochs'?)")
-
-
-def test_one_worker_per_gpu_of_a_single_host(tmp_path):
-    # The toolkit counts this machine's GPUs (none): the count is raised to 2, and the two
-    # workers that `ddpkit train` starts for them run on the CPU.
-    base = write_job(tmp_path, ["algo-1"], "algo-1", HYPERPARAMETERS)
-    environ, args = toolkit_environment(base)
-    output = run_entry_point(base, {**environ, "SM_NUM_GPUS": "2"}, args)
-    summary = json.loads((base / "output/data/summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_steps"] == STEPS_PER_EPOCH, output
-    _, info = load_exported(base / "model")
-    assert info["source"]["global_step"] == STEPS_PER_EPOCH
 
 
 _TOOLKIT_TORCHRUN = """

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,11 +11,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ddpkit.cli import main, parse_train_config
 from ddpkit.config import ConfigError
-from tests.cli_runner import REPO, run_ddpkit
+from tests.helpers.launch_in_process import Commands
 
 RUN = ["dataset=synthetic", "synthetic_samples=768", "epochs=2", "log_every=4", "progress=false",
        "checkpoint.enabled=false", "device=cpu", "logger=tensorboard"]
-SOURCE = {"PYTHONPATH": str(REPO / "src")}  # this checkout's ddpkit in the subprocess, not an installed one
 
 
 def _lines(run: Path) -> list[dict]:
@@ -72,7 +69,8 @@ def test_config_and_summary_as_text(one_worker_run):
 
 @pytest.mark.slow
 def test_two_workers_rank_zero_writes_once(tmp_path):
-    out = run_ddpkit("train", "nproc=2", *RUN, "output_dir=run", cwd=tmp_path, env=SOURCE, timeout=180)
+    with Commands() as commands:  # in this process, the workers forked from a worker server as the command's are
+        out = commands.run("train", "nproc=2", *RUN, "output_dir=run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1  # one events file: rank 0's
     _assert_events_equal_lines(tmp_path / "run")
@@ -83,13 +81,14 @@ def test_unknown_logger_is_refused():
         parse_train_config(["logger=wandb"])
 
 
-def test_without_tensorboard_fails_before_any_worker(tmp_path):
-    # A Python where `import tensorboard` fails, as without the tensorboard extra.
-    code = ("import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
-            f"sys.exit(main({['train', 'nproc=2', *RUN, 'output_dir=run']!r}))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **SOURCE})
-    assert out.returncode == 2
-    assert out.stderr == ("error: logger=tensorboard needs the tensorboard package, which is not installed; "
-                          "pip install 'ddpkit[tensorboard]', or use logger=jsonl\n"), out.stderr
+def test_without_tensorboard_fails_before_any_worker(tmp_path, monkeypatch, capsys):
+    # As without the tensorboard extra: `import tensorboard` fails (and torch.utils.tensorboard, which imports it,
+    # is imported afresh). In-process: tests/test_cli.py checks the command's exit path.
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    for name in [name for name in sys.modules if name.startswith("torch.utils.tensorboard")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "nproc=2", *RUN, "output_dir=run"]) == 2
+    assert capsys.readouterr().err == ("error: logger=tensorboard needs the tensorboard package, which is not "
+                                       "installed; pip install 'ddpkit[tensorboard]', or use logger=jsonl\n")
     assert not (tmp_path / "run").exists()  # no worker started, nothing written
