@@ -11,6 +11,9 @@ from tests.helpers.slurm import SlurmCluster, start_slurm_cluster
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """One one-node Slurm cluster (2 CPUs) for the whole session, stopped at its end."""
-    with start_slurm_cluster(cpus=2) as cluster:
+    """One one-node Slurm cluster for the whole session, stopped at its end.
+
+    Its node offers 8 CPUs (on this 2-core machine), so that a test can run several 2-task jobs at once.
+    """
+    with start_slurm_cluster(cpus=8) as cluster:
         yield cluster

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.sbatch import SbatchSpec, render_sbatch
-from tests.helpers.slurm import SlurmCluster
+from ddpkit.launch.sbatch import LAUNCH_MODES, SbatchSpec, render_sbatch
+from tests.helpers.slurm import JobResult, SlurmCluster, SlurmError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -96,7 +96,7 @@ def wait_for_files(paths: list[Path], timeout: float = 60.0) -> None:
 
 def test_cluster_runs_a_two_task_step(slurm_cluster: SlurmCluster):
     state = slurm_cluster.run(["sinfo", "--noheader", "--Node", "--format=%N %T %c"]).stdout.split()
-    assert state == [slurm_cluster.node_name, "idle", "2"]
+    assert state == [slurm_cluster.node_name, "idle", str(slurm_cluster.cpus)]
 
     tasks = slurm_cluster.run(["srun", "-n2", "bash", "-c", "echo $(hostname) $SLURM_PROCID/$SLURM_NTASKS"])
 
@@ -146,21 +146,46 @@ def test_a_failing_worker_fails_the_job(slurm_cluster: SlurmCluster, project: Pa
     assert result.exit_code == "3:0"
 
 
-@pytest.mark.parametrize("launch_mode", ["srun", "torchrun", "mpirun"])
-def test_each_launch_mode_starts_two_ranked_workers_that_each_get_the_preemption_signal(
-    slurm_cluster: SlurmCluster, project: Path, launch_mode
-):
-    spec = spec_for(
-        project, launch_mode=launch_mode, train_args=("wait",), preempt_signal="USR1", time="10", requeue=False
-    )
+@pytest.fixture(scope="module")
+def preempted_job_per_launch_mode(slurm_cluster: SlurmCluster, tmp_path_factory) -> dict[str, JobResult | Exception]:
+    """How one job per launch mode ended, all run at once (the node has CPUs for all of them).
+
+    Each job's two workers report, wait for the preemption signal (sent as soon as both are ready) and
+    report it. A job that went wrong gives the error instead, for its own test to raise.
+    """
     env = {**slurm_cluster.env, **MPI_AS_ROOT}
-    job_id = slurm_cluster.submit(render_sbatch(spec), env=env)
-    wait_for_files([project / "ready-0-0", project / "ready-1-0"])
+    jobs = {}
+    for launch_mode in LAUNCH_MODES:
+        project = tmp_path_factory.mktemp(f"launch-{launch_mode}")
+        (project / "worker.py").write_text(WORKER)
+        spec = spec_for(
+            project, launch_mode=launch_mode, train_args=("wait",), preempt_signal="USR1", time="10", requeue=False
+        )
+        jobs[launch_mode] = (project, slurm_cluster.submit(render_sbatch(spec), env=env))
+    outcomes: dict[str, JobResult | Exception] = {}
+    for launch_mode, (project, job_id) in jobs.items():
+        try:
+            wait_for_files([project / "ready-0-0", project / "ready-1-0"])
+            # What --signal=B:USR1@90 does 90 s before the time limit.
+            slurm_cluster.signal_batch_shell(job_id, "USR1")
+        except (AssertionError, SlurmError) as e:
+            outcomes[launch_mode] = e
+            slurm_cluster.run(["scancel", str(job_id)], check=False)
+    for launch_mode, (_, job_id) in jobs.items():
+        try:
+            outcomes.setdefault(launch_mode, slurm_cluster.wait(job_id))
+        except SlurmError as e:
+            outcomes[launch_mode] = e
+    return outcomes
 
-    # What --signal=B:USR1@90 does 90 s before the time limit.
-    slurm_cluster.signal_batch_shell(job_id, "USR1")
 
-    result = slurm_cluster.wait(job_id)
+@pytest.mark.parametrize("launch_mode", LAUNCH_MODES)
+def test_each_launch_mode_starts_two_ranked_workers_that_each_get_the_preemption_signal(
+    preempted_job_per_launch_mode: dict[str, JobResult | Exception], launch_mode: str
+):
+    result = preempted_job_per_launch_mode[launch_mode]
+    if isinstance(result, Exception):
+        raise result
     assert result.state == "COMPLETED", result.output
     assert result.restarts == 0, result.output
     # Two workers, ranked by their launcher, each with the training arguments and the same rendezvous

@@ -87,6 +87,8 @@ KillWait=5
 # (its background thread wakes once a second), so a job waits up to this long to start, and a
 # requeued job this long after cred_expire.
 SchedulerParameters=sched_interval=1
+# The node offers the CPUs given here, even more than the machine has, so that tests can run jobs side by side.
+SlurmdParameters=config_overrides
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
@@ -267,8 +269,8 @@ def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0) -> Iterator[
     """Start munged, slurmctld and slurmd for one node; stop them all on exit.
 
     Args:
-        cpus: CPUs the node offers (more than the machine has is fine with
-            OverSubscribe=YES, but a job step needs them free).
+        cpus: CPUs the node offers; more than the machine has is fine
+            (SlurmdParameters=config_overrides), for jobs side by side.
         start_timeout: Seconds for the node to become idle.
 
     Yields:
