@@ -170,12 +170,14 @@ def test_doctor_reports_both_hosts_with_two_workers_each(netns_hosts: TwoHosts, 
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
     # Only rank 0 prints the report; it runs on whichever node the c10d rendezvous made first.
     assert (a.stdout == "") != (b.stdout == ""), a.stdout + b.stdout
-    (first, first_result), (second, _) = sorted(((netns_hosts.a, a), (netns_hosts.b, b)), key=lambda h: h[1].stdout == "")
-    report = doctor_report(first_result)
+    first, second = (netns_hosts.a, netns_hosts.b) if a.stdout else (netns_hosts.b, netns_hosts.a)
+    report = doctor_report(a if a.stdout else b)
     assert report["ok"] is True, report["problem"]
     env = report["environment"]
     assert (env["world_size"], env["num_nodes"], env["master_addr"]) == (4, 2, first.address)
-    assert report["network"] == {"interface": first.interface, "address": first.address, "reason": "route to the master"}
+    assert report["network"] == {
+        "interface": first.interface, "address": first.address, "reason": "route to the master",
+    }
     assert [(c["name"], c["ok"]) for c in report["checks"]] == [
         ("reach master", True), ("roll call", True), ("join process group", True), ("all_reduce", True),
     ]

@@ -97,7 +97,7 @@ class W1Job:
 
 @pytest.fixture(scope="module")
 def w1_job(slurm_cluster: SlurmCluster, tmp_path_factory) -> W1Job | None:
-    """A W1 job submitted with ``ddpkit slurm submit=true``, still running; None without the real Fashion-MNIST files."""
+    """A W1 job submitted with ``ddpkit slurm submit=true``, still running; None without the Fashion-MNIST files."""
     try:
         locate(FASHION_MNIST, download=False)
     except DataNotFoundError:

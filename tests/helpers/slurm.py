@@ -179,9 +179,8 @@ class SlurmCluster:
         For code under test called in this process that runs Slurm's clients itself, e.g.
         ``ddpkit.cli.main(["slurm", "submit=true", ...])``; a batch job inherits sbatch's environment.
         """
-        for name in os.environ:
-            if name.startswith("SLURM_"):
-                monkeypatch.delenv(name)
+        for name in [name for name in os.environ if name.startswith("SLURM_")]:
+            monkeypatch.delenv(name)
         for name, value in {"SLURM_CONF": self.env["SLURM_CONF"], **extra}.items():
             monkeypatch.setenv(name, value)
 
