@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm import broadcast_parameters, manual_gradient_sync, register_allreduce_hook, resolve_allreduce
 from ddpkit.comm.flat_grads import FlatGradients
-from tests.helpers.workers import run_on_ranks
+from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
 
 ALGORITHMS = ["builtin", "naive", "ring", "butterfly", "tree"]
 
@@ -123,7 +123,8 @@ def _hooks_worker(rank: int, world_size: int) -> tuple[list[str], str, str]:
 
 
 def test_hooks_flat_and_manual_sync_give_stock_ddp_gradients_and_surface_errors():
-    results = run_on_ranks(_hooks_worker, 2, timeout=180)
+    with warm_workers(DYNAMO):  # both ranks build DDP models: torch._dynamo imported once, in the server
+        results = run_on_ranks(_hooks_worker, 2, timeout=180)
     failures = [f for fs, _, _ in results for f in fs]
     assert not failures, "\n".join(failures)
     # A failing all_reduce on the hook's thread reaches backward() on the training thread.

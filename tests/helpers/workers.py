@@ -44,8 +44,9 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "tests.helpers.wor
 """Modules the worker server imports once, so that no forked worker imports them again."""
 
 DYNAMO = ("torch._dynamo",)
-"""What the first optimizer or DistributedDataParallel of a process imports (about 1 s): worth preloading,
-with ``warm_workers(DYNAMO)``, where 3 or more ranks build one (2 ranks import it side by side anyway)."""
+"""What the first optimizer or DistributedDataParallel of a process imports (about 1 s of a core, each rank):
+preload it with ``warm_workers(DYNAMO)`` where the ranks build one, so that the server imports it once. Not
+by default: ranks that build neither would only wait for it."""
 
 _server_lock = threading.Lock()
 _server_users = 0
