@@ -9,10 +9,11 @@ past the timeout it kills them all and says which ranks never finished.
 Starting workers
 ----------------
 A spawned worker is a fresh interpreter that imports torch (about 1.5 s of
-one core) and, at its first optimizer, ``torch._dynamo`` (about 1 s more):
-on 2 cores, 4 ranks paid that 4 times over. The workers are forked instead
-from multiprocessing's *forkserver*, a process that imports those modules
-once (:data:`PRELOAD`) and forks each worker ready to run, as ``ddpkit run``
+one core) and, at its first optimizer or DDP model, ``torch._dynamo`` (about
+1 s more): on 2 cores, 4 ranks paid that 4 times over. The workers are forked
+instead from multiprocessing's *forkserver*, a process that imports torch
+once (:data:`PRELOAD`; and ``torch._dynamo`` where a test asks for it,
+:data:`DYNAMO`) and forks each worker ready to run, as ``ddpkit run``
 starts its own (``ddpkit.launch.local``, where the reasons a fork is safe
 are set out: the server only imports, so no thread, OpenMP pool, store or
 CUDA context exists when it forks). The server lives for one
@@ -62,13 +63,14 @@ class RankFailed(AssertionError):
 def warm_workers(preload: tuple[str, ...] = ()) -> Iterator[mp.context.BaseContext]:
     """A multiprocessing context whose processes fork from one warm server, for the block.
 
+    Nested blocks, and :func:`run_on_ranks` calls inside one, share the
+    server (from any thread); it is stopped when the outermost block ends.
+    Where another forkserver of this process is running already
+    (``ddpkit.launch.local``'s), processes are spawned instead of sharing a
+    server set up for other ends.
+
     Args:
         preload: modules the server imports besides :data:`PRELOAD` (only when this block starts it).
-
-    Nested blocks, and :func:`run_on_ranks` calls inside one, share the
-    server; it is stopped when the outermost block ends. Where another
-    forkserver of this process is running already (``ddpkit.launch.local``'s),
-    processes are spawned instead of sharing a server set up for other ends.
 
     Yields:
         The context to create processes and queues with.
