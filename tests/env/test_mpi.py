@@ -163,9 +163,11 @@ def test_srun_pmi2_is_not_mpich():
     assert not MPICHEnvironment.detect(recorded("openmpi_rank0"))
 
 
+# One write per rank (os.write of the whole line, atomic on a pipe): print() may write the text and
+# its newline apart (unbuffered output), and the two ranks' lines then interleave.
 _PRINT_ENVIRONMENT = (
     "import dataclasses, json, os; from ddpkit.env.detect import detect_environment; "
-    "print(json.dumps(dataclasses.asdict(detect_environment(os.environ))))"
+    "os.write(1, (json.dumps(dataclasses.asdict(detect_environment(os.environ))) + '\\n').encode())"
 )
 
 
