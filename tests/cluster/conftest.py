@@ -13,7 +13,7 @@ from tests.helpers.slurm import SlurmCluster, start_slurm_cluster
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """One one-node Slurm cluster for the whole session, stopped at its end.
 
-    Its node offers 8 CPUs (on this 2-core machine), so that a test can run several 2-task jobs at once.
+    Its node offers 8 CPUs, whatever the machine has, so that a test can run several 2-task jobs at once.
     """
     with start_slurm_cluster(cpus=8) as cluster:
         yield cluster

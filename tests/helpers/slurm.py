@@ -23,8 +23,9 @@ munged and any process left from a job are killed.
 
 Finished jobs stay visible to ``scontrol show job`` for MinJobAge (10 min);
 there is no slurmdbd, hence no sacct. A requeued job may start again after
-``cred_expire`` (5 s here, the least Slurm accepts; 120 s by default). Needs root and Debian's
-packages slurmctld, slurmd, slurm-client and munge: scripts/cluster-setup.sh.
+``cred_expire`` (5 s here, the least Slurm accepts; 120 s by default). Needs
+root and Debian's packages slurmctld, slurmd, slurm-client and munge:
+scripts/cluster-setup.sh.
 """
 
 from __future__ import annotations
