@@ -21,7 +21,8 @@ set before starting it. Workers receive the launcher's working folder and
 ``sys.path`` at each launch (multiprocessing's preparation data) and its
 environment (ddpkit's ``_worker_main``), so the commands may run in different
 folders with different variables. What the launcher leaves in this process
-(its signal handlers, ddpkit's log handler, torch's thread count) is put back when the block ends.
+(its signal handlers, ddpkit's log handler, torch's thread count) is put back
+when the block ends.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ddpkit.cli import main
 from ddpkit.launch.local import SERVER_IGNORES, worker_server
@@ -102,8 +106,6 @@ class Commands:
             logger.propagate = state[2]
 
         stack.callback(restore_logger)
-        import torch
-
         stack.callback(torch.set_num_threads, torch.get_num_threads())  # a command run here sets its own
         saved_path, saved_cwd = list(sys.path), os.getcwd()
         stack.callback(os.chdir, saved_cwd)
@@ -123,6 +125,7 @@ class Commands:
             clean_environment: hide the variables of an outer launcher (LAUNCHER_VARIABLES) from the command.
         """
         cwd = Path(cwd).resolve()
+        imported = set(sys.modules)
         for file in self._files:
             file.seek(0)
             file.truncate()
@@ -140,7 +143,7 @@ class Commands:
             sys.path[:] = saved_path
             os.environ.clear()
             os.environ.update(saved_environ)
-            _forget_modules_from(cwd)
+            _forget_modules_from(cwd, [name for name in sys.modules if name not in imported])
         out, err = (self._read(file) for file in self._files)
         return subprocess.CompletedProcess(["ddpkit", *words], code, out, err)
 
@@ -151,10 +154,11 @@ class Commands:
         return file.read().decode("utf-8", errors="replace")
 
 
-def _forget_modules_from(folder: Path) -> None:
+def _forget_modules_from(folder: Path, names: list[str]) -> None:
+    """Remove the modules ``names`` that were imported from ``folder`` from sys.modules."""
     prefix = str(folder) + os.sep
-    for name, module in list(sys.modules.items()):
-        if (getattr(module, "__file__", None) or "").startswith(prefix):
+    for name in names:
+        if (getattr(sys.modules.get(name), "__file__", None) or "").startswith(prefix):
             del sys.modules[name]
 
 
@@ -198,9 +202,6 @@ def run_on_forked_ranks(fn: Callable[..., Any], world_size: int, *args: Any, tim
 
 def _forked_rank(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, args: tuple,
                  environ: Mapping[str, str], results: multiprocessing.Queue) -> None:
-    import torch
-    import torch.distributed as dist
-
     for name in SERVER_IGNORES:  # the server ignores these; a rank takes the defaults back, as ddpkit's workers do
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     os.environ.clear()
