@@ -21,7 +21,8 @@ set before starting it. Workers receive the launcher's working folder and
 ``sys.path`` at each launch (multiprocessing's preparation data) and its
 environment (ddpkit's ``_worker_main``), so the commands may run in different
 folders with different variables. What the launcher leaves in this process
-(its signal handlers, ddpkit's log handler, torch's thread count) is put back when the block ends.
+(its signal handlers, ddpkit's log handler, torch's thread count, the
+forkserver's preload list) is put back when the block ends.
 """
 
 from __future__ import annotations
@@ -29,23 +30,18 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import multiprocessing
+import multiprocessing.forkserver
 import os
-import pickle
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+import torch
 
 from ddpkit.cli import main
-from ddpkit.launch.local import SERVER_IGNORES, worker_server
-from tests.helpers.workers import RankFailed
+from ddpkit.launch.local import worker_server
 
 LAUNCHER_VARIABLES = ("MASTER_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_",
                       "GROUP_RANK", "SM_")
@@ -102,9 +98,9 @@ class Commands:
             logger.propagate = state[2]
 
         stack.callback(restore_logger)
-        import torch
-
         stack.callback(torch.set_num_threads, torch.get_num_threads())  # a command run here sets its own
+        forkserver = multiprocessing.forkserver._forkserver  # worker_server() sets its preload for good
+        stack.callback(forkserver.set_forkserver_preload, list(forkserver._preload_modules))
         saved_path, saved_cwd = list(sys.path), os.getcwd()
         stack.callback(os.chdir, saved_cwd)
         stack.callback(lambda: sys.path.__setitem__(slice(None), saved_path))
@@ -123,6 +119,7 @@ class Commands:
             clean_environment: hide the variables of an outer launcher (LAUNCHER_VARIABLES) from the command.
         """
         cwd = Path(cwd).resolve()
+        imported = set(sys.modules)
         for file in self._files:
             file.seek(0)
             file.truncate()
@@ -140,7 +137,7 @@ class Commands:
             sys.path[:] = saved_path
             os.environ.clear()
             os.environ.update(saved_environ)
-            _forget_modules_from(cwd)
+            _forget_modules_from(cwd, [name for name in sys.modules if name not in imported])
         out, err = (self._read(file) for file in self._files)
         return subprocess.CompletedProcess(["ddpkit", *words], code, out, err)
 
@@ -151,92 +148,10 @@ class Commands:
         return file.read().decode("utf-8", errors="replace")
 
 
-def _forget_modules_from(folder: Path) -> None:
+def _forget_modules_from(folder: Path, names: list[str]) -> None:
+    """Remove the modules ``names`` that were imported from ``folder`` from sys.modules."""
     prefix = str(folder) + os.sep
-    for name, module in list(sys.modules.items()):
-        if (getattr(module, "__file__", None) or "").startswith(prefix):
+    for name in names:
+        if (getattr(sys.modules.get(name), "__file__", None) or "").startswith(prefix):
             del sys.modules[name]
 
-
-def run_on_forked_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """:func:`tests.helpers.workers.run_on_ranks` with ranks forked from ddpkit's worker server instead of spawned.
-
-    ``fn(rank, world_size, *args)`` runs on ``world_size`` gloo ranks joined
-    through a FileStore, as with ``run_on_ranks``; the ranks are forked from
-    the worker server (torch, torch._dynamo and ddpkit's training code
-    imported once) rather than each importing them again. Called inside a
-    :class:`Commands` block or another ``worker_server()`` block, the ranks of
-    several calls fork from one server.
-
-    Returns:
-        The values returned by ``fn``, indexed by rank.
-
-    Raises:
-        RankFailed: a rank raised, exited without a result, or the run timed out.
-    """
-    with worker_server():
-        ctx = multiprocessing.get_context("forkserver")
-        results = ctx.Queue()
-        with tempfile.TemporaryDirectory(prefix="ddpkit-test-") as tmp:
-            store = os.path.join(tmp, "store")
-            environ = dict(os.environ)  # a forked rank starts with the server's environment: given this one instead
-            procs = [ctx.Process(target=_forked_rank, args=(fn, rank, world_size, store, args, environ, results),
-                                 daemon=True) for rank in range(world_size)]
-            for p in procs:
-                p.start()
-            try:
-                return _collect(procs, results, world_size, timeout)
-            finally:
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                for p in procs:
-                    p.join(5)
-                results.close()
-                results.join_thread()
-
-
-def _forked_rank(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, args: tuple,
-                 environ: Mapping[str, str], results: multiprocessing.Queue) -> None:
-    import torch
-    import torch.distributed as dist
-
-    for name in SERVER_IGNORES:  # the server ignores these; a rank takes the defaults back, as ddpkit's workers do
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    os.environ.clear()
-    os.environ.update(environ)
-    torch.set_num_threads(1)  # N ranks share 2 cores; oversubscribed threads only slow tests
-    try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size)
-        # Plain pickle copies tensors; the queue's own pickler would share them through file descriptors
-        # that die with this process.
-        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:  # everything, SystemExit included, goes to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _collect(procs: list, results: multiprocessing.Queue, world_size: int, timeout: float) -> list[Any]:
-    """Each rank's value, by rank; the first error, a rank dead without a value, or the timeout raises RankFailed."""
-    deadline = time.monotonic() + timeout
-    values: dict[int, Any] = {}
-    while len(values) < world_size:
-        try:
-            rank, status, value = results.get(timeout=0.2)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
-            if dead and results.empty():
-                time.sleep(0.5)  # its result may still be in the queue's pipe
-                if results.empty():
-                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} and no traceback")
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(values))
-                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f}s") from None
-            continue
-        if status == "error":
-            raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
-        values[rank] = pickle.loads(value)
-    return [values[r] for r in range(world_size)]

@@ -4,9 +4,8 @@ Starting ranks costs seconds (each imports torch); training these tiny runs
 takes a fraction of that. So every 2-rank run of this module happens in ONE
 2-rank job (the ``two_ranks`` fixture: the same worker processes train each
 configuration in turn, in one process group), and the tests compare its
-results. One worker trains in the test process; 3 workers are one more job.
-The ranks of both jobs are forked from one worker server (torch imported
-once), not spawned.
+results. One worker trains in the test process; 3 workers are one more job,
+run side by side with the first, their ranks forked from one worker server.
 """
 
 import pytest
@@ -14,8 +13,8 @@ import torch
 
 from ddpkit.comm.grad_sync import choose_grad_sync
 from ddpkit.models.registry import get_model_spec
-from ddpkit.launch.local import worker_server
-from tests.helpers.launch_in_process import run_on_forked_ranks
+from tests.helpers.module_runs import run_side_by_side
+from tests.helpers.workers import DYNAMO
 from tests.train.checkpoint_helpers import close, make_trainer
 
 
@@ -62,19 +61,20 @@ TWO_RANK_RUNS = {
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The module's two jobs, their ranks forked from one worker server: by world size, 2: ``two_ranks``'s value,
-    3: ``_train``'s value of WORDS on each of 3 ranks (output folder root/3)."""
+    """The module's two jobs, side by side, their ranks forked from one worker server: by world size, the
+    :class:`Outcome` of 2: ``_train_each`` of TWO_RANK_RUNS (output folders root/name), 3: ``_train`` of WORDS
+    (output folder root/3); and "root"."""
     root = tmp_path_factory.mktemp("two-ranks")
-    with worker_server():
-        two = run_on_forked_ranks(_train_each, 2, TWO_RANK_RUNS, str(root), timeout=300)
-        three = run_on_forked_ranks(_train, 3, WORDS, str(root / "3"))
-    return {2: (two, root), 3: three}
+    outcomes = run_side_by_side({2: (_train_each, 2, (TWO_RANK_RUNS, str(root)), {"timeout": 300}),
+                                 3: (_train, 3, (WORDS, str(root / "3")), {})},
+                                DYNAMO)  # every rank builds optimizers: torch._dynamo imported once, in the server
+    return {**outcomes, "root": root}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(jobs):
     """(results, root): ``results[rank][name]`` is ``_train``'s value for TWO_RANK_RUNS[name]; folders root/name."""
-    return jobs[2]
+    return jobs[2].get(), jobs["root"]
 
 
 def _assert_close(params, reference):
@@ -86,8 +86,8 @@ def _assert_close(params, reference):
 def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path, jobs):
     # One worker needs no process group of ours: it trains here, as `ddpkit train nproc=1` does, without a spawn.
     results = {1: [_train(0, 1, WORDS, str(tmp_path / "1"))],
-               2: [by_name["auto"] for by_name in jobs[2][0]],
-               3: jobs[3]}
+               2: [by_name["auto"] for by_name in jobs[2].get()],
+               3: jobs[3].get()}
     reference_summary, reference_params, _ = results[1][0]
     for n in (2, 3):
         for summary, params, _ in results[n]:

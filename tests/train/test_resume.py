@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints, load_file
-from tests.helpers.launch_in_process import run_on_forked_ranks
+from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
 from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, close, final_state, make_trainer, train
 from tests.train.test_checkpoint import plant_payload
 
@@ -37,7 +37,8 @@ def test_stop_anywhere_and_resume_is_bit_exact(tmp_path, seed):
     later = rng.randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # inside the second
     stops = [mid_epoch, STEPS_PER_EPOCH, later]  # and exactly at the epoch boundary
     print(f"stops at global steps {stops}")
-    resumed_from = run_on_forked_ranks(_stop_and_resume, 2, str(tmp_path), stops, timeout=240)
+    with warm_workers(DYNAMO):  # the ranks build optimizers: torch._dynamo imported once, in the server
+        resumed_from = run_on_ranks(_stop_and_resume, 2, str(tmp_path), stops, timeout=240)
     assert resumed_from[0] == resumed_from[1] == [checkpoint_name(s) for s in stops], f"seed {seed}: stops {stops}"
 
 
@@ -133,9 +134,10 @@ def _phases(rank, world_size, phases):
 def test_other_world_size_sees_every_sample_once(tmp_path):
     words = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8", "epochs=1"]
     a, b = f"output_dir={tmp_path}/a", f"output_dir={tmp_path}/b"
-    # One worker needs no process group: those phases run here; the two-worker ones on forked ranks.
+    # One worker needs no process group: those phases run here; the two-worker ones in worker processes.
     (one_first, no_warnings), = _phases(0, 1, [[*words, b, "max_steps=7"]])
-    two = run_on_forked_ranks(_phases, 2, [[*words, b, "resume=auto"], [*words, a, "max_steps=5"]])
+    with warm_workers(DYNAMO):  # the ranks build optimizers: torch._dynamo imported once, in the server
+        two = run_on_ranks(_phases, 2, [[*words, b, "resume=auto"], [*words, a, "max_steps=5"]])
     (one_then, warnings_2_to_1), = _phases(0, 1, [[*words, a, "resume=auto"]])
 
     samples_1_to_2 = one_first + two[0][0][0] + two[1][0][0]

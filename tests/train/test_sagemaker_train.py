@@ -8,6 +8,7 @@ and arguments are those the real sagemaker-training toolkit computes for it
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.checkpoint.export import load_exported
+from ddpkit.cli import main
 from ddpkit.env.ports import free_port
 from tests.cli_runner import PYTHONPATH
 from tests.env.test_sagemaker import toolkit_environment, write_job
@@ -95,13 +97,21 @@ def test_one_worker_per_gpu_and_the_export_is_of_the_last_step_when_no_checkpoin
     assert info["source"]["global_step"] == STEPS_PER_EPOCH
 
 
-def test_a_bad_hyperparameter_is_one_line(tmp_path):
+def test_a_bad_hyperparameter_is_one_line(tmp_path, monkeypatch, capsys):
     base = write_job(tmp_path, ["algo-1"], "algo-1", {**HYPERPARAMETERS, "epoch": 3})
     environ, args = toolkit_environment(base)
-    process = start_entry_point(base, environ, args)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 2
-    assert output.strip().splitlines()[-1].startswith("error: unknown config key 'epoch' (did you mean 'epochs'?)")
+    # In this process, with the job's variables alone, in its code folder: what the entry point runs
+    # (`ddpkit train` with the toolkit's arguments); the tests above start it, tests/test_cli.py checks
+    # the command's exit path.
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    (base / "code").mkdir(exist_ok=True)
+    monkeypatch.chdir(base / "code")
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: unknown config key 'epoch' (did you mean 'epochs'?)"), err
 
 
 _TOOLKIT_TORCHRUN = """
