@@ -9,7 +9,6 @@ import pytest
 from ddpkit.bench import perfmodel
 from ddpkit.bench.scaling import (
     PARTS,
-    RunSpec,
     batch_ladder,
     bottleneck,
     configurations,
