@@ -80,6 +80,7 @@ def launched(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "exit 3": [str(SCRIPTS / "fails.py"), "exit", "3"],
         "exit 75": [str(SCRIPTS / "fails.py"), "exit", "75"],
         "restarts": ["nproc=2", "max_restarts=1", str(SCRIPTS / "restarts.py")],
+        "os._exit": ["nproc=2", str(SCRIPTS / "os_exit.py")],
     }
     with Commands() as commands:
         return {name: commands.run("run", *words, cwd=folder) for name, words in launches.items()}
@@ -130,6 +131,13 @@ def test_max_restarts_restarts_every_worker_after_a_failure(launched):
     out = launched["restarts"]
     assert out.returncode == 0, out.stderr
     assert sorted(re.findall(r"rank (\d) restart=(\d) sum=(\d+)", out.stdout)) == [("0", "1", "2"), ("1", "1", "2")]
+
+
+def test_workers_ending_with_os_exit_0_finish_the_launch(launched):
+    # No return value reaches torch's agent from such a worker; the launch must end, not poll forever.
+    out = launched["os._exit"]
+    assert out.returncode == 0, out.stderr
+    assert sorted(re.findall(r"rank (\d) ends with os._exit", out.stdout)) == ["0", "1"], out.stdout
 
 
 def test_missing_script_through_the_console_script_is_one_line(tmp_path):

@@ -198,6 +198,38 @@ def _stop_worker_server() -> None:
     server._stop()
 
 
+def _finish_workers_that_exit_without_returning() -> None:
+    """Make torch's agent take a worker that exited with status 0 but returned nothing as finished.
+
+    torch's ``MultiprocessContext`` waits for every worker's return value,
+    which its wrapper sends after the worker's function returns. A worker
+    that ends with ``os._exit(0)`` (a script skipping its interpreter's
+    teardown) sends none: the agent then polls forever, although every
+    worker is gone. Once all workers have exited with status 0, the ones
+    without a value are taken as having returned None. Installed once, in
+    the launcher's process only; a non-zero exit stays a failure.
+    """
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, RunProcsResult
+
+    torch_poll = MultiprocessContext._poll
+    if getattr(torch_poll, "ddpkit_finishes_silent_exits", False):
+        return
+
+    def poll(self: MultiprocessContext) -> RunProcsResult | None:
+        result = torch_poll(self)
+        if result is not None or self._pc is None or self._pc.sentinels:
+            return result  # done, failed, or a worker still runs
+        for local_rank, queue in self._ret_vals.items():
+            if local_rank not in self._return_values:
+                self._return_values[local_rank] = None if queue.empty() else queue.get()
+        self._worker_finished_event.set()
+        self.close()
+        return RunProcsResult(return_values=self._return_values, stdouts=self.stdouts, stderrs=self.stderrs)
+
+    poll.ddpkit_finishes_silent_exits = True
+    MultiprocessContext._poll = poll
+
+
 @contextlib.contextmanager
 def _environ_restored() -> Iterator[None]:
     """Give the caller its os.environ back: the agent writes into it (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
@@ -323,6 +355,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in (*AGENT_SIGNALS, "SIGINT"))
         config.signals_to_handle = ",".join(names)
     _quiet_elastic_logs()
+    _finish_workers_that_exit_without_returning()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with worker_server(), _environ_restored(), _fresh_store_per_restart(spec.max_restarts), \
