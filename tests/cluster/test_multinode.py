@@ -219,7 +219,9 @@ def test_doctor_explains_c10d_rendezvous_without_local_addr(netns_hosts: TwoHost
 
     assert a.returncode != 0 and b.returncode != 0
     stderr = a.stderr + b.stderr
-    (problem,) = re.findall(r"\[rank 1/2\] problem: (.*)", stderr)
+    problems = re.findall(r"\[rank 1/2\] problem: (.*)", stderr)
+    assert len(problems) == 1, a.stderr[-3000:] + b.stderr[-3000:]
+    problem = problems[0]
     assert problem.startswith("rank 1/2 cannot reach the master at localhost:")
     assert "MASTER_ADDR=localhost is a loopback address, but the job spans 2 nodes" in problem
     assert "pass --local-addr <this node's address> on every node" in problem
