@@ -694,6 +694,7 @@ def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int
 def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) -> dict[str, Any]:
     """Measure every configuration in turn and build the report."""
     from ddpkit.config import TrainConfig
+    from ddpkit.launch.local import worker_server
     from ddpkit.models.registry import get_model_spec
 
     cores = len(os.sched_getaffinity(0))
@@ -701,13 +702,15 @@ def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) ->
     start = time.perf_counter()
     load_before = os.getloadavg()
     rounds: list[list[dict[str, Any]]] = [[] for _ in runs]
-    for round_index in range(cfg.repeats):
-        for run, results in zip(runs, rounds):
-            t0 = time.perf_counter()
-            results.append(measure(cfg, run))
-            step = results[-1]["slowest_rank"]["step"]
-            print(f"round {round_index + 1}: {run.name:<32} step {step * 1e3:8.3f} ms  "
-                  f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    # One warm worker server for every local configuration: each still gets freshly forked workers.
+    with worker_server():
+        for round_index in range(cfg.repeats):
+            for run, results in zip(runs, rounds):
+                t0 = time.perf_counter()
+                results.append(measure(cfg, run))
+                step = results[-1]["slowest_rank"]["step"]
+                print(f"round {round_index + 1}: {run.name:<32} step {step * 1e3:8.3f} ms  "
+                      f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     measured = [merge_rounds(results) for results in rounds]
     baseline = next((m for r, m in zip(runs, measured) if r.workers == 1), None)
     baseline_rate = baseline["global_batch"] / baseline["slowest_rank"]["step"] if baseline else None
