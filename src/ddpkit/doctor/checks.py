@@ -27,10 +27,11 @@ from ddpkit.env.base import ClusterEnvironment
 _PREFIX = "ddpkit-doctor/"
 # Seconds one TCP connection attempt to the master may take before the next.
 _CONNECT_ATTEMPT_SECONDS = 2.0
-# Seconds (at most the timeout itself) rank 0 waits beyond the timeout for a missing worker. That worker may be trying to
-# reach the master for the whole timeout, from a start a moment later than rank 0's: it then
-# reports its own, more precise diagnosis (where it tried to connect) before rank 0 stops, and
-# with rank 0 the job's launcher, which may stop the other workers before they print.
+# Seconds (at most the timeout itself) rank 0 waits beyond the timeout for a missing worker.
+# That worker may be trying to reach the master for the whole timeout, from a start a moment
+# later than rank 0's: it then reports its own, more precise diagnosis (where it tried to
+# connect) before rank 0 stops, and with rank 0 the job's launcher, which may stop the other
+# workers before they print.
 _ROLL_CALL_GRACE_SECONDS = 3.0
 
 

@@ -9,7 +9,9 @@ ddpkit adds what the command lacks:
   (or the one given, checked first), so nothing listens on the network;
 - one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
   instead of every worker's traceback;
-- workers forked from a warm process instead of spawned (see below).
+- workers forked from a warm process instead of spawned (see below);
+- a worker that ends with ``os._exit(0)``, returning nothing, counts as
+  finished (torch's agent would wait for its return value forever).
 
 Pipeline: LaunchSpec -> LaunchConfig (torch) -> elastic_launch -> results
 by rank, or LaunchError carrying the root cause.
