@@ -5,6 +5,9 @@ launched workers); only the command's process is the test's, which has
 imported torch already. Those processes import this checkout
 (``tests.cli_runner.PYTHONPATH``), and everything written to file descriptor
 1, by this process or by a worker it forks, is returned as the output.
+Unlike tests/helpers/launch_in_process.py's ``Commands``, no worker server
+is started for the block: most benchmark commands start only fresh
+processes of their own, and one that launches workers starts its server.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.launch.sbatch import LAUNCH_MODES, SbatchSpec, render_sbatch
-from tests.helpers.slurm import JobResult, SlurmCluster, SlurmError
+from tests.helpers.slurm import JobResult, SlurmCluster, SlurmError, derived_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -71,11 +71,6 @@ def spec_for(project: Path, **fields) -> SbatchSpec:
             **fields,
         }
     )
-
-
-def derived_port(job_id: int) -> int:
-    """The rendezvous port of a job (ddpkit.env.ports.port_from_job_id), if nothing else listens on it."""
-    return 10000 + job_id % 20000
 
 
 def master_ports(output: str) -> set[int]:

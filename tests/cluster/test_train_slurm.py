@@ -44,7 +44,7 @@ from ddpkit.data.datasets import FASHION_MNIST
 from ddpkit.data.sources import DataNotFoundError, locate
 from tests.cli_runner import PYTHONPATH
 from tests.cluster.short_w1 import W1_SHORT, W1_SHORT_ACCURACY_FLOOR, W1_SHORT_STEPS
-from tests.helpers.slurm import SlurmCluster
+from tests.helpers.slurm import SlurmCluster, derived_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -167,11 +167,11 @@ def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(
     ]
     assert log.index("preempted by SIGUSR1") < log.index("resumed from") < log.index("[rank 0/2] done:")
     # Both runs are the job's two tasks on this node, meeting at the same checked port, derived from the job id
-    # (ddpkit.env.ports.port_from_job_id) unless something on this shared machine listened there.
+    # unless something on this shared machine listened there.
     masters = re.findall(r"^\[rank 0/2\] slurm: world_size 2 on 1 node\(s\), master (\S+):(\d+),", log, re.MULTILINE)
     assert len(masters) == 2 and len(set(masters)) == 1, log
     host, port = masters[0]
-    assert host == slurm_cluster.node_name and 10000 + job_id % 20000 <= int(port) < 10000 + job_id % 20000 + 10
+    assert host == slurm_cluster.node_name and derived_port(job_id) <= int(port) < derived_port(job_id) + 10
     # The requeued job (same id) continued in the same run folder.
     latest = (tmp_path / "runs" / "latest").resolve()
     assert latest == tmp_path / "runs" / "mlp-slow_images.build" / f"slurm-{job_id}"

@@ -257,6 +257,11 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
+def derived_port(job_id: int) -> int:
+    """The rendezvous port of a job (ddpkit.env.ports.port_from_job_id), if nothing else listens on it."""
+    return 10000 + job_id % 20000
+
+
 def parse_scontrol(text: str) -> dict[str, str]:
     """Fields of one ``scontrol show ... --oneliner`` record: "A=1 B=x y C=2" -> {A: 1, B: "x y", C: 2}."""
     # A value runs until the next " Key=" (values such as Command= may hold spaces).

@@ -91,13 +91,14 @@ SMOKE_SAMPLES = 256
 
 
 def _train_words(cfg: TrainBenchConfig) -> list[str]:
-    words = [f"model={cfg.model}", f"dataset={cfg.dataset}", "progress=false", "eval_every_epoch=false"]
+    return [f"model={cfg.model}", *_data_and_length_words(cfg), "progress=false", "eval_every_epoch=false"]
+
+
+def _data_and_length_words(cfg: TrainBenchConfig) -> list[str]:
+    """The data, and how long to train: one epoch of the smoke data, else ``cfg.epochs`` where set."""
     if cfg.smoke:
-        words = [f"model={cfg.model}", "dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}", "epochs=1",
-                 "progress=false", "eval_every_epoch=false"]
-    elif cfg.epochs:
-        words.append(f"epochs={cfg.epochs}")
-    return words
+        return [*_data_words(cfg), "epochs=1"]
+    return [*_data_words(cfg), *([f"epochs={cfg.epochs}"] if cfg.epochs else [])]
 
 
 def _configurations(cfg: TrainBenchConfig) -> list[dict[str, Any]]:
@@ -125,12 +126,7 @@ OWN_TORCH = "own loop 2 workers, per-sample Dataset, torch DataLoader + Distribu
 
 
 def _own_loop_words(cfg: TrainBenchConfig, loader: str) -> list[str]:
-    words = [f"loader={loader}", f"dataset={cfg.dataset}"]
-    if cfg.smoke:
-        words = [f"loader={loader}", "dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}", "epochs=1"]
-    elif cfg.epochs:
-        words.append(f"epochs={cfg.epochs}")
-    return words
+    return [f"loader={loader}", *_data_and_length_words(cfg)]
 
 
 def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str, Any]:
