@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,5 +16,16 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
     Its node offers 8 CPUs, whatever the machine has, so that a test can run several 2-task jobs at once.
     """
-    with start_slurm_cluster(cpus=8) as cluster:
+    with start_slurm_cluster(cpus=8, first_job_id=_first_job_id()) as cluster:
         yield cluster
+
+
+def _first_job_id() -> int:
+    """1 in pytest-xdist's worker gw0 (or without xdist), 1001 in gw1, 2001 in gw2, ...
+
+    Every xdist worker starts a cluster of its own, and ddpkit derives a job's rendezvous port from its
+    job id (10000 + id): clusters numbering their jobs from the same id would give two jobs running at
+    the same time the same port.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 1 + 1000 * int(worker.removeprefix("gw"))

@@ -83,6 +83,7 @@ SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd.log
 # Finished jobs stay in scontrol's view this long (there is no accounting database).
 MinJobAge=600
+FirstJobId={first_job_id}
 KillWait=5
 # Schedule every second rather than every 60 s: slurmctld starts batch jobs only from this loop
 # (its background thread wakes once a second), so a job waits up to this long to start, and a
@@ -270,12 +271,15 @@ def parse_scontrol(text: str) -> dict[str, str]:
 
 
 @contextmanager
-def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0) -> Iterator[SlurmCluster]:
+def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0, first_job_id: int = 1) -> Iterator[SlurmCluster]:
     """Start munged, slurmctld and slurmd for one node; stop them all on exit.
 
     Args:
         cpus: CPUs the node offers; more than the machine has is fine
             (SlurmdParameters=config_overrides), for jobs side by side.
+        first_job_id: Id of the cluster's first job. Clusters running at the
+            same time on one machine need ranges of their own: a job's
+            rendezvous port derives from its id (:func:`derived_port`).
         start_timeout: Seconds for the node to become idle.
 
     Yields:
@@ -304,7 +308,7 @@ def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0) -> Iterator[
         conf.write_text(
             _SLURM_CONF.format(
                 host=node, ctld_port=ctld_port, d_port=d_port, munge_socket=munge_socket,
-                cred_expire=CRED_EXPIRE_SECONDS, root=root, cpus=cpus,
+                cred_expire=CRED_EXPIRE_SECONDS, root=root, cpus=cpus, first_job_id=first_job_id,
             )
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
