@@ -50,4 +50,8 @@ fi
 extras=""
 (( with_tests )) && extras="[test]"
 "$py" -m pip install -q -e ".$extras"
+# Byte-compile ddpkit's sources, as pip does for the packages it installs: an editable install leaves
+# that to the first import, which writes nothing where PYTHONDONTWRITEBYTECODE is set, and then every
+# fresh process compiles them again (about 0.1 s of CPU each).
+"$py" -m compileall -q src >/dev/null
 echo "setup: ready ($("$py" -c 'import torch, ddpkit; print("torch", torch.__version__, "ddpkit", ddpkit.__version__)'))" >&2
