@@ -1,5 +1,6 @@
 """Workers forked from the warm worker server: preloaded, with the launcher's environment, and no server left."""
 
+import gc
 import multiprocessing.forkserver
 import os
 import sys
@@ -12,6 +13,7 @@ from ddpkit.launch.local import LaunchSpec, launch_local, worker_server
 
 def _report(name: str) -> dict:
     preloaded = "torch._dynamo" in sys.modules  # before this worker imports anything of its own
+    collecting, frozen = gc.isenabled(), gc.get_freeze_count()
     import torch
 
     torch.set_num_threads(2)  # the intra-op pool starts in the worker, never in the server
@@ -21,6 +23,8 @@ def _report(name: str) -> dict:
         "value": os.environ.get(name),
         "parent": os.getppid(),
         "preloaded": preloaded,
+        "collecting": collecting,
+        "frozen": frozen,
         "matmul_ok": torch.allclose(a @ a, torch.from_numpy(a.numpy() @ a.numpy())),
     }
 
@@ -44,4 +48,6 @@ def test_workers_fork_from_one_server_with_the_launchers_environment_of_each_lau
     assert server != os.getpid()
     assert server_threads == 1
     assert all(r["preloaded"] and r["matmul_ok"] for r in [*first.values(), *second.values()])
+    # The server never collects; each worker froze what it inherited (torch's objects) and collects again.
+    assert all(r["collecting"] and r["frozen"] > 100_000 for r in [*first.values(), *second.values()])
     assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # stopped with the outermost block

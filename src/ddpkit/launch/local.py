@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -62,6 +63,7 @@ from typing import Any
 # server (below) before this process imports torch itself.
 from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
+from ddpkit.gc_pause import enable_in_forked_worker
 from ddpkit.launch.failure import (
     FAILURE_DIR_VARIABLE,
     LaunchError,
@@ -79,9 +81,10 @@ EXIT_INTERRUPTED = 130
 INTERRUPTED_MARKER = "interrupted"
 """File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
 
-WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing", "ddpkit.launch.local",
+WORKER_PRELOAD = ("ddpkit.launch.local", "torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing",
                   "ddpkit.train.run")
-"""Modules the worker server imports once, so that no forked worker imports them again."""
+"""Modules the worker server imports once, in this order, so that no forked worker imports them again.
+This module comes first: in the server it turns garbage collection off before torch is imported."""
 
 SERVER_IGNORES = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 """Signals the worker server ignores (it ignores SIGINT already): the launcher's to handle and pass on."""
@@ -102,6 +105,10 @@ if os.environ.get(_SERVER_VARIABLE) == "1":
     # run (and checkpoint). Workers set these signals back to the default.
     for _name in SERVER_IGNORES:
         signal.signal(getattr(signal, _name), signal.SIG_IGN)
+    # The server only imports, then forks: no collection while it imports torch (about a quarter of
+    # torch._dynamo's import time), nor ever after, so that no page it shares with its workers is
+    # written by a collection. Each worker freezes what it inherits and collects again (_worker_main).
+    gc.disable()
 
 
 @dataclass(frozen=True)
@@ -260,6 +267,7 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     (:func:`run_reporting_failure`); a KeyboardInterrupt ends the worker with
     status 130 and no traceback.
     """
+    enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     os.setpgrp()

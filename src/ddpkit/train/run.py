@@ -25,6 +25,7 @@ from ddpkit.checkpoint.transfer import apply_transfer
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.datasets import DataOptions, load_datasets
 from ddpkit.data.loader import DataLoader
+from ddpkit.gc_pause import import_paused
 from ddpkit.launch.failure import record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import ModelSpec, get_model_spec
@@ -138,6 +139,9 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
     With ``export_dir`` (SageMaker's model folder), rank 0 exports the final
     checkpoint there at the end (see ddpkit.checkpoint.export).
     """
+    # The optimizer would import torch._dynamo on its first use, with collections walking torch meanwhile
+    # (a worker forked from the worker server has it already).
+    import_paused("torch._dynamo")
     ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
     try:
         cfg = _with_run_folder(cfg, ctx)
