@@ -32,7 +32,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -44,6 +44,7 @@ from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.detect import detect_environment
 from ddpkit.env.network import gloo_interface_environ
 from ddpkit.errors import UserError
+from ddpkit.log import get_logger, show_messages
 
 BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 
@@ -174,8 +175,19 @@ def init(
     _owns_group = not adopted
     _context = Context(env, resolved_device, resolved_backend)
     atexit.register(shutdown)
+    show_messages(env.rank, env.world_size)
+    _say_restart(environ, env.rank)
     _joined_multiprocess_job = _joined_multiprocess_job or env.world_size > 1
     return _context
+
+
+def _say_restart(environ: Mapping[str, str], rank: int) -> None:
+    """On rank 0 of a restarted round (torchrun's, ddpkit run's), one line: which restart this is."""
+    restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and rank == 0:
+        limit = environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        get_logger().warning(f"restart {restart} of {limit}: the workers were started again after a failure; "
+                             "a Checkpointer with resume('auto') continues from the newest checkpoint")
 
 
 def shutdown() -> None:

@@ -38,6 +38,33 @@ def setup_logging(rank: int, world_size: int, all_ranks: bool = False) -> loggin
     return logger
 
 
+class _UnlessConfigured(logging.StreamHandler):
+    """Writes to stderr only while the program has set up no logging of its own (no root handler)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def show_messages(rank: int, world_size: int) -> None:
+    """Let ddpkit's messages reach the terminal of a script that did not set up logging.
+
+    Rank 0's at INFO (checkpoints written, resumed from), the other ranks'
+    warnings and errors, each line prefixed ``[rank r/w]``. A script's own
+    logging setup wins: with a root handler, the records go to it instead.
+    Nothing changes where ddpkit's logger has handlers already.
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    if logger.handlers:
+        return
+    handler = _UnlessConfigured(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(rank_prefix)s %(message)s"))
+    handler.addFilter(_RankFilter(rank, world_size))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
 def get_logger() -> logging.Logger:
     """ddpkit's logger (configured by setup_logging)."""
     return logging.getLogger(_LOGGER_NAME)

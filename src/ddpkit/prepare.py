@@ -90,7 +90,7 @@ def prepare_model(
     if sync_batchnorm and grad_sync in ("flat", "manual"):
         raise UserError(f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
                          f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'")
-    if isinstance(model, DDP) or model in _SYNCS:
+    if isinstance(model, DDP) or _uncompiled(model) in _SYNCS:
         raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
     model = model.to(ctx.device)
     if sync_batchnorm and ctx.world_size > 1:
@@ -100,8 +100,42 @@ def prepare_model(
     if mode == "ddp" and ctx.world_size > 1:
         # Wrapped here, not by GradientSync, which then holds it weakly (the registry's key).
         model = wrap_ddp(model, ctx, algorithm)
+        _keys_of_the_plain_module(model)
     _SYNCS[model] = GradientSync(model, ctx, algorithm, mode)
     return model
+
+
+def _keys_of_the_plain_module(ddp: DDP) -> None:
+    """Make ``ddp.state_dict()`` and ``ddp.load_state_dict()`` use the wrapped module's keys (no ``module.``).
+
+    A user's ``torch.save(model.state_dict())`` then writes the same keys
+    whichever synchronisation prepare_model chose (DDP for large models, the
+    module itself for small ones), and loads into a plain module as it is.
+    """
+
+    def strip(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        _replace_prefix(state_dict, prefix + "module.", prefix)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:  # module paths: "module" -> "" (the root), "module.0" -> "0"
+            inner = prefix + "module"
+            renamed = {(prefix[:-1] if key == inner else key): value for key, value in metadata.items()}
+            metadata.clear()
+            metadata.update(renamed)
+            _replace_prefix(metadata, inner + ".", prefix)
+
+    def add(state_dict: dict, prefix: str, *args: object) -> None:
+        if not any(key.startswith(prefix + "module.") for key in state_dict):
+            _replace_prefix(state_dict, prefix, prefix + "module.")
+
+    ddp._register_state_dict_hook(strip)
+    ddp._register_load_state_dict_pre_hook(add)
+
+
+def _replace_prefix(mapping: dict, old: str, new: str) -> None:
+    """Replace ``old`` by ``new`` at the start of every key of ``mapping`` that has it, in place and in order."""
+    items = list(mapping.items())
+    mapping.clear()
+    mapping.update((new + key[len(old):] if key.startswith(old) else key, value) for key, value in items)
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -114,15 +148,25 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     Raises:
         ValueError: ``model`` was not returned by :func:`prepare_model`.
     """
-    sync = _SYNCS.get(model)
+    sync = _SYNCS.get(_uncompiled(model))
     if sync is None:
         raise UserError("no_sync(model) needs the module that ddpkit.prepare_model returned")
     return sync.no_sync()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside ``model`` (DDP's ``.module``, else ``model``): what a checkpoint saves."""
-    return model.module if isinstance(model, DDP) else model
+    """The plain module inside ``model``: what a checkpoint saves.
+
+    Unwraps torch.compile's module (``_orig_mod``) and DDP's (``.module``), in
+    any nesting, so a checkpoint of a compiled model loads into a plain one.
+    """
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 def gradient_sync(model: nn.Module) -> GradientSync | None:
@@ -131,4 +175,10 @@ def gradient_sync(model: nn.Module) -> GradientSync | None:
     Returns:
         The synchronisation of a module returned by :func:`prepare_model`, else None.
     """
-    return _SYNCS.get(model)
+    return _SYNCS.get(_uncompiled(model))
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module torch.compile wrapped, else ``model``: ``torch.compile(prepare_model(net))`` keeps its sync."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model

@@ -165,9 +165,12 @@ def write_checkpoint(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
-    folder = root / name
-    if folder.exists():
-        # A leftover of a save that crashed (a complete one is never rewritten: see Checkpointing).
+    final = root / name
+    replacing = (final / MANIFEST).exists()
+    # A complete checkpoint of the same step (the state changed since: see Checkpointer.save) is replaced
+    # only once its successor is complete, written aside; an incomplete leftover of a crash is removed.
+    folder = root / f".{name}.tmp-{uuid.uuid4().hex[:8]}" if replacing else final
+    if not replacing and folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(mode=folder_mode(mode))
     os.chmod(folder, folder_mode(mode))
@@ -181,8 +184,22 @@ def write_checkpoint(
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     write_file_atomic(folder, MANIFEST, lambda f: f.write(text.encode()), mode)
     _fsync_folder(folder)
+    if replacing:
+        _swap_in(folder, final)
     _fsync_folder(root)
-    return folder
+    return final
+
+
+def _swap_in(new: Path, final: Path) -> None:
+    """Put the complete folder ``new`` at ``final``, where a complete checkpoint is.
+
+    Two renames: a crash between them leaves the step's checkpoint only under
+    hidden names, and the newest complete one before it is resumed (exactly).
+    """
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def rewrite_manifest(folder: str | Path, updates: Mapping[str, Any], mode: int = 0o600) -> dict[str, Any]:
@@ -404,6 +421,8 @@ def prune(root: str | Path, keep: int, protect: Path | None = None) -> list[Path
         The deleted folders.
     """
     infos = list_checkpoints(root)
+    for hidden in Path(root).glob(f".{STEP_PREFIX}*"):  # aside-written or replaced folders a crash left behind
+        shutil.rmtree(hidden, ignore_errors=True)
     complete = [info for info in infos if info.complete]
     kept = {info.path for info in complete[-keep:]} | ({protect} if protect else set())
     oldest_kept = min((info.global_step for info in complete if info.path in kept), default=None)

@@ -16,6 +16,7 @@ trainer's attributes and never steps anything::
             ...                            # forward, backward, optimizer.step(), sched.step()
             ckpt.step()                    # counts the step; saves when due; handles preemption
         ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
+    ckpt.close()                           # the last epoch's checkpoint, with what followed its batch loop
 
 What a checkpoint holds, besides the objects (one ``<name>.pt`` each):
 ``train.pt`` (global step, completed epochs), ``rng.pt`` (every rank's
@@ -33,9 +34,21 @@ a SystemExit with status 75). Per step, ``step()`` costs an integer compare
 until something may be due; the clock and the signals are agreed on by one
 tiny all_reduce about every ``sync_seconds``.
 
+Where, with a ddpkit.DataLoader: ``step()`` only decides; the checkpoint (and
+a preemption's exit) happens when the loop next asks the loader for a batch
+(``DataLoader.between_batches``), so it holds what the body did after
+``step()``. The checkpoint of an epoch's last step is taken when the loop
+runs out of batches and replaced by one of the next epoch's start when that
+begins (or at ``close()``), once the code after the batch loop (a per-epoch
+scheduler, evaluation) has run. Resumed from the first, the loop re-enters
+the epoch with no batch left, and that code runs again. Without a loader,
+``step()`` saves at once.
+
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points, rank 0 writes. A save reached by some ranks only is an error naming
-the missing ranks once ``timeout`` has passed, never a hang.
+the missing ranks once ``timeout`` has passed, never a hang; a save called on
+some ranks while the others went on training (``if rank == 0: save()``) is
+refused within about a second (:mod:`ddpkit.checkpoint.checkin`).
 
 Exactness: with the same world size a resumed run continues bit for bit
 (model, optimizer, scheduler, scaler, every RNG, the loader's position). With
@@ -47,13 +60,14 @@ warning says so.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +75,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import select
+from ddpkit.checkpoint.checkin import LoopProgress, check_in
 from ddpkit.checkpoint.format import (
     MANIFEST,
     READABLE_BY,
@@ -102,7 +117,10 @@ class ResumePoint:
     """Where a run continues: returned by :meth:`Checkpointer.resume`."""
 
     epoch: int = 0
-    """The epoch to train next (the one in progress after a mid-epoch checkpoint)."""
+    """The epoch to train next, numbered as the loop numbers them (``set_epoch``): the one in progress
+    after a mid-epoch checkpoint, or one whose batches are all trained (``step_in_epoch`` equal to
+    the loader's ``steps_per_epoch``) so that the code after its batch loop runs again; on a fresh
+    start, ``first_epoch``."""
     step_in_epoch: int = 0
     """Batches of ``epoch`` already trained (the loader skips them)."""
     global_step: int = 0
@@ -195,17 +213,32 @@ class Checkpointer:
         """Seconds spent saving so far (a loop that times training can leave them out)."""
         self.on_save: Callable[[Path, str], None] | None = None
         """Called on rank 0 with (path, reason) after each checkpoint is written."""
+        self.continue_hint = "run the same command again to continue (resume('auto') picks it up)"
+        """How the user continues after a preemption, for the exit line (``ddpkit train`` sets its own)."""
         self._last_step = -1
         self._resume_checked = False
+        self._due, self._due_signal = "", 0
+        self._between_epochs: tuple[int, int] | None = None  # (global step, epoch) of a checkpoint taken there
+        self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
         self.signals = PreemptionSignals(tuple(preempt_signals))
         self.signals.install()
         self.agreement = Agreement(self.world_size, self.rank == 0, control_device(), sync_seconds, every_seconds)
         self._next_check = 0
         self._schedule()
+        self._progress: LoopProgress | None = None
+        # With a ddpkit.DataLoader, a due checkpoint is written when the loop asks for its next batch
+        # (or runs out of them): the loop's body, whatever it does after step(), is then complete.
+        self._deferred = hasattr(loader, "between_batches")
+        if self._deferred:
+            loader.between_batches = self._between_batches
+            if self.world_size > 1:
+                restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                self._progress = LoopProgress(_default_store(), f"ddpkit/progress/{restart}", self.rank)
+                atexit.register(self._progress.stop)
 
     # -- resuming ----------------------------------------------------------------
 
-    def resume(self, resume: str | os.PathLike[str] = "auto") -> ResumePoint:
+    def resume(self, resume: str | os.PathLike[str] = "auto", first_epoch: int = 0) -> ResumePoint:
         """Restore every object from the checkpoint ``resume`` selects (a collective).
 
         Args:
@@ -213,6 +246,9 @@ class Checkpointer:
                 start), "never" (a fresh start; refused if the folder holds
                 checkpoints) or the path of one checkpoint. A restarted worker
                 (elastic restart, Slurm requeue) always resumes the newest.
+            first_epoch: the number of the first epoch on a fresh start (1 for
+                a loop that numbers epochs from 1); a resumed run continues
+                with the loader's own numbering.
 
         Returns:
             Where training continues.
@@ -238,9 +274,10 @@ class Checkpointer:
             self._restore(path, loaded)
         self.agreement.start(self.global_step)
         self._schedule()
-        manifest = loaded["manifest"] if path is not None else {}
+        if path is None:
+            return ResumePoint(epoch=first_epoch, global_step=self.global_step)
         epoch, step = self._position()
-        return ResumePoint(epoch, step, self.global_step, path, manifest)
+        return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"])
 
     def _files(self, manifest: dict[str, Any]) -> list[str]:
         return [name for name in manifest["files"] if name.endswith(".pt")]
@@ -268,6 +305,8 @@ class Checkpointer:
         if best.get("metric") == self.best_metric:
             self.best_value = best.get("value")
         self._last_step, self.last_path = self.global_step, path
+        self._step_metrics = (dict(manifest.get("metrics") or {}), False)
+        self._between_epochs = self._taken_between_epochs()
         self._log_resume(path, len(loaded[RNG_FILE]["ranks"]))
 
     def _restore_rng(self, ranks: list[Any]) -> None:
@@ -289,18 +328,23 @@ class Checkpointer:
                 "(per-rank random states and the all_reduce order differ)"
             )
         epoch, step = self._position()
-        if step == 0:  # between epochs: say what is complete, not an epoch that may never come
+        if self.loader is None:
             where = f"{epoch} epoch(s) complete"
+        elif step == 0:
+            where = f"{epoch} epoch(s) complete"
+        elif step >= self.loader.steps_per_epoch:
+            where = f"after the last batch of epoch {epoch}: the code after its batch loop runs again"
         else:
-            where = f"epoch {epoch + 1}" + (f", step {step} of {self.loader.steps_per_epoch}" if self.loader else "")
+            where = f"epoch {epoch}, step {step} of {self.loader.steps_per_epoch}"
         log.info(f"resumed from {path} (global step {self.global_step}: {where})")
 
     def _position(self) -> tuple[int, int]:
-        """(epoch to train next, batches of it done): from the loader when there is one."""
+        """(epoch to train next, batches of it done), in the loop's numbering: from the loader when there is one."""
         if self.loader is not None:
-            epoch, step = self.loader.epoch, self.loader.step_in_epoch
-            # After an epoch's last batch the loader still names that epoch; it is complete.
-            return (epoch + 1, 0) if step >= self.loader.steps_per_epoch else (epoch, step)
+            # An epoch the loop ran out of is complete, the code after its batch loop included.
+            if getattr(self.loader, "epoch_done", False):
+                return self.loader.epoch + 1, 0
+            return self.loader.epoch, self.loader.step_in_epoch
         return self.completed_epochs, 0
 
     # -- the per-step and per-epoch hooks ---------------------------------------------
@@ -329,11 +373,40 @@ class Checkpointer:
         due = {"preempted": bool(signum), "epoch_end": self._epoch_ended(), "every_seconds": time_due,
                "every_steps": bool(self.every_steps) and step % self.every_steps == 0}
         reasons = [reason for reason, is_due in due.items() if is_due]
-        if reasons:
-            self.save(reasons[0])
+        self._schedule()
+        self._due, self._due_signal = (reasons[0] if reasons else ""), signum
+        if not self._deferred:
+            self._write_due()
+
+    def _between_batches(self) -> None:
+        """The loader's hook: the loop asks for its next batch (or ran out); write what is due."""
+        if self._progress is not None:
+            self._progress.count += 1
+        if self._due or self._due_signal:
+            self._write_due()
+        elif self._between_epochs == (self.global_step, self.loader.epoch - 1) and self.loader.step_in_epoch == 0:
+            self._write("epoch_end")  # the next epoch begins: the code between the epochs has run
+
+    def _taken_between_epochs(self) -> tuple[int, int] | None:
+        """(global step, epoch) when the loader has handed out an epoch's last batch but not yet run out.
+
+        A checkpoint taken then makes a resumed loop re-enter that epoch with
+        no batch left, so that the code after its batch loop (a per-epoch
+        scheduler, evaluation) runs again. It is replaced by one of the next
+        epoch's start as soon as that begins, or at ``close()``.
+        """
+        loader = self.loader
+        if loader is None or getattr(loader, "epoch_done", True) or loader.step_in_epoch < loader.steps_per_epoch:
+            return None
+        return self.global_step, loader.epoch
+
+    def _write_due(self) -> None:
+        reason, signum = self._due, self._due_signal
+        self._due, self._due_signal = "", 0
+        if reason and not (self.global_step == self._last_step and self.last_path is not None):
+            self._write(reason)
         if signum:
             self._exit_preempted(signum)
-        self._schedule()
 
     def epoch_end(self, metrics: Mapping[str, float] | None = None) -> Path | None:
         """Mark the end of an epoch (after its evaluation): save as due and keep the best.
@@ -351,9 +424,10 @@ class Checkpointer:
         improved = self._improves(metrics or {})
         if self._last_step == self.global_step and self.last_path is not None:
             self._on_rank_zero(lambda: self._annotate(dict(metrics or {}), improved))
+            self._step_metrics = (dict(metrics or {}), improved or self._step_metrics[1])
             return self.last_path
         if self.on_epoch_end or improved:
-            return self.save("epoch_end", metrics, best=improved)
+            return self._write("epoch_end", metrics, best=improved)
         return None
 
     def _improves(self, metrics: Mapping[str, float]) -> bool:
@@ -385,7 +459,7 @@ class Checkpointer:
             log = get_logger()
             what = "interrupted (Ctrl-C)" if name == "SIGINT" else f"preempted by {name}"
             log.warning(f"{what} after global step {self.global_step}: checkpoint {self.last_path} is complete; "
-                        f"exiting with status {exit_status(name)} (continue with resume=auto)")
+                        f"exiting with status {exit_status(name)}; {self.continue_hint}")
             if self.requeue:
                 log.warning(requeue_slurm_job(self.environ))
         self.close()
@@ -395,6 +469,10 @@ class Checkpointer:
 
     def save(self, reason: str = "manual", metrics: Mapping[str, float] | None = None, best: bool = False) -> Path:
         """Write a checkpoint of the current state (a collective: every rank calls it; rank 0 writes).
+
+        A checkpoint already written at this global step (an epoch end, a
+        cadence) is replaced, so a save after the code that follows the
+        batch loop (a per-epoch scheduler) holds that code's effect.
 
         Args:
             reason: why, kept in the manifest (every_steps, epoch_end, preempted, ...).
@@ -406,27 +484,33 @@ class Checkpointer:
 
         Raises:
             CheckpointError: some rank did not reach this save within ``timeout``
-                (the message names it), or rank 0 could not write (it says why).
+                (the message names it), a rank went on past it (a save under
+                ``if rank == 0``), or rank 0 could not write (it says why).
         """
+        self._due = ""
+        return self._write(reason, metrics, best)
+
+    def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path:
         start = time.perf_counter()
+        if self.global_step == self._last_step and metrics is None:
+            # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
+            metrics, best = self._step_metrics[0], best or self._step_metrics[1]
         self._check_in()
-        if self.global_step == self._last_step and self.last_path is not None:
-            # This very state is on disk already (e.g. the checkpoint just resumed from): never rewrite it.
-            if best:
-                self._on_rank_zero(lambda: self._annotate(dict(metrics or {}), True))
-            return self.last_path
         rng = capture_rng_state()
         gathered: list[Any] | None = [rng]
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
-        path = self._on_rank_zero(lambda: self._write(reason, gathered, dict(metrics or {}), best))
+        path = self._on_rank_zero(lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best))
         self.last_path, self._last_step = path, self.global_step
+        self._step_metrics = (dict(metrics or {}), best)
+        self._between_epochs = self._taken_between_epochs()
         self.agreement.last_save = time.monotonic()
         self.save_seconds += time.perf_counter() - start
         return path
 
-    def _write(self, reason: str, rng_states: list[Any] | None, metrics: dict[str, float], best: bool) -> Path:
+    def _write_on_rank_zero(self, reason: str, rng_states: list[Any] | None, metrics: dict[str, float],
+                            best: bool) -> Path:
         """Rank 0: write the checkpoint folder, mark best, prune."""
         if not self._resume_checked:
             self._resume_checked = True
@@ -468,30 +552,21 @@ class Checkpointer:
         return {"metric": self.best_metric, "mode": self.best_mode, "value": self.best_value}
 
     def _check_in(self) -> None:
-        """Every rank announces this save; fail, naming the absent ranks, if some do not arrive in time."""
+        """Every rank announces this save; fail, naming the ranks, if some went on or do not arrive in time."""
         global _SAVES
         if self.world_size == 1:
             return
         _SAVES += 1
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"ddpkit/save/{self.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SAVES}"
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-        store.set(keys[self.rank], str(self.global_step))
-        try:
-            store.wait(keys, timedelta(seconds=self.timeout))
-        except (RuntimeError, dist.DistError):
-            absent = [r for r, key in enumerate(keys) if not store.check([key])]
-            present = [r for r in range(self.world_size) if r not in absent]
-            raise CheckpointError(
-                f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} within "
-                f"{self.timeout:g}s; saving is collective: call Checkpointer.step()/save() on every rank at the same point"
-            ) from None
-        steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
-        if len(set(steps.values())) > 1:
-            raise CheckpointError(
-                f"ranks reached a checkpoint save at different global steps ({steps}); call "
-                "Checkpointer.step() once per optimizer step on every rank"
-            )
+        restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        check_in(_default_store(), f"ddpkit/save/{restart}/{_SAVES}", self.rank, self.world_size, self.global_step,
+                 self.timeout, self._progress)
+
+    def _write_at_close(self) -> None:
+        if self._due:
+            self._write_due()
+        elif self._between_epochs is not None and self._between_epochs[0] == self.global_step \
+                and getattr(self.loader, "epoch_done", False):
+            self._write("epoch_end")  # the last epoch's checkpoint, with the code after its batch loop done
 
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 and share its result, or its CheckpointError, with every rank."""
@@ -508,7 +583,18 @@ class Checkpointer:
         return box[0]
 
     def close(self) -> None:
-        """Restore the signal handlers that were there before (safe to call twice)."""
+        """Write what is due, then restore the signal handlers that were there before (safe to call twice).
+
+        Call it on every rank when training ends: the checkpoint of the last
+        epoch then holds what the loop did after its batch loop. While an
+        exception unwinds, nothing is written (the other ranks may be gone).
+        """
+        if sys.exc_info()[0] is None:
+            self._write_at_close()
+        if self._progress is not None:
+            self._progress.stop()
+        if self._deferred and self.loader.between_batches == self._between_batches:
+            self.loader.between_batches = None
         self.signals.close()
 
 
@@ -534,10 +620,14 @@ def _collect_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, lo
 
 
 def _unwrap(model: Any) -> Any:
-    # DDP's state_dict prefixes every key with "module.": save the plain module's.
-    from torch.nn.parallel import DistributedDataParallel
+    # Save the plain module's state_dict, without DDP's "module." or torch.compile's "_orig_mod." prefixes.
+    from ddpkit.prepare import unwrap_model
 
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    return unwrap_model(model) if isinstance(model, nn.Module) else model
+
+
+def _default_store() -> Any:
+    return dist.distributed_c10d._get_default_store()
 
 
 def _check_options(every_steps: int, every_seconds: float, keep: int, best_mode: str, readable_by: str,

@@ -233,20 +233,26 @@ class _WorkerInit:
 
 
 class _KeyBatchSampler(Sampler[list[tuple[int, int, bool]]]):
-    """The GlobalBatchSampler's index lists as SeededDataset keys; an empty share asks for a template."""
+    """The GlobalBatchSampler's index lists as SeededDataset keys; an empty share asks for a template.
+
+    The loader sets ``epoch`` and ``start`` before each iteration; ``iter()``
+    binds them at once (torch calls it when the loader's iterator is made).
+    """
 
     def __init__(self, sampler: GlobalBatchSampler):
         super().__init__()
         self.sampler = sampler
+        self.epoch, self.start = 0, 0
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[list[tuple[int, int, bool]]]:
+        return self._keys(self.epoch, self.start)
+
+    def _keys(self, epoch: int, step: int) -> Iterator[list[tuple[int, int, bool]]]:
         sampler = self.sampler
-        # Read at the first batch, together with the sampler consuming its start step.
-        epoch, step = sampler.current_epoch, sampler.start_step
-        for indices in sampler:
+        for indices in sampler.shares(epoch, step):
             if indices:
                 yield [(epoch, index, False) for index in indices]
             else:
@@ -279,6 +285,15 @@ class DataLoader(torch.utils.data.DataLoader):
     ``loader.dataset`` is a :class:`SeededDataset` around ``dataset`` (the
     original is ``loader.dataset.dataset``), except on the TensorDataset fast
     path, where it is ``dataset`` itself.
+
+    Epochs and the position: the loader is at (``epoch``, ``step_in_epoch``).
+    ``set_epoch(n)`` chooses the epoch, in any numbering; a loop that never
+    calls it gets a new epoch (a new order) at each complete pass, counted
+    from 0. Every iterator made during an epoch starts at the epoch's start,
+    or at the restored step after a resume, as torch's loader starts each
+    iterator at the epoch's start: a look at ``next(iter(loader))`` before
+    the batch loop takes nothing from the loop. The step counts the batches
+    handed to the loop by the newest iterator.
 
     Raises:
         ValueError: an IterableDataset or a dataset without ``__len__``, or a
@@ -332,18 +347,33 @@ class DataLoader(torch.utils.data.DataLoader):
         )
         self._sampler = sampler
         self._seed = seed
-        self._step_in_epoch = 0
         self._global_count: int | None = None
+        # The position (see "Epochs and the position" in the class docstring).
+        self._epoch = 0
+        self._start_step = 0
+        self._step_in_epoch = 0
+        self._epoch_done = False
+        self._epochs_set = False
+        self._resumed_epoch: int | None = None
+        self.between_batches: Callable[[], None] | None = None
+        """Called each time the loop asks for the next batch, and once when the epoch's batches run out:
+        the points where the loop's body is complete (the Checkpointer writes its checkpoints there)."""
 
     # -- iteration ----------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        """This rank's batches of the current epoch, from the position's step on."""
-        self._step_in_epoch = self._sampler.start_step
+        """This rank's batches of the current epoch, from the epoch's start (or restored) step on."""
+        if self._epoch_done:
+            # A new pass: the next epoch when the loop never calls set_epoch, else the same epoch again.
+            self._epoch += 0 if self._epochs_set else 1
+            self._start_step, self._epoch_done = 0, False
+        epoch, start = self._epoch, self._start_step
+        self._step_in_epoch = start
         if self._tensor_fast_path:
-            return self._hand_out(self._tensor_batches())
+            return self._hand_out(self._tensor_batches(epoch, start))
+        self.batch_sampler.epoch, self.batch_sampler.start = epoch, start
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
-        self.generator.manual_seed(_mix(_mix(self._seed) + self._sampler.current_epoch))
+        self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
         batches = super().__iter__()
         if hasattr(batches, "_shutdown_workers"):
             _LIVE_WORKER_ITERATORS.add(batches)
@@ -352,21 +382,28 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
-        sampler = self._sampler
-        for batch in batches:
+        sampler, batches = self._sampler, iter(batches)
+        while True:
+            if self.between_batches is not None:
+                self.between_batches()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
             self._global_count = sampler.global_batch_length(self._step_in_epoch)
             self._step_in_epoch += 1
             yield batch
+        self._epoch_done, self._start_step, self._resumed_epoch = True, 0, None
 
-    def _tensor_batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def _tensor_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
         # index_select, not tensor[indices]: advanced indexing of a 4-D tensor costs several times more.
         tensors = self.dataset.tensors
         devices = {tensor.device for tensor in tensors}
         if len(devices) == 1:
-            for indices in self._sampler.iter_tensors(devices.pop()):
+            for indices in self._sampler.tensor_shares(epoch, start, devices.pop()):
                 yield tuple([tensor.index_select(0, indices) for tensor in tensors])
         else:
-            for indices in self._sampler.iter_tensors():
+            for indices in self._sampler.tensor_shares(epoch, start):
                 yield tuple([tensor.index_select(0, indices.to(tensor.device)) for tensor in tensors])
 
     def global_mean(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -386,38 +423,81 @@ class DataLoader(torch.utils.data.DataLoader):
     # -- position -----------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Iterate ``epoch`` next; a position just restored keeps its step (see GlobalBatchSampler.set_epoch)."""
-        self._sampler.set_epoch(epoch)
-        self._step_in_epoch = self._sampler.start_step
+        """Iterate ``epoch`` next (any numbering); right after a resume, the epoch the position continues.
+
+        A new epoch starts at step 0; the epoch of a position just restored
+        keeps its step, so ``for epoch in range(start.epoch, n): loader.set_epoch(epoch)``
+        continues mid-epoch.
+
+        Raises:
+            ValueError: right after ``load_state_dict``, an epoch other than the
+                one the restored position continues (that loop would skip or
+                repeat training).
+        """
+        if self._resumed_epoch is not None and epoch != self._resumed_epoch:
+            raise UserError(self._epoch_mismatch(epoch))
+        self._resumed_epoch = None
+        self._epochs_set = True
+        if epoch != self._epoch:
+            self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, 0, 0, False
+
+    def _epoch_mismatch(self, epoch: int) -> str:
+        resumed = self._resumed_epoch
+        if self._start_step:
+            where = f"in epoch {resumed} at step {self._start_step} of {self.steps_per_epoch}"
+        else:
+            where = f"at the start of epoch {resumed}"
+        effect = f"epoch {epoch} would be trained again" if epoch < resumed else \
+            f"the rest of epoch {resumed} would be skipped"
+        return (f"the loader resumed {where} (epochs numbered as the loop passed them to set_epoch), but the "
+                f"loop now calls set_epoch({epoch}): {effect}; start the loop at the epoch resume() returns: "
+                f"for epoch in range(start.epoch, epochs) (epochs numbered from 1: resume(..., first_epoch=1) "
+                f"and range(start.epoch, epochs + 1))")
 
     def state_dict(self) -> dict[str, Any]:
-        """The position in batches handed out, and the parameters that must match to restore it."""
+        """The position in batches handed out, and the parameters that must match to restore it.
+
+        ``epoch_done`` is True once the loop has run out of the epoch's
+        batches: then the code after the batch loop (a per-epoch scheduler,
+        evaluation) may have run, and a restored loader starts the next epoch.
+        Before that, a restored loader re-enters the epoch with no batches
+        left, so that code runs again, as in the uninterrupted run.
+        """
         state = self._sampler.state_dict()
-        state["step_in_epoch"] = self._step_in_epoch
+        state.update(epoch=self._epoch, step_in_epoch=self._step_in_epoch, epoch_done=self._epoch_done)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position, saved at any world size and number of workers.
 
-        A state whose epoch is complete becomes the start of the next epoch.
-
         Raises:
             ValueError: the state was saved with another dataset size, global
                 batch size, seed or shuffle.
         """
-        self._sampler.load_state_dict(state)
-        self._step_in_epoch = self._sampler.start_step
+        self._sampler.check_state(state)
+        epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
+        assert 0 <= step <= self.steps_per_epoch, f"step_in_epoch {step} of {self.steps_per_epoch}"
+        # Saved before epoch_done existed: an epoch whose batches were all handed out was complete.
+        if state.get("epoch_done", step == self.steps_per_epoch):
+            epoch, step = epoch + 1, 0
+        self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, step, step, False
+        self._resumed_epoch = epoch
         self._global_count = None
 
     @property
     def epoch(self) -> int:
-        """The epoch being (or next to be) iterated."""
-        return self._sampler.current_epoch
+        """The epoch being (or next to be) iterated, as numbered by ``set_epoch`` (counted from 0 without it)."""
+        return self._epoch
 
     @property
     def step_in_epoch(self) -> int:
         """Batches of ``epoch`` handed out so far (counting those skipped by a resume)."""
         return self._step_in_epoch
+
+    @property
+    def epoch_done(self) -> bool:
+        """True once the loop has run out of the current epoch's batches."""
+        return self._epoch_done
 
     @property
     def steps_per_epoch(self) -> int:

@@ -180,11 +180,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         A share is ``[]`` when the global batch has fewer samples than ranks.
         """
         epoch, start = self._begin()
-        order = self.epoch_order(epoch).tolist()
-        for step in range(start, self.steps_per_epoch):
-            first, stop = self._share(step)
+        for step, share in enumerate(self.shares(epoch, start), start):
             self._step = step + 1
-            yield order[first:stop]
+            yield share
 
     def iter_tensors(self, device: torch.device | str | None = None) -> Iterator[torch.Tensor]:
         """As ``iter(sampler)``, but each share as an int64 tensor, for ``index_select`` on in-memory data.
@@ -193,18 +191,47 @@ class GlobalBatchSampler(Sampler[list[int]]):
             device: where the indices live; the epoch order is moved there once.
         """
         epoch, start = self._begin()
+        for step, share in enumerate(self.tensor_shares(epoch, start, device), start):
+            self._step = step + 1
+            yield share
+
+    def shares(self, epoch: int, start_step: int = 0) -> Iterator[list[int]]:
+        """This rank's indices of each global batch of ``epoch`` from ``start_step`` on, as lists.
+
+        A pure function of its arguments, like :meth:`epoch`: it neither reads nor moves the position.
+        """
+        order = self.epoch_order(epoch).tolist()
+        for step in range(start_step, self.steps_per_epoch):
+            first, stop = self._share(step)
+            yield order[first:stop]
+
+    def tensor_shares(self, epoch: int, start_step: int = 0,
+                      device: torch.device | str | None = None) -> Iterator[torch.Tensor]:
+        """As :meth:`shares`, each share an int64 tensor on ``device`` (the epoch order is moved there once)."""
         order = self.epoch_order(epoch).to(device)
         # The full global batches as rows, this rank's columns, cut into views by one C call:
         # a third of the cost of slicing each step in Python, which shows at ~10 us a step.
         num_full, share = self.num_samples // self.global_batch_size, self.global_batch_size // self.world_size
         rows = order[: num_full * self.global_batch_size].view(num_full, self.global_batch_size)
-        for step, indices in enumerate(rows[start:, self.rank * share : (self.rank + 1) * share].unbind(0), start):
-            self._step = step + 1
-            yield indices
-        for step in range(max(start, num_full), self.steps_per_epoch):
+        yield from rows[start_step:, self.rank * share : (self.rank + 1) * share].unbind(0)
+        for step in range(max(start_step, num_full), self.steps_per_epoch):
             first, stop = self._share(step)
-            self._step = step + 1
             yield order[first:stop]
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError unless ``state`` was saved with this sampler's dataset size, batch, seed and shuffle."""
+        for name, fix in (
+            ("num_samples", "use the dataset it was saved with"),
+            ("global_batch_size", "create the sampler with global_batch_size={}"),
+            ("seed", "create the sampler with seed={}"),
+            ("shuffle", "create the sampler with shuffle={}"),
+        ):
+            saved, here = state[name], getattr(self, name)
+            if saved != here:
+                raise UserError(
+                    f"sampler state was saved with {name}={saved} but this sampler has {name}={here}; "
+                    + fix.format(saved)
+                )
 
     def state_dict(self) -> dict[str, Any]:
         """The position, and the parameters that must match to restore it.
@@ -232,18 +259,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             ValueError: the state was saved with another dataset size, global
                 batch size, seed or shuffle.
         """
-        for name, fix in (
-            ("num_samples", "use the dataset it was saved with"),
-            ("global_batch_size", "create the sampler with global_batch_size={}"),
-            ("seed", "create the sampler with seed={}"),
-            ("shuffle", "create the sampler with shuffle={}"),
-        ):
-            saved, here = state[name], getattr(self, name)
-            if saved != here:
-                raise UserError(
-                    f"sampler state was saved with {name}={saved} but this sampler has {name}={here}; "
-                    + fix.format(saved)
-                )
+        self.check_state(state)
         epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
         assert 0 <= step <= self.steps_per_epoch, f"step_in_epoch {step} of {self.steps_per_epoch}"
         if step == self.steps_per_epoch:

@@ -239,6 +239,45 @@ def _finish_workers_that_exit_without_returning() -> None:
     MultiprocessContext._poll = poll
 
 
+def _announce_restarts() -> None:
+    """Make torch's agent print one line per restart: which rank failed, how, and restart k of n.
+
+    The agent restarts the group silently (its own logs are quieted: see
+    ``_quiet_elastic_logs``). Installed once, in the launcher's process only.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if getattr(LocalElasticAgent._restart_workers, "ddpkit_announces", False):
+        return
+    torch_monitor, torch_restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
+
+    def monitor(self: LocalElasticAgent, worker_group: Any) -> Any:
+        result = torch_monitor(self, worker_group)
+        self.ddpkit_failures = result.failures
+        return result
+
+    def restart(self: LocalElasticAgent, worker_group: Any) -> None:
+        limit = worker_group.spec.max_restarts
+        print(f"ddpkit: {_first_failure(getattr(self, 'ddpkit_failures', {}))}; restarting the workers "
+              f"(restart {limit - self._remaining_restarts} of {limit}); they resume from the newest checkpoint",
+              file=sys.stderr, flush=True)
+        torch_restart(self, worker_group)
+
+    restart.ddpkit_announces = True
+    LocalElasticAgent._monitor_workers = monitor
+    LocalElasticAgent._restart_workers = restart
+
+
+def _first_failure(failures: Mapping[int, Any]) -> str:
+    """'rank 1 was killed by SIGKILL' for the earliest of a round's failures (the root cause)."""
+    if not failures:
+        return "a worker failed"
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    if failure.exitcode < 0:
+        return f"rank {rank} was killed by {failure.signal_name()}"
+    return f"rank {rank} exited with status {failure.exitcode}"
+
+
 @contextlib.contextmanager
 def _environ_restored() -> Iterator[None]:
     """Give the caller its os.environ back: the agent writes into it (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
@@ -366,6 +405,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         config.signals_to_handle = ",".join(names)
     _quiet_elastic_logs()
     _finish_workers_that_exit_without_returning()
+    _announce_restarts()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with worker_server(), _environ_restored(), _fresh_store_per_restart(spec.max_restarts), \

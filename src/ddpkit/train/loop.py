@@ -231,6 +231,8 @@ class Trainer:
         if tested_at != self.state.global_step:  # stopped mid-epoch, or resumed with nothing left to train
             test = self.evaluate(self.test_loader)
             log.info("test " + _format(test))
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the last epoch's checkpoint, while metrics.jsonl (on_save) is open
         summary = self.summary(test)
         self.metrics.write("summary", **summary)
         self.metrics.close()

@@ -118,6 +118,7 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         readable_by=ckpt.readable_by, sync_seconds=ckpt.sync_seconds, config=to_dict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}}, timeout=cfg.timeout,
     )
+    checkpointer.continue_hint = "continue with resume=auto"
     checkpointer.on_save = lambda path, reason: trainer.metrics.write(
         "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path))
     return checkpointer

@@ -1,0 +1,113 @@
+"""Every rank arrives at a save, or the save fails fast, naming the ranks and the fix.
+
+Saving is collective: rank 0 writes, the others send their RNG states. Each
+rank announces the save in the job's store and waits for the others::
+
+    rank 0:  set save/7/0 ──┐              ┌─ wait(save/7/*) ── write
+    rank 1:  set save/7/1 ──┴── store ─────┘
+
+A rank that is merely slow arrives within ``timeout``. A save reached by some
+ranks only (the tutorials' ``if rank == 0: save(...)``) would wait the whole
+``timeout`` for ranks that went on training. To tell the two apart within
+about a second, each rank counts the points where its loop asks the
+ddpkit.DataLoader for the next batch (:class:`LoopProgress`), and a thread
+publishes the count to the store twice a second, also while the main thread
+is blocked in a collective. A waiting rank that sees an absent rank's count
+beyond its own knows that rank passed the save without calling it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.checkpoint.format import CheckpointError
+
+PUBLISH_SECONDS = 0.5
+"""How often a rank's loop progress is published to the store (when it changed)."""
+WAIT_SLICE_SECONDS = 1.0
+"""How long a waiting rank waits before it looks at the absent ranks' progress again."""
+
+
+class LoopProgress:
+    """This rank's count of loop points (batches asked for), published to the job's store by a thread.
+
+    Args:
+        store: the job's store (torch.distributed's default store).
+        prefix: the store keys' prefix (distinct per restart of the job).
+        rank: this rank.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int):
+        self.store, self.prefix = store, prefix
+        self.count = 0
+        """Loop points passed so far; the main thread increments it."""
+        self._published = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish, args=(rank,), name="ddpkit-loop-progress", daemon=True)
+        self._thread.start()
+
+    def _publish(self, rank: int) -> None:
+        key = f"{self.prefix}/{rank}"
+        while not self._stop.wait(PUBLISH_SECONDS):
+            count = self.count
+            if count == self._published:
+                continue
+            try:
+                self.store.set(key, str(count))
+            except (RuntimeError, dist.DistError):
+                return  # the job's store is gone: the job is ending
+            self._published = count
+
+    def read(self, rank: int) -> int:
+        """The count ``rank`` published last (-1 before its first)."""
+        key = f"{self.prefix}/{rank}"
+        return int(self.store.get(key)) if self.store.check([key]) else -1
+
+    def stop(self) -> None:
+        """Stop publishing (safe to call twice)."""
+        self._stop.set()
+
+
+def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: int, timeout: float,
+             progress: LoopProgress | None) -> None:
+    """Announce this rank at the save ``prefix`` and wait until every rank has.
+
+    Raises:
+        CheckpointError: a rank went past the save without calling it, or did
+            not arrive within ``timeout``; or the ranks are at different steps.
+    """
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.set(keys[rank], str(global_step))
+    here = progress.count if progress is not None else 0
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=max(0.001, min(WAIT_SLICE_SECONDS, deadline - time.monotonic()))))
+            break
+        except (RuntimeError, dist.DistError):
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            present = [r for r in range(world_size) if r not in absent]
+            went_on = [r for r in absent if progress is not None and progress.read(r) > here]
+            if went_on:
+                raise CheckpointError(
+                    f"a checkpoint save was called on rank(s) {present} only: rank(s) {went_on} went on training "
+                    f"past it; saving is collective: call save() on every rank, not under `if rank == 0` "
+                    f"(rank 0 writes, the others send their random states)"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} within "
+                    f"{timeout:g}s; saving is collective: call Checkpointer.step()/save() on every rank at the "
+                    f"same point"
+                ) from None
+    steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
+    if len(set(steps.values())) > 1:
+        raise CheckpointError(
+            f"ranks reached a checkpoint save at different global steps ({steps}); call "
+            "Checkpointer.step() once per optimizer step on every rank"
+        )

@@ -1,0 +1,186 @@
+"""Training loops in the shapes public scripts have, ported to ddpkit as the README says, with kill hooks.
+
+The shape is a Trainer class like pytorch/examples' ``multigpu_torchrun.py``
+(``_run_batch``, ``_run_epoch``, ``train``), configured with argparse like
+``mnist/main.py``; ``--shape`` picks what the loop does between and inside
+epochs:
+
+    readme       the README's loop
+    step_sched   a per-step LambdaLR, stepped after ckpt.step() (the body goes on after it)
+    epoch_sched  a per-epoch StepLR stepped after the batch loop (mnist/main.py)
+    peek         b_sz = len(next(iter(loader))[0]) before set_epoch and the batch loop (the tutorial)
+    from1        epochs numbered from 1 (minGPT, mnist/main.py): resume(first_epoch=1)
+    from1_wrong  epochs numbered from 1 with range(start.epoch + 1, ...): refused on resume
+    no_set_epoch the loader's set_epoch is never called
+    accum        gradient accumulation: 2 micro-batches, the first inside ddpkit.no_sync
+    eval         exact evaluation between epochs, epoch_end(metrics) (best checkpoint), then a per-epoch
+                 scheduler stepped after it, GradScaler and gradient clipping (minGPT's trainer)
+    compiled     torch.compile(prepare_model(net), backend="eager")
+    big          a model with more than 1 MiB of gradients (DDP)
+    rank0_save   a save under `if rank == 0` (the tutorials' pattern): refused
+
+Kill hooks, from the environment:
+    KILLS="round:where:n,..."  In restart round ``round`` (TORCHELASTIC_RESTART_COUNT), rank KILL_RANK
+        sends itself SIGNAL (default SIGKILL) at ``where``: ``step`` after the body of global step n
+        (after ckpt.step()), ``epoch_end`` after the code following epoch n's batch loop.
+    SIGNAL=SIGTERM: sent only by a run that did not resume (so the same command again completes).
+
+At the end rank 0 saves {"weights", "global_step"} to --final.
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+NUM_TRAIN, NUM_TEST, GLOBAL_BATCH = 44, 20, 8
+"""6 global batches an epoch, the last one of 4 samples."""
+
+
+def data(num: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num, 16, generator=generator)
+    return TensorDataset(x, (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4] > 0).long())
+
+
+def network(shape: str) -> nn.Module:
+    width = 640 if shape == "big" else 32  # 640 * 640 float32 weights: 1.6 MB of gradients
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 4))
+
+
+class Killer:
+    """Sends the configured signal at the configured points of the configured round."""
+
+    def __init__(self, rank: int, resumed: bool):
+        self.signal = getattr(signal, os.environ.get("SIGNAL", "SIGKILL"))
+        this_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.points = set()
+        for spec in filter(None, os.environ.get("KILLS", "").split(",")):
+            round_, where, n = spec.split(":")
+            if round_ == this_round and not (resumed and self.signal == signal.SIGTERM):
+                self.points.add((where, int(n)))
+        self.active = rank == int(os.environ.get("KILL_RANK", "1"))
+
+    def at(self, where: str, n: int) -> None:
+        if self.active and (where, n) in self.points:
+            print(f"sending myself {self.signal.name} at {where} {n}", flush=True)
+            os.kill(os.getpid(), self.signal)
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, ctx: ddpkit.Context):
+        self.args, self.ctx, shape = args, ctx, args.shape
+        torch.manual_seed(0)
+        self.model = ddpkit.prepare_model(network(shape))
+        if shape == "compiled":
+            self.model = torch.compile(self.model, backend="eager")
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.scheduler = None
+        if shape in ("epoch_sched", "eval"):
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        elif shape == "step_sched":
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1 / (1 + step))
+        self.scaler = torch.amp.GradScaler("cpu", enabled=shape == "eval")
+        self.train_data = ddpkit.DataLoader(data(NUM_TRAIN, 1), global_batch_size=GLOBAL_BATCH, shuffle=True, seed=3)
+        self.test_data = ddpkit.DataLoader(data(NUM_TEST, 2), global_batch_size=GLOBAL_BATCH, shuffle=False)
+        self.ckpt = ddpkit.Checkpointer(args.out, model=self.model, optimizer=self.optimizer,
+                                        scheduler=self.scheduler, scaler=self.scaler if shape == "eval" else None,
+                                        loader=self.train_data, every_steps=args.every_steps, sync_seconds=0.005,
+                                        best_metric="accuracy" if shape == "eval" else "")
+        self.start = self.ckpt.resume("auto", first_epoch=1 if shape == "from1" else 0)
+        self.killer = Killer(ctx.rank, self.start.resumed)
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> None:
+        self.optimizer.zero_grad()
+        if self.args.shape == "accum":
+            half = len(source) // 2
+            with ddpkit.no_sync(self.model):
+                self._loss(source[:half], targets[:half]).backward()
+            self._loss(source[half:], targets[half:]).backward()
+        else:
+            self.scaler.scale(self._loss(source, targets)).backward()
+        if self.args.shape == "eval":
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def _loss(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.train_data.global_mean(F.cross_entropy(self.model(source), targets, reduction="sum"))
+
+    def _run_epoch(self, epoch: int) -> None:
+        if self.args.shape == "peek":
+            b_sz = len(next(iter(self.train_data))[0])
+            print(f"[rank {self.ctx.rank}] epoch {epoch} | batch size {b_sz}", flush=True)
+        if self.args.shape != "no_set_epoch":
+            self.train_data.set_epoch(epoch)
+        for source, targets in self.train_data:
+            self._run_batch(source, targets)
+            if self.scheduler is not None and self.args.shape == "step_sched":
+                self.ckpt.step()
+                self.scheduler.step()  # after ckpt.step(): the body goes on after it
+            else:
+                self.ckpt.step()
+            if self.args.shape == "rank0_save" and self.ckpt.global_step == 3 and self.ctx.rank == 0:
+                self.ckpt.save()
+            self.killer.at("step", self.ckpt.global_step)
+
+    def _evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        sums = {"correct": 0.0, "count": 0.0}
+        with torch.no_grad():
+            for source, targets in self.test_data:
+                sums["correct"] += (self.model(source).argmax(1) == targets).sum().item()
+                sums["count"] += len(targets)
+        self.model.train()
+        sums = ddpkit.reduce_sums(sums)
+        return {"accuracy": sums["correct"] / sums["count"]}
+
+    def train(self, epochs: int) -> None:
+        shape, start = self.args.shape, self.start
+        if shape == "from1":
+            epoch_numbers = range(start.epoch, epochs + 1)
+        elif shape == "from1_wrong":
+            epoch_numbers = range(start.epoch + 1, epochs + 1)
+        else:
+            epoch_numbers = range(start.epoch, epochs)
+        for epoch in epoch_numbers:
+            self._run_epoch(epoch)
+            if shape == "eval":
+                metrics = self._evaluate()
+                self.ckpt.epoch_end(metrics)
+                self.scheduler.step()  # after epoch_end: the checkpoint must still hold it
+            elif shape == "epoch_sched":
+                self.scheduler.step()
+            self.killer.at("epoch_end", epoch)
+        self.ckpt.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a training loop shaped like a public script")
+    parser.add_argument("--shape", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--final", required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--every-steps", type=int, default=0)
+    args = parser.parse_args()
+    ctx = ddpkit.init()
+    trainer = Trainer(args, ctx)
+    print(f"rank {ctx.rank}: start epoch={trainer.start.epoch} step_in_epoch={trainer.start.step_in_epoch} "
+          f"global_step={trainer.start.global_step} resumed={trainer.start.resumed}", flush=True)
+    trainer.train(args.epochs)
+    if ctx.is_main_process:
+        weights = ddpkit.unwrap_model(trainer.model).state_dict()
+        torch.save({"weights": weights, "global_step": trainer.ckpt.global_step}, args.final)
+        print(f"done after global step {trainer.ckpt.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Loops shaped like public scripts resume bit-exactly, or stop with one line before training a step.
+
+Every shape of ``scripts/loop_shapes.py`` (a Trainer class with argparse, as
+pytorch/examples' tutorials are written) runs under ``ddpkit run nproc=2``:
+
+- uninterrupted: the reference weights and global step;
+- killed twice under ``max_restarts=2``: SIGKILL of rank 1 mid-epoch in the
+  first round, then right after the code that follows an epoch's batch loop in
+  the second (the checkpoint of that epoch's last step is the newest then);
+- SIGTERM at an epoch's last step, then the same command again.
+
+Each must end with the reference's weights (``torch.equal``) and global step.
+Where the kill steps fall is drawn from ``random.Random(SEED)``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch_in_process import Commands
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "loop_shapes.py"
+SEED = 2311
+STEPS_PER_EPOCH, EPOCHS = 6, 3
+EXACT = ["readme", "step_sched", "epoch_sched", "peek", "from1", "no_set_epoch", "accum", "eval", "compiled", "big"]
+
+_rng = random.Random(SEED)
+MID_STEP = _rng.choice([s for s in range(2, STEPS_PER_EPOCH * 2) if s % STEPS_PER_EPOCH])
+"""Global step after which rank 1 is killed in the first round (never an epoch's last)."""
+END_EPOCH = _rng.randint(0, EPOCHS - 2)
+"""The epoch after whose between-epoch code rank 1 is killed in the second round."""
+TERM_STEP = STEPS_PER_EPOCH * _rng.randint(1, EPOCHS - 1)
+"""The epoch's last global step at which rank 1 gets SIGTERM."""
+
+
+def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[str, str] | None = None):
+    folder.mkdir(exist_ok=True)
+    return commands.run("run", "nproc=2", *options, str(SCRIPT), "--shape", shape, "--out", str(folder / "ckpt"),
+                        "--final", str(folder / "final.pt"), "--every-steps", "4", cwd=folder, env=env)
+
+
+def _final(folder: Path) -> dict:
+    return torch.load(folder / "final.pt", weights_only=True)
+
+
+def _assert_same(final: dict, reference: dict) -> None:
+    assert final["global_step"] == reference["global_step"]
+    differing = [k for k in reference["weights"] if not torch.equal(final["weights"][k], reference["weights"][k])]
+    assert not differing, f"weights differ from the uninterrupted run's in {differing}"
+
+
+@pytest.fixture
+def commands():
+    """A warm worker server for the test's launches (per test: the launcher's own lines are then captured)."""
+    with Commands() as commands:
+        yield commands
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", EXACT)
+def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, commands, tmp_path):
+    print(f"seed {SEED}: SIGKILL after step {MID_STEP}, after epoch {END_EPOCH}'s code; SIGTERM at step {TERM_STEP}")
+    reference = _run(commands, tmp_path / "reference", shape)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    expected = _final(tmp_path / "reference")
+    assert expected["global_step"] == STEPS_PER_EPOCH * EPOCHS
+
+    kills = {"KILLS": f"0:step:{MID_STEP},1:epoch_end:{END_EPOCH + (shape == 'from1')}"}
+    killed = _run(commands, tmp_path / "killed", shape, "max_restarts=2", env=kills)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert killed.stderr.count("ddpkit: rank 1 was killed by SIGKILL; restarting the workers") == 2, killed.stderr
+    assert "[rank 0/2] resumed from" in killed.stderr and "[rank 0/2] checkpoint" in killed.stderr
+    _assert_same(_final(tmp_path / "killed"), expected)
+
+    term = {"KILLS": f"0:step:{TERM_STEP}", "SIGNAL": "SIGTERM"}
+    first = _run(commands, tmp_path / "preempted", shape, env=term)
+    assert first.returncode == 75, first.stdout + first.stderr
+    assert "run the same command again to continue" in first.stderr
+    again = _run(commands, tmp_path / "preempted", shape, env=term)
+    assert again.returncode == 0, again.stdout + again.stderr
+    _assert_same(_final(tmp_path / "preempted"), expected)
+
+
+@pytest.mark.slow
+def test_epochs_numbered_from_1_off_by_one_stops_with_one_line_before_training(commands, tmp_path):
+    out = _run(commands, tmp_path, "from1_wrong", "max_restarts=1", env={"KILLS": f"0:step:{MID_STEP}"})
+    assert out.returncode != 0
+    assert "but the loop now calls set_epoch(" in out.stderr and "start the loop at the epoch resume() returns" \
+        in out.stderr, out.stderr
+    assert not (tmp_path / "final.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_save_under_if_rank_0_fails_within_10_s_naming_the_fix(commands, tmp_path):
+    start = time.monotonic()
+    out = _run(commands, tmp_path, "rank0_save")
+    assert out.returncode != 0
+    assert time.monotonic() - start < 30  # the save itself is refused within ~1 s; the rest is start-up
+    assert "was called on rank(s) [0] only: rank(s) [1] went on training past it" in out.stderr, out.stderr
+    assert "not under `if rank == 0`" in out.stderr
