@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -31,6 +31,8 @@ PUBLISH_SECONDS = 0.5
 """How often a rank's loop progress is published to the store (when it changed)."""
 WAIT_SLICE_SECONDS = 1.0
 """How long a waiting rank waits before it looks at the absent ranks' progress again."""
+STOP_GRACE_SECONDS = 3.0
+"""How long absent ranks are still waited for once a stop signal reached the waiting rank."""
 
 
 class LoopProgress:
@@ -74,40 +76,54 @@ class LoopProgress:
 
 
 def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: int, timeout: float,
-             progress: LoopProgress | None) -> None:
+             progress: LoopProgress | None, stopping: Callable[[], bool] = lambda: False) -> None:
     """Announce this rank at the save ``prefix`` and wait until every rank has.
+
+    ``stopping`` tells that a stop signal reached this process: the launcher
+    stops the job (a rank died) or it is preempted; absent ranks then get
+    STOP_GRACE_SECONDS more, not the whole ``timeout``.
 
     Raises:
         CheckpointError: a rank went past the save without calling it, or did
-            not arrive within ``timeout``; or the ranks are at different steps.
+            not arrive in time; or the ranks are at different steps.
     """
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.set(keys[rank], str(global_step))
     here = progress.count if progress is not None else 0
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=max(0.001, min(WAIT_SLICE_SECONDS, deadline - time.monotonic()))))
-            break
-        except (RuntimeError, dist.DistError):
-            absent = [r for r, key in enumerate(keys) if not store.check([key])]
-            present = [r for r in range(world_size) if r not in absent]
-            went_on = [r for r in absent if progress is not None and progress.read(r) > here]
-            if went_on:
-                raise CheckpointError(
-                    f"a checkpoint save was called on rank(s) {present} only: rank(s) {went_on} went on training "
-                    f"past it; saving is collective: call save() on every rank, not under `if rank == 0` "
-                    f"(rank 0 writes, the others send their random states)"
-                ) from None
-            if time.monotonic() >= deadline:
-                raise CheckpointError(
-                    f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} within "
-                    f"{timeout:g}s; saving is collective: call Checkpointer.step()/save() on every rank at the "
-                    f"same point"
-                ) from None
+    start = time.monotonic()
+    deadline, pause, next_look = start + timeout, 0.0005, start + WAIT_SLICE_SECONDS
+    # Polled with check(), which never blocks: a wait() that times out makes torch log a warning each time.
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= next_look:
+            next_look = now + WAIT_SLICE_SECONDS
+            _fail_if_absent(store, keys, here, progress, timeout, now >= deadline)
+        if stopping():
+            deadline = min(deadline, now + STOP_GRACE_SECONDS)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
     steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
     if len(set(steps.values())) > 1:
         raise CheckpointError(
             f"ranks reached a checkpoint save at different global steps ({steps}); call "
             "Checkpointer.step() once per optimizer step on every rank"
+        )
+
+
+def _fail_if_absent(store: Any, keys: list[str], here: int, progress: LoopProgress | None, timeout: float,
+                    timed_out: bool) -> None:
+    absent = [r for r, key in enumerate(keys) if not store.check([key])]
+    present = [r for r in range(len(keys)) if r not in absent]
+    went_on = [r for r in absent if progress is not None and progress.read(r) > here]
+    if went_on:
+        raise CheckpointError(
+            f"a checkpoint save was called on rank(s) {present} only: rank(s) {went_on} went on training "
+            f"past it; saving is collective: call save() on every rank, not under `if rank == 0` "
+            f"(rank 0 writes, the others send their random states)"
+        )
+    if timed_out:
+        raise CheckpointError(
+            f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} in time "
+            f"(timeout {timeout:g}s, or a stop signal); saving is collective: call Checkpointer.step()/save() "
+            f"on every rank at the same point"
         )

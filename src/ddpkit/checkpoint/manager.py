@@ -559,7 +559,7 @@ class Checkpointer:
         _SAVES += 1
         restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         check_in(_default_store(), f"ddpkit/save/{restart}/{_SAVES}", self.rank, self.world_size, self.global_step,
-                 self.timeout, self._progress)
+                 self.timeout, self._progress, lambda: bool(self.signals.received))
 
     def _write_at_close(self) -> None:
         if self._due:
