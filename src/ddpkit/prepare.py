@@ -161,12 +161,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     any nesting, so a checkpoint of a compiled model loads into a plain one.
     """
     while True:
-        if isinstance(model, DDP):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
+        inner = model.module if isinstance(model, DDP) else _uncompiled(model)
+        if inner is model:
             return model
+        model = inner
 
 
 def gradient_sync(model: nn.Module) -> GradientSync | None:

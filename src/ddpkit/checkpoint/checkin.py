@@ -92,14 +92,15 @@ def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: i
     here = progress.count if progress is not None else 0
     start = time.monotonic()
     deadline, pause, next_look = start + timeout, 0.0005, start + WAIT_SLICE_SECONDS
+    waited = f"within {timeout:g}s"
     # Polled with check(), which never blocks: a wait() that times out makes torch log a warning each time.
     while not store.check(keys):
         now = time.monotonic()
         if now >= next_look:
             next_look = now + WAIT_SLICE_SECONDS
-            _fail_if_absent(store, keys, here, progress, timeout, now >= deadline)
-        if stopping():
-            deadline = min(deadline, now + STOP_GRACE_SECONDS)
+            _fail_if_absent(store, keys, here, progress, waited if now >= deadline else "")
+        if stopping() and now + STOP_GRACE_SECONDS < deadline:
+            deadline, waited = now + STOP_GRACE_SECONDS, f"within {STOP_GRACE_SECONDS:g}s of a stop signal"
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
     steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
@@ -110,8 +111,8 @@ def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: i
         )
 
 
-def _fail_if_absent(store: Any, keys: list[str], here: int, progress: LoopProgress | None, timeout: float,
-                    timed_out: bool) -> None:
+def _fail_if_absent(store: Any, keys: list[str], here: int, progress: LoopProgress | None, waited: str) -> None:
+    """Raise if an absent rank went on past the save, or, once ``waited`` says how long, if any is absent."""
     absent = [r for r, key in enumerate(keys) if not store.check([key])]
     present = [r for r in range(len(keys)) if r not in absent]
     went_on = [r for r in absent if progress is not None and progress.read(r) > here]
@@ -121,9 +122,8 @@ def _fail_if_absent(store: Any, keys: list[str], here: int, progress: LoopProgre
             f"past it; saving is collective: call save() on every rank, not under `if rank == 0` "
             f"(rank 0 writes, the others send their random states)"
         )
-    if timed_out:
+    if waited:
         raise CheckpointError(
-            f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} in time "
-            f"(timeout {timeout:g}s, or a stop signal); saving is collective: call Checkpointer.step()/save() "
-            f"on every rank at the same point"
+            f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} {waited}; "
+            f"saving is collective: call Checkpointer.step()/save() on every rank at the same point"
         )

@@ -328,9 +328,7 @@ class Checkpointer:
                 "(per-rank random states and the all_reduce order differ)"
             )
         epoch, step = self._position()
-        if self.loader is None:
-            where = f"{epoch} epoch(s) complete"
-        elif step == 0:
+        if self.loader is None or step == 0:
             where = f"{epoch} epoch(s) complete"
         elif step >= self.loader.steps_per_epoch:
             where = f"after the last batch of epoch {epoch}: the code after its batch loop runs again"
@@ -384,8 +382,16 @@ class Checkpointer:
             self._progress.count += 1
         if self._due or self._due_signal:
             self._write_due()
-        elif self._between_epochs == (self.global_step, self.loader.epoch - 1) and self.loader.step_in_epoch == 0:
+        elif self._between_epochs is not None and self._epoch_code_ran():
             self._write("epoch_end")  # the next epoch begins: the code between the epochs has run
+
+    def _epoch_code_ran(self) -> bool:
+        """True when the newest checkpoint was taken between epochs and the code after that epoch's batch
+        loop has run since: the loop ran out of batches, or the next epoch has begun."""
+        taken, loader = self._between_epochs, self.loader
+        if taken is None or taken[0] != self.global_step:
+            return False
+        return loader.epoch_done or (loader.epoch != taken[1] and loader.step_in_epoch == 0)
 
     def _taken_between_epochs(self) -> tuple[int, int] | None:
         """(global step, epoch) when the loader has handed out an epoch's last batch but not yet run out.
@@ -564,8 +570,7 @@ class Checkpointer:
     def _write_at_close(self) -> None:
         if self._due:
             self._write_due()
-        elif self._between_epochs is not None and self._between_epochs[0] == self.global_step \
-                and getattr(self.loader, "epoch_done", False):
+        elif self._epoch_code_ran():
             self._write("epoch_end")  # the last epoch's checkpoint, with the code after its batch loop done
 
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
