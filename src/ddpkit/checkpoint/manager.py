@@ -271,7 +271,7 @@ class Checkpointer:
                 manifest = read_manifest(path)
                 loaded = {name: load_file(path / name) for name in self._files(manifest)}
                 loaded["manifest"] = manifest
-            self._restore(path, loaded)
+            self._restore(path, loaded, first_epoch)
         self.agreement.start(self.global_step)
         self._schedule()
         if path is None:
@@ -282,7 +282,7 @@ class Checkpointer:
     def _files(self, manifest: dict[str, Any]) -> list[str]:
         return [name for name in manifest["files"] if name.endswith(".pt")]
 
-    def _restore(self, path: Path, loaded: dict[str, Any]) -> None:
+    def _restore(self, path: Path, loaded: dict[str, Any], first_epoch: int) -> None:
         manifest = loaded["manifest"]
         saved = set(manifest.get("objects", []))
         given = set(self.objects)
@@ -307,7 +307,7 @@ class Checkpointer:
         self._last_step, self.last_path = self.global_step, path
         self._step_metrics = (dict(manifest.get("metrics") or {}), False)
         self._between_epochs = self._taken_between_epochs()
-        self._log_resume(path, len(loaded[RNG_FILE]["ranks"]))
+        self._log_resume(path, len(loaded[RNG_FILE]["ranks"]), first_epoch)
 
     def _restore_rng(self, ranks: list[Any]) -> None:
         if self.rank < len(ranks):
@@ -316,7 +316,7 @@ class Checkpointer:
         # A rank the checkpoint did not have: its own stream, distinct from every other rank's.
         seed_everything((self.global_step * 1_000_003 + self.rank * 7919) % 2**63)
 
-    def _log_resume(self, path: Path, saved_world_size: int) -> None:
+    def _log_resume(self, path: Path, saved_world_size: int, first_epoch: int) -> None:
         if self.rank != 0:
             return
         log = get_logger()
@@ -329,7 +329,7 @@ class Checkpointer:
             )
         epoch, step = self._position()
         if self.loader is None or step == 0:
-            where = f"{epoch} epoch(s) complete"
+            where = f"{epoch - first_epoch} epoch(s) complete"  # counted, whatever the numbering
         elif step >= self.loader.steps_per_epoch:
             where = f"after the last batch of epoch {epoch}: the code after its batch loop runs again"
         else:
