@@ -328,12 +328,13 @@ class Checkpointer:
                 "(per-rank random states and the all_reduce order differ)"
             )
         epoch, step = self._position()
+        complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering; the next is complete + 1
         if self.loader is None or step == 0:
-            where = f"{epoch - first_epoch} epoch(s) complete"  # counted, whatever the numbering
+            where = f"{complete} epoch(s) complete"
         elif step >= self.loader.steps_per_epoch:
-            where = f"after the last batch of epoch {epoch}: the code after its batch loop runs again"
+            where = f"after the last batch of epoch {complete + 1}: the code after its batch loop runs again"
         else:
-            where = f"epoch {epoch}, step {step} of {self.loader.steps_per_epoch}"
+            where = f"epoch {complete + 1}, step {step} of {self.loader.steps_per_epoch}"
         log.info(f"resumed from {path} (global step {self.global_step}: {where})")
 
     def _position(self) -> tuple[int, int]:
