@@ -49,6 +49,8 @@ _PUBLIC = {
     "Preempted": "ddpkit.checkpoint.preemption",
     # exact metrics
     "reduce_sums": "ddpkit.reduce",
+    # experiment tracking (CSV, TensorBoard, MLflow, W&B), continued across restarts
+    "Tracker": "ddpkit.tracking.tracker",
     # errors that are the user's to fix: one line, exit status 2
     "UserError": "ddpkit.errors",
 }

@@ -1,0 +1,88 @@
+"""Weights & Biases: one W&B run, offline unless told otherwise (``wandb sync`` uploads it later).
+
+``wandb.init`` is called as a user calls it: the project, ``dir`` (the run's
+files go to ``<dir>/wandb/offline-run-<time>-<id>/``), the hyperparameters
+as its config (first segment only), and ``mode``: the ``mode`` option, else
+``$WANDB_MODE``, else ``offline`` (no account needed). ``run.log(metrics,
+step=step)`` as usual: W&B writes a step's row when a later step begins, and
+its offline file every ``flush_seconds`` (1 s here; W&B's default is 15).
+
+Checkpoints: W&B has no call that makes what was logged durable except
+``finish``. So at each checkpoint rank 0 finishes the run's current segment
+(every row so far is then in its ``.wandb`` file) and the next ``log`` opens
+the next segment of the same run (``resume="allow"``); a segment costs about
+0.1 s. A resumed run opens its first segment with
+``resume_from="<id>?_step=<s - 1>"``, s being the first step it logs: W&B's
+rewind, which drops the run's history after step s - 1 (what the stopped run
+logged after the checkpoint) before the new rows. ``wandb sync <dir>/wandb``
+uploads the segments of a run in the order they started (W&B groups them by
+run id), applying each rewind; the rewind is W&B's server feature.
+
+Limit: a hard kill loses what W&B had not yet written: the rows of the last
+``flush_seconds`` and the newest step's row. Rows after the newest checkpoint
+are logged again by the resumed run, except those at steps before its first
+one (an evaluation logged just after an epoch-end checkpoint): those are lost
+if the kill came within that second. A preemption (SIGTERM...) writes a
+checkpoint first, so loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ddpkit.tracking.backend import Backend
+
+FLUSH_SECONDS = 1.0
+"""Default seconds between W&B's writes of its offline file (``x_transaction_log_flush_interval``)."""
+
+
+class WandbRun(Backend):
+    """Writes one W&B run in segments (see the module docstring)."""
+
+    OPTIONS = ("mode", "entity", "group", "tags", "flush_seconds")
+
+    def open(self, run_id: str | None, config: Mapping[str, Any] | None, drop_from: int | None) -> str:
+        """``wandb.init`` a new run, or the same run again (rewound to before ``drop_from``)."""
+        if run_id is None:
+            self.run = self._init(config=dict(config or {}))
+        elif drop_from:
+            self.run = self._init(resume_from=f"{run_id}?_step={drop_from - 1}")
+        else:
+            self.run = self._init(id=run_id, resume="allow")
+        self.run_id = self.run.id
+        return self.run_id
+
+    def _init(self, **how: Any) -> Any:
+        import wandb
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        settings: dict[str, Any] = {"console": "off", "silent": True}
+        if "x_transaction_log_flush_interval" in wandb.Settings.model_fields:  # wandb >= 0.31
+            settings["x_transaction_log_flush_interval"] = float(self.options.get("flush_seconds", FLUSH_SECONDS))
+        mode = self.options.get("mode") or (None if os.environ.get("WANDB_MODE") else "offline")
+        named = {key: self.options[key] for key in ("entity", "group", "tags") if key in self.options}
+        return wandb.init(project=self.project, dir=str(self.dir), name=self.run_name or None, mode=mode,
+                          settings=wandb.Settings(**settings), **named, **how)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """``run.log`` at ``step`` (in a new segment of the run after a checkpoint)."""
+        if self.run is None:
+            self.run = self._init(id=self.run_id, resume="allow")
+        self.run.log(metrics, step=step)
+
+    def flush(self) -> None:
+        """Finish the current segment: every row logged so far is in its file."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    def close(self, summary: Mapping[str, Any] | None) -> None:
+        """Put ``summary`` in the run's summary and finish it."""
+        if self.run is None:
+            self.run = self._init(id=self.run_id, resume="allow")
+        if summary:
+            self.run.summary.update(dict(summary))
+        self.run.finish()
+        self.run = None
