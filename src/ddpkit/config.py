@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpkit.errors import UserError
+from ddpkit.tracking.backends import BACKENDS
 
 T = TypeVar("T")
 _SEXAGESIMAL = re.compile(r"[-+]?\d+(?::[0-5]?\d)+(?:\.\d*)?")
@@ -134,6 +135,8 @@ TASKS = ("classification", "regression", "reconstruction")
 """What a model learns: the loss and the metrics of ``ddpkit train``."""
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
+LOGGERS = ("jsonl", *sorted(BACKENDS))
+"""Values of TrainConfig.logger: metrics.jsonl alone, or also one of ddpkit.tracking's backends."""
 
 
 
@@ -295,8 +298,10 @@ class TrainConfig:
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     logger: str = "jsonl"
-    """jsonl (metrics.jsonl only), or tensorboard (also event files in <output_dir>/tensorboard;
-    pip install ddpkit[tensorboard])."""
+    """jsonl (metrics.jsonl only), or also an experiment tracker, continued on resume: csv (<output_dir>/metrics.csv),
+    tensorboard (event files in <output_dir>/tensorboard), mlflow (a run in $MLFLOW_TRACKING_URI, else
+    sqlite:///<output_dir>/mlflow.db) or wandb (offline unless $WANDB_MODE says otherwise; <output_dir>/wandb);
+    pip install ddpkit[tensorboard|mlflow|wandb]."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     eval_every_epoch: bool = True
@@ -324,7 +329,7 @@ class TrainConfig:
         check_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
         check_choice("task", self.task, ("auto", *TASKS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_choice("logger", self.logger, ("jsonl", "tensorboard"))
+        check_choice("logger", self.logger, LOGGERS)
         check_positive("num_workers", self.num_workers, allow_zero=True)
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("lr_step_epochs", self.lr_step_epochs)

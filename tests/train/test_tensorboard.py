@@ -43,7 +43,8 @@ def _assert_events_equal_lines(run: Path) -> None:
         assert [step for step, _, _ in read] == [step for step, _, _ in points], tag
         for (_, value, wall_time), (_, want, want_time) in zip(read, points):
             assert value == pytest.approx(want, rel=1e-6), tag  # stored as float32
-            assert wall_time == pytest.approx(want_time, abs=1e-3), tag
+            # The tracker stamps its values when the line is handed to it, just after the line is written.
+            assert wall_time == pytest.approx(want_time, abs=0.05), tag
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,9 @@ def test_two_workers_rank_zero_writes_once(tmp_path):
 
 
 def test_unknown_logger_is_refused():
-    with pytest.raises(ConfigError, match=r"^logger='wandb' is not valid; choose one of: jsonl, tensorboard$"):
-        parse_train_config(["logger=wandb"])
+    with pytest.raises(ConfigError, match=r"^logger='neptune' is not valid; choose one of: jsonl, csv, mlflow, "
+                                          r"tensorboard, wandb$"):
+        parse_train_config(["logger=neptune"])
 
 
 def test_without_tensorboard_fails_before_any_worker(tmp_path, monkeypatch, capsys):

@@ -7,7 +7,8 @@ A backend writes one tracked run. The Tracker calls, on rank 0 only:
   the run ``run_id`` (a resumed checkpoint's), first removing every value it
   holds at steps ``>= drop_from`` (what a stopped run logged after that
   checkpoint; None: nothing to remove). Returns the run's identity.
-- ``log(metrics, step)`` for each call of ``Tracker.log``;
+- ``log(metrics, step, wall_time)`` for each call of ``Tracker.log`` (``wall_time``: when it was
+  called, seconds since the epoch);
 - ``flush()`` at each checkpoint: every value logged so far is durable;
 - ``close(summary)`` at the end of a run.
 """
@@ -52,8 +53,8 @@ class Backend(abc.ABC):
         """Create a run or continue ``run_id`` (dropping its values at steps >= ``drop_from``); its identity."""
 
     @abc.abstractmethod
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record ``metrics`` at ``step``."""
+    def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:
+        """Record ``metrics`` at ``step``, logged at ``wall_time`` (where the backend keeps a time)."""
 
     def flush(self) -> None:  # noqa: B027  (a backend whose writes are durable at once needs nothing)
         """Make every value logged so far durable (called at each checkpoint)."""

@@ -42,6 +42,14 @@ def missing_package(kind: str) -> str | None:
     return None
 
 
+def install_hint(kind: str) -> str | None:
+    """For a backend whose package is missing: "the P package, which is not installed; pip install ..."; else None."""
+    package = missing_package(kind)
+    if package is None:
+        return None
+    return f"the {package} package, which is not installed; pip install 'ddpkit[{BACKENDS[kind].extra}]'"
+
+
 def backend_class(kind: str) -> type:
     """The Backend subclass of ``kind`` (its module imports the backend's package only when a run opens)."""
     spec = BACKENDS[kind]

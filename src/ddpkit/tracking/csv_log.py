@@ -43,7 +43,7 @@ class CsvLog(Backend):
         self.file = open(self.path, "a", newline="", buffering=1)
         return str(self.path)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:
         """Append one row (first widening the header for metrics not seen before)."""
         new = [key for key in metrics if key not in self.columns]
         if new:

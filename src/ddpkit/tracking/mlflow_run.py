@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -82,11 +81,11 @@ class MlflowRun(Backend):
         if self.client.get_run(self.run_id).info.status != "RUNNING":
             self.client.update_run(self.run_id, status="RUNNING")
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:
         """One log_batch of every metric at ``step``."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = int(wall_time * 1000)
         with _quiet():
             self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
 

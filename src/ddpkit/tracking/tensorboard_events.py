@@ -31,10 +31,10 @@ class TensorBoardEvents(Backend):
             self.writer.flush()
         return str(self.dir)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:
         """One scalar per metric at ``step``, flushed."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, global_step=step)
+            self.writer.add_scalar(tag, value, global_step=step, walltime=wall_time)
         self.writer.flush()
         self.last_step = step
 

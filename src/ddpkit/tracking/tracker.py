@@ -34,15 +34,17 @@ fail, and slow, every step), and training and its checkpoints go on.
 
 from __future__ import annotations
 
+import importlib
 import operator
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
-from ddpkit.tracking.backends import BACKENDS, backend_class, missing_package
+from ddpkit.tracking.backends import BACKENDS, backend_class, install_hint
 
 REDUCE_OPS = ("mean", "sum")
 """How ``log(..., reduce=)`` combines the ranks' values."""
@@ -88,6 +90,20 @@ class Tracker:
 
     # -- logging ------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Create the run now, rather than at the first ``log`` (optional; rank 0 acts, any rank may call).
+
+        What creating it costs (importing the backend, creating an MLflow database: seconds) then
+        falls before training. A resumed run is continued at its first ``log``, whose step says
+        from where the stopped run's values are replaced; its backend is imported now.
+        """
+        if self._backend is None or self._failed:
+            return
+        if self._resumed:
+            self._guard(lambda: importlib.import_module(BACKENDS[self.kind].packages[0]))
+        else:
+            self._guard(lambda: self._open(drop_from=None))
+
     def log(self, metrics: Mapping[str, Any], step: int, *, reduce: str | None = None) -> None:
         """Record ``metrics`` at ``step``: call it on every rank; rank 0 writes.
 
@@ -100,13 +116,14 @@ class Tracker:
         Raises:
             UserError: a value that is not a number, a step below the last one, an unknown reduce.
         """
+        wall_time = time.time()
         step = self._check_step(step)
         values = _numbers(metrics)
         if reduce is not None:
             values = _reduce(values, reduce, self.world_size)
         self.step = step
         if self._backend is not None and not self._failed:
-            self._guard(lambda: self._write(values, step))
+            self._guard(lambda: self._write(values, step, wall_time))
 
     def _check_step(self, step: Any) -> int:
         try:
@@ -119,9 +136,9 @@ class Tracker:
                             "steps in increasing order (one step may take several calls)")
         return step
 
-    def _write(self, values: dict[str, float], step: int) -> None:
+    def _write(self, values: dict[str, float], step: int, wall_time: float) -> None:
         self._open(drop_from=step)
-        self._backend.log(values, step)
+        self._backend.log(values, step, wall_time)
 
     def _open(self, drop_from: int | None) -> None:
         """Rank 0, before the first write: create the run, or continue the resumed one (dropping from ``drop_from``)."""
@@ -193,14 +210,13 @@ def check_kind(kind: str, what: str) -> None:
 
     Args:
         kind: the backend's name.
-        what: how the user named it, for the message (``Tracker`` or ``logger``).
+        what: how the user named it, for the message.
     """
     if kind not in BACKENDS:
         raise UserError(f"{what} kind {kind!r} is not known; choose one of: {', '.join(sorted(BACKENDS))}")
-    package = missing_package(kind)
-    if package is not None:
-        raise UserError(f"{what}({kind!r}) needs the {package} package, which is not installed; "
-                        f"pip install 'ddpkit[{BACKENDS[kind].extra}]'")
+    hint = install_hint(kind)
+    if hint is not None:
+        raise UserError(f"{what}({kind!r}) needs {hint}")
 
 
 def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -66,7 +66,7 @@ class WandbRun(Backend):
         return wandb.init(project=self.project, dir=str(self.dir), name=self.run_name or None, mode=mode,
                           settings=wandb.Settings(**settings), **named, **how)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:
         """``run.log`` at ``step`` (in a new segment of the run after a checkpoint)."""
         if self.run is None:
             self.run = self._init(id=self.run_id, resume="allow")

@@ -79,8 +79,7 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.module = unwrap_model(self.model)
-        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, logger=self.cfg.logger,
-                                     config=to_dict(self.cfg))
+        self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, tracker=self.state.tracker)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
         sync = gradient_sync(self.model)
         self.grad_sync = sync.mode if sync is not None else "none"
@@ -236,6 +235,8 @@ class Trainer:
         summary = self.summary(test)
         self.metrics.write("summary", **summary)
         self.metrics.close()
+        if self.state.tracker is not None:
+            self.state.tracker.close({key: value for key, value in summary.items() if key != "config"})
         return summary
 
     def summary(self, test: dict[str, float]) -> dict[str, Any]:

@@ -14,8 +14,9 @@ one ``summary`` line at the end. A resumed run appends to the same file, so a
 step after the resumed checkpoint may appear twice; the later line is the one
 that counts.
 
-With ``logger=tensorboard`` the same numbers also go to TensorBoard event
-files in ``<output_dir>/tensorboard`` (see :func:`tensorboard_scalars`).
+With ``logger=csv|tensorboard|mlflow|wandb`` the same numbers also go to a
+:class:`ddpkit.Tracker` (see :func:`tracked_scalars`), which continues its
+tracked run on resume without repeating a step.
 """
 
 from __future__ import annotations
@@ -26,32 +27,22 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.config import ConfigError
-
-TENSORBOARD_MISSING = ("logger=tensorboard needs the tensorboard package, which is not installed; "
-                       "pip install 'ddpkit[tensorboard]', or use logger=jsonl")
+from ddpkit.tracking.backends import BACKENDS, install_hint
 
 
 def check_logger(logger: str) -> None:
     """Raise ConfigError when ``logger`` needs a package that is not installed (called before any worker starts)."""
-    if logger == "tensorboard":
-        _summary_writer_class()
+    hint = install_hint(logger) if logger in BACKENDS else None
+    if hint is not None:
+        raise ConfigError(f"logger={logger} needs {hint}, or use logger=jsonl")
 
 
-def _summary_writer_class() -> type:
-    try:
-        # torch.utils.tensorboard imports the tensorboard package (and checks its version) on import.
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError(TENSORBOARD_MISSING) from None
-    return SummaryWriter
-
-
-def tensorboard_scalars(line: dict[str, Any]) -> dict[str, float]:
-    """The TensorBoard scalars of one metrics line, by tag: ``train/loss``, ``test/accuracy``...
+def tracked_scalars(line: dict[str, Any]) -> dict[str, float]:
+    """The tracked metrics of one metrics line, by name: ``train/loss``, ``test/accuracy``...
 
     Every number of a ``train`` line (tags ``train/...``) and of an ``eval``
     line (tags ``<split>/...``, e.g. ``test/loss``), except ``global_step``
-    (the scalars' step) and ``time`` (their wall time). Other events have none.
+    (their step) and ``time``. Other events have none.
     """
     if line["event"] == "train":
         prefix = "train"
@@ -70,55 +61,29 @@ class MetricsWriter:
     Args:
         output_dir: the run's folder.
         enabled: whether this process writes (rank 0).
-        logger: ``jsonl``, or ``tensorboard`` to also write the same scalars as
-            TensorBoard events in ``<output_dir>/tensorboard``.
-        config: the run's config, written once as TensorBoard text (tensorboard only).
-
-    Raises:
-        ConfigError: ``logger=tensorboard`` without the tensorboard package.
+        tracker: a :class:`ddpkit.Tracker` that also gets each line's scalars (:func:`tracked_scalars`)
+            at its global step; None for metrics.jsonl only.
     """
 
-    def __init__(self, output_dir: str | Path, enabled: bool, logger: str = "jsonl",
-                 config: dict[str, Any] | None = None):
+    def __init__(self, output_dir: str | Path, enabled: bool, tracker: Any = None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._tensorboard = None
+        self.tracker = tracker if enabled else None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if logger == "tensorboard":
-                self._tensorboard = _summary_writer_class()(log_dir=str(self.path.parent / "tensorboard"))
-                if config is not None:
-                    self._tensorboard.add_text("config", _as_text(config), global_step=0)
-                    self._tensorboard.flush()
             self._file = open(self.path, "a", buffering=1)
 
     def write(self, event: str, **fields: Any) -> None:
-        """Write one line ``{"event": event, "time": ..., **fields}`` (and its TensorBoard scalars)."""
+        """Write one line ``{"event": event, "time": ..., **fields}`` (and give the tracker its scalars)."""
         if not self.enabled:
             return
         line = {"event": event, "time": round(time.time(), 3), **fields}
         self._file.write(json.dumps(line) + "\n")
-        if self._tensorboard is not None:
-            self._to_tensorboard(line)
-
-    def _to_tensorboard(self, line: dict[str, Any]) -> None:
-        step = line.get("global_step", line.get("global_steps"))
-        for tag, value in tensorboard_scalars(line).items():
-            self._tensorboard.add_scalar(tag, value, global_step=step, walltime=line["time"])
-        if line["event"] == "summary":
-            self._tensorboard.add_text("summary", _as_text(line), global_step=step)
-        # As the JSON lines are flushed line by line: a run stopped in any way
-        # (preempted, killed) leaves both records up to the same point.
-        self._tensorboard.flush()
+        scalars = tracked_scalars(line)
+        if self.tracker is not None and scalars:
+            self.tracker.log(scalars, step=line["global_step"])
 
     def close(self) -> None:
-        """Close the file (and the TensorBoard writer)."""
+        """Close the file."""
         if self.enabled:
             self._file.close()
-            if self._tensorboard is not None:
-                self._tensorboard.close()
-
-
-def _as_text(value: dict[str, Any]) -> str:
-    # TensorBoard's text panel renders Markdown: indented lines show as code.
-    return "\n".join("    " + line for line in json.dumps(value, indent=2).splitlines())

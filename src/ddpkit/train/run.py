@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ from ddpkit.launch.failure import record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models.registry import ModelSpec, get_model_spec
 from ddpkit.prepare import prepare_model
+from ddpkit.tracking import Tracker
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 from ddpkit.train.schedule import build_scheduler
+from ddpkit.train.state import TrainState
 from ddpkit.train.task import resolve_task
 
 EVAL_BATCH_PER_WORKER = 2000
@@ -83,7 +86,7 @@ def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, t
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16" and ctx.device.type == "cuda")
     task = resolve_task(cfg.task, spec.task, cfg.loss)
     trainer = Trainer(cfg, ctx, model, optimizer, loader, test_loader, task, scheduler, scaler,
-                      dataset_name=cfg.dataset)
+                      dataset_name=cfg.dataset, state=TrainState(tracker=build_tracker(cfg)))
     if cfg.eval_train:
         trainer.train_loader_for_eval = DataLoader(train_set, eval_batch, shuffle=False, num_workers=cfg.num_workers)
     trainer.checkpointer = _checkpointer(cfg, trainer)
@@ -96,7 +99,20 @@ def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, t
             trainer.metrics.close()
             raise
         _warn_changed_settings(cfg, start)
+    if trainer.state.tracker is not None:
+        trainer.state.tracker.start()  # a new run is created here, not inside the timed training loop
     return trainer
+
+
+def build_tracker(cfg: TrainConfig) -> Tracker | None:
+    """The run's Tracker for ``cfg.logger`` (None for jsonl): in the run folder, its project named by the
+    model and dataset, its run by the folder, the config as its hyperparameters."""
+    if cfg.logger == "jsonl":
+        return None
+    folder = Path(cfg.output_dir)
+    project = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{cfg.model}-{cfg.dataset}")
+    return Tracker(cfg.logger, folder / "tensorboard" if cfg.logger == "tensorboard" else folder, project=project,
+                   run_name=folder.name, config=to_dict(cfg))
 
 
 def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
