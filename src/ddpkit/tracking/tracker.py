@@ -100,7 +100,8 @@ class Tracker:
         if self._backend is None or self._failed:
             return
         if self._resumed:
-            self._guard(lambda: importlib.import_module(BACKENDS[self.kind].packages[0]))
+            for package in BACKENDS[self.kind].packages:
+                self._guard(lambda: importlib.import_module(package))
         else:
             self._guard(lambda: self._open(drop_from=None))
 
