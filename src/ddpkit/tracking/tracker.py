@@ -228,7 +228,7 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
         try:
             if isinstance(value, (str, bytes)):
                 raise TypeError
-            values[str(name)] = float(value)
+            values[str(name)] = float(value.detach() if hasattr(value, "detach") else value)
         except (TypeError, ValueError, RuntimeError):
             raise UserError(f"Tracker.log: metrics[{name!r}] is a {type(value).__name__}; log numbers (an int, a "
                             "float or a one-element tensor)") from None

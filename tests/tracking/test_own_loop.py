@@ -1,0 +1,90 @@
+"""An own loop on 2 ranks tracks 3 epochs; killed after its second, it continues the same tracked run.
+
+For each backend the loop (tests/tracking/own_loop.py) runs under ``ddpkit run
+nproc=2 max_restarts=1``; on its first attempt rank 0 SIGKILLs itself 3 steps
+into epoch 3 (after the epoch-2 checkpoint, so the killed run has logged steps
+that the resumed run logs again). Read back with the backend's own reader
+(tests/tracking/readers.py), each metric has exactly one value per step, none
+missing, in one run. The jobs run in this process (``ddpkit.cli.main``), their
+workers forked from one worker server shared by the module.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
+from tests.cli_runner import REPO
+from tests.helpers.launch_in_process import Commands
+from tests.tracking.readers import READERS, mlflow_client, wandb_records
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(REPO / "tests" / "tracking" / "own_loop.py")
+KILL_AT = 15
+"""Rank 0 dies after logging this global step: 3 steps into epoch 3 (6 steps an epoch)."""
+EXPECTED = {"loss": list(range(1, 19)), "test_accuracy": [6, 12, 18]}
+"""Every step's loss and every epoch's test accuracy, once each."""
+READ_ONLY_AT = 8
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every job of this module, by name: (its folder, its result)."""
+    jobs = {kind: ["--kind", kind, "--kill-at", str(KILL_AT), "--pause", "1"] for kind in READERS}
+    jobs["read_only"] = ["--kind", "mlflow", "--read-only-at", str(READ_ONLY_AT)]
+    results = {}
+    with Commands() as commands:
+        for name, words in jobs.items():
+            folder = tmp_path_factory.mktemp(name)
+            out = commands.run("run", "nproc=2", "max_restarts=1", SCRIPT, *words, "--out", "job", cwd=folder,
+                               clean_environment=True)
+            results[name] = (folder / "job", out)
+    yield results
+    database = results["read_only"][0] / "tracking" / "mlflow.db"
+    if os.geteuid() == 0 and database.exists():  # let pytest remove the folder
+        subprocess.run(["chattr", "-i", str(database)], check=True)
+
+
+@pytest.mark.parametrize("kind", sorted(READERS))
+def test_killed_run_continues_the_same_run_with_each_step_once(kind, runs):
+    folder, out = runs[kind]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["attempt 0: from global step 0", "attempt 1: from global step 12"], out.stdout
+    series, run_ids = READERS[kind](folder / "tracking")
+    assert series == EXPECTED
+    assert len(run_ids) == 1, run_ids
+
+
+def test_hyperparameters_once_and_the_summary(runs):
+    config = {"lr": 0.1, "epochs": 3, "seed": 0}
+    tracking = runs["csv"][0] / "tracking"
+    assert yaml.safe_load((tracking / "hparams.yaml").read_text()) == config
+    client = mlflow_client(runs["mlflow"][0] / "tracking")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.params == {key: str(value) for key, value in config.items()}
+    assert run.info.status == "FINISHED" and run.data.tags["summary.final_accuracy"] == "1.0"
+    segments = sorted((runs["wandb"][0] / "tracking" / "wandb").glob("offline-run-*"))
+    configs = [next(r["run"]["config"]["update"] for r in wandb_records(path) if r["type"] == "run") for path in segments]
+    assert {key: value for key, value in configs[0].items() if key != "_wandb"} == config
+    assert all(set(later) == {"_wandb"} for later in configs[1:])  # the resumed segments set no config
+
+
+def test_read_only_database_is_one_warning_and_training_goes_on(runs):
+    folder, out = runs["read_only"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if "tracking:" in line and "failed" in line]
+    assert len(warnings) == 1, out.stderr[-3000:]
+    assert warnings[0].startswith("tracking: mlflow failed (") and warnings[0].endswith(
+        "tracking is off for the rest of this run; training and its checkpoints go on"), warnings[0]
+    assert "Traceback" not in out.stderr
+    checkpoints = list_checkpoints(folder / "checkpoints")
+    assert [info.global_step for info in checkpoints] == [12, 18]
+    for info in checkpoints:
+        verify_checkpoint(info.path)
+    series, _ = READERS["mlflow"](folder / "tracking")
+    assert series == {"loss": list(range(1, READ_ONLY_AT + 1)), "test_accuracy": [6]}
