@@ -41,6 +41,14 @@ def make_read_only(path: Path) -> None:
         path.chmod(0o444)
 
 
+def make_writable(path: Path) -> None:
+    """Undo :func:`make_read_only`."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        path.chmod(0o644)
+
+
 def datasets(seed: int) -> tuple[TensorDataset, TensorDataset]:
     """Three classes of 8 features around seeded centres: 96 training samples, 48 test samples."""
     generator = torch.Generator().manual_seed(seed)

@@ -11,15 +11,13 @@ workers forked from one worker server shared by the module.
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import yaml
 
 from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
 from tests.cli_runner import REPO
 from tests.helpers.launch_in_process import Commands
+from tests.tracking.own_loop import make_writable
 from tests.tracking.readers import READERS, mlflow_client, wandb_records
 
 pytestmark = pytest.mark.slow
@@ -44,10 +42,10 @@ def runs(tmp_path_factory):
             out = commands.run("run", "nproc=2", "max_restarts=1", SCRIPT, *words, "--out", "job", cwd=folder,
                                clean_environment=True)
             results[name] = (folder / "job", out)
-    yield results
     database = results["read_only"][0] / "tracking" / "mlflow.db"
-    if os.geteuid() == 0 and database.exists():  # let pytest remove the folder
-        subprocess.run(["chattr", "-i", str(database)], check=True)
+    if database.exists():  # MLflow's client, and pytest's clean-up, need it writable again
+        make_writable(database)
+    return results
 
 
 @pytest.mark.parametrize("kind", sorted(READERS))
