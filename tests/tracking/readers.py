@@ -64,12 +64,15 @@ def wandb_series(folder: Path) -> tuple[dict[str, list[int]], set[str]]:
 
     The segments of a run in the order they started; a segment that rewinds
     (``resume_from``: its run record's ``branch_point``) first drops the rows
-    after the step it names; then its history rows are added.
+    after the ``_step`` it names; then its history rows are added. Each row's
+    step is its ``step`` metric (the charts' x axis).
     """
     segments = []
     for path in sorted((folder / "wandb").glob("offline-run-*")):
         records = wandb_records(path)
-        run = next(record["run"] for record in records if record["type"] == "run")
+        run = next((record["run"] for record in records if record["type"] == "run"), None)
+        if run is None:  # killed before W&B first wrote its file: the segment holds nothing
+            continue
         rows = [record["history"]["item"] for record in records if record["type"] == "history"]
         segments.append((run["start_time"], run["run_id"], run.get("branch_point"), rows))
     history: dict[int, dict] = {}
@@ -80,10 +83,11 @@ def wandb_series(folder: Path) -> tuple[dict[str, list[int]], set[str]]:
             assert row["_step"] not in history, f"step {row['_step']} written twice"
             history[row["_step"]] = row
     series: dict[str, list[int]] = {}
-    for step in sorted(history):
-        for key in history[step]:
-            if not key.startswith("_"):
-                series.setdefault(key, []).append(step)
+    for row_step in sorted(history):
+        row = history[row_step]
+        for key in row:
+            if not key.startswith("_") and key != "step":
+                series.setdefault(key, []).append(row["step"])
     return series, {run_id for _, run_id, _, _ in segments}
 
 
