@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -130,14 +131,17 @@ def _scheme(uri: str) -> str:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Hold back MLflow's and Alembic's own log lines (schema creation, a failed call's traceback): the Tracker
-    reports a failure in one line."""
+    """Hold back MLflow's and Alembic's own log lines (schema creation, a failed call's traceback: the Tracker
+    reports a failure in one line) and the deprecation warnings MLflow's store raises in SQLAlchemy (nothing
+    a user of ddpkit can act on)."""
     loggers = [logging.getLogger(name) for name in ("mlflow", "alembic")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
