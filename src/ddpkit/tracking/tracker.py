@@ -147,6 +147,7 @@ class Tracker:
             return
         if self._resumed:
             self.run_id = self._backend.open(self.run_id, None, drop_from)
+            get_logger().info(f"tracking: {self.kind} run {self.run_id} continues at step {drop_from}")
         else:
             self.run_id = self._backend.open(None, self.config, None)
             get_logger().info(f"tracking: {self.kind} run {self.run_id}")
