@@ -6,7 +6,7 @@ epoch-end checkpoint), each epoch the test accuracy at the epoch's last step.
 On the first attempt only (restart count 0):
 
 - ``--kill-at STEP``: rank 0 SIGKILLs itself after logging that global step
-  (``--pause`` seconds later: W&B writes its offline file every second);
+  (``--pause`` seconds later: W&B writes its offline file every ``flush_seconds``);
 - ``--read-only-at STEP``: rank 0 makes the MLflow database read-only after
   logging that step (``chattr +i`` as root, whom file modes do not stop).
 

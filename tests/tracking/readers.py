@@ -7,6 +7,7 @@ check that a resumed run continued one run.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import subprocess
 import sys
@@ -52,8 +53,9 @@ def mlflow_client(folder: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
 
 
+@functools.lru_cache(maxsize=None)
 def wandb_records(segment: Path) -> list[dict]:
-    """The records of one offline run folder, through W&B's own reader (``wandb leet inspect --json``)."""
+    """The records of one offline run folder, through W&B's own reader (``wandb leet inspect --json``; read once)."""
     out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(segment)],
                          capture_output=True, text=True, timeout=60, check=True)
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
