@@ -80,7 +80,7 @@ def test_read_only_database_is_one_warning_and_training_goes_on(runs):
     assert out.returncode == 0, out.stderr[-3000:]
     warnings = [line for line in out.stderr.splitlines() if "tracking:" in line and "failed" in line]
     assert len(warnings) == 1, out.stderr[-3000:]
-    assert warnings[0].startswith("tracking: mlflow failed (") and warnings[0].endswith(
+    assert warnings[0].startswith("[rank 0/2] tracking: mlflow failed (") and warnings[0].endswith(
         "tracking is off for the rest of this run; training and its checkpoints go on"), warnings[0]
     assert "Traceback" not in out.stderr
     checkpoints = list_checkpoints(folder / "checkpoints")
