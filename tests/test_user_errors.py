@@ -55,6 +55,12 @@ def test_a_user_error_is_reported_as_its_line_and_any_other_with_its_traceback(c
     (["dataset=cifar"], "error: unknown dataset 'cifar'"),
     (["batch_size=33"], "error: global batch size 33 does not divide among 2 workers"),
     (["sync_batchnorm=true", "device=cpu"], "error: sync_batchnorm=true needs CUDA devices"),
+    (["nnodes=2", "master_port=29500"], "error: nnodes=2 needs master_addr=HOST, the host name or address of node 0"),
+    (["nnodes=2", "master_addr=node0"], "error: nnodes=2 needs master_port=PORT, a free TCP port on node 0"),
+    (["nnodes=2", "node_rank=2"], "error: node_rank=2 is not valid for nnodes=2; use 0 to 1, 0 on the master"),
+    (["nnodes=0"], "error: nnodes=0 is not valid; it must be > 0"),
+    (["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "batch_size=34"],
+     "error: global batch size 34 does not divide among 4 workers"),
 ])
 def test_bad_names_and_combinations_fail_before_any_worker_starts(tmp_path, monkeypatch, capsys, words, message):
     monkeypatch.chdir(tmp_path)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ddpkit import __version__
 from ddpkit.bench.cli import BENCH_HELP
@@ -31,6 +31,7 @@ from ddpkit.launch.slurm_cli import SLURM_HELP
 if TYPE_CHECKING:
     from ddpkit.checkpoint.format import CheckpointInfo
     from ddpkit.launch.local import LaunchSpec
+    from ddpkit.launch.script import RunConfig
 
 EXIT_USER_ERROR = 2
 EXIT_WORKER_FAILED = 1
@@ -144,8 +145,8 @@ def train_command(args: Sequence[str]) -> int:
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
     here = detect_environment(os.environ).source == "local"  # else one worker of torchrun, srun or mpirun
-    nproc = peek(words, "nproc") or "1"
-    if not (here and nproc.isdigit() and int(nproc) > 1):
+    workers = [peek(words, key) or "1" for key in ("nproc", "nnodes")]
+    if not (here and all(n.isdigit() for n in workers) and max(map(int, workers)) > 1):
         return _train(words, args, here)
     with worker_server():  # its imports run beside this process's own (parsing the config imports torch)
         return _train(words, args, here)
@@ -158,7 +159,6 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     """
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.sagemaker import model_dir
-    from ddpkit.launch.local import LaunchSpec
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
     from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
@@ -168,15 +168,17 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     if not here:
         run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
-    cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
-    check_before_launch(cfg, cfg.nproc)
-    claim_run_folder(Path(cfg.output_dir))
+    if cfg.node_rank == 0:  # the other nodes' workers take node 0's run folder (ddpkit.train.run)
+        cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
+    check_before_launch(cfg, cfg.nproc * cfg.nnodes)
+    if cfg.output_dir:
+        claim_run_folder(Path(cfg.output_dir))
     try:
-        if cfg.nproc == 1 and not cfg.max_restarts:
+        if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
-        code = _launch(LaunchSpec(cfg.nproc, cfg.master_port, cfg.max_restarts, forward_signals=signals),
+        code = _launch(_launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout),
                        run_worker, cfg, export_dir)
     except Preempted as stop:  # the one worker, in this process
         code = int(stop.code)
@@ -194,6 +196,8 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
 
 def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointInfo | None) -> str:
     """One line: ``newest``, the run's newest complete checkpoint, and the command that continues from it."""
+    if not cfg.output_dir:  # a node other than node 0, which holds the run folder
+        return "node 0 names the newest checkpoint; to continue, run the same commands with resume=auto on every node"
     if newest is None:
         return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
     words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
@@ -206,6 +210,8 @@ def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
     from ddpkit.checkpoint.format import list_checkpoints
     from ddpkit.train.run import checkpoint_root
 
+    if not cfg.output_dir:  # another node's launcher: the run folder is node 0's
+        return None
     complete = [info for info in list_checkpoints(checkpoint_root(cfg)) if info.complete]
     return complete[-1] if complete else None
 
@@ -215,7 +221,6 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
-    from ddpkit.launch.local import LaunchSpec
     from ddpkit.launch.script import describe, parse_run_command, run_script
 
     config, target = parse_run_command(args)
@@ -225,7 +230,7 @@ def run_command(args: Sequence[str]) -> int:
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
     # may call sys.exit, os._exit or signal.signal as it likes. The spawn costs
     # about a second; behaviour does not change with nproc.
-    code = _launch(LaunchSpec(config.nproc, config.master_port, config.max_restarts), run_script, target)
+    code = _launch(_launch_spec(config), run_script, target)
     if code == EXIT_PREEMPTED:
         print(f"ddpkit: preempted: a worker exited with status {EXIT_PREEMPTED}; run the same command to continue "
               "(a script with a ddpkit.Checkpointer resumes from its checkpoint)", file=sys.stderr)
@@ -233,6 +238,14 @@ def run_command(args: Sequence[str]) -> int:
         print("ddpkit: interrupted: run the same command to continue (a script with a ddpkit.Checkpointer "
               "wrote a checkpoint at Ctrl-C and resumes from it)", file=sys.stderr)
     return code
+
+
+def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
+    """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts), with ``options`` added."""
+    from ddpkit.launch.local import LaunchSpec
+
+    return LaunchSpec(config.nproc, config.master_port, config.max_restarts, nnodes=config.nnodes,
+                      node_rank=config.node_rank, master_addr=config.master_addr, **options)
 
 
 def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> int:

@@ -153,6 +153,22 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name}={value} is not valid; it must be {bound}")
 
 
+def check_nodes(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
+    """Raise ConfigError unless the options of a launch on ``nnodes`` machines fit together."""
+    check_positive("nnodes", nnodes)
+    if not 0 <= master_port <= 65535:
+        raise ConfigError(f"master_port={master_port} is not a TCP port; use 1-65535, or 0 for a free one")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"node_rank={node_rank} is not valid for nnodes={nnodes}; use 0 to {nnodes - 1}, "
+                          "0 on the master")
+    if nnodes > 1 and not master_addr:
+        raise ConfigError(f"nnodes={nnodes} needs master_addr=HOST, the host name or address of node 0 (its "
+                          "container name in a container network), the same on every node")
+    if nnodes > 1 and not master_port:
+        raise ConfigError(f"nnodes={nnodes} needs master_port=PORT, a free TCP port on node 0, the same on every "
+                          "node (e.g. master_port=29500)")
+
+
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 """Signals that may be configured to mean "checkpoint now and exit" (checkpoint.preempt_signals)."""
 
@@ -210,8 +226,8 @@ TRAIN_OPTION_GROUPS = (
     ("optimization", ("epochs", "max_steps", "batch_size", "batch_scope", "optimizer", "lr", "momentum",
                       "lr_schedule", "warmup_steps", "lr_step_epochs", "lr_gamma", "weight_decay", "scale_lr",
                       "grad_accum_steps", "precision", "seed")),
-    ("distributed", ("nproc", "backend", "device", "allreduce", "grad_sync", "sync_batchnorm", "timeout",
-                     "threads", "master_port", "max_restarts")),
+    ("distributed", ("nproc", "nnodes", "node_rank", "master_addr", "master_port", "backend", "device",
+                     "allreduce", "grad_sync", "sync_batchnorm", "timeout", "threads", "max_restarts")),
     ("checkpoints", ("checkpoint", "resume")),
     ("output", ("output_dir", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
 )
@@ -275,6 +291,13 @@ class TrainConfig:
     """Seed of the model initialisation and of the global sample order."""
     nproc: int = 1
     """Workers to start on this machine; ignored when started by torchrun, srun or mpirun."""
+    nnodes: int = 1
+    """Machines (or containers) of the job, each running this command with its node_rank; ignored under
+    torchrun, srun or mpirun."""
+    node_rank: int = 0
+    """This machine's index among the nnodes, 0 on the master."""
+    master_addr: str = ""
+    """With nnodes > 1: host name or address of node 0 (e.g. its container name), the same on every node."""
     backend: str = "auto"
     """Process-group backend: auto (gloo on CPU, nccl on CUDA), gloo, nccl, or cpu:gloo,cuda:nccl."""
     device: str = "auto"
@@ -290,7 +313,7 @@ class TrainConfig:
     threads: int = 0
     """Torch threads per worker; 0 shares this machine's cores among the local workers."""
     master_port: int = 0
-    """Rendezvous port for nproc > 1 on this machine; 0 asks the OS for a free one."""
+    """Rendezvous port on node 0; 0 asks the OS for a free one (one node only: nnodes > 1 needs a port)."""
     output_dir: str = ""
     """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
     runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
@@ -343,5 +366,4 @@ class TrainConfig:
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
-        if not 0 <= self.master_port <= 65535:
-            raise ConfigError(f"master_port={self.master_port} is not a TCP port; use 1-65535, or 0 for a free one")
+        check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)

@@ -100,18 +100,24 @@ def run_on_two_hosts(
     """
     # Any port is free in a namespace this test just created; this one is merely unlikely to be special.
     port = free_port()
-    env = worker_environment() if env is None else env
-    procs = []
+    argvs = []
     for node_rank, host in enumerate((hosts.a, hosts.b)):
         flags = rendezvous_flags(host, node_rank, hosts.a, port, form)
         if not local_addr:
             flags = flags[:-2]
-        argv = host.command(
-            [TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), *flags, "-m", "ddpkit", *words]
-        )
-        # A session per node: on timeout the whole tree goes (torchrun and its workers).
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
+        argvs.append([TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), *flags, "-m", "ddpkit",
+                      *words])
+    return run_both(hosts, argvs, cwd, timeout=timeout, env=worker_environment() if env is None else env)
+
+
+def run_both(hosts: TwoHosts, argvs: Sequence[Sequence[str]], cwd: Path, *, timeout: float,
+             env: dict[str, str]) -> tuple[NodeResult, NodeResult]:
+    """``argvs[0]`` in namespace A and ``argvs[1]`` in B at once; wait for both (killed at timeout)."""
+    procs = []
+    for host, argv in zip((hosts.a, hosts.b), argvs):
+        # A session per node: on timeout the whole tree goes (the launcher and its workers).
+        procs.append(subprocess.Popen(host.command(list(argv)), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
     results = []
     try:
         for proc in procs:
@@ -144,6 +150,26 @@ def test_two_hosts_two_workers_each_train_w1(netns_hosts: TwoHosts, tmp_path, fa
     assert summary["world_size"] == 4 and summary["global_steps"] == W1_SHORT_STEPS
     assert summary["test"]["accuracy"] >= W1_SHORT_ACCURACY_FLOOR, summary["test"]
     assert re.search(r"\[rank 0/4\] done: mlp on fashion-mnist, 4 worker\(s\), test accuracy", a.stderr)
+
+
+@pytest.mark.timeout(600)
+def test_ddpkit_train_with_nnodes_on_two_hosts(netns_hosts: TwoHosts, tmp_path, fashion_mnist):
+    # No torchrun: `ddpkit train nnodes=2 node_rank=R master_addr=A master_port=P` on each host, as in two
+    # containers. Both hosts share this folder; only node 0 makes a run folder, and every rank writes into it.
+    port = free_port()
+    argvs = [[sys.executable, "-m", "ddpkit", "train", "nproc=2", "nnodes=2", f"node_rank={node_rank}",
+              f"master_addr={netns_hosts.a.address}", f"master_port={port}", "progress=false", *W1_SHORT,
+              *SHARED_CORES] for node_rank in (0, 1)]
+    a, b = run_both(netns_hosts, argvs, tmp_path, timeout=540, env=worker_environment())
+
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
+    assert f"[rank 0/4] torchrun: world_size 4 on 2 node(s), master {netns_hosts.a.address}:{port}" in a.stderr
+    runs = list((tmp_path / "runs" / "mlp-fashion-mnist").iterdir())
+    assert len(runs) == 1, runs
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["global_steps"] == W1_SHORT_STEPS
+    assert summary["test"]["accuracy"] >= W1_SHORT_ACCURACY_FLOOR, summary["test"]
+    assert b.stderr.count("[rank") == 0, b.stderr[-2000:]  # rank 0 speaks, on node 0
 
 
 def doctor_report(result: NodeResult) -> dict:

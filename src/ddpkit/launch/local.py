@@ -3,10 +3,16 @@
 ``launch_local`` is ``torchrun --standalone --nproc-per-node N`` as a
 function: torch's elastic agent starts the workers, supervises them, stops
 them all when one fails, and restarts the group up to ``max_restarts`` times.
-ddpkit adds what the command lacks:
+A job of several machines (or containers) runs it on each, as ``torchrun
+--nnodes N --node-rank R --master-addr HOST --master-port P`` does: torch's
+static rendezvous, whose store node 0's agent hosts on every address of node
+0 at ``master_port``; the agents agree on the run by that address and port
+alone, so the same command on every node, with its own ``node_rank``, makes
+the job. ddpkit adds what the command lacks:
 
-- a rendezvous on loopback (``127.0.0.1``) at a free port asked from the OS
-  (or the one given, checked first), so nothing listens on the network;
+- on one node, a rendezvous on loopback (``127.0.0.1``) at a free port asked
+  from the OS (or the one given, checked first), so nothing listens on the
+  network;
 - one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below);
@@ -126,6 +132,14 @@ class LaunchSpec:
     forward_signals: tuple[str, ...] = ()
     """Signals, besides SIGTERM, SIGINT, SIGHUP and SIGQUIT, that the agent passes on to the workers
     (then waits for them, then stops them) instead of dying of them: the preemption signals."""
+    nnodes: int = 1
+    """Machines of the job, each running a launcher with its own node_rank."""
+    node_rank: int = 0
+    """This machine's index among the nnodes; node 0 hosts the rendezvous."""
+    master_addr: str = ""
+    """Host name or address of node 0 (nnodes > 1)."""
+    rendezvous_timeout: float = 600.0
+    """Seconds the nodes wait for each other at the rendezvous (nnodes > 1)."""
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
@@ -367,8 +381,36 @@ def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
         signal.signal(signal.SIGINT, previous)
 
 
+def _launch_config(spec: LaunchSpec) -> Any:
+    """torch's LaunchConfig for ``spec``: one node's loopback rendezvous, or several nodes' static one."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    rendezvous = _static_rendezvous(spec) if spec.nnodes > 1 else _loopback_rendezvous(spec)
+    return LaunchConfig(nproc_per_node=spec.nproc, max_restarts=spec.max_restarts,
+                        monitor_interval=spec.monitor_interval, start_method="forkserver", **rendezvous)
+
+
+def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
+    """A job on this machine alone: the rendezvous on loopback, at a free port unless one is given."""
+    if spec.master_port:
+        check_port_free(spec.master_port)
+    port = spec.master_port or free_port(LOOPBACK)
+    return dict(min_nodes=1, max_nodes=1, run_id=f"ddpkit-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
+                rdzv_endpoint=f"{LOOPBACK}:{port}", rdzv_configs={"is_host": True}, local_addr=LOOPBACK)
+
+
+def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
+    """This machine's part in a job of ``spec.nnodes``: torch's static rendezvous at node 0's address."""
+    if spec.node_rank == 0:  # the store listens on every address of node 0
+        check_port_free(spec.master_port, "0.0.0.0")
+    return dict(min_nodes=spec.nnodes, max_nodes=spec.nnodes,
+                run_id=f"ddpkit-{spec.master_addr}-{spec.master_port}",  # the same on every node
+                rdzv_backend="static", rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
+                rdzv_configs={"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)})
+
+
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
-    """Run ``fn(*args)`` in ``spec.nproc`` workers; return their results by rank.
+    """Run ``fn(*args)`` in ``spec.nproc`` workers here (of ``spec.nnodes`` nodes); return their results by rank.
 
     ``fn`` must be picklable (a module-level function): workers are forked
     from the worker server, which receives ``fn`` and ``args`` pickled.
@@ -382,22 +424,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
 
     if spec.nproc < 1:
         raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
-    if spec.master_port:
-        check_port_free(spec.master_port)
-    port = spec.master_port or free_port(LOOPBACK)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=spec.nproc,
-        run_id=f"ddpkit-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{LOOPBACK}:{port}",
-        rdzv_configs={"is_host": True},
-        local_addr=LOOPBACK,
-        max_restarts=spec.max_restarts,
-        monitor_interval=spec.monitor_interval,
-        start_method="forkserver",
-    )
+    config = _launch_config(spec)
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         # torch >= 2.7; older agents handle only their own list (SIGINT included: Ctrl-C then stops the
         # workers without a checkpoint).

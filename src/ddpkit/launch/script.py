@@ -7,7 +7,8 @@
 
 Grammar: ``ddpkit run [key=value ...] (SCRIPT.py | -m MODULE) [ARGS ...]``.
 The words before the script are ddpkit's options (:class:`RunConfig`:
-``nproc``, ``max_restarts``, ``master_port``); the first word ending in
+``nproc``, ``max_restarts``, ``master_port``, and for a job of several
+machines ``nnodes``, ``node_rank``, ``master_addr``); the first word ending in
 ``.py``, or ``-m MODULE``, starts the program's own command line, which
 ddpkit does not read: each worker sees ``sys.argv = [SCRIPT, *ARGS]``.
 
@@ -45,9 +46,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpkit.config import ConfigError, check_positive, parse
+from ddpkit.config import ConfigError, check_nodes, check_positive, parse
 
-USAGE = "usage: ddpkit run [nproc=N] [max_restarts=K] [master_port=P] SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
+USAGE = ("usage: ddpkit run [nproc=N] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
+         "SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]")
 
 
 @dataclass
@@ -59,13 +61,18 @@ class RunConfig:
     max_restarts: int = 0
     """Times all workers are restarted after one fails."""
     master_port: int = 0
-    """Rendezvous port on 127.0.0.1; 0 asks the OS for a free one."""
+    """Rendezvous port on node 0; 0 asks the OS for a free one (one node only: nnodes > 1 needs a port)."""
+    nnodes: int = 1
+    """Machines (or containers) of the job, each running this command with its node_rank."""
+    node_rank: int = 0
+    """This machine's index among the nnodes, 0 on the master."""
+    master_addr: str = ""
+    """With nnodes > 1: host name or address of node 0, the same on every node."""
 
     def __post_init__(self) -> None:
         check_positive("nproc", self.nproc)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
-        if not 0 <= self.master_port <= 65535:
-            raise ConfigError(f"master_port={self.master_port} is not a TCP port; use 1-65535, or 0 for a free one")
+        check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
 
 
 @dataclass(frozen=True)

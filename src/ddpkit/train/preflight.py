@@ -46,7 +46,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
             f"global batch size {batch} does not divide among {world_size} workers; "
             f"use a multiple of {world_size} (batch_size=...) or batch_scope=per_worker"
         )
-    if cfg.checkpoint.enabled or cfg.resume not in RESUME_MODES:  # (checkpoints off: only a path to check)
+    # (checkpoints off: only a path to check; no run folder: node 0's launcher checks it)
+    if (cfg.checkpoint.enabled or cfg.resume not in RESUME_MODES) and (cfg.output_dir or cfg.checkpoint.dir):
         check_resume(checkpoint_root(cfg), cfg.resume)
     if cfg.dataset in _FILE_DATASETS:
         # Here, once, rather than in N workers at the same time.

@@ -198,10 +198,16 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
 
 
 def _with_run_folder(cfg: TrainConfig, ctx: distributed.Context) -> TrainConfig:
-    """``cfg`` with its run folder; rank 0 chooses it when no launcher of ddpkit's did, the others follow."""
-    if cfg.output_dir:
+    """``cfg`` with rank 0's run folder, which rank 0 chooses when no launcher of ddpkit's did.
+
+    On one node every rank has the same ``output_dir`` (the launcher's or the command line's), or none.
+    Across nodes ranks may differ (ddpkit's launchers on nodes other than node 0 plan no folder): rank 0's wins.
+    """
+    if cfg.output_dir and ctx.env.is_single_node:
         return cfg
-    box = [str(claim_run_folder(plan_run_folder(cfg, os.environ)))] if ctx.is_main_process else [""]
+    box = [""]
+    if ctx.is_main_process:
+        box = [cfg.output_dir or str(claim_run_folder(plan_run_folder(cfg, os.environ)))]
     if ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0, device=distributed.control_device())
     return dataclasses.replace(cfg, output_dir=box[0])
