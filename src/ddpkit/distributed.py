@@ -247,6 +247,16 @@ def context() -> Context:
     return _context
 
 
+def local_ranks() -> tuple[int, int]:
+    """(local_rank, local_world_size) of this process: its place among the workers of its node.
+
+    From ``ddpkit.init()``'s context; (0, 1) before it, or in a process that never called it.
+    """
+    if _context is None:
+        return 0, 1
+    return _context.local_rank, _context.env.local_world_size
+
+
 @contextlib.contextmanager
 def main_process_first(local: bool = True) -> Iterator[None]:
     """Run the enclosed block on the main process first, then on the others.

@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
 from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.distributed import Context, control_device
+from ddpkit.env import shared_memory
 from ddpkit.log import get_logger
 
 AllReduce = Callable[..., None]
@@ -74,7 +75,11 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 def choose_allreduce(requested: str, ctx: Context) -> str:
-    """The all_reduce algorithm name to use for ``requested``, resolving auto (collective: every rank calls it)."""
+    """The all_reduce algorithm name to use for ``requested``, resolving auto (collective: every rank calls it).
+
+    auto takes shared memory only where its library loads and /dev/shm holds its segment on every rank; else
+    gloo's all_reduce (builtin), with one warning per node saying why and the fix.
+    """
     if requested != "auto":
         return requested
     if ctx.device.type != "cpu" or ctx.world_size == 1:
@@ -88,14 +93,26 @@ def choose_allreduce(requested: str, ctx: Context) -> str:
     from ddpkit.comm import shm
 
     available = shm.is_available()
-    if _on_every_rank(available):
+    too_small = _shm_too_small(ctx.env.local_world_size) if available else ""
+    if _on_every_rank(available and not too_small):
         return candidate
     if not available:
         shm.warn_unavailable_once()
-    else:
-        get_logger().warning(f"allreduce=auto: another rank cannot load the shared-memory library; "
-                             f"using builtin instead of {candidate}")
+    elif ctx.env.local_rank == 0:  # one line per node: its ranks share one /dev/shm
+        why = too_small or "another rank cannot use shared memory (see its warning)"
+        get_logger().warning(f"allreduce=auto: using gloo's all_reduce (builtin), not {candidate}: {why}")
     return "builtin"
+
+
+def _shm_too_small(local_world_size: int) -> str:
+    """Why /dev/shm cannot hold the segment of this node's ranks, or "" when it can."""
+    from ddpkit.comm.shm import segment_bytes
+
+    space = shared_memory.measure()
+    need = segment_bytes(local_world_size)
+    if space is None or space.fits(need):
+        return ""
+    return shared_memory.too_small(f"the shared-memory all_reduce of {local_world_size} workers", need, space)
 
 
 def _on_every_rank(flag: bool) -> bool:

@@ -52,6 +52,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset, default_collate, get_worker_info
 
+from ddpkit.data import shm_budget
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.errors import UserError
 
@@ -183,6 +184,8 @@ def _zero_rows(batch: Any) -> Any:
 
 _LIVE_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
 """Iterators of ddpkit loaders that have worker processes (persistent ones live as long as their loader)."""
+_WORKER_PROCESSES: weakref.WeakSet = weakref.WeakSet()
+"""The worker processes of ddpkit loaders (multiprocessing holds each until it is joined)."""
 
 
 def _shut_down_workers_at_exit() -> None:
@@ -204,6 +207,13 @@ def _shut_down_workers_at_exit() -> None:
 def _shutdown_live_workers() -> None:
     for iterator in list(_LIVE_WORKER_ITERATORS):
         iterator._shutdown_workers()
+    # A worker that did not stop when asked (torch's fallback, SIGTERM, is ignored: see _WorkerInit) would
+    # keep this process waiting at exit for ever: one stuck since its fork, say, after a peer ran out of
+    # shared memory. As a daemonic process it is to end with its parent anyway.
+    for worker in list(_WORKER_PROCESSES):
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 _EXIT_HANDLER_PID = 0
@@ -358,6 +368,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.between_batches: Callable[[], None] | None = None
         """Called each time the loop asks for the next batch, and once when the epoch's batches run out:
         the points where the loop's body is complete (the Checkpointer writes its checkpoints there)."""
+        self._sample_bytes: int | None = None  # of one sample, read before the workers first start
 
     # -- iteration ----------------------------------------------------------
 
@@ -374,11 +385,30 @@ class DataLoader(torch.utils.data.DataLoader):
         self.batch_sampler.epoch, self.batch_sampler.start = epoch, start
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
         self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
+        if self.num_workers and self._sample_bytes is None:
+            self._check_shared_memory(epoch)
         batches = super().__iter__()
         if hasattr(batches, "_shutdown_workers"):
             _LIVE_WORKER_ITERATORS.add(batches)
+            _WORKER_PROCESSES.update(batches._workers)
             _shut_down_workers_at_exit()
         return self._hand_out(batches)
+
+    def _check_shared_memory(self, epoch: int) -> None:
+        """Warn when /dev/shm cannot hold the batches the workers will put there (see ddpkit.data.shm_budget)."""
+        sample = self.dataset[(epoch, 0, False)]  # the generators are restored after it
+        self._sample_bytes = shm_budget.sample_bytes(sample)
+        shm_budget.warn_if_too_small(self, sample, self._rank_batch_size)
+
+    @property
+    def _rank_batch_size(self) -> int:
+        return self._sampler.global_batch_size // self._sampler.world_size
+
+    def _shared_memory_error(self, error: RuntimeError) -> Exception:
+        """``error`` from torch's iterator, or one line in its place when a worker ran out of /dev/shm."""
+        if not self.num_workers:
+            return error
+        return shm_budget.translate(error, self, self._sample_bytes or 0, self._rank_batch_size)
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
@@ -390,6 +420,11 @@ class DataLoader(torch.utils.data.DataLoader):
                 batch = next(batches)
             except StopIteration:
                 break
+            except RuntimeError as error:
+                translated = self._shared_memory_error(error)
+                if translated is error:
+                    raise
+                raise translated from error
             self._global_count = sampler.global_batch_length(self._step_in_epoch)
             self._step_in_epoch += 1
             yield batch

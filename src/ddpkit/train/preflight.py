@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from ddpkit.checkpoint.select import RESUME_MODES, check_resume
+from ddpkit.comm.shm import segment_bytes
 from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate
 from ddpkit.distributed import resolve_backend, resolve_device
+from ddpkit.env import shared_memory
 from ddpkit.errors import UserError
 from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
@@ -33,6 +35,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         CheckpointError: ``resume`` cannot work with the checkpoints folder.
     """
     _check_names(cfg)
+    _check_shared_memory(cfg)
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
         raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
     check_logger(cfg.logger)
@@ -53,6 +56,19 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         # Here, once, rather than in N workers at the same time.
         options = data_options(cfg)
         locate(_FILE_DATASETS[cfg.dataset], options.data_dir, options.download, options.mirrors)
+
+
+def _check_shared_memory(cfg: TrainConfig) -> None:
+    """allreduce=shm or hierarchical asked for: this node's /dev/shm must hold the segment of its nproc workers.
+
+    (allreduce=auto falls back to gloo's all_reduce instead, see ddpkit.comm.grad_sync.)
+    """
+    if cfg.allreduce not in ("shm", "hierarchical"):
+        return
+    need, space = segment_bytes(cfg.nproc), shared_memory.measure()
+    if space is not None and not space.fits(need):
+        what = f"allreduce={cfg.allreduce} with nproc={cfg.nproc}"
+        raise shared_memory.SharedMemoryError(shared_memory.too_small(what, need, space) + "; or allreduce=auto")
 
 
 def _check_names(cfg: TrainConfig) -> None:

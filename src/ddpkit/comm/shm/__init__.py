@@ -85,6 +85,7 @@ from ddpkit.comm.shm.communicator import (
     ShmCommunicator,
     all_reduce,
     get_communicator,
+    segment_bytes,
 )
 
 __all__ = [
@@ -93,6 +94,7 @@ __all__ = [
     "all_reduce",
     "get_communicator",
     "is_available",
+    "segment_bytes",
     "unavailable_reason",
     "warn_unavailable_once",
 ]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ddpkit.comm.shm import _lib
+from ddpkit.env import shared_memory
 
 SLOT_BYTES = 1 << 20
 """Bytes each rank owns per buffer parity (the segment holds 2 per rank): the
@@ -58,6 +59,9 @@ _BOOL_OPS = {0: 3, 1: 2, 2: 2, 3: 3}
 
 SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
 """Tensor dtypes :meth:`ShmCommunicator.all_reduce` accepts."""
+
+_LINE = 128  # bytes of the header and of each rank's control line, as LINE in the C source
+_PAGE = 4096  # the data starts at a page boundary, as PAGE in the C source
 
 _SEGMENT_PREFIX = "ddpkit-shm"
 _ABANDONED_AFTER_S = 60.0
@@ -153,10 +157,9 @@ class ShmCommunicator:
         self._resume_fn = lib.ddpkit_shm_resume
 
     def _open(self, name: str) -> str | None:
-        page = 4096
-        slot_bytes = max(256 << 10, min(SLOT_BYTES, SEGMENT_MAX_BYTES // (2 * self.world_size) // page * page))
+        slot = slot_bytes(self.world_size)
         rc = self._lib.ddpkit_shm_open(
-            name.encode(), self.rank, self.world_size, slot_bytes, min(ONE_SHOT_MAX_BYTES, slot_bytes),
+            name.encode(), self.rank, self.world_size, slot, min(ONE_SHOT_MAX_BYTES, slot),
             self.timeout, SPIN_SECONDS, ctypes.byref(self._handle),
         )
         if rc == _lib.RC_OK:
@@ -168,7 +171,10 @@ class ShmCommunicator:
         if rc == _lib.RC_BAD_ARG:
             return "invalid parameters"
         if -rc == errno.ENOSPC:
-            return "/dev/shm is full or too small (docker: raise --shm-size)"
+            space = shared_memory.measure()
+            assert space is not None  # shm_open has just worked there
+            return shared_memory.too_small(f"its segment for {self.world_size} ranks",
+                                           segment_bytes(self.world_size), space)
         return os.strerror(-rc)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> None:
@@ -263,6 +269,23 @@ class ShmCommunicator:
     def __del__(self) -> None:
         if getattr(self, "_lib", None) is not None:
             self.close()
+
+
+def slot_bytes(world_size: int) -> int:
+    """Bytes of each rank's buffer per parity in the segment of ``world_size`` ranks (see SEGMENT_MAX_BYTES)."""
+    return max(256 << 10, min(SLOT_BYTES, SEGMENT_MAX_BYTES // (2 * world_size) // _PAGE * _PAGE))
+
+
+def segment_bytes(world_size: int) -> int:
+    """Bytes of /dev/shm the segment of a group of ``world_size`` ranks on one node takes (0 for one rank).
+
+    The layout of the C library: a header line and a control line per rank,
+    rounded up to a page, then two slots per rank.
+    """
+    if world_size < 2:
+        return 0
+    control = -(-_LINE * (world_size + 1) // _PAGE) * _PAGE
+    return control + 2 * world_size * slot_bytes(world_size)
 
 
 # Keyed weakly: a destroyed process group takes its communicator (and mapping) with it.
