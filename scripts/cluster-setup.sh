@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Installs the cluster software the tests under tests/cluster start for real:
-# Slurm (slurmctld, slurmd, the client commands), munge, and OpenMPI's mpirun.
+# Slurm (slurmctld, slurmd, the client commands), munge, OpenMPI's mpirun,
+# and Podman with runc, netavark and aardvark-dns (real containers on a bridge
+# network with name resolution) and mmdebstrap (their base image, made from
+# Debian's packages).
 # Debian packages only; idempotent (installs only what is missing) and
 # non-interactive. Needs root. The tests configure and start the daemons
 # themselves, in temporary folders: nothing here touches /etc/slurm or
-# starts a service.
+# starts a service; the container tests keep their storage and network
+# definitions in a temporary folder of their own, not in /etc/containers.
 set -euo pipefail
 
-PACKAGES=(slurmctld slurmd slurm-client munge openmpi-bin iproute2)
+PACKAGES=(slurmctld slurmd slurm-client munge openmpi-bin iproute2
+          podman runc netavark aardvark-dns iptables mmdebstrap)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
