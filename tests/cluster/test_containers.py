@@ -27,7 +27,8 @@ import pytest
 from ddpkit.env.shared_memory import FIX
 from tests.helpers.podman import Podman, build_image, import_debian_base, missing_tools, network_lock, podman_root
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+# The first test also waits for the image (about 2 minutes alone on 2 cores, more beside other tests).
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 IMAGE_UID = 1000
 """The image's user (Containerfile), who must be able to write the mounted run folder."""

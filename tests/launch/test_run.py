@@ -34,6 +34,8 @@ def run_console_script(*words: str, cwd: Path) -> subprocess.CompletedProcess:
     (["nproc=2", "max_restarts=1", "-m", "json.tool", "-h"],
      (RunConfig(nproc=2, max_restarts=1), ScriptTarget(module="json.tool", args=("-h",)))),
     (["-mjson.tool", "x"], (RunConfig(), ScriptTarget(module="json.tool", args=("x",)))),
+    (["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "a.py"],
+     (RunConfig(nnodes=2, node_rank=1, master_addr="node0", master_port=29500), ScriptTarget(path="a.py"))),
 ])
 def test_words_before_the_script_are_ddpkits(tmp_path, monkeypatch, words, expected):
     monkeypatch.chdir(tmp_path)
@@ -50,6 +52,7 @@ def test_words_before_the_script_are_ddpkits(tmp_path, monkeypatch, words, expec
     (["run", "nproc=0", "a.py"], "error: nproc=0 is not valid; it must be > 0"),
     (["run", "nprocs=2", "a.py"], "error: unknown config key 'nprocs' (did you mean 'nproc'?)"),
     (["run", "folder.py"], "error: script 'folder.py' is a folder, not a Python file"),
+    (["run", "nnodes=2", "master_port=29500", "a.py"], "error: nnodes=2 needs master_addr=HOST"),
 ])
 def test_bad_input_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys, words, message):
     monkeypatch.chdir(tmp_path)
