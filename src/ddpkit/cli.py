@@ -39,6 +39,8 @@ EXIT_PREEMPTED = 75
 """Exit status after a preemption checkpoint (ddpkit.checkpoint.preemption.EXIT_PREEMPTED): run again."""
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+EXIT_STORAGE = 74
+"""Exit status after a checkpoint could not be written (ddpkit.checkpoint.preemption.EXIT_STORAGE)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         newest = _newest_checkpoint(cfg)
         if newest is not None:  # the work so far is not lost: say how to go on from it
             print(f"ddpkit: {_how_to_continue(cfg, args, newest)}", file=sys.stderr)
-        return EXIT_WORKER_FAILED
+        return _failed_status(e)
     if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         what = "interrupted" if code == EXIT_INTERRUPTED else "preempted"
         print(f"ddpkit: {what}: {_how_to_continue(cfg, args, _newest_checkpoint(cfg))}", file=sys.stderr)
@@ -335,14 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return load_function(command.run)(rest)
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
-        return EXIT_WORKER_FAILED
+        return _failed_status(e)
     except UserError as e:
         record_for_launcher(e)  # under torchrun, its failure summary then names the error
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return getattr(e, "exit_status", EXIT_USER_ERROR)  # a StorageError has its own
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _failed_status(error: LaunchError) -> int:
+    """The exit status of a command whose workers failed: EXIT_STORAGE where a checkpoint could not be written."""
+    return EXIT_STORAGE if error.failure.exitcode == EXIT_STORAGE else EXIT_WORKER_FAILED
 
 
 def load_function(path: str) -> Callable[[Sequence[str]], int]:

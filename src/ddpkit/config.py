@@ -202,6 +202,9 @@ class CheckpointConfig:
     """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
     sync_seconds: float = 1.0
     """Target seconds between the ranks' agreements on preemption and on every_seconds (one tiny all_reduce each)."""
+    on_write_error: str = "stop"
+    """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
+    exit status 74) or warn (training goes on without it)."""
 
     def __post_init__(self) -> None:
         check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
@@ -211,6 +214,7 @@ class CheckpointConfig:
         check_choice("checkpoint.readable_by", self.readable_by, ("user", "group", "all"))
         check_choice("checkpoint.best_mode", self.best_mode, ("auto", "max", "min"))
         check_choice("checkpoint.best_metric", self.best_metric, ("", "auto", "accuracy", "loss", "mse"))
+        check_choice("checkpoint.on_write_error", self.on_write_error, ("stop", "warn"))
         for name in self.signal_names():
             check_choice("checkpoint.preempt_signals", name, PREEMPTION_SIGNALS)
 

@@ -92,11 +92,17 @@ class _HashingFile:
         self.raw = raw
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None
+        """The OSError a write raised (torch.save reports it as an unrelated RuntimeError)."""
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self.raw.write(data)
+        try:
+            return self.raw.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.raw.flush()
@@ -122,9 +128,14 @@ def write_file_atomic(folder: Path, name: str, write: Callable[[Any], None], mod
 
     Returns:
         ``{"bytes": size, "sha256": hex digest}`` of what was written.
+
+    Raises:
+        OSError: the file could not be written (no space, read-only, the folder vanished...), also
+            where the failed write happened inside ``write`` and surfaced as another exception.
     """
     tmp = folder / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    hashing: _HashingFile | None = None
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as raw:
@@ -134,10 +145,12 @@ def write_file_atomic(folder: Path, name: str, write: Callable[[Any], None], mod
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, folder / name)
-    except BaseException:
+    except BaseException as e:
         if fd >= 0:
             os.close(fd)
         tmp.unlink(missing_ok=True)
+        if hashing is not None and hashing.error is not None and not isinstance(e, OSError):
+            raise hashing.error from None  # e.g. torch.save's "unexpected pos" hiding "No space left on device"
         raise
     return {"bytes": hashing.size, "sha256": hashing.sha256.hexdigest()}
 
@@ -162,6 +175,9 @@ def write_checkpoint(
 
     Returns:
         The path of the complete checkpoint.
+
+    Raises:
+        OSError: a file or folder could not be written; the incomplete folder is removed first.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
@@ -173,6 +189,16 @@ def write_checkpoint(
     if not replacing and folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(mode=folder_mode(mode))
+    try:
+        return _write_folder(root, folder, objects, texts, meta, mode)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)  # what a failed write left: no manifest, never loaded
+        raise
+
+
+def _write_folder(root: Path, folder: Path, objects: Mapping[str, Any], texts: Mapping[str, str],
+                  meta: Mapping[str, Any], mode: int) -> Path:
+    """Write the files of ``folder`` (created), then its manifest; see :func:`write_checkpoint`."""
     os.chmod(folder, folder_mode(mode))
     files: dict[str, dict[str, Any]] = {}
     for file_name, obj in objects.items():
@@ -180,7 +206,7 @@ def write_checkpoint(
     for file_name, text in texts.items():
         files[file_name] = write_file_atomic(folder, file_name, lambda f, text=text: f.write(text.encode()), mode)
     _fsync_folder(folder)
-    manifest = {"format": FORMAT, "name": name, "created": time.time(), **meta, "files": files}
+    manifest = {"format": FORMAT, "name": folder.name, "created": time.time(), **meta, "files": files}
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     write_file_atomic(folder, MANIFEST, lambda f: f.write(text.encode()), mode)
     _fsync_folder(folder)

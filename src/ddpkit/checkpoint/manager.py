@@ -99,6 +99,7 @@ from ddpkit.checkpoint.preemption import (
     signal_name,
 )
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
+from ddpkit.checkpoint.storage import ON_WRITE_ERROR, StorageError, checkpoint_bytes, explain_write_error, room_warning
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
@@ -161,6 +162,9 @@ class Checkpointer:
         meta: more JSON-like facts for the manifest (e.g. what export needs to rebuild the model).
         timeout: seconds a save waits for every rank to reach it (default: 300).
         environ: the process environment (restart counters, SLURM_JOB_ID); os.environ by default.
+        on_write_error: a checkpoint that cannot be written (no space, read-only or vanished folder)
+            stops training with :class:`~ddpkit.checkpoint.storage.StorageError` (exit status 74), or
+            with "warn" is a warning and training goes on (a preemption checkpoint always stops).
 
     Raises:
         ValueError: an object without state_dict/load_state_dict, a bad name or option.
@@ -190,11 +194,15 @@ class Checkpointer:
         meta: Mapping[str, Any] | None = None,
         timeout: float = 300.0,
         environ: Mapping[str, str] | None = None,
+        on_write_error: str = "stop",
     ) -> None:
         self.root = Path(dir)
         self.objects = _collect_objects(model, optimizer, scheduler, scaler, loader, extra or {})
         self.loader = loader
         _check_options(every_steps, every_seconds, keep, best_mode, readable_by, sync_seconds, timeout, preempt_signals)
+        if on_write_error not in ON_WRITE_ERROR:
+            raise UserError(f"on_write_error={on_write_error!r} is not valid; choose one of: {', '.join(ON_WRITE_ERROR)}")
+        self.on_write_error = on_write_error
         self.every_steps, self.every_seconds, self.on_epoch_end = every_steps, every_seconds, on_epoch_end
         self.keep, self.mode, self.requeue, self.timeout = keep, READABLE_BY[readable_by], requeue, timeout
         self.best_metric, self.best_mode = best_metric, best_mode
@@ -203,6 +211,9 @@ class Checkpointer:
         self.meta = dict(meta or {})
         self.environ = dict(os.environ if environ is None else environ)
         self.rank, self.world_size = _rank_and_size()
+        needed = checkpoint_bytes(self.root, self.objects, self.world_size) if self.rank == 0 else 0
+        if self.rank == 0 and (warning := room_warning(self.root, keep, needed)):
+            get_logger().warning(warning)
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.completed_epochs = 0
@@ -474,7 +485,7 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------
 
-    def save(self, reason: str = "manual", metrics: Mapping[str, float] | None = None, best: bool = False) -> Path:
+    def save(self, reason: str = "manual", metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         """Write a checkpoint of the current state (a collective: every rank calls it; rank 0 writes).
 
         A checkpoint already written at this global step (an epoch end, a
@@ -487,17 +498,18 @@ class Checkpointer:
             best: make it the ``best-*`` checkpoint (``epoch_end`` decides this from ``best_metric``).
 
         Returns:
-            The checkpoint folder, complete on disk when this returns (on every rank).
+            The checkpoint folder, complete on disk when this returns (on every rank); None when it
+            could not be written and ``on_write_error`` is "warn".
 
         Raises:
             CheckpointError: some rank did not reach this save within ``timeout``
                 (the message names it), a rank went on past it (a save under
-                ``if rank == 0``), or rank 0 could not write (it says why).
+                ``if rank == 0``), or rank 0 could not write (StorageError: it says why).
         """
         self._due = ""
         return self._write(reason, metrics, best)
 
-    def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path:
+    def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
         if self.global_step == self._last_step and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
@@ -509,6 +521,8 @@ class Checkpointer:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
         path = self._on_rank_zero(lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best))
+        if path is None:  # not written, and the user chose to go on (on_write_error="warn")
+            return None
         self.last_path, self._last_step = path, self.global_step
         self._step_metrics = (dict(metrics or {}), best)
         self._between_epochs = self._taken_between_epochs()
@@ -544,8 +558,7 @@ class Checkpointer:
         try:
             path = write_checkpoint(self.root, checkpoint_name(self.global_step), objects, texts, meta, self.mode)
         except OSError as e:
-            raise CheckpointError(f"cannot write a checkpoint to {self.root}: {e}; free some space or "
-                                  "checkpoint to a writable folder") from None
+            return self._write_failed(reason, e)
         if best:
             mark_best(self.root, path, self.mode)
         prune(self.root, self.keep, protect=path)
@@ -554,6 +567,15 @@ class Checkpointer:
         if self.on_save is not None:
             self.on_save(path, reason)
         return path
+
+    def _write_failed(self, reason: str, error: OSError) -> None:
+        """Rank 0, after a failed write (the incomplete folder is gone): warn and go on, or raise StorageError."""
+        needed = checkpoint_bytes(self.root, self.objects, self.world_size)
+        message = explain_write_error(self.root, checkpoint_name(self.global_step), error, needed)
+        if self.on_write_error == "warn" and reason != "preempted":
+            get_logger().warning(f"{message} (training goes on: on_write_error=warn)")
+            return None
+        raise StorageError(message) from None
 
     def _best_info(self) -> dict[str, Any]:
         return {"metric": self.best_metric, "mode": self.best_mode, "value": self.best_value}
@@ -576,16 +598,16 @@ class Checkpointer:
 
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 and share its result, or its CheckpointError, with every rank."""
-        box: list[Any] = [None, ""]
+        box: list[Any] = [None, None]
         if self.rank == 0:
             try:
                 box[0] = fn()
             except CheckpointError as e:
-                box[1] = str(e)
+                box[1] = (type(e), str(e))  # the class too: a StorageError has its own exit status
         if self.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         if box[1]:
-            raise CheckpointError(box[1])
+            raise box[1][0](box[1][1])
         return box[0]
 
     def close(self) -> None:

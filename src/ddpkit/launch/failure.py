@@ -66,7 +66,7 @@ class LaunchError(RuntimeError):
 
 
 def run_reporting_failure(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call ``fn(*args)``; on an exception, record it for the launcher and exit 1.
+    """Call ``fn(*args)``; on an exception, record it for the launcher and exit 1 (or the error's ``exit_status``).
 
     Without an error file to write (not under an elastic agent), the error is
     printed once to stderr instead.
@@ -75,7 +75,7 @@ def run_reporting_failure(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except Exception as e:  # the launcher reports it; SystemExit and KeyboardInterrupt pass
         _record(e)
-        sys.exit(1)
+        sys.exit(getattr(e, "exit_status", 1))  # e.g. a StorageError's: the disk, not the code, failed
 
 
 def record_for_launcher(error: Exception) -> bool:
@@ -105,7 +105,7 @@ def _record(error: Exception) -> None:
     now = time.time()
     data = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
-        "ddpkit": {"time": now},
+        "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1)},
     }
     peer_lost = any(marker in message for marker in PEER_LOST_MARKERS)
     data["ddpkit"]["peer_lost"] = peer_lost
@@ -153,7 +153,7 @@ def _recorded_failures(folder: str) -> dict[int, _RecordedFailure]:
         try:
             with open(os.path.join(folder, name)) as f:
                 data = json.load(f)
-            found[int(data["rank"])] = _RecordedFailure(data)
+            found[int(data["rank"])] = _RecordedFailure(data, exitcode=int(data["ddpkit"].get("exit_status", 1)))
         except (OSError, ValueError, KeyError):  # half-written by a worker that was killed: skip it
             continue
     return found

@@ -133,6 +133,7 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         preempt_signals=ckpt.signal_names() if ckpt.enabled else (), requeue=ckpt.requeue,
         readable_by=ckpt.readable_by, sync_seconds=ckpt.sync_seconds, config=to_dict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}}, timeout=cfg.timeout,
+        on_write_error=ckpt.on_write_error,
     )
     checkpointer.continue_hint = "continue with resume=auto"
     checkpointer.on_save = lambda path, reason: trainer.metrics.write(
@@ -191,7 +192,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         # without leaving the group, so the peers (which fail because this rank is gone) cannot
         # fail, record and exit before it and be taken for the root cause.
         if record_for_launcher(error) and ctx.world_size > 1:
-            distributed.exit_process(1, leave_group=False)
+            distributed.exit_process(getattr(error, "exit_status", 1), leave_group=False)
         raise
     finally:
         distributed.shutdown()
