@@ -11,8 +11,10 @@ alone, so the same command on every node, with its own ``node_rank``, makes
 the job. ddpkit adds what the command lacks:
 
 - on one node, a rendezvous on loopback (``127.0.0.1``) at a free port asked
-  from the OS (or the one given, checked first), so nothing listens on the
-  network;
+  from the OS (or the one given, checked first), and a fresh loopback store
+  for each round of workers (:mod:`ddpkit.launch.loopback`), so nothing
+  listens on the network and a restarted round never reads the keys of the
+  one before;
 - one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below);
@@ -160,14 +162,11 @@ def _quiet_elastic_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _fresh_store_per_restart(max_restarts: int) -> contextlib.AbstractContextManager:
-    # torch's c10d rendezvous shares one TCPStore, hosted by the agent, across
-    # restarts: restarted workers can read the dead workers' gloo addresses
-    # left in it and fail to connect (pytorch/pytorch#135712). With restarts,
-    # rank 0 of each round hosts a new store instead (read by the agent at
-    # each rendezvous, so set for the launch only).
-    if not max_restarts:
-        return contextlib.nullcontext()
+def _fresh_store_per_restart() -> contextlib.AbstractContextManager:
+    # torch's c10d rendezvous would share its own store with the workers across rounds, served on every
+    # interface (pytorch/pytorch#135712: restarted workers then read the dead workers' gloo addresses).
+    # Not shared, it only hands out an address, and ddpkit's loopback backend serves each round a new
+    # store instead (read by the agent at each rendezvous, so set for the launch only).
     return _environ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
@@ -392,11 +391,14 @@ def _launch_config(spec: LaunchSpec) -> Any:
 
 def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     """A job on this machine alone: the rendezvous on loopback, at a free port unless one is given."""
+    from ddpkit.launch import loopback
+
     if spec.master_port:
         check_port_free(spec.master_port)
     port = spec.master_port or free_port(LOOPBACK)
-    return dict(min_nodes=1, max_nodes=1, run_id=f"ddpkit-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
-                rdzv_endpoint=f"{LOOPBACK}:{port}", rdzv_configs={"is_host": True}, local_addr=LOOPBACK)
+    loopback.register()
+    return dict(min_nodes=1, max_nodes=1, run_id=f"ddpkit-{uuid.uuid4().hex[:12]}", rdzv_backend=loopback.BACKEND,
+                rdzv_endpoint=f"{LOOPBACK}:{port}", local_addr=LOOPBACK)
 
 
 def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
@@ -435,7 +437,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _announce_restarts()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
-            with worker_server(), _environ_restored(), _fresh_store_per_restart(spec.max_restarts), \
+            with worker_server(), _environ_restored(), _fresh_store_per_restart(), \
                     _environ(FAILURE_DIR_VARIABLE, failure_dir), _ctrl_c_passed_on(failure_dir) as ctrl_c:
                 return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
         except ChildFailedError as e:
