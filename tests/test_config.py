@@ -27,11 +27,30 @@ def test_model_recipe_is_default_and_overridable():
     (["fast"], "'fast' is neither key=value nor a .yaml file"),
     (["missing.yaml"], "config file 'missing.yaml' does not exist"),
     (["master_port=70000"], "master_port=70000 is not a TCP port"),
+    (["nproc=two"], "bad value for 'nproc': nproc must be a whole number, e.g. nproc=1 (given 'nproc=two')"),
+    (["nproc=2.5"], "nproc must be a whole number, e.g. nproc=1 (given 'nproc=2.5')"),
+    (["lr=fast"], "lr must be a number, e.g. lr=0.001 (given 'lr=fast')"),
+    (["progress=maybe"], "progress must be true or false, e.g. progress=true (given 'progress=maybe')"),
+    (["checkpoint.keep="], "checkpoint.keep must be a whole number, e.g. checkpoint.keep=2 (given 'checkpoint.keep=')"),
+    (["epochs=${oc.env:HOME}"], "epochs must be a whole number, e.g. epochs=5 (While dereferencing interpolation"),
+    (["epochs=${nothing}"], "bad value for 'epochs': Interpolation key 'nothing' not found"),
+    (["checkpoint=5"], "checkpoint is a group of options, not a value ('checkpoint=5'); set one of its keys as "
+                       "checkpoint.KEY=VALUE, e.g. checkpoint.enabled=true"),
+    (["task='"], "cannot read \"task='\" (while scanning a quoted scalar); the value is read as YAML"),
 ])
 def test_bad_words_give_one_line(words, message):
     with pytest.raises(ConfigError) as info:
         parse(TrainConfig, words)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_type_errors_in_a_file_name_the_file(tmp_path):
+    (tmp_path / "run.yaml").write_text("nproc: two\n")
+    (tmp_path / "list.yaml").write_text("- epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"nproc must be a whole number, e.g. nproc=1 \(given in .*run.yaml\)$"):
+        parse(TrainConfig, [str(tmp_path / "run.yaml")])
+    with pytest.raises(ConfigError, match=r"list.yaml' holds a list, not options; write one option per line"):
+        parse(TrainConfig, [str(tmp_path / "list.yaml")])
 
 
 def test_unknown_model_lists_choices():

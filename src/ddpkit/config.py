@@ -13,11 +13,13 @@ import dataclasses
 import difflib
 import os
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ddpkit.errors import UserError
 from ddpkit.tracking.backends import BACKENDS
@@ -50,13 +52,17 @@ def parse(
         ConfigError: unknown key, bad value or unreadable file.
     """
     merged = OmegaConf.structured(schema)
-    layers = [dict(presets or {})] + [_layer(word, schema) for word in args]
-    for layer in layers:
+    layers = [("presets", dict(presets or {}))] + [(word, _read_layer(word)) for word in args]
+    for word, layer in layers:
+        _check_groups(word, layer, schema)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
-            raise ConfigError(_explain(e, schema)) from None
-    return OmegaConf.to_object(merged)
+            raise ConfigError(_explain(e, schema, word)) from None
+    try:
+        return OmegaConf.to_object(merged)  # resolves interpolations (${oc.env:NAME}), then validates
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e, schema, "")) from None
 
 
 def peek(args: Sequence[str], key: str) -> str | None:
@@ -64,7 +70,7 @@ def peek(args: Sequence[str], key: str) -> str | None:
     value = None
     for word in args:
         layer = OmegaConf.create(_read_layer(word))
-        found = OmegaConf.select(layer, key, default=None)
+        found = OmegaConf.select(layer, key, default=None, throw_on_resolution_failure=False)
         if found is not None:
             value = str(found)
     return value
@@ -80,10 +86,6 @@ def to_yaml(config: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def _layer(word: str, schema: type) -> DictConfig:
-    return OmegaConf.create(_read_layer(word))
-
-
 def _read_layer(word: str) -> dict[str, Any]:
     if word.endswith((".yaml", ".yml")) and "=" not in word:
         if not os.path.isfile(word):
@@ -92,6 +94,9 @@ def _read_layer(word: str) -> dict[str, Any]:
             loaded = OmegaConf.load(word)
         except Exception as e:  # YAML syntax errors come in several types
             raise ConfigError(f"config file {word!r} is not valid YAML: {e}".splitlines()[0]) from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file {word!r} holds a list, not options; write one option per line as "
+                              "key: value, e.g. epochs: 5")
         return OmegaConf.to_container(loaded)
     if "=" not in word:
         raise ConfigError(f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. epochs=5")
@@ -102,11 +107,13 @@ def _read_layer(word: str) -> dict[str, Any]:
         value = f"'{value}'"  # YAML 1.1 would read 2:00:00 as the number 7200; keep it a string (a time limit)
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot read {word!r}: {e}".splitlines()[0]) from None
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"cannot read {word!r} ({reason}); the value is read as YAML: write plain text "
+                          f"or quote it, e.g. {key}='a b'") from None
 
 
-def _explain(error: OmegaConfBaseException, schema: type) -> str:
+def _explain(error: OmegaConfBaseException, schema: type, word: str) -> str:
     key = getattr(error, "full_key", None) or ""
     message = str(error).splitlines()[0]
     if "not in struct" in message or "Key '" in message and "not in" in message:
@@ -114,7 +121,47 @@ def _explain(error: OmegaConfBaseException, schema: type) -> str:
         close = difflib.get_close_matches(key.split(".")[-1], [v.split(".")[-1] for v in valid], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}"
+    expected = _field_type(schema, key)
+    if isinstance(error, ValidationError) and expected in _TYPE_WORDS:
+        given = f" (given {word!r})" if "=" in word else f" (given in {word})" if word else f" ({message})"
+        return f"bad value for {key!r}: {key} must be {_TYPE_WORDS[expected]}, e.g. {_example(schema, key)}{given}"
     return f"bad value for {key!r}: {message}"
+
+
+_TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a text value"}
+"""How a type error names the type a key takes."""
+
+
+def _field_type(schema: type, key: str) -> Any:
+    """The type of the dotted ``key`` in ``schema`` (a dataclass type for a group), or None if it has none."""
+    for part in key.split("."):
+        hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
+        if part not in hints:
+            return None
+        schema = hints[part]
+    return schema
+
+
+def _example(schema: type, key: str) -> str:
+    """``key=DEFAULT``, the default written as a word (bools as true/false)."""
+    value: Any = schema()
+    for part in key.split("."):
+        value = getattr(value, part)
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}" if text else f"{key}=NAME"
+
+
+def _check_groups(word: str, layer: Mapping[str, Any], schema: type, prefix: str = "") -> None:
+    """Raise ConfigError where ``layer`` gives a group of options (``checkpoint``) a single value."""
+    for name, value in layer.items():
+        expected = _field_type(schema, prefix + str(name))
+        if dataclasses.is_dataclass(expected) and not isinstance(value, Mapping):
+            group = prefix + str(name)
+            example = _example(schema, f"{group}.{dataclasses.fields(expected)[0].name}")
+            raise ConfigError(f"{group} is a group of options, not a value ({word!r}); set one of its keys as "
+                              f"{group}.KEY=VALUE, e.g. {example}")
+        if dataclasses.is_dataclass(expected):
+            _check_groups(word, value, schema, f"{prefix}{name}.")
 
 
 def _field_names(schema: type, prefix: str = "") -> list[str]:
