@@ -201,7 +201,8 @@ class Checkpointer:
         self.loader = loader
         _check_options(every_steps, every_seconds, keep, best_mode, readable_by, sync_seconds, timeout, preempt_signals)
         if on_write_error not in ON_WRITE_ERROR:
-            raise UserError(f"on_write_error={on_write_error!r} is not valid; choose one of: {', '.join(ON_WRITE_ERROR)}")
+            raise UserError(f"on_write_error={on_write_error!r} is not valid; choose one of: "
+                            f"{', '.join(ON_WRITE_ERROR)}")
         self.on_write_error = on_write_error
         self.every_steps, self.every_seconds, self.on_epoch_end = every_steps, every_seconds, on_epoch_end
         self.keep, self.mode, self.requeue, self.timeout = keep, READABLE_BY[readable_by], requeue, timeout

@@ -121,7 +121,8 @@ def _fix(root: Path, error: OSError, short: int) -> str:
         return (f"free at least {format_bytes(short)} there, keep fewer checkpoints (keep / checkpoint.keep) or write "
                 f"them to another folder (dir / checkpoint.dir), {then}")
     if error.errno in _NOT_WRITABLE:
-        return f"make {root} writable by this user or write checkpoints to another folder (dir / checkpoint.dir), {then}"
+        return (f"make {root} writable by this user or write checkpoints to another folder "
+                f"(dir / checkpoint.dir), {then}")
     if error.errno == errno.ENOENT:
         return f"{root} vanished (removed or unmounted): restore it or write checkpoints to another folder " \
                f"(dir / checkpoint.dir), {then}"
