@@ -7,13 +7,14 @@ a non-zero exit status.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -180,8 +181,9 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
             run_worker(cfg, export_dir)  # in this process
             return 0
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
-        code = _launch(_launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout),
-                       run_worker, cfg, export_dir)
+        with _stack_files_in(Path(cfg.output_dir) / "stacks" if cfg.output_dir else None):
+            code = _launch(_launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout),
+                           run_worker, cfg, export_dir)
     except Preempted as stop:  # the one worker, in this process
         code = int(stop.code)
     except LaunchError as e:
@@ -194,6 +196,24 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         what = "interrupted" if code == EXIT_INTERRUPTED else "preempted"
         print(f"ddpkit: {what}: {_how_to_continue(cfg, args, _newest_checkpoint(cfg))}", file=sys.stderr)
     return code
+
+
+@contextlib.contextmanager
+def _stack_files_in(folder: Path | None) -> Iterator[None]:
+    """Let the workers started in the block dump their stacks into ``folder`` when a wait times out.
+
+    None (a node other than node 0, which has no run folder): the default, a folder under the temp dir.
+    """
+    from ddpkit.stacks import STACK_DIR_VARIABLE
+
+    if folder is None:
+        yield
+        return
+    os.environ[STACK_DIR_VARIABLE] = str(folder)
+    try:
+        yield
+    finally:
+        del os.environ[STACK_DIR_VARIABLE]
 
 
 def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointInfo | None) -> str:

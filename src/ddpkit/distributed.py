@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.detect import detect_environment
+from ddpkit import stacks
 from ddpkit.env.network import gloo_interface_environ
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, show_messages
@@ -172,6 +173,8 @@ def init(
     torch.set_num_threads(threads or default_num_threads(env.local_world_size))
     if not adopted:
         _init_process_group(env, resolved_backend, timeout, environ)
+        if env.world_size > 1:  # a wait that times out can then ask the others where they are
+            stacks.arm(dist.distributed_c10d._get_default_store(), env.rank, environ)
     _owns_group = not adopted
     _context = Context(env, resolved_device, resolved_backend)
     atexit.register(shutdown)
@@ -195,6 +198,7 @@ def shutdown() -> None:
     global _context, _owns_group
     if _owns_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        stacks.disarm()
     _context = None
     _owns_group = True
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit import stacks
 from ddpkit.errors import UserError
 
 
@@ -103,6 +104,8 @@ def _record(error: Exception) -> None:
         print(f"error: rank {rank}: {message}" + (f"\n{stack.rstrip()}" if stack else ""), file=sys.stderr)
         return
     now = time.time()
+    if stacks.is_timeout(message) and (where := stacks.dump_peers(int(os.environ.get("WORLD_SIZE", "1")))):
+        message = f"{message}; {where}"  # a wait timed out: where the others were
     data = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
         "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1)},
