@@ -190,15 +190,20 @@ def write_checkpoint(
         shutil.rmtree(folder)
     folder.mkdir(mode=folder_mode(mode))
     try:
-        return _write_folder(root, folder, objects, texts, meta, mode)
+        _write_folder(folder, name, objects, texts, meta, mode)
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)  # what a failed write left: no manifest, never loaded
         raise
+    if replacing:
+        _swap_in(folder, final)
+    _fsync_folder(root)
+    return final
 
 
-def _write_folder(root: Path, folder: Path, objects: Mapping[str, Any], texts: Mapping[str, str],
-                  meta: Mapping[str, Any], mode: int) -> Path:
-    """Write the files of ``folder`` (created), then its manifest; see :func:`write_checkpoint`."""
+def _write_folder(folder: Path, name: str, objects: Mapping[str, Any], texts: Mapping[str, str],
+                  meta: Mapping[str, Any], mode: int) -> None:
+    """Write the files of ``folder`` (created) for checkpoint ``name``, then its manifest; see
+    :func:`write_checkpoint`."""
     os.chmod(folder, folder_mode(mode))
     files: dict[str, dict[str, Any]] = {}
     for file_name, obj in objects.items():
@@ -206,14 +211,10 @@ def _write_folder(root: Path, folder: Path, objects: Mapping[str, Any], texts: M
     for file_name, text in texts.items():
         files[file_name] = write_file_atomic(folder, file_name, lambda f, text=text: f.write(text.encode()), mode)
     _fsync_folder(folder)
-    manifest = {"format": FORMAT, "name": folder.name, "created": time.time(), **meta, "files": files}
+    manifest = {"format": FORMAT, "name": name, "created": time.time(), **meta, "files": files}
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     write_file_atomic(folder, MANIFEST, lambda f: f.write(text.encode()), mode)
     _fsync_folder(folder)
-    if replacing:
-        _swap_in(folder, final)
-    _fsync_folder(root)
-    return final
 
 
 def _swap_in(new: Path, final: Path) -> None:
