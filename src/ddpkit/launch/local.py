@@ -62,6 +62,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ EXIT_INTERRUPTED = 130
 """A worker's exit status after Ctrl-C (128 + SIGINT)."""
 INTERRUPTED_MARKER = "interrupted"
 """File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
+AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"
+"""Store key each node's agent increments once past torch's exit barrier (see _host_outlives_the_exit_barrier)."""
+EXIT_BARRIER_GRACE_S = 30.0
+"""The longest node 0's agent waits, past the exit barrier, for the other agents to leave it."""
 
 WORKER_PRELOAD = ("ddpkit.launch.local", "torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing",
                   "ddpkit.train.run")
@@ -281,6 +286,40 @@ def _announce_restarts() -> None:
     LocalElasticAgent._restart_workers = restart
 
 
+def _host_outlives_the_exit_barrier() -> None:
+    """Keep node 0's agent, which serves the rendezvous store, until every node's agent has left the exit barrier.
+
+    torch's agents meet at an exit barrier when their workers are done; node 0's
+    returns as soon as the last one arrives and its process exits, closing the
+    store while another node's agent may still be reading the barrier's answer
+    from it. That agent then prints c10d's "Failed to recv ... Did the remote
+    server shutdown or crash?" with a C++ stack, after a job that succeeded.
+    Installed once, in the launcher's process only.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if getattr(LocalElasticAgent._exit_barrier, "ddpkit_waits", False):
+        return
+    torch_exit_barrier = LocalElasticAgent._exit_barrier
+
+    def exit_barrier(self: LocalElasticAgent) -> None:
+        torch_exit_barrier(self)
+        group = self._worker_group
+        if group.group_world_size < 2:
+            return
+        try:
+            left = self._store.add(AGENTS_LEFT_KEY, 1)
+            deadline = time.monotonic() + EXIT_BARRIER_GRACE_S
+            while group.group_rank == 0 and left < group.group_world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = self._store.add(AGENTS_LEFT_KEY, 0)
+        except RuntimeError:  # the store is gone (node 0 ended first after all): nothing left to wait for
+            pass
+
+    exit_barrier.ddpkit_waits = True
+    LocalElasticAgent._exit_barrier = exit_barrier
+
+
 def _first_failure(failures: Mapping[int, Any]) -> str:
     """'rank 1 was killed by SIGKILL' for the earliest of a round's failures (the root cause)."""
     if not failures:
@@ -435,6 +474,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _quiet_elastic_logs()
     _finish_workers_that_exit_without_returning()
     _announce_restarts()
+    _host_outlives_the_exit_barrier()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with worker_server(), _environ_restored(), _fresh_store_per_restart(), \
