@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 import ddpkit
 from ddpkit import CheckpointError, Checkpointer
@@ -131,9 +131,9 @@ class _NoState:
     pass
 
 
-class _Numbers(IterableDataset):
-    def __iter__(self):
-        return iter(range(8))
+class _Unsized(Dataset):
+    def __getitem__(self, index):
+        return index
 
 
 class _Sized(Dataset):
@@ -154,10 +154,10 @@ def test_an_object_without_state_dict_is_refused(tmp_path, checkpointers):
 
 @pytest.mark.parametrize("make,expected", [
     # tests/data/test_loader.py checks the start of these messages; here: one line, and the fix.
-    (lambda: ddpkit.DataLoader(_Numbers(), 4), ["IterableDataset", "wrap your data in a map-style Dataset"]),
-    (lambda: ddpkit.DataLoader(_Sized(), 2, rank=0, world_size=4),
+    (lambda: ddpkit.DataLoader(_Unsized(), global_batch_size=4), ["neither", "give it __len__"]),
+    (lambda: ddpkit.DataLoader(_Sized(), global_batch_size=2, rank=0, world_size=4),
      ["global batch size 2 does not divide among 4 workers", "use a global_batch_size that is a multiple of 4"]),
-], ids=["iterable-dataset", "global-batch-below-world-size"])
+], ids=["unsized-dataset", "global-batch-below-world-size"])
 def test_a_loader_the_checkpointer_could_not_resume_is_refused(make, expected):
     with pytest.raises(ValueError) as error:
         make()
@@ -410,7 +410,7 @@ class _Indices(Dataset):
 
 
 def test_dataloader_workers_survive_a_preemption_signal_sent_to_every_process(tmp_path, checkpointers):
-    loader = ddpkit.DataLoader(_Indices(), 4, shuffle=True, seed=SEED, rank=0, world_size=1, num_workers=1)
+    loader = ddpkit.DataLoader(_Indices(), global_batch_size=4, shuffle=True, seed=SEED, rank=0, world_size=1, num_workers=1)
     ckpt = checkpointers(tmp_path, loader=loader, preempt_signals=("SIGTERM",))
     before = {child.pid for child in psutil.Process().children()}
     batches = iter(loader)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
-from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from ddpkit.data.loader import DataLoader, SeededDataset
 from ddpkit.data.sampler import epoch_permutation
@@ -36,13 +36,10 @@ class NoisyDataset(IndexDataset):
         return {"index": index, "torch": torch.rand(()), "py": random.random(), "np": np.random.rand()}
 
 
-class Numbers(IterableDataset):
-    def __iter__(self):
-        return iter(range(10))
-
-
 def _ranks(dataset, batch, world_size, **kwargs):
-    return [DataLoader(dataset, batch, rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
+    kwargs.setdefault("shuffle", True)
+    return [DataLoader(dataset, global_batch_size=batch, rank=r, world_size=world_size, **kwargs)
+            for r in range(world_size)]
 
 
 def _epoch(loaders, epoch=None):
@@ -59,7 +56,7 @@ def _indices(steps):
 
 
 def test_is_a_torch_dataloader():
-    loader = DataLoader(IndexDataset(50), 8, seed=1)
+    loader = DataLoader(IndexDataset(50), global_batch_size=8, shuffle=True, seed=1)
     assert isinstance(loader, torch.utils.data.DataLoader)
     assert len(loader) == loader.steps_per_epoch == 7
     assert (loader.rank, loader.world_size, loader.global_batch_size) == (0, 1, 8)
@@ -101,7 +98,7 @@ def test_workers_give_the_same_batches():
 
 
 def test_persistent_workers_over_epochs():
-    loader = DataLoader(IndexDataset(30), 8, seed=2, num_workers=2, persistent_workers=True)
+    loader = DataLoader(IndexDataset(30), global_batch_size=8, shuffle=True, seed=2, num_workers=2, persistent_workers=True)
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert [i for batch in loader for i in batch.tolist()] == epoch_permutation(30, 2, epoch).tolist()
@@ -142,11 +139,11 @@ def test_resume_covers_every_sample_once(before, after, num_batches):
 
 
 def test_state_of_a_complete_epoch_resumes_at_the_next():
-    loader = DataLoader(IndexDataset(20), 8, seed=1)
+    loader = DataLoader(IndexDataset(20), global_batch_size=8, shuffle=True, seed=1)
     list(loader)
     state = loader.state_dict()
     assert (state["epoch"], state["step_in_epoch"]) == (0, 3)
-    resumed = DataLoader(IndexDataset(20), 8, seed=1, rank=1, world_size=2)
+    resumed = DataLoader(IndexDataset(20), global_batch_size=8, shuffle=True, seed=1, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert (resumed.epoch, resumed.step_in_epoch) == (1, 0)
     resumed.set_epoch(resumed.epoch)
@@ -154,7 +151,7 @@ def test_state_of_a_complete_epoch_resumes_at_the_next():
 
 
 def test_a_second_pass_starts_over():
-    loader = DataLoader(IndexDataset(20), 8)
+    loader = DataLoader(IndexDataset(20), global_batch_size=8)
     loader.load_state_dict({**loader.state_dict(), "step_in_epoch": 2})
     assert len(list(loader)) == 1
     assert len(list(loader)) == 3
@@ -189,7 +186,7 @@ def test_loop_draws_as_if_no_loader_ran(num_workers):
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     expected = _global_draws()
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
-    loader = DataLoader(NoisyDataset(20), 4, num_workers=num_workers)
+    loader = DataLoader(NoisyDataset(20), global_batch_size=4, shuffle=True, num_workers=num_workers)
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert len(list(loader)) == 5
@@ -207,7 +204,7 @@ def test_global_mean_gives_the_gradient_of_the_global_mean(num_samples):
         return ((weight * x - 1.0) ** 2).sum()
 
     expected = []
-    for (x,) in DataLoader(dataset, 12, seed=2):
+    for (x,) in DataLoader(dataset, global_batch_size=12, shuffle=True, seed=2):
         (grad,) = torch.autograd.grad(loss(x) / len(x), weight)
         expected.append((loss(x).item() / len(x), grad.item()))
     for world_size in (1, 2, 3, 4):
@@ -244,29 +241,24 @@ def test_tensor_dataset_fast_path_matches_the_generic_path():
 def test_fast_path_resumes():
     dataset = TensorDataset(torch.arange(40))
     steps, state = _take(_ranks(dataset, 8, 2, seed=1), 2)
-    resumed = DataLoader(dataset, 8, seed=1)
+    resumed = DataLoader(dataset, global_batch_size=8, shuffle=True, seed=1)
     resumed.load_state_dict(state)
     order = [i for batches in steps for (x,) in batches for i in x.tolist()]
     order += [i for (x,) in resumed for i in x.tolist()]
     assert order == epoch_permutation(40, 1, 0).tolist()
 
 
-def test_refuses_an_iterable_dataset():
-    with pytest.raises(ValueError, match=r"needs a map-style Dataset \(__getitem__ and __len__\).*IterableDataset"):
-        DataLoader(Numbers(), 4)
-
-
 def test_refuses_a_global_batch_smaller_than_world_size():
     with pytest.raises(ValueError, match="global batch size 2 does not divide among 4 workers"):
-        DataLoader(IndexDataset(10), 2, rank=0, world_size=4)
+        DataLoader(IndexDataset(10), global_batch_size=2, rank=0, world_size=4)
 
 
 def test_refuses_a_state_of_another_dataset():
-    state = DataLoader(IndexDataset(10), 4).state_dict()
+    state = DataLoader(IndexDataset(10), global_batch_size=4).state_dict()
     with pytest.raises(ValueError, match="saved with num_samples=10 but this sampler has num_samples=11"):
-        DataLoader(IndexDataset(11), 4).load_state_dict(state)
+        DataLoader(IndexDataset(11), global_batch_size=4).load_state_dict(state)
 
 
 def test_global_mean_needs_a_batch():
     with pytest.raises(RuntimeError, match="after taking a batch"):
-        DataLoader(IndexDataset(10), 4).global_mean(torch.tensor(1.0))
+        DataLoader(IndexDataset(10), global_batch_size=4).global_mean(torch.tensor(1.0))

@@ -140,7 +140,7 @@ def test_state_counts_yielded_batches_and_resumes_at_another_world_size():
     state = samplers[0].state_dict()
     assert state == samplers[1].state_dict()
     assert state == {"epoch": 1, "step_in_epoch": 4, "num_samples": 101, "global_batch_size": 12, "seed": 4,
-                     "shuffle": True}
+                     "shuffle": True, "drop_last": False}
     resumed = _ranks(101, 12, 3, seed=4)
     for s in resumed:
         s.load_state_dict(state)

@@ -43,7 +43,7 @@ def _own_cnn():
 def _uninterrupted_digests() -> dict[tuple[int, int], str]:
     """(epoch, index) -> digest of the sample an uninterrupted loader hands out, read in this process."""
     own_cnn = _own_cnn()
-    loader = ddpkit.DataLoader(own_cnn.Augmented(*own_cnn.synthetic_images()), own_cnn.GLOBAL_BATCH_SIZE,
+    loader = ddpkit.DataLoader(own_cnn.Augmented(*own_cnn.synthetic_images()), global_batch_size=own_cnn.GLOBAL_BATCH_SIZE,
                                shuffle=True, seed=own_cnn.LOADER_SEED, rank=0, world_size=1)
     digests = {}
     for epoch in range(EPOCHS):

@@ -79,13 +79,13 @@ class PerSampleImages(Dataset):
 def _loaders(cfg: OwnLoopConfig, ctx: Any, data: Any) -> tuple[Any, Any]:
     train_x, train_y = data.train_images, data.train_labels
     test = TensorDataset(data.test_images.float().div_(255.0), data.test_labels)
-    test_loader = ddpkit.DataLoader(test, 2000 * ctx.world_size, shuffle=False)
+    test_loader = ddpkit.DataLoader(test, global_batch_size=2000 * ctx.world_size, shuffle=False)
     if cfg.loader == "tensors":
         train = TensorDataset(train_x.float().div_(255.0), train_y)
-        return ddpkit.DataLoader(train, cfg.batch_size, shuffle=True, seed=cfg.seed), test_loader
+        return ddpkit.DataLoader(train, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed), test_loader
     dataset = PerSampleImages(train_x, train_y)
     if cfg.loader == "samples":
-        return ddpkit.DataLoader(dataset, cfg.batch_size, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
+        return ddpkit.DataLoader(dataset, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
                                  persistent_workers=cfg.num_workers > 0), test_loader
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size // ctx.world_size, sampler=sampler,

@@ -343,6 +343,8 @@ class Checkpointer:
         complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering; the next is complete + 1
         if self.loader is None or step == 0:
             where = f"{complete} epoch(s) complete"
+        elif getattr(self.loader, "streaming", False):  # a stream's length is known at its end only
+            where = f"epoch {complete + 1}, step {step}"
         elif step >= self.loader.steps_per_epoch:
             where = f"after the last batch of epoch {complete + 1}: the code after its batch loop runs again"
         else:
@@ -516,12 +518,17 @@ class Checkpointer:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
         self._check_in()
+        # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
+        # is asked on every rank; rank 0 writes what it returned.
+        collective = {name: obj.state_dict() for name, obj in self.objects.items()
+                      if getattr(obj, "state_dict_is_collective", False)}
         rng = capture_rng_state()
         gathered: list[Any] | None = [rng]
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
-        path = self._on_rank_zero(lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best))
+        path = self._on_rank_zero(
+            lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best, collective))
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
             return None
         self.last_path, self._last_step = path, self.global_step
@@ -532,13 +539,14 @@ class Checkpointer:
         return path
 
     def _write_on_rank_zero(self, reason: str, rng_states: list[Any] | None, metrics: dict[str, float],
-                            best: bool) -> Path:
+                            best: bool, collective: dict[str, Any]) -> Path:
         """Rank 0: write the checkpoint folder, mark best, prune."""
         if not self._resume_checked:
             self._resume_checked = True
             select.check_resume(self.root, "never")
         epoch, step = self._position()
-        objects = {f"{name}.pt": obj.state_dict() for name, obj in self.objects.items()}
+        objects = {f"{name}.pt": collective[name] if name in collective else obj.state_dict()
+                   for name, obj in self.objects.items()}
         objects[TRAIN_FILE] = {"global_step": self.global_step, "completed_epochs": self.completed_epochs}
         objects[RNG_FILE] = {"world_size": self.world_size, "ranks": rng_states}
         meta = {

@@ -45,15 +45,19 @@ import multiprocessing.util
 import os
 import random
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils.data
-from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset, default_collate, get_worker_info
+from torch.utils.data import (Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset, default_collate,
+                              get_worker_info)
 
 from ddpkit.data import shm_budget
+from ddpkit.data.arguments import (BATCH_SIZE_DEFAULT, global_batch, loader_seed, rank_and_world, read_sampler,
+                                   refuse_batch_sampler, refuse_for_streaming)
 from ddpkit.data.sampler import GlobalBatchSampler
+from ddpkit.data.streaming import Stream, StreamShard, passed_on
 from ddpkit.errors import UserError
 
 try:
@@ -272,29 +276,78 @@ class _KeyBatchSampler(Sampler[list[tuple[int, int, bool]]]):
             step += 1
 
 
+class _LoaderSampler(Sampler[int]):
+    """``loader.sampler``: this rank's indices of the loader's epoch; ``set_epoch`` is the loader's.
+
+    The DistributedSampler habit, ``loader.sampler.set_epoch(epoch)``, does
+    what ``loader.set_epoch(epoch)`` does. ``sampler`` is the user's sampler
+    (None without one).
+    """
+
+    def __init__(self, loader: DataLoader, sampler: Any):
+        super().__init__()
+        self._loader = weakref.ref(loader)  # the loader holds this; no cycle to keep it alive
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's :meth:`DataLoader.set_epoch`."""
+        self._loader().set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        loader = self._loader()
+        if loader._sampler is None:
+            raise TypeError("a loader over an IterableDataset has no sample indices; iterate the loader")
+        for share in loader._sampler.shares(loader.epoch, loader._start_step):
+            yield from share
+
+    def __len__(self) -> int:
+        loader = self._loader()
+        if loader._sampler is None:
+            raise TypeError("a loader over an IterableDataset has no length")
+        sampler = loader._sampler
+        return sum(stop - start for start, stop in map(sampler._share, range(sampler.steps_per_epoch)))
+
+
 class DataLoader(torch.utils.data.DataLoader):
-    """A ``torch.utils.data.DataLoader`` of this rank's share of each global batch.
+    """A ``torch.utils.data.DataLoader`` of this rank's share of each global batch, with torch's arguments.
+
+    Every argument of torch's DataLoader has torch's meaning (the README has
+    the table); ddpkit's additions are keyword-only.
 
     Args:
-        dataset: a map-style dataset (``__getitem__`` and ``__len__``).
-        global_batch_size: samples per optimizer step over all ranks; a
-            multiple of ``world_size``.
-        shuffle: False for the order 0, 1, 2, ... (evaluation: every sample
+        dataset: a map-style dataset (``__getitem__`` and ``__len__``), or an
+            ``IterableDataset`` (see :mod:`ddpkit.data.streaming`).
+        batch_size: samples per rank and step, as in torch: the global batch
+            is ``batch_size * world_size``, so the batches depend on the world
+            size (one line at start-up says so). Or pass ``global_batch_size``.
+        shuffle: True for a new order each epoch, drawn from (seed, epoch);
+            False (torch's default) for 0, 1, 2, ... (evaluation: every sample
             once, no padding).
+        sampler: a torch Sampler over the dataset's indices whose draw is an
+            epoch's global order (see :mod:`ddpkit.data.order`); a
+            DistributedSampler gives its ``shuffle`` and ``seed``.
+        batch_sampler: refused with one line: pass the order as ``sampler=``.
+        drop_last: leave out the last global batch when it is incomplete
+            (a stream: each worker's last incomplete batch, as torch).
+        generator: its ``initial_seed()`` is the seed (instead of ``seed``).
+        num_workers, collate_fn, pin_memory, timeout, worker_init_fn,
+            multiprocessing_context, prefetch_factor, persistent_workers,
+            pin_memory_device, in_order: as torch's DataLoader.
+        global_batch_size: samples per optimizer step over all ranks (a
+            multiple of ``world_size``): the same batches at any world size.
         seed: seed of the sample order, of per-sample randomness and of the
-            workers' base seed.
+            workers' base seed (default 0).
         rank: this process's rank; by default torch.distributed's, or 0.
         world_size: number of ranks; by default torch.distributed's, or 1.
-        num_workers, collate_fn, pin_memory, persistent_workers,
-            prefetch_factor, worker_init_fn, timeout, multiprocessing_context:
-            as torch's DataLoader.
         seed_per_sample: seed the python, numpy and torch CPU generators from
             (seed, epoch, index) before each ``dataset[index]``; False to skip
             (no randomness in ``__getitem__``, or its own generator).
 
     ``loader.dataset`` is a :class:`SeededDataset` around ``dataset`` (the
     original is ``loader.dataset.dataset``), except on the TensorDataset fast
-    path, where it is ``dataset`` itself.
+    path, where it is ``dataset`` itself, and for a stream, where it is a
+    :class:`~ddpkit.data.streaming.StreamShard` (``loader.dataset.dataset``).
+    ``loader.sampler.set_epoch(n)`` is ``loader.set_epoch(n)``.
 
     Epochs and the position: the loader is at (``epoch``, ``step_in_epoch``).
     ``set_epoch(n)`` chooses the epoch, in any numbering; a loop that never
@@ -306,56 +359,64 @@ class DataLoader(torch.utils.data.DataLoader):
     handed to the loop by the newest iterator.
 
     Raises:
-        ValueError: an IterableDataset or a dataset without ``__len__``, or a
-            global batch that does not divide among ``world_size`` ranks.
+        ValueError: a dataset that is neither map-style nor iterable, a global
+            batch that does not divide among ``world_size`` ranks, or an
+            argument combination refused (one line naming the ddpkit form).
     """
 
     def __init__(
         self,
         dataset: Dataset,
-        global_batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
+        batch_size: int | None = BATCH_SIZE_DEFAULT,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
-        persistent_workers: bool = False,
-        prefetch_factor: int | None = None,
-        worker_init_fn: Callable[[int], None] | None = None,
+        drop_last: bool = False,
         timeout: float = 0,
-        seed_per_sample: bool = True,
+        worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        global_batch_size: int | None = None,
+        seed: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed_per_sample: bool = True,
     ):
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise UserError(
-                "ddpkit.DataLoader needs a map-style Dataset (__getitem__ and __len__); "
-                f"{type(dataset).__name__} is not one, and an IterableDataset cannot be resumed at another "
-                "world size (its order is not a function of the sample index); wrap your data in a map-style Dataset"
-            )
-        sampler = GlobalBatchSampler(len(dataset), global_batch_size, rank, world_size, seed, shuffle)
-        # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
-        self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
-        if not self._tensor_fast_path:
-            dataset = SeededDataset(dataset, seed, seed_per_sample)
-        super().__init__(
-            dataset,
-            batch_sampler=_KeyBatchSampler(sampler),
-            num_workers=num_workers,
-            collate_fn=_Collate(collate_fn or default_collate),
-            pin_memory=pin_memory and not self._tensor_fast_path,
-            timeout=timeout,
-            worker_init_fn=_WorkerInit(worker_init_fn),
-            multiprocessing_context=multiprocessing_context,
+        refuse_batch_sampler(batch_sampler)
+        rank, world_size = rank_and_world(rank, world_size)
+        global_batch_size = global_batch(batch_size, global_batch_size, world_size, rank)
+        seed = loader_seed(seed, generator)
+        torch_arguments = dict(
+            num_workers=num_workers, pin_memory=pin_memory, timeout=timeout,
+            worker_init_fn=_WorkerInit(worker_init_fn), multiprocessing_context=multiprocessing_context,
             # Drawing the workers' base seed from its own generator, never from torch's global one:
             # a resumed run draws the same dropout masks as an uninterrupted one.
-            generator=torch.Generator().manual_seed(seed),
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
+            generator=torch.Generator().manual_seed(seed), prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        self._sampler = sampler
+        self._sampler: GlobalBatchSampler | None = None
+        self._stream: Stream | None = None
+        self._follow: DistributedSampler | None = sampler if isinstance(sampler, DistributedSampler) else None
+        self._followed_epoch = self._follow.epoch if self._follow is not None else None
+        if isinstance(dataset, IterableDataset):
+            refuse_for_streaming(shuffle, sampler, persistent_workers, num_workers)
+            self._init_stream(dataset, global_batch_size, rank, world_size, drop_last, collate_fn, torch_arguments)
+        else:
+            self._init_map_style(dataset, global_batch_size, rank, world_size, drop_last, collate_fn, torch_arguments,
+                                 shuffle=shuffle, sampler=sampler, seed=seed, seed_per_sample=seed_per_sample)
+        # torch's attributes, read by tools that inspect loaders; torch forbids setting them once built.
+        object.__setattr__(self, "sampler", _LoaderSampler(self, sampler))
+        object.__setattr__(self, "batch_size", global_batch_size // world_size)
+        object.__setattr__(self, "drop_last", drop_last)
+        self._rank, self._world_size, self._global_batch_size = rank, world_size, global_batch_size
         self._seed = seed
         self._global_count: int | None = None
         # The position (see "Epochs and the position" in the class docstring).
@@ -370,10 +431,48 @@ class DataLoader(torch.utils.data.DataLoader):
         the points where the loop's body is complete (the Checkpointer writes its checkpoints there)."""
         self._sample_bytes: int | None = None  # of one sample, read before the workers first start
 
+    def _init_map_style(self, dataset: Dataset, global_batch_size: int, rank: int, world_size: int,
+                        drop_last: bool, collate_fn: Callable[[list[Any]], Any] | None,
+                        torch_arguments: dict[str, Any], *, shuffle: bool | None, sampler: Any, seed: int,
+                        seed_per_sample: bool) -> None:
+        if not hasattr(dataset, "__len__"):
+            raise UserError(
+                f"ddpkit.DataLoader needs a map-style Dataset (__getitem__ and __len__) or an IterableDataset; "
+                f"{type(dataset).__name__} is neither: give it __len__, or make it a torch IterableDataset"
+            )
+        shuffle, seed, order = read_sampler(sampler, shuffle, seed, len(dataset), rank, world_size)
+        self._sampler = GlobalBatchSampler(len(dataset), global_batch_size, rank, world_size, seed, shuffle,
+                                           drop_last=drop_last, order=order)
+        num_workers = torch_arguments["num_workers"]
+        # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
+        self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
+        if not self._tensor_fast_path:
+            dataset = SeededDataset(dataset, seed, seed_per_sample)
+        torch_arguments["pin_memory"] = torch_arguments["pin_memory"] and not self._tensor_fast_path
+        super().__init__(dataset, batch_sampler=_KeyBatchSampler(self._sampler),
+                         collate_fn=_Collate(collate_fn or default_collate), **torch_arguments)
+
+    def _init_stream(self, dataset: IterableDataset, global_batch_size: int, rank: int, world_size: int,
+                     drop_last: bool, collate_fn: Callable[[list[Any]], Any] | None,
+                     torch_arguments: dict[str, Any]) -> None:
+        if global_batch_size % world_size:
+            raise UserError(f"global batch size {global_batch_size} does not divide among {world_size} workers; "
+                            f"use a global_batch_size that is a multiple of {world_size}")
+        self._tensor_fast_path = False
+        shard = StreamShard(dataset, rank, world_size, global_batch_size // world_size, drop_last,
+                            collate_fn or default_collate)
+        self._stream = Stream(shard, torch_arguments["num_workers"])
+        super().__init__(shard, batch_size=None, collate_fn=passed_on, **torch_arguments)
+
     # -- iteration ----------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's batches of the current epoch, from the epoch's start (or restored) step on."""
+        follow = self._follow
+        if follow is not None and follow.epoch != self._followed_epoch:
+            # The script called set_epoch on the DistributedSampler it passed (pytorch/examples' habit).
+            self._followed_epoch = follow.epoch
+            self.set_epoch(follow.epoch)
         if self._epoch_done:
             # A new pass: the next epoch when the loop never calls set_epoch, else the same epoch again.
             self._epoch += 0 if self._epochs_set else 1
@@ -382,16 +481,21 @@ class DataLoader(torch.utils.data.DataLoader):
         self._step_in_epoch = start
         if self._tensor_fast_path:
             return self._hand_out(self._tensor_batches(epoch, start))
-        self.batch_sampler.epoch, self.batch_sampler.start = epoch, start
+        if self._stream is not None:
+            self._stream.shard.epoch = epoch
+        else:
+            self.batch_sampler.epoch, self.batch_sampler.start = epoch, start
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
         self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
-        if self.num_workers and self._sample_bytes is None:
-            self._check_shared_memory(epoch)
+        if self.num_workers and self._sample_bytes is None and self._stream is None:
+            self._check_shared_memory(epoch)  # (a stream's samples cannot be read ahead of its workers)
         batches = super().__iter__()
         if hasattr(batches, "_shutdown_workers"):
             _LIVE_WORKER_ITERATORS.add(batches)
             _WORKER_PROCESSES.update(batches._workers)
             _shut_down_workers_at_exit()
+        if self._stream is not None:
+            return self._hand_out_stream(batches, epoch, start)
         return self._hand_out(batches)
 
     def _check_shared_memory(self, epoch: int) -> None:
@@ -430,6 +534,27 @@ class DataLoader(torch.utils.data.DataLoader):
             yield batch
         self._epoch_done, self._start_step, self._resumed_epoch = True, 0, None
 
+    def _hand_out_stream(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
+        # As _hand_out; each worker's position is kept once its batch reaches the loop.
+        stream = self._stream
+        stream.positions, stream.known_steps = dict(stream.shard.start), None
+        agreed = stream.agreed(iter(batches), epoch, start)
+        while True:
+            if self.between_batches is not None:
+                self.between_batches()
+            item = next(agreed, None)
+            if item is None:
+                break
+            batch, worker, position, self._global_count, last = item
+            stream.positions[worker] = position
+            self._step_in_epoch += 1
+            if last:
+                stream.known_steps = self._step_in_epoch
+            yield batch
+        stream.known_steps = self._step_in_epoch
+        stream.shard.start = {}
+        self._epoch_done, self._start_step, self._resumed_epoch = True, 0, None
+
     def _tensor_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
         # index_select, not tensor[indices]: advanced indexing of a 4-D tensor costs several times more.
         tensors = self.dataset.tensors
@@ -453,7 +578,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """
         if self._global_count is None:
             raise RuntimeError("global_mean scales the loss of a batch; call it after taking a batch from the loader")
-        return loss_sum * (self._sampler.world_size / self._global_count)
+        return loss_sum * (self._world_size / self._global_count)
 
     # -- position -----------------------------------------------------------
 
@@ -462,7 +587,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
         A new epoch starts at step 0; the epoch of a position just restored
         keeps its step, so ``for epoch in range(start.epoch, n): loader.set_epoch(epoch)``
-        continues mid-epoch.
+        continues mid-epoch. ``loader.sampler.set_epoch(epoch)`` is the same call.
 
         Raises:
             ValueError: right after ``load_state_dict``, an epoch other than the
@@ -475,6 +600,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._epochs_set = True
         if epoch != self._epoch:
             self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, 0, 0, False
+            if self._stream is not None:
+                self._stream.shard.start = {}
 
     def _epoch_mismatch(self, epoch: int) -> str:
         resumed = self._resumed_epoch
@@ -489,6 +616,16 @@ class DataLoader(torch.utils.data.DataLoader):
                 f"for epoch in range(start.epoch, epochs) (epochs numbered from 1: resume(..., first_epoch=1) "
                 f"and range(start.epoch, epochs + 1))")
 
+    @property
+    def streaming(self) -> bool:
+        """True for a loader over an IterableDataset (its epoch's length is known at its end)."""
+        return self._stream is not None
+
+    @property
+    def state_dict_is_collective(self) -> bool:
+        """True when ``state_dict()`` is a collective (a stream on several ranks): call it on every rank."""
+        return self._stream is not None and self._stream.collective
+
     def state_dict(self) -> dict[str, Any]:
         """The position in batches handed out, and the parameters that must match to restore it.
 
@@ -497,8 +634,14 @@ class DataLoader(torch.utils.data.DataLoader):
         evaluation) may have run, and a restored loader starts the next epoch.
         Before that, a restored loader re-enters the epoch with no batches
         left, so that code runs again, as in the uninterrupted run.
+
+        For a stream on several ranks it gathers every rank's worker positions
+        (``state_dict_is_collective``): call it on every rank.
         """
-        state = self._sampler.state_dict()
+        if self._stream is not None:
+            state = {"global_batch_size": self._global_batch_size, "stream": self._stream.state_dict()}
+        else:
+            state = self._sampler.state_dict()
         state.update(epoch=self._epoch, step_in_epoch=self._step_in_epoch, epoch_done=self._epoch_done)
         return state
 
@@ -507,14 +650,25 @@ class DataLoader(torch.utils.data.DataLoader):
 
         Raises:
             ValueError: the state was saved with another dataset size, global
-                batch size, seed or shuffle.
+                batch size, seed, shuffle or drop_last, by a loader of the other
+                kind (map-style, stream), or mid-epoch over a stream without state.
         """
-        self._sampler.check_state(state)
+        if (self._stream is None) == ("stream" in state):
+            kinds = ("an IterableDataset", "a map-style dataset")
+            saved, here = kinds if "stream" in state else kinds[::-1]
+            raise UserError(f"the loader state was saved by a loader over {saved} and this loader reads {here}; "
+                            "resume with the dataset it was saved with")
         epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
-        assert 0 <= step <= self.steps_per_epoch, f"step_in_epoch {step} of {self.steps_per_epoch}"
-        # Saved before epoch_done existed: an epoch whose batches were all handed out was complete.
-        if state.get("epoch_done", step == self.steps_per_epoch):
-            epoch, step = epoch + 1, 0
+        if self._stream is not None:
+            done = bool(state["epoch_done"])
+            epoch, step = (epoch + 1, 0) if done else (epoch, step)
+            step = self._stream.load_state_dict(state["stream"], epoch, step)
+        else:
+            self._sampler.check_state(state)
+            assert 0 <= step <= self.steps_per_epoch, f"step_in_epoch {step} of {self.steps_per_epoch}"
+            # Saved before epoch_done existed: an epoch whose batches were all handed out was complete.
+            if state.get("epoch_done", step == self.steps_per_epoch):
+                epoch, step = epoch + 1, 0
         self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, step, step, False
         self._resumed_epoch = epoch
         self._global_count = None
@@ -536,7 +690,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global batches per epoch, the last one possibly partial."""
+        """Global batches per epoch, the last one possibly partial.
+
+        For a stream, known once the epoch's last batch has been handed out;
+        before that, ``step_in_epoch + 1`` (a batch is read ahead, so at least
+        one more follows).
+        """
+        if self._stream is not None:
+            return self._stream.steps_per_epoch(self._step_in_epoch)
         return self._sampler.steps_per_epoch
 
     @property
@@ -547,14 +708,14 @@ class DataLoader(torch.utils.data.DataLoader):
     @property
     def global_batch_size(self) -> int:
         """Samples per step, over all ranks."""
-        return self._sampler.global_batch_size
+        return self._global_batch_size
 
     @property
     def rank(self) -> int:
         """This process's rank."""
-        return self._sampler.rank
+        return self._rank
 
     @property
     def world_size(self) -> int:
         """Number of ranks."""
-        return self._sampler.world_size
+        return self._world_size

@@ -35,7 +35,7 @@ into a batch with zero rows so every rank runs the same number of steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
@@ -66,6 +66,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         world_size: number of ranks; by default torch.distributed's, or 1.
         seed: seed of the sample order.
         shuffle: False for the order 0, 1, 2, ... (evaluation).
+        drop_last: leave out the last global batch when it is incomplete.
+        order: the global order of an epoch, ``order(epoch)`` an int64
+            tensor of ``len(order)`` dataset indices (a user's sampler drawn
+            by :class:`ddpkit.data.order.SamplerOrder`); it replaces the
+            permutation and ``num_samples``.
 
     Raises:
         ValueError: ``global_batch_size`` is not a positive multiple of
@@ -80,6 +85,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         world_size: int | None = None,
         seed: int = 0,
         shuffle: bool = True,
+        drop_last: bool = False,
+        order: (Callable[[int], torch.Tensor] | Sized) | None = None,
     ):
         super().__init__()
         initialized = dist.is_available() and dist.is_initialized()
@@ -94,7 +101,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
             )
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is not in [0, {world_size}); pass a rank below world_size")
-        self.num_samples = num_samples
+        self.order = order
+        self.num_samples = len(order) if order is not None else num_samples  # type: ignore[arg-type]
+        self.drop_last = drop_last
         self.global_batch_size = global_batch_size
         self.rank = rank
         self.world_size = world_size
@@ -108,7 +117,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global batches per epoch, the last one possibly partial."""
+        """Global batches per epoch, the last one possibly partial (left out with ``drop_last``)."""
+        if self.drop_last:
+            return self.num_samples // self.global_batch_size
         return -(-self.num_samples // self.global_batch_size)
 
     def __len__(self) -> int:
@@ -121,7 +132,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return min(self.global_batch_size, self.num_samples - start)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """All sample indices of ``epoch`` in order: the permutation, or 0..n-1 without shuffle."""
+        """All sample indices of ``epoch`` in order: the sampler's draw, the permutation, or 0..n-1."""
+        if self.order is not None:
+            return self.order(epoch)  # type: ignore[operator]
         if self.shuffle:
             return epoch_permutation(self.num_samples, self.seed, epoch)
         return torch.arange(self.num_samples)
@@ -225,8 +238,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
             ("global_batch_size", "create the sampler with global_batch_size={}"),
             ("seed", "create the sampler with seed={}"),
             ("shuffle", "create the sampler with shuffle={}"),
+            ("drop_last", "create the sampler with drop_last={}"),
         ):
-            saved, here = state[name], getattr(self, name)
+            saved, here = state.get(name, False), getattr(self, name)  # states saved before drop_last had none
             if saved != here:
                 raise UserError(
                     f"sampler state was saved with {name}={saved} but this sampler has {name}={here}; "
@@ -248,6 +262,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             "global_batch_size": self.global_batch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -76,10 +76,10 @@ def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, t
     model = prepare_model(model, allreduce=cfg.allreduce, grad_sync=cfg.grad_sync, sync_batchnorm=cfg.sync_batchnorm)
     optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
     batch = global_batch_size(cfg, ctx.world_size)
-    loader = DataLoader(train_set, batch, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
+    loader = DataLoader(train_set, global_batch_size=batch, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
                         persistent_workers=cfg.num_workers > 0)
     eval_batch = EVAL_BATCH_PER_WORKER * ctx.world_size
-    test_loader = DataLoader(test_set, eval_batch, shuffle=False, num_workers=cfg.num_workers)
+    test_loader = DataLoader(test_set, global_batch_size=eval_batch, shuffle=False, num_workers=cfg.num_workers)
     steps = cfg.epochs * loader.steps_per_epoch
     scheduler = build_scheduler(cfg.lr_schedule, optimizer, min(steps, cfg.max_steps or steps), loader.steps_per_epoch,
                                 cfg.warmup_steps, cfg.lr_step_epochs, cfg.lr_gamma)
@@ -88,7 +88,7 @@ def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, t
     trainer = Trainer(cfg, ctx, model, optimizer, loader, test_loader, task, scheduler, scaler,
                       dataset_name=cfg.dataset, state=TrainState(tracker=build_tracker(cfg)))
     if cfg.eval_train:
-        trainer.train_loader_for_eval = DataLoader(train_set, eval_batch, shuffle=False, num_workers=cfg.num_workers)
+        trainer.train_loader_for_eval = DataLoader(train_set, global_batch_size=eval_batch, shuffle=False, num_workers=cfg.num_workers)
     trainer.checkpointer = _checkpointer(cfg, trainer)
     if trainer.checkpointer is not None:
         try:
