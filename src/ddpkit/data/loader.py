@@ -41,6 +41,7 @@ A training loop that resumes::
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing.util
 import os
 import random
@@ -296,7 +297,9 @@ class _LoaderSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         loader = self._loader()
         if loader._sampler is None:
-            raise TypeError("a loader over an IterableDataset has no sample indices; iterate the loader")
+            # A stream has no indices: torch's loader reads this as its _InfiniteConstantSampler.
+            yield from itertools.repeat(None)
+            return
         for share in loader._sampler.shares(loader.epoch, loader._start_step):
             yield from share
 
