@@ -1,0 +1,195 @@
+"""Streams through ddpkit.DataLoader: sharding, resume, uneven ends; Hugging Face datasets, map-style and streaming.
+
+The first tests simulate ranks (one loader per rank with explicit rank= and
+world_size=, no process group). The launched ones run tests/data/scripts/
+own_data.py, a user's loop with a Checkpointer, under ``ddpkit run`` with 2
+real gloo ranks, all launches of the module forked from one worker server (in
+one module fixture): an HF streaming dataset (4 shards, 2 loader workers per
+rank) uninterrupted, stopped mid-epoch and resumed at 2 and at 1 rank, and a
+stream whose ranks run out at different steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import shutil
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from ddpkit.data.loader import DataLoader
+from ddpkit.errors import UserError
+from tests.helpers.launch_in_process import Commands
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "own_data.py"
+
+
+class Numbers(IterableDataset):
+    """0, 1, ..., n - 1; with ``stateful``, the torchdata Stateful protocol (state_dict/load_state_dict)."""
+
+    def __init__(self, n: int):
+        self.n, self.next = n, 0
+
+    def __iter__(self):
+        start, self.next = self.next, 0  # a loaded position serves one pass
+        for i in range(start, self.n):
+            self.next = i + 1
+            yield i
+
+
+class StatefulNumbers(Numbers):
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+
+def _samples(loader):
+    return [i for batch in loader for i in batch.tolist()]
+
+
+@pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 0), (2, 2), (3, 2)])
+def test_a_plain_stream_is_dealt_round_robin_every_sample_to_one_rank(world_size, num_workers):
+    per_rank = [_samples(DataLoader(Numbers(50), batch_size=3, rank=r, world_size=world_size, num_workers=num_workers))
+                for r in range(world_size)]
+    assert sorted(i for samples in per_rank for i in samples) == list(range(50))
+    stride = world_size * max(num_workers, 1)
+    for rank, samples in enumerate(per_rank):  # each of the rank's workers keeps its own residues
+        assert {i % stride for i in samples} <= set(range(rank * max(num_workers, 1), (rank + 1) * max(num_workers, 1)))
+
+
+def test_drop_last_drops_each_workers_incomplete_batch():
+    batches = list(DataLoader(Numbers(10), batch_size=4, drop_last=True, num_workers=2))
+    assert [len(b) for b in batches] == [4, 4]  # each worker reads 5 of 10: one full batch each
+
+
+def test_a_stateless_stream_refuses_a_mid_epoch_resume_in_one_line():
+    loader = DataLoader(Numbers(20), batch_size=4)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    with pytest.raises(UserError) as error:
+        DataLoader(Numbers(20), batch_size=4).load_state_dict(state)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "saved mid-epoch (epoch 0, step 1) and Numbers has no state_dict()/load_state_dict()" in message
+    assert "checkpoint at epoch ends only" in message
+    list(batches)  # at an epoch's end the same stream resumes: the next epoch starts over
+    resumed = DataLoader(Numbers(20), batch_size=4)
+    resumed.load_state_dict(loader.state_dict())
+    assert (resumed.epoch, resumed.step_in_epoch) == (1, 0) and _samples(resumed) == list(range(20))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_stream_resumes_where_the_loop_stopped(num_workers):
+    loader = DataLoader(StatefulNumbers(40), batch_size=3, num_workers=num_workers)
+    batches = iter(loader)
+    taken = [i for _ in range(5) for i in next(batches).tolist()]
+    state = loader.state_dict()
+    batches.close()  # shuts the workers down now
+    resumed = DataLoader(StatefulNumbers(40), batch_size=3, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    rest = _samples(resumed)
+    assert sorted(taken + rest) == list(range(40))
+    assert resumed.step_in_epoch == resumed.steps_per_epoch == len(_batches_of(40, 3, num_workers))
+
+
+def _batches_of(n, batch_size, num_workers):
+    """The batches torch's loader makes of a stream of n dealt to num_workers workers (one list each)."""
+    shares = [list(range(w, n, max(num_workers, 1))) for w in range(max(num_workers, 1))]
+    return [share[k:k + batch_size] for share in shares for k in range(0, len(share), batch_size)]
+
+
+def test_steps_per_epoch_of_a_stream_is_known_at_its_last_batch():
+    loader = DataLoader(Numbers(10), batch_size=4)
+    seen = [(loader.step_in_epoch, loader.steps_per_epoch) for _ in loader]
+    assert seen == [(1, 2), (2, 3), (3, 3)]  # one batch read ahead: the last one is known as such
+
+
+def test_hf_map_style_dataset_in_torch_format_on_two_ranks_with_workers():
+    rows = datasets.Dataset.from_dict({"x": [[float(i), -float(i)] for i in range(37)], "id": list(range(37))})
+    dataset = rows.with_format("torch")
+    loaders = [DataLoader(dataset, batch_size=4, shuffle=True, seed=5, rank=r, world_size=2, num_workers=2)
+               for r in range(2)]
+    steps = list(zip(*loaders, strict=True))
+    assert len(steps) == 5  # global batches of 8: 4 full, then 5 rows split 3 + 2
+    batch = steps[0][0]
+    assert batch["x"].dtype == torch.float32 and batch["x"].shape == (4, 2) and batch["id"].dtype == torch.int64
+    ids = [i for step in steps for b in step for i in b["id"].tolist()]
+    assert sorted(ids) == list(range(37))
+    assert all(torch.equal(b["x"][:, 0], b["id"].float()) for step in steps for b in step)
+
+
+# -- two real ranks -----------------------------------------------------------------------------------------
+
+
+def _records(prefix: Path) -> list[tuple[int, int]]:
+    lines = [line.split() for path in sorted(prefix.parent.glob(prefix.name + ".*"))
+             for line in path.read_text().splitlines()]
+    return [(int(epoch), int(sample)) for epoch, sample in lines]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every launch of this module, on one warm worker server: {name: (completed process, records)}."""
+    seed = int(os.environ.get("DDPKIT_TEST_SEED", "0"))
+    stop = random.Random(seed).randint(1, 11)  # an HF epoch is 12 global steps (96 rows, 8 per step)
+    print(f"DDPKIT_TEST_SEED={seed}: the HF stream stops after global step {stop}")
+    folder = tmp_path_factory.mktemp("streaming")
+    runs = [("uninterrupted", "nproc=2", "hf-stream", "a", 0), ("stopped", "nproc=2", "hf-stream", "b", stop),
+            ("resumed", "nproc=2", "hf-stream", "b", 0), ("resumed_on_1", "nproc=1", "hf-stream", "c", 0),
+            ("uneven", "nproc=2", "uneven", "d", 0)]
+    results = {}
+    with Commands() as commands:
+        for name, nproc, data, run, stop_at in runs:
+            if name == "resumed_on_1":  # from the checkpoint the stopped launch wrote
+                shutil.copytree(folder / "ckpt-b-at-stop", folder / "ckpt-c")
+            env = {"RECORD": str(folder / f"{name}"), "STOP_AT_STEP": str(stop_at)}
+            out = commands.run("run", nproc, str(SCRIPT), "--data", data, "--out", str(folder / f"ckpt-{run}"),
+                               cwd=folder, env=env)
+            assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
+            if name == "stopped":
+                shutil.copytree(folder / "ckpt-b", folder / "ckpt-b-at-stop")
+            results[name] = (out, _records(folder / name))
+    return results, stop
+
+
+def test_hf_stream_on_two_ranks_with_two_workers_reads_each_sample_once_per_epoch(launched):
+    results, _ = launched
+    out, records = results["uninterrupted"]
+    counts = collections.Counter(records)
+    assert counts == {(epoch, i): 1 for epoch in (0, 1) for i in range(96)}
+    assert "batch_size=4 is per rank (as in torch), so 2 rank(s) make global batches of 8" in out.stderr
+    assert "done at global step 24" in out.stdout
+
+
+def test_hf_stream_stopped_mid_epoch_resumes_at_the_same_world_size_to_the_same_samples(launched):
+    results, stop = launched
+    stopped, resumed = results["stopped"][1], results["resumed"][1]
+    assert len(stopped) == stop * 8
+    assert collections.Counter(stopped + resumed) == collections.Counter(results["uninterrupted"][1])
+    assert f"epoch 1, step {stop}" in results["resumed"][0].stderr  # the resume line; a stream's length is unknown
+
+
+def test_hf_stream_resumed_at_another_world_size_loses_no_sample_and_says_so(launched):
+    results, stop = launched
+    out, resumed = results["resumed_on_1"]
+    assert "saved by 2 rank(s) x 2 worker(s) and this run has 1 x 2" in out.stderr
+    assert f"epoch 0 starts over: no sample is lost, the {stop} batch(es) per rank trained before" in out.stderr
+    assert collections.Counter(resumed) == {(epoch, i): 1 for epoch in (0, 1) for i in range(96)}
+
+
+def test_ranks_whose_streams_end_unevenly_end_the_epoch_together(launched):
+    results, _ = launched
+    out, records = results["uneven"]
+    # Rank 0 has 11 numbers (6 batches of 2), rank 1 has 10 (5 batches): both stop after 5 batches.
+    assert "done at global step 10" in out.stdout and out.stdout.count("done at global step 10") == 2
+    assert "1 of 2 ranks ran out of stream data after 5 batch(es)" in out.stderr
+    for epoch in (0, 1):
+        assert sorted(i for e, i in records if e == epoch) == list(range(20))  # not 20: rank 0 had it alone
