@@ -117,8 +117,8 @@ def read_sampler(sampler: Any, shuffle: bool | None, seed: int, num_samples: int
                 "pass shuffle=True"
             )
         return sampler.shuffle, sampler.seed, None
-    if type(sampler) is SequentialSampler:
-        return False, seed, None
+    if type(sampler) is SequentialSampler and len(sampler) == num_samples:
+        return False, seed, None  # 0, 1, 2, ...: ddpkit's own order without shuffle, no list to draw
     return False, seed, SamplerOrder(sampler, num_samples, seed)
 
 

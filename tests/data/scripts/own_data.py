@@ -11,9 +11,9 @@ Data (``--data``):
                 the ranks: rank 0 gets 11, rank 1 gets 10 (6 and 5 batches of 2)
     weighted    a map-style dataset of 50 samples drawn by a
                 ``WeightedRandomSampler(num_samples=58, generator=...)``,
-                batch_size=4 per rank with drop_last=True (the last global
-                batch of 2 would leave one row per rank), through a model
-                with BatchNorm in training mode
+                global_batch_size=8 with drop_last=True (the last global
+                batch of 2 would leave one row per rank on 2 ranks), through
+                a model with BatchNorm in training mode
 
 Environment: STOP_AT_STEP=k saves a checkpoint after global step k (counted
 over all launches) and exits 0; RECORD=PREFIX makes every rank append one line
@@ -73,7 +73,8 @@ def loader_and_model(data: str):
         return ddpkit.DataLoader(hf_stream(), batch_size=4, num_workers=2), nn.Linear(1, 1)
     if data == "uneven":
         return ddpkit.DataLoader(Numbers(), batch_size=2), nn.Linear(1, 1)
-    loader = ddpkit.DataLoader(Indexed(), batch_size=4, sampler=weighted_sampler(), drop_last=True,
+    # global_batch_size: the same global batches at any world size, so a resume at another one is exact.
+    loader = ddpkit.DataLoader(Indexed(), global_batch_size=8, sampler=weighted_sampler(), drop_last=True,
                                seed=WEIGHTED_SEED)
     return loader, nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
 
