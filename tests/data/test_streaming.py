@@ -126,6 +126,26 @@ def test_hf_map_style_dataset_in_torch_format_on_two_ranks_with_workers():
     assert all(torch.equal(b["x"][:, 0], b["id"].float()) for step in steps for b in step)
 
 
+def _noisy(batch):
+    """An HF transform drawing from torch's global generator, run on the batch HF reads."""
+    return {"id": batch["id"], "noise": torch.rand(len(batch["id"])).tolist()}
+
+
+def test_an_hf_dataset_is_read_a_batch_per_call_with_reproducible_transforms():
+    dataset = datasets.Dataset.from_dict({"id": list(range(20))})
+    dataset.set_transform(_noisy)
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    runs = []
+    for _ in range(2):
+        loader = DataLoader(dataset, batch_size=4, shuffle=True, seed=3, rank=0, world_size=2)
+        runs.append({i: n for batch in loader for i, n in zip(batch["id"].tolist(), batch["noise"].tolist())})
+    assert type(loader.dataset).__name__ == "BatchReadDataset"
+    assert runs[0] == runs[1] and len(runs[0]) == 10 and len(set(runs[0].values())) == 10
+    assert torch.equal(torch.rand(3), expected)  # the loop's own draws are as if no loader ran
+
+
 # -- two real ranks -----------------------------------------------------------------------------------------
 
 

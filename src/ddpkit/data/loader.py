@@ -66,7 +66,7 @@ try:
 except ImportError:  # numpy is optional for torch, and so here
     np = None
 
-__all__ = ["DataLoader", "SeededDataset"]
+__all__ = ["BatchReadDataset", "DataLoader", "SeededDataset"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -162,6 +162,48 @@ class _Collate:
         if type(samples[0]) is _Template:
             return _zero_rows(self.collate_fn([samples[0].sample]))
         return self.collate_fn(samples)
+
+
+class BatchReadDataset(SeededDataset):
+    """A dataset with a ``__getitems__`` of its own, read one batch per call, as torch's loader reads it.
+
+    A Hugging Face ``datasets.Dataset`` reads a batch of rows in one Arrow
+    call (its transforms run on the batch); one ``dataset[index]`` per sample
+    would cost several times more. Per-sample seeding cannot reach inside one
+    call, so with ``seed_per_sample`` the generators are seeded once per
+    batch from (seed, epoch, the batch's first index): draws are reproducible,
+    and a resume at the same world size exact, but they depend on how the
+    global batch is split among ranks. Only ``__getitems__`` differs from
+    :class:`SeededDataset`.
+    """
+
+    def __getitems__(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
+        """The samples of one batch's keys, from one ``dataset.__getitems__`` call."""
+        indices = [index for _, index, _ in keys]
+        if not self.seed_per_sample:
+            samples = self.dataset.__getitems__(indices)
+        elif get_worker_info() is not None:
+            samples = self._seeded_batch(keys[0][0], indices)
+        else:
+            states = torch.default_generator.get_state(), random.getstate(), np and np.random.get_state()
+            try:
+                samples = self._seeded_batch(keys[0][0], indices)
+            finally:
+                torch.default_generator.set_state(states[0])
+                random.setstate(states[1])
+                if np is not None:
+                    np.random.set_state(states[2])
+        if keys[0][2]:
+            return [_Template(samples[0])]
+        return samples
+
+    def _seeded_batch(self, epoch: int, indices: list[int]) -> list[Any]:
+        seed = _mix(_mix(_mix(self.seed) + epoch) + indices[0])
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        if np is not None:
+            np.random.seed(seed >> 32)
+        return self.dataset.__getitems__(indices)
 
 
 def _zero_rows(batch: Any) -> Any:
@@ -450,7 +492,8 @@ class DataLoader(torch.utils.data.DataLoader):
         # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
         self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
         if not self._tensor_fast_path:
-            dataset = SeededDataset(dataset, seed, seed_per_sample)
+            reader = BatchReadDataset if callable(getattr(dataset, "__getitems__", None)) else SeededDataset
+            dataset = reader(dataset, seed, seed_per_sample)
         torch_arguments["pin_memory"] = torch_arguments["pin_memory"] and not self._tensor_fast_path
         super().__init__(dataset, batch_sampler=_KeyBatchSampler(self._sampler),
                          collate_fn=_Collate(collate_fn or default_collate), **torch_arguments)
