@@ -262,3 +262,22 @@ def test_refuses_a_state_of_another_dataset():
 def test_global_mean_needs_a_batch():
     with pytest.raises(RuntimeError, match="after taking a batch"):
         DataLoader(IndexDataset(10), global_batch_size=4).global_mean(torch.tensor(1.0))
+
+
+def test_a_subset_keeps_per_sample_seeding_and_a_batch_reader_is_read_a_batch_per_call():
+    class Batched(IndexDataset):
+        calls = 0
+
+        def __getitems__(self, indices):
+            Batched.calls += 1
+            return list(indices)
+
+    subset = torch.utils.data.Subset(NoisyDataset(23), range(23))
+    loader = DataLoader(subset, global_batch_size=6, shuffle=True, seed=9)
+    assert type(loader.dataset) is SeededDataset  # torch's Subset reads a sample at a time
+    assert _values_by_index([[b] for b in loader]) == _values_by_index(_epoch(_ranks(NoisyDataset(23), 6, 1, seed=9)))
+    loader = DataLoader(torch.utils.data.Subset(Batched(20), range(20)), global_batch_size=8)
+    assert type(loader.dataset).__name__ == "BatchReadDataset"
+    assert [b.tolist() for b in loader] == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
+    assert Batched.calls == 3
+

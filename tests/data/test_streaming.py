@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
+from ddpkit.data.arrow import arrow_batch_reader
 from ddpkit.data.loader import DataLoader
 from ddpkit.errors import UserError
 from tests.helpers.launch_in_process import Commands
@@ -79,7 +80,7 @@ def test_a_stateless_stream_refuses_a_mid_epoch_resume_in_one_line():
     message = str(error.value)
     assert "\n" not in message
     assert "saved mid-epoch (epoch 0, step 1) and Numbers has no state_dict()/load_state_dict()" in message
-    assert "checkpoint at epoch ends only" in message
+    assert "resume from a checkpoint taken at an epoch's end" in message
     list(batches)  # at an epoch's end the same stream resumes: the next epoch starts over
     resumed = DataLoader(Numbers(20), batch_size=4)
     resumed.load_state_dict(loader.state_dict())
@@ -124,6 +125,43 @@ def test_hf_map_style_dataset_in_torch_format_on_two_ranks_with_workers():
     ids = [i for step in steps for b in step for i in b["id"].tolist()]
     assert sorted(ids) == list(range(37))
     assert all(torch.equal(b["x"][:, 0], b["id"].float()) for step in steps for b in step)
+
+
+def test_an_hf_dataset_in_torch_format_is_read_collated_as_default_collate_would_make_it():
+    rows = {"x": [[float(i), -float(i)] for i in range(26)], "id": list(range(26)), "name": [str(i) for i in range(26)]}
+    dataset = datasets.Dataset.from_dict(rows).with_format("torch")
+    for world_size in (2, 4):  # 4: the last global batch of 2 leaves two ranks an empty share
+        collated = [DataLoader(dataset, global_batch_size=12, shuffle=True, rank=r, world_size=world_size)
+                    for r in range(world_size)]
+        by_rows = [DataLoader(dataset, global_batch_size=12, shuffle=True, rank=r, world_size=world_size,
+                              collate_fn=torch.utils.data.default_collate) for r in range(world_size)]
+        assert type(collated[0].dataset).__name__ == "ArrowBatchDataset"
+        assert type(by_rows[0].dataset).__name__ == "BatchReadDataset"
+        for fast, slow in zip(zip(*collated, strict=True), zip(*by_rows, strict=True), strict=True):
+            for a, b in zip(fast, slow, strict=True):
+                assert a.keys() == b.keys() and a["name"] == b["name"]
+                assert torch.equal(a["x"], b["x"]) and torch.equal(a["id"], b["id"]) and a["x"].shape[1:] == (2,)
+    last = list(zip(*[DataLoader(dataset, global_batch_size=12, rank=r, world_size=4) for r in range(4)]))[-1]
+    assert [len(b["id"]) for b in last] == [1, 1, 0, 0] and last[3]["x"].shape == (0, 2) and last[3]["name"] == []
+
+
+def test_columns_of_numbers_are_read_from_arrow_as_hfs_own_formatter_reads_them():
+    rows = {"pixels": [[i % 256] * 6 for i in range(40)], "label": [i % 10 for i in range(40)],
+            "weight": [i / 7 for i in range(40)], "flag": [i % 2 == 0 for i in range(40)]}
+    features = datasets.Features({"pixels": datasets.Sequence(datasets.Value("uint8"), length=6),
+                                  "label": datasets.ClassLabel(num_classes=10), "weight": datasets.Value("float32"),
+                                  "flag": datasets.Value("bool")})
+    base = datasets.Dataset.from_dict(rows, features=features)
+    indices = [29, 2, 17, 17, 5]
+    for dataset in (base.with_format("torch"), base.shuffle(seed=1).select(range(30)).with_format("torch"),
+                    base.with_format("torch", columns=["pixels", "label"])):
+        read = arrow_batch_reader(dataset)
+        assert read is not None
+        fast, hf = read(indices), dataset[indices]
+        assert fast.keys() == hf.keys()
+        assert all(fast[k].dtype == hf[k].dtype and torch.equal(fast[k], hf[k]) for k in hf)
+    strings = datasets.Dataset.from_dict({"text": ["a", "b"]}).with_format("torch")
+    assert arrow_batch_reader(strings) is None and arrow_batch_reader(base.with_format("numpy")) is None
 
 
 def _noisy(batch):

@@ -1,9 +1,16 @@
 """``ddpkit.DataLoader``: a torch DataLoader of global batches that resumes at any world size.
 
-A real ``torch.utils.data.DataLoader`` over any map-style Dataset. Its batch
-sampler is :class:`~ddpkit.data.sampler.GlobalBatchSampler`: every optimizer
-step takes one global batch, split across the ranks, the same samples in the
-same order whatever the world size. What it adds to torch's loader:
+A real ``torch.utils.data.DataLoader`` with torch's arguments and their
+meaning (:mod:`ddpkit.data.arguments` reads them: ``batch_size`` per rank,
+``sampler``, ``drop_last``, ``generator``...). Over a map-style Dataset its
+batch sampler is :class:`~ddpkit.data.sampler.GlobalBatchSampler`: every
+optimizer step takes one global batch, split across the ranks, the same
+samples in the same order whatever the world size (with ``global_batch_size``;
+``batch_size`` is per rank, so the global batch grows with the world size).
+The order is a permutation, 0, 1, 2, ..., or a user's sampler drawn from
+(seed, epoch) (:mod:`ddpkit.data.order`). An ``IterableDataset`` is sharded
+and resumed as :mod:`ddpkit.data.streaming` says. What it adds to torch's
+loader:
 
 - ``state_dict()`` / ``load_state_dict()``: the position in batches handed to
   the loop (not the sampler's, which runs ahead with workers' prefetch); load
@@ -45,6 +52,7 @@ import itertools
 import multiprocessing.util
 import os
 import random
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -55,6 +63,7 @@ from torch.utils.data import (Dataset, DistributedSampler, IterableDataset, Samp
                               get_worker_info)
 
 from ddpkit.data import shm_budget
+from ddpkit.data.arrow import arrow_batch_reader
 from ddpkit.data.arguments import (BATCH_SIZE_DEFAULT, global_batch, loader_seed, rank_and_world, read_sampler,
                                    refuse_batch_sampler, refuse_for_streaming)
 from ddpkit.data.sampler import GlobalBatchSampler
@@ -66,7 +75,7 @@ try:
 except ImportError:  # numpy is optional for torch, and so here
     np = None
 
-__all__ = ["BatchReadDataset", "DataLoader", "SeededDataset"]
+__all__ = ["ArrowBatchDataset", "BatchReadDataset", "DataLoader", "SeededDataset"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -159,9 +168,22 @@ class _Collate:
         self.collate_fn = collate_fn
 
     def __call__(self, samples: list[Any]) -> Any:
-        if type(samples[0]) is _Template:
-            return _zero_rows(self.collate_fn([samples[0].sample]))
+        first = samples[0]
+        if type(first) is _Template:
+            sample = first.sample
+            return _zero_rows(sample.batch if type(sample) is _Collated else self.collate_fn([sample]))
+        if type(first) is _Collated:
+            return first.batch
         return self.collate_fn(samples)
+
+
+class _Collated:
+    """A batch the dataset read already collated (:class:`ArrowBatchDataset`): the collate step passes it on."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
 
 
 class BatchReadDataset(SeededDataset):
@@ -181,7 +203,7 @@ class BatchReadDataset(SeededDataset):
         """The samples of one batch's keys, from one ``dataset.__getitems__`` call."""
         indices = [index for _, index, _ in keys]
         if not self.seed_per_sample:
-            samples = self.dataset.__getitems__(indices)
+            samples = self._read(indices)
         elif get_worker_info() is not None:
             samples = self._seeded_batch(keys[0][0], indices)
         else:
@@ -203,7 +225,53 @@ class BatchReadDataset(SeededDataset):
         random.seed(seed)
         if np is not None:
             np.random.seed(seed >> 32)
+        return self._read(indices)
+
+    def _read(self, indices: list[int]) -> list[Any]:
         return self.dataset.__getitems__(indices)
+
+
+class ArrowBatchDataset(BatchReadDataset):
+    """A Hugging Face ``datasets.Dataset`` in torch format, with torch's default collate: read collated.
+
+    ``dataset[indices]`` is already the batch default_collate would make of
+    the rows (a dict of stacked tensors; lists for strings). HF's
+    ``__getitems__`` splits it into row dicts, which default_collate then
+    stacks again: a third of the loader's time on W1-sized rows. Columns of
+    numbers are read straight from Arrow (:mod:`ddpkit.data.arrow`).
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, seed_per_sample: bool = True):
+        super().__init__(dataset, seed, seed_per_sample)
+        # Columns of numbers are read straight from Arrow (ddpkit.data.arrow); others through HF's formatter.
+        self.read_columns = arrow_batch_reader(dataset)
+
+    def _read(self, indices: list[int]) -> list[Any]:
+        read = self.read_columns
+        return [_Collated(read(indices) if read is not None else self.dataset[indices])]
+
+
+def _arrow_in_torch_format(dataset: Any) -> bool:
+    """An HF ``datasets.Dataset`` formatted as torch tensors (without importing ``datasets``)."""
+    module = sys.modules.get("datasets")
+    return (module is not None and isinstance(dataset, module.Dataset)
+            and (dataset.format or {}).get("type") == "torch")
+
+
+def _reads_batches(dataset: Any) -> bool:
+    """True when ``dataset.__getitems__`` reads a batch in one call (an HF Dataset's, a user's own).
+
+    torch's wrappers (Subset, StackDataset) define one that falls back to a
+    ``dataset[index]`` per sample: those keep per-sample seeding, unless what
+    they wrap reads batches itself.
+    """
+    method = getattr(type(dataset), "__getitems__", None)
+    if method is None:
+        return False
+    if getattr(method, "__module__", "").startswith("torch.utils.data"):
+        inner = getattr(dataset, "dataset", None)
+        return inner is not None and _reads_batches(inner)
+    return True
 
 
 def _zero_rows(batch: Any) -> Any:
@@ -492,7 +560,10 @@ class DataLoader(torch.utils.data.DataLoader):
         # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
         self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
         if not self._tensor_fast_path:
-            reader = BatchReadDataset if callable(getattr(dataset, "__getitems__", None)) else SeededDataset
+            reader = SeededDataset
+            if _reads_batches(dataset):
+                reader = ArrowBatchDataset if collate_fn is None and _arrow_in_torch_format(dataset) \
+                    else BatchReadDataset
             dataset = reader(dataset, seed, seed_per_sample)
         torch_arguments["pin_memory"] = torch_arguments["pin_memory"] and not self._tensor_fast_path
         super().__init__(dataset, batch_sampler=_KeyBatchSampler(self._sampler),

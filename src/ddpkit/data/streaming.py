@@ -231,7 +231,7 @@ class Stream:
             raise UserError(
                 f"the loader was saved mid-epoch (epoch {epoch}, step {step}) and {dataset} has no "
                 "state_dict()/load_state_dict() to continue its stream from; give the dataset that protocol "
-                "(an HF datasets.IterableDataset has it), or checkpoint at epoch ends only (every_steps=0)"
+                "(an HF datasets.IterableDataset has it), or resume from a checkpoint taken at an epoch's end"
             )
         saved = (state["world_size"], state["num_workers"])
         if saved != (self.shard.world_size, self.num_workers):
