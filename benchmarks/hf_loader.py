@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import tempfile
 import time
@@ -70,11 +71,17 @@ def loaders(dataset, args: argparse.Namespace, ctx) -> dict[str, torch.utils.dat
     }
 
 
-def epoch(loader, number: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float]:
-    """Samples this rank trained and the epoch's seconds (the ranks start together)."""
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the loader's workers, joined at an epoch's end)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def epoch(loader, number: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float, float]:
+    """Samples this rank trained, the epoch's seconds (the ranks start together) and its CPU seconds."""
     loader.sampler.set_epoch(number)  # the DistributedSampler habit works for both
     dist.barrier()
-    start, samples = time.perf_counter(), 0
+    start, cpu, samples = time.perf_counter(), cpu_seconds(), 0
     for batch in loader:
         x, y = batch["image"].float().div_(255.0), batch["label"]
         loss = F.cross_entropy(model(x), y)
@@ -82,7 +89,7 @@ def epoch(loader, number: int, model: nn.Module, optimizer: torch.optim.Optimize
         loss.backward()
         optimizer.step()
         samples += len(y)
-    return samples, time.perf_counter() - start
+    return samples, time.perf_counter() - start, cpu_seconds() - cpu
 
 
 def main() -> None:
@@ -101,16 +108,20 @@ def main() -> None:
         model = ddpkit.prepare_model(nn.Sequential(nn.Linear(784, 50), nn.ReLU(), nn.Linear(50, 10)))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         throughput: dict[str, list[float]] = {"ddpkit": [], "torch": []}
+        cpu_per_sample: dict[str, list[float]] = {"ddpkit": [], "torch": []}
         built = loaders(dataset, args, ctx)
         for repeat in range(args.repeats):
             for name in ("ddpkit", "torch") if repeat % 2 == 0 else ("torch", "ddpkit"):
-                samples, seconds = epoch(built[name], repeat, model, optimizer)
-                totals = torch.tensor([samples, seconds], dtype=torch.float64)
-                dist.all_reduce(totals, op=dist.ReduceOp.MAX)  # the slowest rank's time; samples alike
-                throughput[name].append(samples * ctx.world_size / float(totals[1]))
+                samples, seconds, cpu = epoch(built[name], repeat, model, optimizer)
+                slowest = torch.tensor([seconds], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the epoch ends with its slowest rank
+                cpu_total = torch.tensor([cpu], dtype=torch.float64)
+                dist.all_reduce(cpu_total)  # every rank's and its workers' CPU
+                throughput[name].append(samples * ctx.world_size / float(slowest))
+                cpu_per_sample[name].append(float(cpu_total) / (samples * ctx.world_size) * 1e6)
         dist.barrier()
     if ctx.rank == 0:
-        report(args, ctx, throughput)
+        report(args, ctx, throughput, cpu_per_sample)
 
 
 def cpu_name() -> str:
@@ -121,7 +132,8 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def report(args: argparse.Namespace, ctx, throughput: dict[str, list[float]]) -> None:
+def report(args: argparse.Namespace, ctx, throughput: dict[str, list[float]],
+           cpu_per_sample: dict[str, list[float]]) -> None:
     medians = {name: statistics.median(values) for name, values in throughput.items()}
     ratio = medians["ddpkit"] / medians["torch"]
     # Each repeat ran both loaders back to back: the ratio within a pair cancels the machine's drift.
@@ -136,6 +148,8 @@ def report(args: argparse.Namespace, ctx, throughput: dict[str, list[float]]) ->
         "median_samples_per_s": {name: round(v, 1) for name, v in medians.items()},
         "ratio_ddpkit_over_torch": round(ratio, 3),
         "median_paired_ratio": round(paired, 3),
+        "cpu_us_per_sample": {name: [round(v, 1) for v in values] for name, values in cpu_per_sample.items()},
+        "median_cpu_us_per_sample": {name: round(statistics.median(v), 1) for name, v in cpu_per_sample.items()},
     }
     output = Path(args.output or f"benchmarks/hf-loader-{time.strftime('%Y-%m-%d')}")
     output.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -150,7 +164,10 @@ def report(args: argparse.Namespace, ctx, throughput: dict[str, list[float]]) ->
         + "".join(f"| {name} | {', '.join(f'{v:.0f}' for v in throughput[name])} | {medians[name]:.0f} |\n"
                   for name in ("ddpkit", "torch"))
         + f"\nratio ddpkit / torch (medians): **{ratio:.3f}**; median of the ratios within each repeat "
-          f"(both loaders back to back): {paired:.3f}\n")
+          f"(both loaders back to back): {paired:.3f}\n\n"
+        f"CPU per sample, all ranks and their loader workers (microseconds; less sensitive than the wall time "
+        f"to other load on the machine): ddpkit {result['median_cpu_us_per_sample']['ddpkit']}, "
+        f"torch {result['median_cpu_us_per_sample']['torch']}\n")
     print(json.dumps(result), flush=True)
 
 
