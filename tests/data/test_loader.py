@@ -98,7 +98,8 @@ def test_workers_give_the_same_batches():
 
 
 def test_persistent_workers_over_epochs():
-    loader = DataLoader(IndexDataset(30), global_batch_size=8, shuffle=True, seed=2, num_workers=2, persistent_workers=True)
+    loader = DataLoader(IndexDataset(30), global_batch_size=8, shuffle=True, seed=2, num_workers=2,
+                        persistent_workers=True)
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert [i for batch in loader for i in batch.tolist()] == epoch_permutation(30, 2, epoch).tolist()

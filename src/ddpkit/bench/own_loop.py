@@ -85,8 +85,8 @@ def _loaders(cfg: OwnLoopConfig, ctx: Any, data: Any) -> tuple[Any, Any]:
         return ddpkit.DataLoader(train, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed), test_loader
     dataset = PerSampleImages(train_x, train_y)
     if cfg.loader == "samples":
-        return ddpkit.DataLoader(dataset, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
-                                 persistent_workers=cfg.num_workers > 0), test_loader
+        return ddpkit.DataLoader(dataset, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed,
+                                 num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0), test_loader
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size // ctx.world_size, sampler=sampler,
                                          num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0)
