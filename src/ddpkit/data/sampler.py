@@ -240,7 +240,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
             ("shuffle", "create the sampler with shuffle={}"),
             ("drop_last", "create the sampler with drop_last={}"),
         ):
-            saved, here = state.get(name, False), getattr(self, name)  # states saved before drop_last had none
+            # States saved before drop_last existed have none: they were saved without it.
+            saved = state.get(name, False) if name == "drop_last" else state[name]
+            here = getattr(self, name)
             if saved != here:
                 raise UserError(
                     f"sampler state was saved with {name}={saved} but this sampler has {name}={here}; "
