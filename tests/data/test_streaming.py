@@ -218,6 +218,7 @@ def launched(tmp_path_factory):
     return results, stop
 
 
+@pytest.mark.slow  # five launches on 2 ranks, in the module's fixture
 def test_hf_stream_on_two_ranks_with_two_workers_reads_each_sample_once_per_epoch(launched):
     results, _ = launched
     out, records = results["uninterrupted"]
@@ -227,6 +228,7 @@ def test_hf_stream_on_two_ranks_with_two_workers_reads_each_sample_once_per_epoc
     assert "done at global step 24" in out.stdout
 
 
+@pytest.mark.slow  # five launches on 2 ranks, in the module's fixture
 def test_hf_stream_stopped_mid_epoch_resumes_at_the_same_world_size_to_the_same_samples(launched):
     results, stop = launched
     stopped, resumed = results["stopped"][1], results["resumed"][1]
@@ -235,6 +237,7 @@ def test_hf_stream_stopped_mid_epoch_resumes_at_the_same_world_size_to_the_same_
     assert f"epoch 1, step {stop}" in results["resumed"][0].stderr  # the resume line; a stream's length is unknown
 
 
+@pytest.mark.slow  # five launches on 2 ranks, in the module's fixture
 def test_hf_stream_resumed_at_another_world_size_loses_no_sample_and_says_so(launched):
     results, stop = launched
     out, resumed = results["resumed_on_1"]
@@ -243,6 +246,7 @@ def test_hf_stream_resumed_at_another_world_size_loses_no_sample_and_says_so(lau
     assert collections.Counter(resumed) == {(epoch, i): 1 for epoch in (0, 1) for i in range(96)}
 
 
+@pytest.mark.slow  # five launches on 2 ranks, in the module's fixture
 def test_ranks_whose_streams_end_unevenly_end_the_epoch_together(launched):
     results, _ = launched
     out, records = results["uneven"]
