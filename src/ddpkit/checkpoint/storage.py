@@ -87,6 +87,8 @@ def estimate_bytes(objects: Mapping[str, Any], world_size: int) -> int:
     torch.save(capture_rng_state(), rng)
     total = world_size * len(rng.getvalue()) + (len(objects) + 4) * FILE_OVERHEAD  # + train, rng, config, manifest
     for obj in objects.values():
+        if getattr(obj, "state_dict_is_collective", False):
+            continue  # a stream's position: every rank would have to call it, and it holds no tensors
         total += _tensor_bytes(obj.state_dict())
         if isinstance(obj, torch.optim.Optimizer) and not obj.state:
             total += 2 * sum(p.numel() * p.element_size() for group in obj.param_groups for p in group["params"])
