@@ -4,7 +4,7 @@ Each rank computes sums over its own samples (loss sum, correct predictions,
 sample count); :func:`reduce_sums` adds them over the ranks, so a mean
 computed from the result is the same as on one process, whatever the number
 of workers: no averaging of averages, no padded duplicates. With
-``ddpkit.DataLoader(dataset, global_batch_size, shuffle=False)`` every sample
+``ddpkit.DataLoader(dataset, global_batch_size=..., shuffle=False)`` every sample
 of an evaluation set is seen by exactly one rank::
 
     sums = {"loss": 0.0, "correct": 0, "count": 0}

@@ -88,7 +88,8 @@ def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, t
     trainer = Trainer(cfg, ctx, model, optimizer, loader, test_loader, task, scheduler, scaler,
                       dataset_name=cfg.dataset, state=TrainState(tracker=build_tracker(cfg)))
     if cfg.eval_train:
-        trainer.train_loader_for_eval = DataLoader(train_set, global_batch_size=eval_batch, shuffle=False, num_workers=cfg.num_workers)
+        trainer.train_loader_for_eval = DataLoader(train_set, global_batch_size=eval_batch, shuffle=False,
+                                                   num_workers=cfg.num_workers)
     trainer.checkpointer = _checkpointer(cfg, trainer)
     if trainer.checkpointer is not None:
         try:
