@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.format import checkpoint_name
-from ddpkit.checkpoint.preemption import EXIT_PREEMPTED, Agreement, PreemptionSignals, requeue_slurm_job
+from ddpkit.checkpoint.preemption import (
+    EXIT_PREEMPTED,
+    MAX_SYNC_INTERVAL,
+    Agreement,
+    PreemptionSignals,
+    requeue_slurm_job,
+)
 from tests.helpers.launch_in_process import Commands
 from tests.train.checkpoint_helpers import (
     assert_same_weights,
@@ -36,8 +42,13 @@ def test_agreement_adapts_its_interval_to_the_step_time():
     agreement = Agreement(1, True, torch.device("cpu"), sync_seconds=3600.0, every_seconds=0.0)
     agreement.start(100)
     assert agreement.next_step == 101  # the first agreement right after the first step
-    assert agreement.agree(101, 0) == (0, False)
-    assert agreement.next_step > 101 + 1000  # an hour of (fast) steps, capped
+    intervals = []
+    for _ in range(20):  # an hour of (fast) steps wanted: the interval doubles up to the cap
+        step = agreement.next_step
+        assert agreement.agree(step, 0) == (0, False)
+        intervals.append(agreement.next_step - step)
+    assert intervals[:5] == [2, 4, 8, 16, 32]
+    assert intervals[-1] == MAX_SYNC_INTERVAL
     assert agreement.agree(agreement.next_step, signal.SIGTERM)[0] == signal.SIGTERM
 
 

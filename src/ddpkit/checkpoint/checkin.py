@@ -14,6 +14,12 @@ ddpkit.DataLoader for the next batch (:class:`LoopProgress`), and a thread
 publishes the count to the store twice a second, also while the main thread
 is blocked in a collective. A waiting rank that sees an absent rank's count
 beyond its own knows that rank passed the save without calling it.
+
+The thread also beats (a number it increments at each publication): once a
+stop signal arrived (a Ctrl-C, the launcher stopping the job after a rank
+died), an absent rank whose beat stood still for STOP_GRACE_SECONDS is gone,
+and the save fails at once rather than after ``timeout``; an absent rank
+that still beats is alive, in a long step, and is waited for.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ PUBLISH_SECONDS = 0.5
 WAIT_SLICE_SECONDS = 1.0
 """How long a waiting rank waits before it looks at the absent ranks' progress again."""
 STOP_GRACE_SECONDS = 3.0
-"""How long absent ranks are still waited for once a stop signal reached the waiting rank."""
+"""Once a stop signal reached the waiting rank: how long an absent rank may not beat before it counts as gone."""
 
 
 class LoopProgress:
@@ -54,21 +60,21 @@ class LoopProgress:
         self._thread.start()
 
     def _publish(self, rank: int) -> None:
-        key = f"{self.prefix}/{rank}"
+        key, beat = f"{self.prefix}/{rank}", 0
         while not self._stop.wait(PUBLISH_SECONDS):
-            count = self.count
-            if count == self._published:
-                continue
+            beat += 1
             try:
-                self.store.set(key, str(count))
+                self.store.set(key, f"{self.count} {beat}")
             except (RuntimeError, dist.DistError):
                 return  # the job's store is gone: the job is ending
-            self._published = count
 
-    def read(self, rank: int) -> int:
-        """The count ``rank`` published last (-1 before its first)."""
+    def read(self, rank: int) -> tuple[int, int]:
+        """(count, beat) that ``rank`` published last; (-1, -1) before its first."""
         key = f"{self.prefix}/{rank}"
-        return int(self.store.get(key)) if self.store.check([key]) else -1
+        if not self.store.check([key]):
+            return -1, -1
+        count, beat = self.store.get(key).split()
+        return int(count), int(beat)
 
     def stop(self) -> None:
         """Stop publishing (safe to call twice)."""
@@ -79,9 +85,11 @@ def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: i
              progress: LoopProgress | None, stopping: Callable[[], bool] = lambda: False) -> None:
     """Announce this rank at the save ``prefix`` and wait until every rank has.
 
-    ``stopping`` tells that a stop signal reached this process: the launcher
-    stops the job (a rank died) or it is preempted; absent ranks then get
-    STOP_GRACE_SECONDS more, not the whole ``timeout``.
+    ``stopping`` tells that a stop signal reached this process (a Ctrl-C, a
+    preemption, the launcher stopping the job after a rank died): an absent
+    rank that no longer beats (see LoopProgress) is then gone after
+    STOP_GRACE_SECONDS, not after the whole ``timeout``. Without a
+    LoopProgress, every absent rank gets STOP_GRACE_SECONDS.
 
     Raises:
         CheckpointError: a rank went past the save without calling it, or did
@@ -92,15 +100,15 @@ def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: i
     here = progress.count if progress is not None else 0
     start = time.monotonic()
     deadline, pause, next_look = start + timeout, 0.0005, start + WAIT_SLICE_SECONDS
-    waited = f"within {timeout:g}s"
+    beats = _Beats(progress)
     # Polled with check(), which never blocks: a wait() that times out makes torch log a warning each time.
     while not store.check(keys):
         now = time.monotonic()
         if now >= next_look:
             next_look = now + WAIT_SLICE_SECONDS
-            _fail_if_absent(store, keys, here, progress, waited if now >= deadline else "")
-        if stopping() and now + STOP_GRACE_SECONDS < deadline:
-            deadline, waited = now + STOP_GRACE_SECONDS, f"within {STOP_GRACE_SECONDS:g}s of a stop signal"
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            gone = beats.still_since(absent, now) if stopping() else []
+            _fail_if_absent(keys, absent, here, progress, gone, timeout if now >= deadline else None)
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
     steps = {r: int(store.get(key)) for r, key in enumerate(keys)}
@@ -111,19 +119,41 @@ def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: i
         )
 
 
-def _fail_if_absent(store: Any, keys: list[str], here: int, progress: LoopProgress | None, waited: str) -> None:
-    """Raise if an absent rank went on past the save, or, once ``waited`` says how long, if any is absent."""
-    absent = [r for r, key in enumerate(keys) if not store.check([key])]
+class _Beats:
+    """When each absent rank's beat last moved, as seen by the waiting rank."""
+
+    def __init__(self, progress: LoopProgress | None):
+        self.progress = progress
+        self.seen: dict[int, tuple[int, float]] = {}
+
+    def still_since(self, absent: list[int], now: float) -> list[int]:
+        """The absent ranks whose beat has not moved for STOP_GRACE_SECONDS (all of them, once, without beats)."""
+        gone = []
+        for r in absent:
+            beat = self.progress.read(r)[1] if self.progress is not None else -1
+            last_beat, since = self.seen.get(r, (beat, now))
+            if beat != last_beat:
+                since = now
+            self.seen[r] = (beat, since)
+            if now - since >= STOP_GRACE_SECONDS:
+                gone.append(r)
+        return gone
+
+
+def _fail_if_absent(keys: list[str], absent: list[int], here: int, progress: LoopProgress | None, gone: list[int],
+                    timeout: float | None) -> None:
+    """Raise if an absent rank went on past the save, is gone after a stop signal, or (``timeout`` given) is late."""
     present = [r for r in range(len(keys)) if r not in absent]
-    went_on = [r for r in absent if progress is not None and progress.read(r) > here]
+    went_on = [r for r in absent if progress is not None and progress.read(r)[0] > here]
     if went_on:
         raise CheckpointError(
             f"a checkpoint save was called on rank(s) {present} only: rank(s) {went_on} went on training "
             f"past it; saving is collective: call save() on every rank, not under `if rank == 0` "
             f"(rank 0 writes, the others send their random states)"
         )
-    if waited:
+    if gone or timeout is not None:
+        waited = f"within {STOP_GRACE_SECONDS:g}s of a stop signal" if gone else f"within {timeout:g}s"
         raise CheckpointError(
-            f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {absent} {waited}; "
+            f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {gone or absent} {waited}; "
             f"saving is collective: call Checkpointer.step()/save() on every rank at the same point"
         )

@@ -182,7 +182,10 @@ class Agreement:
         self._mark_step, self._mark_time = global_step, now
         if steps <= 0 or elapsed <= 0:
             return 1
-        return int(min(max(self.sync_seconds * steps / elapsed, 1), MAX_SYNC_INTERVAL))
+        # At most twice the last interval: the first steps' time says little about the rest (a DataLoader's
+        # workers starting, evaluation, saves), and a jump to thousands of steps would leave a Ctrl-C or a
+        # preemption unheard for the rest of a short run.
+        return int(min(max(self.sync_seconds * steps / elapsed, 1), 2 * steps, MAX_SYNC_INTERVAL))
 
 
 def requeue_slurm_job(environ: Mapping[str, str]) -> str:
