@@ -274,6 +274,21 @@ def _reads_batches(dataset: Any) -> bool:
     return True
 
 
+def _kill_workers(iterator: Any) -> None:
+    """SIGKILL the worker processes of torch's multiprocessing loader ``iterator`` (none: nothing to do).
+
+    Their pids leave torch's SIGCHLD watch first, which would otherwise raise
+    "DataLoader worker is killed" wherever the training process happens to be.
+    """
+    from torch.utils.data._utils import signal_handling
+
+    if getattr(iterator, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+    for worker in getattr(iterator, "_workers", ()):
+        worker.kill()
+
+
 def _zero_rows(batch: Any) -> Any:
     """``batch`` with every tensor and array cut to ``[:0]``, its structure kept.
 
@@ -645,6 +660,9 @@ class DataLoader(torch.utils.data.DataLoader):
                 translated = self._shared_memory_error(error)
                 if translated is error:
                     raise
+                # Workers blocked on the full /dev/shm do not stop when asked, and ignore SIGTERM (_WorkerInit):
+                # torch's shutdown would wait on each in turn. This loader cannot go on: end them now.
+                _kill_workers(batches)
                 raise translated from error
             self._global_count = sampler.global_batch_length(self._step_in_epoch)
             self._step_in_epoch += 1
