@@ -13,6 +13,7 @@ import torch.utils.data
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from ddpkit.data.loader import DataLoader, SeededDataset
+from ddpkit.data.sample_seeds import _mix
 from ddpkit.data.sampler import epoch_permutation
 
 
@@ -282,3 +283,42 @@ def test_a_subset_keeps_per_sample_seeding_and_a_batch_reader_is_read_a_batch_pe
     assert [b.tolist() for b in loader] == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
     assert Batched.calls == 3
 
+
+class LateDrawDataset(IndexDataset):
+    """Draws for some samples from index 12 on, and from numpy or python depending on a torch draw."""
+
+    def __getitem__(self, index):
+        if index < 12 or index % 7 != 5:
+            return {"index": index, "torch": torch.tensor(0.0), "py": 0.0, "np": 0.0}
+        value = torch.rand(())
+        extra = np.random.rand() if value < 0.5 else random.random()
+        return {"index": index, "torch": value, "py": float(extra), "np": np.random.randn()}
+
+
+def _seeded_values(dataset, seed, epoch):
+    """Each sample's values with all three generators seeded from (seed, epoch, index), the documented rule."""
+    values = {}
+    for index in range(len(dataset)):
+        sample_seed = _mix(_mix(_mix(seed) + epoch) + index)
+        torch.manual_seed(sample_seed), random.seed(sample_seed), np.random.seed(sample_seed >> 32)
+        sample = dataset[index]
+        values[index] = (float(sample["torch"]), float(sample["py"]), float(sample["np"]))
+    return values
+
+
+@pytest.mark.parametrize(("world_size", "num_workers"), [(1, 0), (2, 0), (4, 2), (1, 2)])
+def test_a_late_first_draw_is_the_same_at_any_world_size(world_size, num_workers):
+    # In order, the first three global batches draw nothing: the first draw must be noticed where it comes,
+    # and every sample still get the draws of its own seed, whichever rank, worker and batch it lands in.
+    expected = _seeded_values(LateDrawDataset(40), seed=3, epoch=1)
+    assert len({v for i, values in expected.items() if i >= 12 and i % 7 == 5 for v in values}) == 3 * 4
+    loaders = _ranks(LateDrawDataset(40), 4, world_size, seed=3, num_workers=num_workers, shuffle=False)
+    assert _values_by_index(_epoch(loaders, epoch=1)) == expected
+
+
+def test_a_dataset_that_draws_nothing_leaves_the_generators_alone():
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    expected = _global_draws()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    assert len(list(DataLoader(IndexDataset(20), global_batch_size=4))) == 5
+    assert _global_draws() == expected

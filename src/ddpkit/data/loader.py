@@ -66,6 +66,7 @@ from ddpkit.data import shm_budget
 from ddpkit.data.arrow import arrow_batch_reader
 from ddpkit.data.arguments import (BATCH_SIZE_DEFAULT, global_batch, loader_seed, rank_and_world, read_sampler,
                                    refuse_batch_sampler, refuse_for_streaming)
+from ddpkit.data.sample_seeds import SeededDataset, _mix, _Template
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
 from ddpkit.errors import UserError
@@ -76,90 +77,6 @@ except ImportError:  # numpy is optional for torch, and so here
     np = None
 
 __all__ = ["ArrowBatchDataset", "BatchReadDataset", "DataLoader", "SeededDataset"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finalizer: a well-spread 64-bit value from any int."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-class _Template:
-    """One sample standing in for a rank's empty share: collated, then cut to zero rows."""
-
-    __slots__ = ("sample",)
-
-    def __init__(self, sample: Any):
-        self.sample = sample
-
-
-class SeededDataset(Dataset):
-    """A map-style dataset read with keys ``(epoch, index, empty)``, seeding the RNGs per sample.
-
-    ``ddpkit.DataLoader`` wraps the user's dataset in it, so ``loader.dataset``
-    is this and ``loader.dataset.dataset`` the user's. Before
-    ``dataset[index]`` it seeds python's ``random``, numpy's global generator
-    and torch's CPU generator (not CUDA's) from (seed, epoch, index), so the
-    draws of an augmentation depend on nothing else. In the main process the
-    three generators are saved before a batch and restored after it (numpy's
-    save and restore cost ~80 us, once a batch); worker processes own
-    theirs. Seeding costs ~9 us a sample on a CPU core.
-
-    Args:
-        dataset: the user's map-style dataset.
-        seed: the loader's seed.
-        seed_per_sample: False to read samples without touching any generator.
-    """
-
-    def __init__(self, dataset: Dataset, seed: int, seed_per_sample: bool = True):
-        self.dataset = dataset
-        self.seed = seed
-        self.seed_per_sample = seed_per_sample
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: tuple[int, int, bool]) -> Any:
-        return self.__getitems__([key])[0]
-
-    def __getitems__(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
-        """The samples of one batch's keys (torch's fetcher calls this once per batch)."""
-        if not self.seed_per_sample:
-            samples = [self.dataset[index] for _, index, _ in keys]
-        elif get_worker_info() is not None:
-            samples = self._seeded(keys)
-        else:
-            # Once per batch, not per sample: numpy's get/set_state cost about 40 us each.
-            states = torch.default_generator.get_state(), random.getstate(), np and np.random.get_state()
-            try:
-                samples = self._seeded(keys)
-            finally:
-                torch.default_generator.set_state(states[0])
-                random.setstate(states[1])
-                if np is not None:
-                    np.random.set_state(states[2])
-        if keys[0][2]:
-            return [_Template(samples[0])]
-        return samples
-
-    def _seeded(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
-        # A batch's keys share one epoch. torch.default_generator.manual_seed rather than
-        # torch.manual_seed, which also visits every accelerator backend (~180 us).
-        epoch_seed = _mix(_mix(self.seed) + keys[0][0])
-        dataset, torch_generator, samples = self.dataset, torch.default_generator, []
-        for _, index, _ in keys:
-            seed = _mix(epoch_seed + index)
-            torch_generator.manual_seed(seed)
-            random.seed(seed)
-            if np is not None:
-                np.random.seed(seed >> 32)
-            samples.append(dataset[index])
-        return samples
-
 
 class _Collate:
     """The user's collate_fn, and zero-row batches for empty shares."""
@@ -203,7 +120,7 @@ class BatchReadDataset(SeededDataset):
         """The samples of one batch's keys, from one ``dataset.__getitems__`` call."""
         indices = [index for _, index, _ in keys]
         if not self.seed_per_sample:
-            samples = self._read(indices)
+            samples = self._read_batch(indices)
         elif get_worker_info() is not None:
             samples = self._seeded_batch(keys[0][0], indices)
         else:
@@ -225,9 +142,9 @@ class BatchReadDataset(SeededDataset):
         random.seed(seed)
         if np is not None:
             np.random.seed(seed >> 32)
-        return self._read(indices)
+        return self._read_batch(indices)
 
-    def _read(self, indices: list[int]) -> list[Any]:
+    def _read_batch(self, indices: list[int]) -> list[Any]:
         return self.dataset.__getitems__(indices)
 
 
@@ -246,7 +163,7 @@ class ArrowBatchDataset(BatchReadDataset):
         # Columns of numbers are read straight from Arrow (ddpkit.data.arrow); others through HF's formatter.
         self.read_columns = arrow_batch_reader(dataset)
 
-    def _read(self, indices: list[int]) -> list[Any]:
+    def _read_batch(self, indices: list[int]) -> list[Any]:
         read = self.read_columns
         return [_Collated(read(indices) if read is not None else self.dataset[indices])]
 
