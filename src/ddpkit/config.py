@@ -252,6 +252,9 @@ class CheckpointConfig:
     on_write_error: str = "stop"
     """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
     exit status 74) or warn (training goes on without it)."""
+    async_save: bool = False
+    """Write checkpoints in the background: a save copies the state in memory and training goes on (off: a
+    model this small saves in milliseconds, and the copy doubles the state's memory)."""
 
     def __post_init__(self) -> None:
         check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)

@@ -67,7 +67,8 @@ def test_requeue_outside_slurm_and_failed_requeue_are_reported_not_raised():
 def jobs(tmp_path_factory) -> dict:
     """The jobs of the tests below, by name, with one worker server shared by those run in this process.
 
-    - one_worker: (folder, result) of a job whose rank 1 alone gets SIGUSR1 during step 6, with max_restarts=1;
+    - one_worker: (folder, result) of a job whose rank 1 alone gets SIGUSR1 during step 6, with max_restarts=1,
+      saving in the background (checkpoint.async_save=true: the preemption waits for its write);
     - launcher: (folder, result, the manifests after it, the result of resume=auto) of a job whose rank 1 sends
       SIGTERM to the launcher during step 6. That job is started as a command of its own: its launcher, the
       process the signal goes to, must not be the test's.
@@ -77,7 +78,7 @@ def jobs(tmp_path_factory) -> dict:
         reference_weights(commands)
         folder = tmp_path_factory.mktemp("one-worker")
         results["one_worker"] = (folder, run_job_here(
-            commands, folder, "max_restarts=1", env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGUSR1"}))
+            commands, folder, "max_restarts=1", "checkpoint.async_save=true", env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGUSR1"}))
 
         folder = tmp_path_factory.mktemp("launcher")
         out = run_job(folder, env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGTERM",

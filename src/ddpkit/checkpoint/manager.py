@@ -26,6 +26,9 @@ epoch, metrics, best, world size, versions). The on-disk format and its
 crash-safety are in :mod:`ddpkit.checkpoint.format`; which checkpoint a run
 resumes from is in :mod:`ddpkit.checkpoint.select`.
 
+With ``async_save=True`` a save copies the state and returns; rank 0 writes
+it in a background thread (:mod:`ddpkit.checkpoint.async_save`).
+
 When: every ``every_steps`` steps, every ``every_seconds`` seconds, at the end
 of every epoch (``on_epoch_end``: detected from the loader, or at
 ``epoch_end()``), whenever ``save()`` is called, and on a preemption signal
@@ -75,6 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import select
+from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
 from ddpkit.checkpoint.checkin import LoopProgress, check_in
 from ddpkit.checkpoint.format import (
     MANIFEST,
@@ -165,6 +169,10 @@ class Checkpointer:
         on_write_error: a checkpoint that cannot be written (no space, read-only or vanished folder)
             stops training with :class:`~ddpkit.checkpoint.storage.StorageError` (exit status 74), or
             with "warn" is a warning and training goes on (a preemption checkpoint always stops).
+        async_save: write in the background: a save copies the state (to pinned CPU memory from a
+            GPU) and returns, rank 0 writes the same files while training goes on (see
+            :mod:`ddpkit.checkpoint.async_save`). At most one save is in flight; the next save, a
+            preemption, ``wait()`` and ``close()`` wait for it. Costs a copy of the state in memory.
 
     Raises:
         ValueError: an object without state_dict/load_state_dict, a bad name or option.
@@ -195,6 +203,7 @@ class Checkpointer:
         timeout: float = 300.0,
         environ: Mapping[str, str] | None = None,
         on_write_error: str = "stop",
+        async_save: bool = False,
     ) -> None:
         self.root = Path(dir)
         self.objects = _collect_objects(model, optimizer, scheduler, scaler, loader, extra or {})
@@ -238,6 +247,8 @@ class Checkpointer:
         self._next_check = 0
         self._schedule()
         self._progress: LoopProgress | None = None
+        self.async_save = async_save
+        self._writer = BackgroundWriter() if async_save and self.rank == 0 else None
         # With a ddpkit.DataLoader, a due checkpoint is written when the loop asks for its next batch
         # (or runs out of them): the loop's body, whatever it does after step(), is then complete.
         self._deferred = hasattr(loader, "between_batches")
@@ -273,6 +284,7 @@ class Checkpointer:
         found: dict[str, Any] = {}
 
         def choose() -> str:
+            self._collect_writes()
             path, found["loaded"] = select.choose_checkpoint(self.root, str(resume), select.restart_count(self.environ))
             return str(path) if path else ""
 
@@ -462,11 +474,23 @@ class Checkpointer:
         return False
 
     def _annotate(self, metrics: dict[str, float], best: bool) -> None:
-        """Rank 0: add metrics (and the best value) to the manifest of the checkpoint just written."""
-        assert self.last_path is not None
-        rewrite_manifest(self.last_path, {"metrics": metrics, "best": self._best_info()}, self.mode)
-        if best:
-            mark_best(self.root, self.last_path, self.mode)
+        """Rank 0: add metrics (and the best value) to the manifest of the checkpoint just written.
+
+        With ``async_save`` this follows the write in flight in the background.
+        """
+        path, updates, mode = self.last_path, {"metrics": metrics, "best": self._best_info()}, self.mode
+        assert path is not None
+
+        def annotate() -> None:
+            rewrite_manifest(path, updates, mode)
+            if best:
+                mark_best(self.root, path, mode)
+
+        if self._writer is not None:
+            self._collect_writes(wait=False)
+            self._writer.submit(annotate)
+        else:
+            annotate()
 
     def _schedule(self) -> None:
         due = [self.agreement.next_step]
@@ -475,6 +499,7 @@ class Checkpointer:
         self._next_check = min(due)
 
     def _exit_preempted(self, signum: int) -> None:
+        self.wait()  # the preemption's checkpoint is complete before the process says so and exits
         name = signal_name(signum)
         if self.rank == 0:
             log = get_logger()
@@ -501,8 +526,9 @@ class Checkpointer:
             best: make it the ``best-*`` checkpoint (``epoch_end`` decides this from ``best_metric``).
 
         Returns:
-            The checkpoint folder, complete on disk when this returns (on every rank); None when it
-            could not be written and ``on_write_error`` is "warn".
+            The checkpoint folder, complete on disk when this returns (on every rank); with
+            ``async_save``, once ``wait()`` or the next save returns. None when it could not be
+            written and ``on_write_error`` is "warn".
 
         Raises:
             CheckpointError: some rank did not reach this save within ``timeout``
@@ -539,8 +565,9 @@ class Checkpointer:
         return path
 
     def _write_on_rank_zero(self, reason: str, rng_states: list[Any] | None, metrics: dict[str, float],
-                            best: bool, collective: dict[str, Any]) -> Path:
+                            best: bool, collective: dict[str, Any]) -> Path | None:
         """Rank 0: write the checkpoint folder, mark best, prune."""
+        self._collect_writes()  # at most one save in flight
         if not self._resume_checked:
             self._resume_checked = True
             select.check_resume(self.root, "never")
@@ -564,23 +591,61 @@ class Checkpointer:
             "config": self.config,
         }
         texts = {"config.yaml": _yaml(self.config)} if self.config else {}
+        # Off the training path when async: copies the loop may change at once; either way CUDA tensors
+        # are on the CPU, so that both modes write the same bytes.
+        objects = copy_state(objects, copy_cpu=self._writer is not None, pin_memory=True)
+        note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
+        name = checkpoint_name(self.global_step)
+
+        def write() -> Path | None:
+            return self._write_files(name, objects, texts, meta, best, reason, f"{reason}{note}")
+
+        if self._writer is None:
+            path = write()
+            self._saved(path, reason)
+            return path
+        self._writer.submit(write, on_done=lambda path: self._saved(path, reason))
+        return self.root / name
+
+    def _write_files(self, name: str, objects: dict[str, Any], texts: dict[str, str], meta: dict[str, Any],
+                     best: bool, reason: str, why: str) -> Path | None:
+        """Rank 0 (on the writer's thread when async): the checkpoint folder, the best mark, pruning."""
         try:
-            path = write_checkpoint(self.root, checkpoint_name(self.global_step), objects, texts, meta, self.mode)
+            path = write_checkpoint(self.root, name, objects, texts, meta, self.mode)
         except OSError as e:
-            return self._write_failed(reason, e)
+            return self._write_failed(name, reason, e)
         if best:
             mark_best(self.root, path, self.mode)
         prune(self.root, self.keep, protect=path)
-        note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
-        get_logger().info(f"checkpoint {path} ({reason}{note})")
-        if self.on_save is not None:
-            self.on_save(path, reason)
+        get_logger().info(f"checkpoint {path} ({why})")
         return path
 
-    def _write_failed(self, reason: str, error: OSError) -> None:
+    def _saved(self, path: Path | None, reason: str) -> None:
+        if self.on_save is not None and path is not None:
+            self.on_save(path, reason)
+
+    def _collect_writes(self, wait: bool = True) -> None:
+        """Rank 0: hand back finished background writes (``on_save``; a failed write's error)."""
+        if self._writer is not None:
+            self._writer.collect(wait)
+
+    def wait(self) -> Path | None:
+        """Wait until the checkpoint in flight (``async_save``) is complete on disk (a collective).
+
+        Returns:
+            The newest checkpoint (``last_path``).
+
+        Raises:
+            CheckpointError: the background write failed (the message says why).
+        """
+        if self.async_save:
+            self._on_rank_zero(self._collect_writes)
+        return self.last_path
+
+    def _write_failed(self, name: str, reason: str, error: OSError) -> None:
         """Rank 0, after a failed write (the incomplete folder is gone): warn and go on, or raise StorageError."""
         needed = checkpoint_bytes(self.root, self.objects, self.world_size)
-        message = explain_write_error(self.root, checkpoint_name(self.global_step), error, needed)
+        message = explain_write_error(self.root, name, error, needed)
         if self.on_write_error == "warn" and reason != "preempted":
             get_logger().warning(f"{message} (training goes on: on_write_error=warn)")
             return None
@@ -623,11 +688,16 @@ class Checkpointer:
         """Write what is due, then restore the signal handlers that were there before (safe to call twice).
 
         Call it on every rank when training ends: the checkpoint of the last
-        epoch then holds what the loop did after its batch loop. While an
-        exception unwinds, nothing is written (the other ranks may be gone).
+        epoch then holds what the loop did after its batch loop, and a write
+        in flight (``async_save``) is complete. While an exception unwinds,
+        nothing new is written (the other ranks may be gone), but a write in
+        flight is completed.
         """
         if sys.exc_info()[0] is None:
             self._write_at_close()
+            self.wait()
+        elif self._writer is not None:
+            self._writer.join()  # the checkpoint in flight completes; nothing new is written
         if self._progress is not None:
             self._progress.stop()
         if self._deferred and self.loader.between_batches == self._between_batches:

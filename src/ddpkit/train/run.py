@@ -135,6 +135,7 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         readable_by=ckpt.readable_by, sync_seconds=ckpt.sync_seconds, config=to_dict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}}, timeout=cfg.timeout,
         on_write_error=ckpt.on_write_error,
+        async_save=ckpt.async_save,
     )
     checkpointer.continue_hint = "continue with resume=auto"
     checkpointer.on_save = lambda path, reason: trainer.metrics.write(
@@ -223,6 +224,7 @@ def _export_final(trainer: Trainer, ctx: distributed.Context, export_dir: str) -
         return
     trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
     final = trainer.checkpointer.save("export")
+    trainer.checkpointer.wait()  # complete on disk before it is exported (checkpoint.async_save)
     if ctx.is_main_process:
         export_checkpoint(final, export_dir, readable_by=trainer.cfg.checkpoint.readable_by)
         get_logger().info(f"exported the model of {final.name} to {export_dir}")
