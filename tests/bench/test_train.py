@@ -37,9 +37,10 @@ def test_bad_names_are_refused_before_any_run(word, message):
         parse(TrainBenchConfig, [word])
 
 
-SMOKE_WORDS = ("smoke=true", "allreduce=[auto,builtin]", "grad_sync=[ddp]", "t2=true", "t5_seeds=[3]")
+SMOKE_WORDS = ("smoke=true", "allreduce=[auto,builtin]", "grad_sync=[ddp]", "t2=true", "t5_seeds=[3]", "t9=true",
+               "t10=true")
 """One smoke run for every check: 1 and 2 workers, both all_reduce words with a gradient sync that is not the
-default (so that both words must reach ``ddpkit train``), the own loops, T2 and T5. (What grad_sync=auto
+default (so that both words must reach ``ddpkit train``), the own loops, T2, T5, T9 and T10. (What grad_sync=auto
 resolves to for W1 is checked through the trainer by test_scaling's smoke run.)"""
 
 
@@ -117,3 +118,28 @@ def test_smoke_run_reports_t2_and_t5(smoke_run):
     assert t5["targets"][T5_ONE]["value"] == pytest.approx(100 * t5["accuracy"]["ddpkit 1 worker"][0])
     assert t5["targets"][T5_GAP]["value"] == pytest.approx(0.0, abs=1e-4)
     assert T5_TWO in json_path.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # (when run alone, the smoke run starts here)
+def test_smoke_run_reports_t9_and_t10(smoke_run):
+    from ddpkit.bench.train import T9_W1, T10
+
+    json_path, report = smoke_run
+    t9 = report["t9"]
+    assert list(t9["walls_s"]) == [T9_W1] and all(len(walls) == 1 for walls in t9["walls_s"][T9_W1].values())
+    walls = t9["walls_s"][T9_W1]
+    assert t9["targets"][T9_W1]["value"] == pytest.approx(walls["nproc=2"][0] / walls["nproc=1"][0])
+    t10 = report["t10"]
+    assert t10["files_identical"] is True  # one synchronous and one async save of the same state
+    assert set(t10["windows_s"]) == {"none", "sync", "async"} and all(len(w) == 1 for w in t10["windows_s"].values())
+    assert t10["targets"][T10]["value"] == pytest.approx(t10["lost_per_save_s"]["async"] / t10["lost_per_save_s"]["sync"])
+    markdown = json_path.with_suffix(".md").read_text()
+    assert "## T9" in markdown and "## T10" in markdown and T10 in markdown
+
+
+def test_only_the_targets_asked_for_run_without_the_matrix():
+    from ddpkit.bench.train import run_train_benchmark
+
+    report = run_train_benchmark(parse(TrainBenchConfig, ["matrix=false", "smoke=true"]))
+    assert (report["results"], report["ratios"]) == ([], {})

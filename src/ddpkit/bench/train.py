@@ -25,6 +25,17 @@ Two targets of WORKLOADS.md are measured on request, being long:
   with 1 and with 2 workers (target >= 85.7% each) and its distance from the
   bare loop's mean over the same seeds (target <= 0.2 points).
 
+And two more, on request:
+
+- ``t9=true``, T9 restated: whole ``ddpkit train`` processes (wall time from
+  the command to its exit), ``nproc=2`` against ``nproc=1``, in
+  ``t9_pairs`` pairs whose order alternates: W2 (``model=cnn epochs=1``,
+  target <= 0.85) and W1 (target <= 1.05); medians.
+- ``t10=true``, T10: ``ddpkit.bench.checkpoint_stall``, a ~25M-parameter
+  model with Adam saving every 10 steps: the loop's time lost per save with
+  ``async_save=True`` / with synchronous saves (target <= 0.25), and whether
+  both write identical files.
+
 Results go to ``<output_dir>/train-<model>-<machine>-<date>.json`` and ``.md``.
 """
 
@@ -37,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +75,18 @@ class TrainBenchConfig:
     """Gradient synchronisation modes to compare for runs with more than one worker (auto, ddp, flat, manual)."""
     repeats: int = 3
     """Rounds of every configuration."""
+    matrix: bool = True
+    """Run the configurations above (bare loop, ddpkit, own loops); false: only the targets asked for (t2, t5, t9, t10)."""
     own_loop: bool = True
     """Also run W1 as an own loop with the public API (rows for T6 and T7)."""
     t2: bool = False
     """Also measure T2: W2 and W1 with 2 workers against two independent single-thread processes at the same time."""
+    t9: bool = False
+    """Also measure T9: whole ddpkit train processes, nproc=2 / nproc=1, for W2 (model=cnn epochs=1) and W1."""
+    t9_pairs: int = 5
+    """Pairs (nproc=1, nproc=2) of T9 per workload, their order alternating."""
+    t10: bool = False
+    """Also measure T10: the training loop's time lost per checkpoint, async_save=True against synchronous."""
     t5_seeds: list[int] = dataclasses.field(default_factory=list)
     """Seeds of T5 (W1's mean test accuracy at 1 and 2 workers and of the bare loop); none: no T5."""
     smoke: bool = False
@@ -148,7 +168,7 @@ def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str
 def run_train_benchmark(cfg: TrainBenchConfig) -> dict[str, Any]:
     """Run every configuration ``cfg.repeats`` times, interleaved; return the results."""
     words = _train_words(cfg)
-    runs = _configurations(cfg)
+    runs = _configurations(cfg) if cfg.matrix else []
     samples: dict[str, list[dict[str, Any]]] = {r["name"]: [] for r in runs}
     for round_index in range(1 if cfg.smoke else cfg.repeats):
         for run in runs:
@@ -190,7 +210,11 @@ T2_W1 = "T2 W1: 2-worker step / step of 2 independent single-thread processes at
 T5_ONE = "T5 W1 mean test accuracy, 1 worker (%)"
 T5_TWO = "T5 W1 mean test accuracy, 2 workers (%)"
 T5_GAP = "T5 W1 largest distance of a ddpkit mean from the bare loop's mean (points)"
-TARGETS = {T2_W2: (">=", 0.85), T2_W1: ("<=", 1.15), T5_ONE: (">=", 85.7), T5_TWO: (">=", 85.7), T5_GAP: ("<=", 0.2)}
+T9_W2 = "T9 W2 (model=cnn epochs=1): ddpkit train nproc=2 / nproc=1, whole process"
+T9_W1 = "T9 W1: ddpkit train nproc=2 / nproc=1, whole process"
+T10 = "T10 loop time lost per save: async_save=True / synchronous (~25M parameters + Adam, files identical)"
+TARGETS = {T2_W2: (">=", 0.85), T2_W1: ("<=", 1.15), T5_ONE: (">=", 85.7), T5_TWO: (">=", 85.7), T5_GAP: ("<=", 0.2),
+           T9_W2: ("<=", 0.85), T9_W1: ("<=", 1.05), T10: ("<=", 0.25)}
 """The restated targets: comparison and bound."""
 
 
@@ -279,6 +303,43 @@ def run_t5(cfg: TrainBenchConfig) -> dict[str, Any]:
     return {"words": words, "seeds": list(cfg.t5_seeds), "accuracy": accuracy, "mean_percent": means, "targets": targets}
 
 
+def _whole_process(words: list[str], timeout: float) -> float:
+    """Wall seconds of ``ddpkit train WORDS`` in a fresh process, from the command to its exit."""
+    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-t9-") as tmp:
+        start = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
+                             capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        wall = time.perf_counter() - start
+        check_run(out, "ddpkit train " + " ".join(words))
+    return wall
+
+
+def run_t9(cfg: TrainBenchConfig) -> dict[str, Any]:
+    """T9's pairs: for W2 and W1 (W1 only when smoke), nproc=1 and nproc=2 in alternating order."""
+    common = [*_data_words(cfg), "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
+    workloads = {T9_W1: [*common, "model=mlp"]} if cfg.smoke else \
+        {T9_W2: [*common, "model=cnn", "epochs=1"], T9_W1: [*common, "model=mlp"]}
+    walls: dict[str, dict[str, list[float]]] = {name: {"nproc=1": [], "nproc=2": []} for name in workloads}
+    for name, words in workloads.items():
+        for pair in range(1 if cfg.smoke else cfg.t9_pairs):
+            for nproc in ((1, 2) if pair % 2 == 0 else (2, 1)):
+                walls[name][f"nproc={nproc}"].append(_whole_process([*words, f"nproc={nproc}"], cfg.timeout))
+            print(f"T9 {name.split(':')[0]} pair {pair + 1}: nproc=1 {walls[name]['nproc=1'][-1]:.2f}s, "
+                  f"nproc=2 {walls[name]['nproc=2'][-1]:.2f}s", file=sys.stderr)
+    stats = {name: {key: summarize(values) for key, values in runs.items()} for name, runs in walls.items()}
+    targets = {name: _target(name, s["nproc=2"]["median"] / s["nproc=1"]["median"]) for name, s in stats.items()}
+    return {"words": workloads, "walls_s": walls, "stats": stats, "targets": targets}
+
+
+def run_t10(cfg: TrainBenchConfig) -> dict[str, Any]:
+    """T10: ``ddpkit.bench.checkpoint_stall`` in a fresh process (a tiny model when smoke)."""
+    words = ["width=64", "io=32", "rounds=1", "every_steps=2"] if cfg.smoke else []
+    result = _last_json_line([sys.executable, "-m", "ddpkit.bench.checkpoint_stall", *words], cfg.timeout, "T10")
+    result["targets"] = {T10: _target(T10, result["async_lost_over_sync_lost"])}
+    result["targets"][T10]["met"] = result["targets"][T10]["met"] and result["files_identical"]
+    return result
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table plus the target ratios."""
     m = report["machine"]
@@ -289,15 +350,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `ddpkit bench train {' '.join(report.get('command_words', []))}`",
         f"Train words: `{' '.join(report['train_words'])}`",
-        "",
-        "| configuration | train time median (s) | min | max | test accuracy (median) |",
-        "|---|---|---|---|---|",
     ]
+    if report["results"]:  # (none with matrix=false)
+        lines += ["", "| configuration | train time median (s) | min | max | test accuracy (median) |",
+                  "|---|---|---|---|---|"]
     for r in report["results"]:
         t, a = r["train_time_s"], r["test_accuracy"]
         lines.append(f"| {r['name']} | {t['median']:.2f} | {t['min']:.2f} | {t['max']:.2f} | {100 * a['median']:.2f}% |")
-    lines += ["", "| ratio (medians, same run) | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
+    if report["ratios"]:
+        lines += ["", "| ratio (medians, same run) | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
     if "t2" in report:
         t2 = report["t2"]["stats"]
         lines += ["", "## T2: against two independent single-thread processes at the same time", "",
@@ -317,12 +379,39 @@ def render_markdown(report: dict[str, Any]) -> str:
         for name, values in t5["accuracy"].items():
             lines.append(f"| {name} | " + " | ".join(f"{100 * v:.2f}%" for v in values) +
                          f" | {t5['mean_percent'][name]:.2f}% |")
-    targets = {**report.get("t2", {}).get("targets", {}), **report.get("t5", {}).get("targets", {})}
+    lines += _t9_t10_lines(report)
+    targets = {key: value for part in ("t2", "t5", "t9", "t10") for key, value in report.get(part, {}).get("targets", {}).items()}
     if targets:
         lines += ["", "| restated target (same run) | value | target | met |", "|---|---|---|---|"]
         lines += [f"| {k} | {v['value']:.3f} | {v['target']} | {'met' if v['met'] else 'not met'} |"
                   for k, v in targets.items()]
     return "\n".join(lines) + "\n"
+
+
+def _t9_t10_lines(report: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if "t9" in report:
+        lines += ["", "## T9: whole ddpkit train processes, nproc=2 against nproc=1 (alternated pairs)", "",
+                  "| workload | words | nproc=1 wall median (min-max) s | nproc=2 wall median (min-max) s |",
+                  "|---|---|---|---|"]
+        for name, stats in report["t9"]["stats"].items():
+            one, two = stats["nproc=1"], stats["nproc=2"]
+            lines.append(f"| {name.split(':')[0]} | `{' '.join(report['t9']['words'][name])}` | "
+                         f"{one['median']:.2f} ({one['min']:.2f}-{one['max']:.2f}) | "
+                         f"{two['median']:.2f} ({two['min']:.2f}-{two['max']:.2f}) |")
+    if "t10" in report:
+        t10 = report["t10"]
+        median, lost = t10["window_s_median"], t10["lost_per_save_s"]
+        lines += ["", f"## T10: a checkpoint every {t10['config']['every_steps']} steps, synchronous against "
+                  "async_save=True", "",
+                  f"{t10['parameters']:,} parameters, {t10['checkpoint_bytes'] / 1e6:.0f} MB of .pt files a checkpoint; "
+                  f"windows of {t10['config']['every_steps']} steps, {t10['config']['rounds']} of each kind; "
+                  f"files identical: {'yes' if t10['files_identical'] else 'NO'}", "",
+                  "| window | median (s) | lost per save (s) |", "|---|---|---|",
+                  f"| no save | {median['none']:.3f} | |",
+                  f"| synchronous save | {median['sync']:.3f} | {lost['sync']:.3f} |",
+                  f"| async_save=True | {median['async']:.3f} | {lost['async']:.3f} |"]
+    return lines
 
 
 def main(words: list[str]) -> int:
@@ -333,6 +422,10 @@ def main(words: list[str]) -> int:
         report["t2"] = run_t2(cfg)
     if cfg.t5_seeds:
         report["t5"] = run_t5(cfg)
+    if cfg.t9:
+        report["t9"] = run_t9(cfg)
+    if cfg.t10:
+        report["t10"] = run_t10(cfg)
     report["load_average_1min_at_end"] = os.getloadavg()[0]  # how busy the shared machine was
     report["command_words"] = list(words)
     date = report["machine"]["date"][:10]

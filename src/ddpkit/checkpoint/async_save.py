@@ -36,7 +36,7 @@ __all__ = ["BackgroundWriter", "copy_state"]
 _ATOMIC = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def copy_state(state: Any, *, copy_cpu: bool, pin_memory: bool) -> Any:
+def copy_state(state: Any, *, copy_cpu: bool, pin_memory: bool, buffers: list[Any] | None = None) -> Any:
     """``state`` with its tensors copied to CPU memory, storage sharing and containers' types kept.
 
     Args:
@@ -45,11 +45,14 @@ def copy_state(state: Any, *, copy_cpu: bool, pin_memory: bool) -> Any:
             to the originals do not reach the copy; False moves CUDA tensors
             only (what ``torch.save`` would do itself).
         pin_memory: copy CUDA tensors into pinned memory (a faster transfer).
+        buffers: storages of an earlier copy of a state of the same shapes, reused (and
+            extended) in the order met: a fresh allocation costs a page fault per 4 KiB page,
+            a reused one only the copy. Its earlier copy must no longer be read.
 
     Returns:
         The copy; CUDA copies are complete when it returns.
     """
-    copier = _Copier(copy_cpu, pin_memory)
+    copier = _Copier(copy_cpu, pin_memory, [] if buffers is None else buffers)
     result = copier.copy(state)
     if copier.from_cuda:
         torch.cuda.synchronize()  # the non-blocking device-to-host copies are done before anyone reads them
@@ -59,8 +62,8 @@ def copy_state(state: Any, *, copy_cpu: bool, pin_memory: bool) -> Any:
 class _Copier:
     """One walk over a state: storages already copied, by the identity of their storage."""
 
-    def __init__(self, copy_cpu: bool, pin_memory: bool):
-        self.copy_cpu, self.pin_memory = copy_cpu, pin_memory
+    def __init__(self, copy_cpu: bool, pin_memory: bool, buffers: list[Any]):
+        self.copy_cpu, self.pin_memory, self.buffers = copy_cpu, pin_memory, buffers
         self.storages: dict[int, Any] = {}
         self.memo: dict[int, Any] = {}
         self.from_cuda = False
@@ -91,6 +94,20 @@ class _Copier:
         return any((isinstance(item, torch.Tensor) and item.device.type != "cpu")
                    or (isinstance(item, (dict, list, tuple)) and self._holds_cuda(item)) for item in items)
 
+    def _buffer(self, nbytes: int, pin: bool) -> Any:
+        """The next storage of ``nbytes``: the earlier copy's at this place when it fits, else a new one."""
+        index = len(self.storages)
+        if index < len(self.buffers):
+            buffer = self.buffers[index]
+            if buffer.nbytes() == nbytes and buffer.is_pinned() == pin:
+                return buffer
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        if index < len(self.buffers):
+            self.buffers[index] = buffer
+        else:
+            self.buffers.append(buffer)
+        return buffer
+
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         on_cpu = tensor.device.type == "cpu"
         if on_cpu and not self.copy_cpu:
@@ -102,7 +119,7 @@ class _Copier:
         copied = self.storages.get(storage._cdata)
         if copied is None:
             pin = self.pin_memory and not on_cpu
-            copied = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+            copied = self._buffer(storage.nbytes(), pin)
             copied.copy_(storage, non_blocking=pin)
             self.from_cuda = self.from_cuda or not on_cpu
             self.storages[storage._cdata] = copied

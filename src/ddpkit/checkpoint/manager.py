@@ -249,6 +249,7 @@ class Checkpointer:
         self._progress: LoopProgress | None = None
         self.async_save = async_save
         self._writer = BackgroundWriter() if async_save and self.rank == 0 else None
+        self._buffers: list[Any] = []  # the copy's storages, reused by the next save once its write is done
         # With a ddpkit.DataLoader, a due checkpoint is written when the loop asks for its next batch
         # (or runs out of them): the loop's body, whatever it does after step(), is then complete.
         self._deferred = hasattr(loader, "between_batches")
@@ -593,7 +594,7 @@ class Checkpointer:
         texts = {"config.yaml": _yaml(self.config)} if self.config else {}
         # Off the training path when async: copies the loop may change at once; either way CUDA tensors
         # are on the CPU, so that both modes write the same bytes.
-        objects = copy_state(objects, copy_cpu=self._writer is not None, pin_memory=True)
+        objects = copy_state(objects, copy_cpu=self._writer is not None, pin_memory=True, buffers=self._buffers)
         note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
         name = checkpoint_name(self.global_step)
 
