@@ -253,8 +253,8 @@ class CheckpointConfig:
     """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
     exit status 74) or warn (training goes on without it)."""
     async_save: bool = False
-    """Write checkpoints in the background: a save copies the state in memory and training goes on (off: a
-    model this small saves in milliseconds, and the copy doubles the state's memory)."""
+    """Write checkpoints in the background: a save copies the state in memory and training goes on while rank 0
+    writes (off by default: the copy is a second one of the state in memory; worth it for large models)."""
 
     def __post_init__(self) -> None:
         check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
