@@ -594,7 +594,8 @@ class Checkpointer:
         texts = {"config.yaml": _yaml(self.config)} if self.config else {}
         # Off the training path when async: copies the loop may change at once; either way CUDA tensors
         # are on the CPU, so that both modes write the same bytes.
-        objects = copy_state(objects, copy_cpu=self._writer is not None, pin_memory=True, buffers=self._buffers)
+        background = self._writer is not None
+        objects = copy_state(objects, copy_cpu=background, pin_memory=True, buffers=self._buffers if background else None)
         note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
         name = checkpoint_name(self.global_step)
 
@@ -694,16 +695,19 @@ class Checkpointer:
         nothing new is written (the other ranks may be gone), but a write in
         flight is completed.
         """
-        if sys.exc_info()[0] is None:
-            self._write_at_close()
-            self.wait()
-        elif self._writer is not None:
-            self._writer.join()  # the checkpoint in flight completes; nothing new is written
-        if self._progress is not None:
-            self._progress.stop()
-        if self._deferred and self.loader.between_batches == self._between_batches:
-            self.loader.between_batches = None
-        self.signals.close()
+        try:
+            if sys.exc_info()[0] is None:
+                self._write_at_close()
+                self.wait()
+            elif self._writer is not None:
+                self._writer.join()  # the checkpoint in flight completes; nothing new is written
+        finally:
+            self._buffers = []  # the copy's memory goes back
+            if self._progress is not None:
+                self._progress.stop()
+            if self._deferred and self.loader.between_batches == self._between_batches:
+                self.loader.between_batches = None
+            self.signals.close()
 
 
 _SAVES = 0
