@@ -595,7 +595,8 @@ class Checkpointer:
         # Off the training path when async: copies the loop may change at once; either way CUDA tensors
         # are on the CPU, so that both modes write the same bytes.
         background = self._writer is not None
-        objects = copy_state(objects, copy_cpu=background, pin_memory=True, buffers=self._buffers if background else None)
+        objects = copy_state(objects, copy_cpu=background, pin_memory=True,
+                             buffers=self._buffers if background else None)
         note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
         name = checkpoint_name(self.global_step)
 
