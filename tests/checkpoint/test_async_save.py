@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import CheckpointError, Checkpointer
+from ddpkit import Checkpointer
 from ddpkit.checkpoint.async_save import copy_state
+from ddpkit.checkpoint.storage import StorageError
 from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
 from tests.cli_runner import PYTHONPATH
 
@@ -137,7 +138,7 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypa
     monkeypatch.setattr(manager, "write_checkpoint", full_disk)
     ckpt = Checkpointer(tmp_path, model=_model(), preempt_signals=(), async_save=True)
     ckpt.save()  # returns: the write fails on the writer's thread
-    with pytest.raises(CheckpointError, match="cannot write a checkpoint to .*No space left on device"):
+    with pytest.raises(StorageError, match="cannot write checkpoint .*step-000000000: No space left on device"):
         ckpt.wait()
     ckpt.close()
 
