@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.detect import detect_environment
-from ddpkit import stacks
+from ddpkit import round_store, stacks
 from ddpkit.env.network import gloo_interface_environ
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, show_messages
@@ -337,8 +337,13 @@ def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, e
     )
     started = time.monotonic()
     try:
-        # env:// reuses the store torchrun's agent already runs (TORCHELASTIC_USE_AGENT_STORE).
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+        if round_store.uses_agent_store(environ):
+            # The agent's store outlives a round of workers: form the group under keys of this round only.
+            store = round_store.round_store(environ, env.rank, env.world_size, timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(seconds=timeout))
+        else:
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
         raise RuntimeError(_explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
 
