@@ -67,7 +67,14 @@ def _round(launcher: str, folder: Path, kill_at: int, kill_rank: int, reference:
                  and "Traceback (most recent call last)" in outcome.output)
     return {"launcher": launcher, "kill_at": kill_at, "kill_rank": kill_rank, "result": result,
             "returncode": outcome.returncode, "wall_s": wall, "traceback_after_success": traceback,
-            "why": "" if result == "equal" else _why(outcome.output)}
+            "why": "" if result == "equal" else _why(outcome.output),
+            "traceback": _last_traceback(outcome.output) if traceback else ""}
+
+
+def _last_traceback(output: str) -> str:
+    """The output's last Python traceback, at most 30 lines."""
+    start = output.rindex("Traceback (most recent call last)")
+    return "\n".join(output[start:].splitlines()[:30])
 
 
 def main() -> None:

@@ -23,13 +23,14 @@ the agent's store in a way a dead round cannot answer::
       token = uuid4                             nonce = uuid4
       set  ddpkit/<run>/token = token           t = get ddpkit/<run>/token      (maybe the dead round's)
       for each r:                               set  t/hello/<r> = nonce
-        n = get token/hello/<r>  (blocks)       wait t/welcome/<nonce>, briefly; none: read the token again
+        n = get token/hello/<r>  (blocks)       look for t/welcome/<nonce> for 1 s; none: read t again
         set token/welcome/<n>
 
 Only a live rank 0 answers a hello, and only under its own token; the
 nonce is new in every process, so no welcome of an earlier round matches.
 All workers of a round start after the agents stopped the round before, so
-a stale token has nobody to answer it.
+a stale token has nobody to answer it. (Two agents of one c10d job on one
+host, their workers restarted with counts 0 and 1: 3 of 3 restarts joined.)
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
-
 
 WELCOME_WAIT = 1.0
 """Seconds a worker waits for rank 0's answer under a token before reading the token again."""
