@@ -267,26 +267,49 @@ _EXIT_HANDLER_PID = 0
 
 
 class _WorkerInit:
-    """Each DataLoader worker ignores the signals that stop the training process in an orderly way.
+    """Each DataLoader worker ignores the signals that stop the training process in an orderly way, and dies
+    with it.
 
     A scheduler's SIGTERM (or a Ctrl-C) reaches every process of the job, the
     loader's workers too; dying of it, a worker would take down the training
-    process before it wrote its preemption checkpoint. The workers end when
-    the training process does (torch's loader watches its parent).
+    process before it wrote its preemption checkpoint. When the training
+    process dies (a rank killed, the launcher stopping a round), Linux kills
+    its workers at once (``PR_SET_PDEATHSIG``): torch's own watch of the
+    parent notices only within 5 s, and an orphan that exits after the
+    launcher has ended runs multiprocessing's finalizers against the
+    launcher's removed temporary folder (a ``FileNotFoundError`` traceback
+    after a successful run). The kernel ties this to the thread that started
+    the worker: iterating a loader from a thread that ends while its workers
+    are still wanted (``persistent_workers``) would lose them.
     """
 
     SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
     def __init__(self, user_init: Callable[[int], None] | None):
         self.user_init = user_init
+        self.parent = os.getpid()  # the training process (the loader starts its workers from it)
 
     def __call__(self, worker_id: int) -> None:
         import signal
 
         for name in self.SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+        _die_with_parent(self.parent)
         if self.user_init is not None:
             self.user_init(worker_id)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies; elsewhere nothing."""
+    import ctypes
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request: nobody would kill this process now
+        os._exit(0)
 
 
 class _KeyBatchSampler(Sampler[list[tuple[int, int, bool]]]):
