@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import ddpkit.horovod as hvd  # was: import horovod.torch as hvd
-from ddpkit.data.datasets import DataOptions, load_images
+from ddpkit.datasets import DataOptions, load_images
 
 
 class Net(nn.Module):

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit  # ddpkit
-from ddpkit.data.datasets import DataOptions, load_images
+from ddpkit.datasets import DataOptions, load_images
 
 
 class Images(Dataset):

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from ddpkit import __version__
-from ddpkit.cli import COMMANDS, main
 from ddpkit.bench.cli import KINDS
+from ddpkit.cli import COMMANDS, main
 from ddpkit.command_help import field_docs, load_schema
 from ddpkit.config import TrainConfig
 

@@ -23,7 +23,7 @@ Launch it with ``ddpkit run nproc=2 train.py``, or unchanged under torchrun, sru
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ _PUBLIC = {
     "no_sync": "ddpkit.prepare",
     "unwrap_model": "ddpkit.prepare",
     "gradient_sync": "ddpkit.prepare",
+    "GradientSync": "ddpkit.comm.grad_sync",
     # data
     "DataLoader": "ddpkit.data.loader",
     "GlobalBatchSampler": "ddpkit.data.sampler",
@@ -47,6 +48,12 @@ _PUBLIC = {
     "ResumePoint": "ddpkit.checkpoint.manager",
     "CheckpointError": "ddpkit.checkpoint.format",
     "Preempted": "ddpkit.checkpoint.preemption",
+    "list_checkpoints": "ddpkit.checkpoint.format",
+    "CheckpointInfo": "ddpkit.checkpoint.format",
+    # exit statuses a launcher or a job script tests for
+    "EXIT_PREEMPTED": "ddpkit.names",
+    "EXIT_INTERRUPTED": "ddpkit.names",
+    "EXIT_STORAGE": "ddpkit.names",
     # exact metrics
     "reduce_sums": "ddpkit.reduce",
     # experiment tracking (CSV, TensorBoard, MLflow, W&B), continued across restarts
@@ -57,9 +64,30 @@ _PUBLIC = {
 
 __all__ = [*_PUBLIC, "__version__"]
 
+if TYPE_CHECKING:
+    # What editors and type checkers read (the lazy loading below is invisible to them); a test checks
+    # that these imports and _PUBLIC name the same objects.
+    from ddpkit.checkpoint.format import CheckpointError, CheckpointInfo, list_checkpoints
+    from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
+    from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.comm.grad_sync import GradientSync
+    from ddpkit.data.loader import DataLoader
+    from ddpkit.data.sampler import GlobalBatchSampler
+    from ddpkit.distributed import Context, context, init, main_process_first, shutdown
+    from ddpkit.errors import UserError
+    from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE
+    from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
+    from ddpkit.reduce import reduce_sums
+    from ddpkit.tracking.tracker import Tracker
+
 
 def __getattr__(name: str) -> Any:
     # Imported on first use: `ddpkit slurm` and `ddpkit --help` need not wait for torch.
     if name in _PUBLIC:
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names and the module's own globals (submodules already imported included)."""
+    return sorted(set(globals()) | set(__all__))

@@ -21,27 +21,25 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ddpkit import __version__
 from ddpkit.bench.cli import BENCH_HELP
-from ddpkit.checkpoint.cli import CHECKPOINTS_HELP, EXPORT_HELP
+from ddpkit.checkpoint_cli import CHECKPOINTS_HELP, EXPORT_HELP
 from ddpkit.command_help import HELP_WORDS, CommandHelp, render_help, wants_help
-from ddpkit.config import TRAIN_OPTION_GROUPS, TrainConfig, parse, peek  # no torch import: `ddpkit slurm` starts fast
+from ddpkit.config import (  # no torch import: `ddpkit slurm` starts fast
+    TRAIN_OPTION_GROUPS,
+    TrainConfig,
+    parse_train_config,
+    peek,
+)
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import LaunchError, record_for_launcher
 from ddpkit.launch.script import wants_run_help
 from ddpkit.launch.slurm_cli import SLURM_HELP
+from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USER_ERROR, EXIT_WORKER_FAILED
 
 if TYPE_CHECKING:
     from ddpkit.checkpoint.format import CheckpointInfo
     from ddpkit.launch.local import LaunchSpec
     from ddpkit.launch.script import RunConfig
 
-EXIT_USER_ERROR = 2
-EXIT_WORKER_FAILED = 1
-EXIT_PREEMPTED = 75
-"""Exit status after a preemption checkpoint (ddpkit.checkpoint.preemption.EXIT_PREEMPTED): run again."""
-EXIT_INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
-EXIT_STORAGE = 74
-"""Exit status after a checkpoint could not be written (ddpkit.checkpoint.preemption.EXIT_STORAGE)."""
 
 
 @dataclass(frozen=True)
@@ -110,9 +108,9 @@ COMMANDS: dict[str, Command] = {
                      "write or submit an sbatch script for a training job"),
     "doctor": Command("ddpkit.doctor:main", DOCTOR_HELP,
                       "print the detected environment and check the network between workers"),
-    "checkpoints": Command("ddpkit.checkpoint.cli:checkpoints_command", CHECKPOINTS_HELP,
+    "checkpoints": Command("ddpkit.checkpoint_cli:checkpoints_command", CHECKPOINTS_HELP,
                            "list the checkpoints of a folder, with step, epoch, metric and whether each verifies"),
-    "export": Command("ddpkit.checkpoint.cli:export_command", EXPORT_HELP,
+    "export": Command("ddpkit.checkpoint_cli:export_command", EXPORT_HELP,
                       "write a checkpoint's weights and model config for inference"),
     "plot": Command("ddpkit.train.plot:plot_command", PLOT_HELP,
                     "draw runs' loss, test metric and throughput from their metrics.jsonl into a PNG"),
@@ -129,14 +127,6 @@ def usage() -> str:
     lines += ["", "examples:", *(f"  {line}" for line in COMMANDS["train"].help.examples[:2]),
               "  ddpkit run nproc=2 train.py --lr 0.1        # your script, 2 workers; its arguments follow it"]
     return "\n".join(lines)
-
-
-def parse_train_config(args: Sequence[str]) -> TrainConfig:
-    """TrainConfig from words, with the chosen model's recipe as defaults."""
-    from ddpkit.models.registry import get_model_spec
-
-    model = peek(args, "model") or TrainConfig.model
-    return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))
 
 
 def train_command(args: Sequence[str]) -> int:

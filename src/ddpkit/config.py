@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ddpkit.errors import UserError
+from ddpkit.names import DEFAULT_PREEMPT_SIGNALS, GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
 
 T = TypeVar("T")
@@ -176,10 +177,6 @@ def _field_names(schema: type, prefix: str = "") -> list[str]:
     return names
 
 
-GRAD_SYNC_MODES = ("auto", "ddp", "flat", "manual")
-"""Values of TrainConfig.grad_sync (see ddpkit.comm.grad_sync)."""
-TASKS = ("classification", "regression", "reconstruction")
-"""What a model learns: the loss and the metrics of ``ddpkit train``."""
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
 LOGGERS = ("jsonl", *sorted(BACKENDS))
@@ -216,8 +213,6 @@ def check_nodes(nnodes: int, node_rank: int, master_addr: str, master_port: int)
                           "node (e.g. master_port=29500)")
 
 
-PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
-"""Signals that may be configured to mean "checkpoint now and exit" (checkpoint.preempt_signals)."""
 
 
 @dataclasses.dataclass
@@ -242,7 +237,7 @@ class CheckpointConfig:
     """Test metric that picks the best checkpoint (accuracy, loss, mse; auto: accuracy or mse by task; empty: off)."""
     best_mode: str = "auto"
     """max or min of best_metric (auto: max for accuracy, min otherwise)."""
-    preempt_signals: str = "SIGTERM,SIGINT,SIGUSR1,SIGUSR2"
+    preempt_signals: str = ",".join(DEFAULT_PREEMPT_SIGNALS)
     """Signals that make every worker finish its step, write a checkpoint and exit with status 75 (130 for
     SIGINT: Ctrl-C keeps the work; a second Ctrl-C stops at once)."""
     requeue: bool = False
@@ -421,3 +416,11 @@ class TrainConfig:
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
         check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
+
+
+def parse_train_config(args: Sequence[str]) -> TrainConfig:
+    """TrainConfig from words, with the chosen model's recipe as defaults."""
+    from ddpkit.models.registry import get_model_spec  # deferred: the registry imports torch
+
+    model = peek(args, "model") or TrainConfig.model
+    return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))

@@ -40,9 +40,9 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from ddpkit import round_store, stacks
 from ddpkit.env.base import ClusterEnvironment
 from ddpkit.env.detect import detect_environment
-from ddpkit import round_store, stacks
 from ddpkit.env.network import gloo_interface_environ
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, show_messages
@@ -324,7 +324,8 @@ def _existing_backend(requested: str) -> str:
 def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:
     if env.world_size == 1:
         # One worker needs no network: a store in memory keeps collectives callable.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+        store = dist.HashStore()  # type: ignore[attr-defined]  # public in torch, missing from its __all__
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
         return
     if "gloo" in backend:
         environ.update(gloo_interface_environ(environ, env.master_addr))

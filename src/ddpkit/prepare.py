@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm.grad_sync import GradientSync, choose_allreduce, choose_grad_sync, wrap_ddp
-from ddpkit.config import GRAD_SYNC_MODES
 from ddpkit.distributed import context
 from ddpkit.errors import UserError
+from ddpkit.names import GRAD_SYNC_MODES
 
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, GradientSync] = weakref.WeakKeyDictionary()
 """The synchronisation of every module prepare_model returned, gone with the module."""
@@ -113,7 +114,7 @@ def _keys_of_the_plain_module(ddp: DDP) -> None:
     module itself for small ones), and loads into a plain module as it is.
     """
 
-    def strip(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    def strip(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
         _replace_prefix(state_dict, prefix + "module.", prefix)
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:  # module paths: "module" -> "" (the root), "module.0" -> "0"
@@ -123,7 +124,7 @@ def _keys_of_the_plain_module(ddp: DDP) -> None:
             metadata.update(renamed)
             _replace_prefix(metadata, inner + ".", prefix)
 
-    def add(state_dict: dict, prefix: str, *args: object) -> None:
+    def add(state_dict: dict[str, Any], prefix: str, *args: object) -> None:
         if not any(key.startswith(prefix + "module.") for key in state_dict):
             _replace_prefix(state_dict, prefix, prefix + "module.")
 
@@ -131,7 +132,7 @@ def _keys_of_the_plain_module(ddp: DDP) -> None:
     ddp._register_load_state_dict_pre_hook(add)
 
 
-def _replace_prefix(mapping: dict, old: str, new: str) -> None:
+def _replace_prefix(mapping: dict[str, Any], old: str, new: str) -> None:
     """Replace ``old`` by ``new`` at the start of every key of ``mapping`` that has it, in place and in order."""
     items = list(mapping.items())
     mapping.clear()

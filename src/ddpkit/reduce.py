@@ -31,7 +31,7 @@ def reduce_sums(values: Mapping[str, float | torch.Tensor], group: dist.ProcessG
     """Add ``values`` up over the ranks of ``group`` (float64, one all_reduce) and return them as floats.
 
     Values may be numbers or one-element tensors on any device; the collective
-    runs on the device the group's backend takes (:func:`ddpkit.distributed.control_device`),
+    runs on the device the group's backend takes (CPU for gloo, this rank's GPU for nccl),
     also with a single worker, so that path is the same at every world size.
     Without a process group the values are returned as they are.
     """

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit import CheckpointError, Checkpointer
+from ddpkit import Checkpointer, CheckpointError
 from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
 from tests.helpers.module_runs import run_side_by_side, selected_tests
 

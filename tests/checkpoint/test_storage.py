@@ -20,8 +20,8 @@ from torch import nn
 
 from ddpkit import Checkpointer
 from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
-from ddpkit.checkpoint.preemption import EXIT_STORAGE
 from ddpkit.checkpoint.storage import StorageError, estimate_bytes
+from ddpkit.names import EXIT_STORAGE
 from tests.helpers.launch_in_process import Commands
 from tests.train.checkpoint_helpers import (
     CLI_TOTAL_STEPS,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.data.datasets import DataOptions, FASHION_MNIST, load_images
+from ddpkit.data.datasets import FASHION_MNIST, DataOptions, load_images
 from ddpkit.data.idx import CorruptDataError, map_idx, write_idx
 
 

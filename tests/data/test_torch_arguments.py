@@ -13,8 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import (BatchSampler, Dataset, DistributedSampler, SequentialSampler, SubsetRandomSampler,
-                              default_collate)
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    default_collate,
+)
 
 from ddpkit.data.loader import DataLoader
 from ddpkit.data.sampler import epoch_permutation

@@ -38,6 +38,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
 import torch
 
 from ddpkit.cli import main

@@ -53,7 +53,7 @@ def _train_with_ddp(rank: int, world_size: int, argv: list[str]) -> dict[str, to
     return {name: t.detach().clone() for name, t in model.module.state_dict().items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ddp_weights(argv: tuple[str, ...] = tuple(TINY), world_size: int = 2) -> dict[str, torch.Tensor]:
     """Rank 0's final weights of the example's training under stock DDP (computed once per session)."""
     return run_on_ranks(_train_with_ddp, world_size, list(argv), timeout=240)[0]

@@ -53,7 +53,7 @@ def mlflow_client(folder: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wandb_records(segment: Path) -> list[dict]:
     """The records of one offline run folder, through W&B's own reader (``wandb leet inspect --json``; read once)."""
     out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(segment)],

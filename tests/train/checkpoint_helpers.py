@@ -33,7 +33,6 @@ import psutil
 import torch
 import torch._dynamo  # noqa: F401  # sets TORCHINDUCTOR_CACHE_DIR when first imported: here, not inside a test
 from torch import nn
-
 from torch.utils.data import TensorDataset
 
 from ddpkit import distributed

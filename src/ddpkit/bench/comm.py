@@ -612,6 +612,7 @@ def run_worker(cfg: CommBenchConfig, words: Sequence[str] = (), launcher: str = 
     import torch.distributed as dist
 
     from ddpkit import distributed
+
     # Imported here, not at the top: comm_report imports this module's constants.
     from ddpkit.bench.comm_report import TerminalTable, plot_report, render_markdown, render_targets
     from ddpkit.log import setup_logging

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.comm import BUILTIN, TARGET_T3, TARGET_T4, CommBenchConfig, median_times
-from ddpkit.bench.plot import bytes_axis, format_bytes, new_figure, save_figure
+from ddpkit.figures import bytes_axis, format_bytes, new_figure, save_figure
 
 
 class TerminalTable:

@@ -86,11 +86,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench import perfmodel
-from ddpkit.bench.plot import format_bytes
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag
 from ddpkit.config import ConfigError, check_positive, parse
 from ddpkit.errors import UserError
+from ddpkit.figures import format_bytes
 
 WORKLOADS = {"W1": "mlp", "W2": "cnn", "W3": "autoencoder"}
 """Reference workloads (WORKLOADS.md) by id, and the registered model each trains."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.plot import format_bytes, new_figure, save_figure
 from ddpkit.bench.scaling import PARTS
+from ddpkit.figures import format_bytes, new_figure, save_figure
 
 TOLERANCE = 0.25
 """Prediction error the report flags as within the model (|predicted / measured - 1|)."""

@@ -54,7 +54,8 @@ from typing import Any
 
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import check_run, machine_info, machine_tag, summarize
-from ddpkit.config import GRAD_SYNC_MODES, check_choice, parse
+from ddpkit.config import check_choice, parse
+from ddpkit.names import GRAD_SYNC_MODES
 
 
 @dataclasses.dataclass

@@ -107,9 +107,7 @@ from ddpkit.checkpoint.storage import ON_WRITE_ERROR, StorageError, checkpoint_b
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
-
-DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-"""Signals that, by default, mean "checkpoint now and exit" (status 75; 130 for SIGINT, Ctrl-C)."""
+from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 TRAIN_FILE = "train.pt"
 RNG_FILE = "rng.pt"

@@ -55,13 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-EXIT_PREEMPTED = 75
-"""Exit status of a worker (and of ``ddpkit train``) after a preemption checkpoint: restart me."""
-EXIT_INTERRUPTED = 130
-"""Exit status after a checkpoint made for Ctrl-C (SIGINT): 128 + 2, what shells report for an interrupted command."""
-EXIT_STORAGE = 74
-"""Exit status of a worker (and of ``ddpkit train``/``ddpkit run``) whose checkpoint could not be written
-(no space, read-only or vanished folder, quota): EX_IOERR. A restart would fail the same way until it is fixed."""
+from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 MAX_SYNC_INTERVAL = 100_000
 """Upper bound of K, the steps between two agreements."""

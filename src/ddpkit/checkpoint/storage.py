@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.format import CheckpointError, list_checkpoints
-from ddpkit.checkpoint.preemption import EXIT_STORAGE
 from ddpkit.checkpoint.rng import capture_rng_state
+from ddpkit.names import EXIT_STORAGE
 
 ON_WRITE_ERROR = ("stop", "warn")
 """What a failed checkpoint write does: stop training (exit status 74), or warn and go on."""

@@ -59,17 +59,32 @@ from typing import Any
 
 import torch
 import torch.utils.data
-from torch.utils.data import (Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset, default_collate,
-                              get_worker_info)
+from torch.utils.data import (
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    TensorDataset,
+    default_collate,
+    get_worker_info,
+)
 
 from ddpkit.data import shm_budget
+from ddpkit.data.arguments import (
+    BATCH_SIZE_DEFAULT,
+    global_batch,
+    loader_seed,
+    rank_and_world,
+    read_sampler,
+    refuse_batch_sampler,
+    refuse_for_streaming,
+)
 from ddpkit.data.arrow import arrow_batch_reader
-from ddpkit.data.arguments import (BATCH_SIZE_DEFAULT, global_batch, loader_seed, rank_and_world, read_sampler,
-                                   refuse_batch_sampler, refuse_for_streaming)
 from ddpkit.data.sample_seeds import SeededDataset, _mix, _Template
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
 from ddpkit.errors import UserError
+from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 try:
     import numpy as np
@@ -283,7 +298,7 @@ class _WorkerInit:
     are still wanted (``persistent_workers``) would lose them.
     """
 
-    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+    SIGNALS = DEFAULT_PREEMPT_SIGNALS
 
     def __init__(self, user_init: Callable[[int], None] | None):
         self.user_init = user_init

@@ -20,8 +20,7 @@ import torch
 
 from ddpkit.distributed import control_device
 from ddpkit.horovod.ops import allgather, broadcast_, broadcast_async_, synchronize
-from ddpkit.horovod.process_sets import check as check_process_set
-from ddpkit.horovod.process_sets import global_process_set
+from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,

@@ -36,8 +36,7 @@ import torch
 from ddpkit.horovod import engine
 from ddpkit.horovod.compression import Compression, Compressor
 from ddpkit.horovod.engine import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE_OPS, Call, Rows
-from ddpkit.horovod.process_sets import check as check_process_set
-from ddpkit.horovod.process_sets import global_process_set
+from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
 from ddpkit.horovod.unsupported import ADASUM, HorovodUnsupportedError
 
 

@@ -28,7 +28,6 @@ from typing import Any
 from ddpkit import stacks
 from ddpkit.errors import UserError
 
-
 FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
 """Environment variable naming the folder where ddpkit's launcher collects its workers' errors."""
 

@@ -80,13 +80,12 @@ from ddpkit.launch.failure import (
     root_cause,
     run_reporting_failure,
 )
+from ddpkit.names import EXIT_INTERRUPTED
 
 LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
 """Signals torch's elastic agent handles (it also would SIGINT, which ddpkit's launcher handles itself):
 passed on to the workers, which are then stopped."""
-EXIT_INTERRUPTED = 130
-"""A worker's exit status after Ctrl-C (128 + SIGINT)."""
 INTERRUPTED_MARKER = "interrupted"
 """File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
 AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"

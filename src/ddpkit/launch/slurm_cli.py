@@ -196,7 +196,7 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
 
 
 def _check_train_words(words: Sequence[str]) -> None:
-    from ddpkit.cli import parse_train_config
+    from ddpkit.config import parse_train_config
 
     try:
         parse_train_config(words)

@@ -9,7 +9,6 @@ from torch import nn
 
 from ddpkit.models.registry import register_model
 
-
 MNIST_MEAN_STD = (0.1307, 0.3081)
 """Mean and standard deviation of MNIST's pixels in [0, 1], as PyTorch's MNIST example normalizes them."""
 

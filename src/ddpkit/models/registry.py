@@ -22,9 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from ddpkit.config import TASKS
 from ddpkit.errors import UserError
-
+from ddpkit.names import TASKS
 
 
 @dataclass(frozen=True)

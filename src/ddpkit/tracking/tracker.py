@@ -34,6 +34,7 @@ fail, and slow, every step), and training and its checkpoints go on.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 import os
@@ -101,7 +102,7 @@ class Tracker:
             return
         if self._resumed:
             for package in BACKENDS[self.kind].packages:
-                self._guard(lambda: importlib.import_module(package))
+                self._guard(functools.partial(importlib.import_module, package))
         else:
             self._guard(lambda: self._open(drop_from=None))
 

@@ -12,7 +12,7 @@ has the same steps per epoch (or against the epoch, ``x=epoch``). Each run is
 named in the legend by its folder and by the settings in which the runs
 differ (``lr=0.01``, ``world_size=2``), read from the config that ``ddpkit
 train`` stores in the run's summary. Drawn with matplotlib's object API on the
-Agg backend (see :mod:`ddpkit.bench.plot`), so it needs no display.
+Agg backend (see :mod:`ddpkit.figures`), so it needs no display.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def draw(runs: Sequence[Run], cfg: PlotConfig, output: Path) -> Path:
         PlotError: matplotlib is not installed, or x=epoch for a run with no epoch end yet.
     """
     _require_matplotlib()
-    from ddpkit.bench.plot import new_figure, save_figure
+    from ddpkit.figures import new_figure, save_figure
 
     names = cfg.panel_names()
     figure, axes = new_figure(len(names), ncols=3, panel_size=(5.0, 4.0))

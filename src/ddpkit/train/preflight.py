@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ddpkit.checkpoint.select import RESUME_MODES, check_resume
-from ddpkit.comm.shm import segment_bytes
 from ddpkit.comm.registry import resolve_allreduce
+from ddpkit.comm.shm import segment_bytes
 from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddpkit.config import TASKS
 from ddpkit.errors import UserError
+from ddpkit.names import TASKS
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""Figures for benchmark reports: matplotlib's Agg backend, loaded only when a figure is drawn.
+"""Figures for benchmark reports and run plots: matplotlib's Agg backend, loaded only when a figure is drawn.
 
 matplotlib is an optional dependency (the ``plot`` and ``test`` extras). A
 benchmark asks :func:`new_figure` for a figure; without matplotlib it gets

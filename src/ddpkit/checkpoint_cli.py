@@ -43,7 +43,7 @@ EXPORT_HELP = CommandHelp(
     usage="ddpkit export CHECKPOINT OUT [key=value ...]",
     summary="Write a checkpoint's weights and model config for inference: OUT/model.pt (the weights, loadable "
             "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
-    schema="ddpkit.checkpoint.cli:ExportConfig",
+    schema="ddpkit.checkpoint_cli:ExportConfig",
     positional=(("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified "
                                "checkpoint)"), ("OUT", "the folder to write")),
     examples=("ddpkit export runs/latest exported/", "ddpkit export runs/latest/checkpoints/best-000000940 out/"),
@@ -52,7 +52,7 @@ CHECKPOINTS_HELP = CommandHelp(
     usage="ddpkit checkpoints DIR [key=value ...]",
     summary="List the checkpoints of a folder, one line each: step, epoch, metric, size and whether it verifies "
             "(newest, best, incomplete or corrupt).",
-    schema="ddpkit.checkpoint.cli:CheckpointsConfig",
+    schema="ddpkit.checkpoint_cli:CheckpointsConfig",
     positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
     examples=("ddpkit checkpoints runs/latest", "ddpkit checkpoints runs/latest verify=false"),
 )

@@ -1,0 +1,59 @@
+"""The checkers configured in pyproject.toml, run as tests so that CI (scripts/test.sh) fails on a finding.
+
+Each runs the tool from this venv on this checkout and shows its output on failure. A tool that is not
+installed fails the test (it is in the ``test`` extra): a check that cannot run must not pass.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["src", "tests", "examples", "benchmarks"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run a checker module of this interpreter in the repository root."""
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+
+def _assert_clean(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"{' '.join(map(str, result.args))}\n{result.stdout}\n{result.stderr}"
+
+
+def test_import_layers() -> None:
+    """import-linter's contracts: the core never imports the commands, trainer or benchmarks, and so on."""
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=240)
+    _assert_clean(result)
+
+
+def test_ruff_lint() -> None:
+    _assert_clean(_run("ruff", "check", "--no-cache", *SOURCES))
+
+
+@pytest.mark.slow
+def test_mypy() -> None:
+    """mypy on the modules pyproject's [tool.mypy] names (strict on the public API's modules)."""
+    _assert_clean(_run("mypy", "--no-incremental"))
+
+
+def test_public_names_are_visible() -> None:
+    """dir(ddpkit) lists __all__, and the TYPE_CHECKING imports name the objects the lazy loading returns."""
+    assert set(ddpkit.__all__) <= set(dir(ddpkit))
+    source = Path(ddpkit.__file__).read_text()
+    block = source.split("if TYPE_CHECKING:", 1)[1].split("\ndef ", 1)[0]
+    imported = {}
+    for line in block.splitlines():
+        line = line.strip()
+        if line.startswith("from "):
+            module, names = line[len("from "):].split(" import ")
+            imported.update({name.strip(): module for name in names.split(",")})
+    assert imported == ddpkit._PUBLIC
