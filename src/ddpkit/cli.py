@@ -62,7 +62,7 @@ TRAIN_HELP = CommandHelp(
             "metrics.jsonl, summary.json and checkpoints into its own folder runs/<model>-<dataset>/<time> "
             "(runs/latest points to it).",
     schema="ddpkit.config:TrainConfig", groups=TRAIN_OPTION_GROUPS,
-    examples=("ddpkit train nproc=2                          # W1: MLP on Fashion-MNIST, 2 workers",
+    examples=("ddpkit train nproc=2                          # the MLP on Fashion-MNIST, 2 workers",
               "ddpkit train model=cnn epochs=1 nproc=2 checkpoint.every_steps=200",
               "ddpkit train nproc=2 resume=auto             # continue the latest run of this model and data",
               "torchrun --nproc-per-node 2 -m ddpkit train"))

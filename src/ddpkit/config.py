@@ -288,7 +288,7 @@ class TrainConfig:
     """Everything ``ddpkit train`` needs; every field can be set as key=value."""
 
     model: str = "mlp"
-    """Model: mlp (W1), cnn (W2), cnn_bn (W2 with BatchNorm), autoencoder (W3), a registered name, or module:function returning an nn.Module."""
+    """Model: mlp, cnn, cnn_bn (cnn with BatchNorm), autoencoder, a registered name, or module:function returning an nn.Module."""
     dataset: str = "fashion-mnist"
     """Dataset: fashion-mnist, mnist, synthetic, a registered name, or module:function returning (train, test)."""
     task: str = "auto"
