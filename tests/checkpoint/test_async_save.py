@@ -26,8 +26,8 @@ from torch import nn
 import ddpkit
 from ddpkit import Checkpointer
 from ddpkit.checkpoint.async_save import copy_state
-from ddpkit.checkpoint.storage import StorageError
 from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
+from ddpkit.checkpoint.storage import StorageError
 from tests.cli_runner import PYTHONPATH
 
 SEED = 20251125
