@@ -57,8 +57,9 @@ def write_dataset(folder: str, rows: int) -> None:
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (rows, 784), dtype=np.uint8)
     labels = rng.integers(0, 10, rows)
-    features = datasets.Features({"image": datasets.Sequence(datasets.Value("uint8"), length=784),
-                                  "label": datasets.Value("int64")})
+    features = datasets.Features(
+        {"image": datasets.Sequence(datasets.Value("uint8"), length=784), "label": datasets.Value("int64")}
+    )
     datasets.Dataset.from_dict({"image": images, "label": labels}, features=features).save_to_disk(folder)
 
 
@@ -66,8 +67,9 @@ def loaders(dataset, args: argparse.Namespace, ctx) -> dict[str, torch.utils.dat
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=0)
     return {
         "ddpkit": ddpkit.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers),
-        "torch": torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                                             num_workers=args.num_workers),
+        "torch": torch.utils.data.DataLoader(
+            dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers
+        ),
     }
 
 
@@ -132,18 +134,26 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def report(args: argparse.Namespace, ctx, throughput: dict[str, list[float]],
-           cpu_per_sample: dict[str, list[float]]) -> None:
+def report(
+    args: argparse.Namespace, ctx, throughput: dict[str, list[float]], cpu_per_sample: dict[str, list[float]]
+) -> None:
     medians = {name: statistics.median(values) for name, values in throughput.items()}
     ratio = medians["ddpkit"] / medians["torch"]
     # Each repeat ran both loaders back to back: the ratio within a pair cancels the machine's drift.
     paired = statistics.median(d / t for d, t in zip(throughput["ddpkit"], throughput["torch"], strict=True))
     command = f"ddpkit run nproc={ctx.world_size} benchmarks/hf_loader.py --rows {args.rows} --repeats {args.repeats}"
     result = {
-        "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
-        "datasets": __import__("datasets").__version__, "cpu": cpu_name(),
-        "cores": os.cpu_count(), "world_size": ctx.world_size, "num_workers": args.num_workers,
-        "rows": args.rows, "batch_size_per_rank": args.batch_size, "repeats": args.repeats,
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch": torch.__version__,
+        "datasets": __import__("datasets").__version__,
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "world_size": ctx.world_size,
+        "num_workers": args.num_workers,
+        "rows": args.rows,
+        "batch_size_per_rank": args.batch_size,
+        "repeats": args.repeats,
         "samples_per_s": {name: [round(v, 1) for v in values] for name, values in throughput.items()},
         "median_samples_per_s": {name: round(v, 1) for name, v in medians.items()},
         "ratio_ddpkit_over_torch": round(ratio, 3),
@@ -157,17 +167,20 @@ def report(args: argparse.Namespace, ctx, throughput: dict[str, list[float]],
         f"# HF Arrow dataset: ddpkit.DataLoader vs torch DataLoader + DistributedSampler\n\n"
         f"`{command}` ({result['date']}, torch {result['torch']}, datasets {result['datasets']}, "
         f"{result['cores']} cores)\n\n"
-        f"{args.rows} rows of 784 uint8 pixels and a label, memory-mapped Arrow, `with_format(\"torch\")`; "
+        f'{args.rows} rows of 784 uint8 pixels and a label, memory-mapped Arrow, `with_format("torch")`; '
         f"W1 (MLP) trained on {ctx.world_size} ranks, batch_size={args.batch_size} per rank, "
         f"num_workers={args.num_workers}; {args.repeats} epochs of each loader, alternating.\n\n"
         f"| loader | samples/s per epoch (all ranks) | median |\n|---|---|---|\n"
-        + "".join(f"| {name} | {', '.join(f'{v:.0f}' for v in throughput[name])} | {medians[name]:.0f} |\n"
-                  for name in ("ddpkit", "torch"))
+        + "".join(
+            f"| {name} | {', '.join(f'{v:.0f}' for v in throughput[name])} | {medians[name]:.0f} |\n"
+            for name in ("ddpkit", "torch")
+        )
         + f"\nratio ddpkit / torch (medians): **{ratio:.3f}**; median of the ratios within each repeat "
-          f"(both loaders back to back): {paired:.3f}\n\n"
+        f"(both loaders back to back): {paired:.3f}\n\n"
         f"CPU per sample, all ranks and their loader workers (microseconds; less sensitive than the wall time "
         f"to other load on the machine): ddpkit {result['median_cpu_us_per_sample']['ddpkit']}, "
-        f"torch {result['median_cpu_us_per_sample']['torch']}\n")
+        f"torch {result['median_cpu_us_per_sample']['torch']}\n"
+    )
     print(json.dumps(result), flush=True)
 
 

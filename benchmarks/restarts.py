@@ -63,12 +63,20 @@ def _round(launcher: str, folder: Path, kill_at: int, kill_rank: int, reference:
         result = "differs" if outcome.differing(reference) else "equal"
     # Under torchrun the surviving worker of the failed round prints its own traceback (the script's uncaught
     # gloo error); ddpkit run reports a failure in one line, so a traceback there is one too many.
-    traceback = (launcher == "ddpkit-run" and outcome.returncode == 0
-                 and "Traceback (most recent call last)" in outcome.output)
-    return {"launcher": launcher, "kill_at": kill_at, "kill_rank": kill_rank, "result": result,
-            "returncode": outcome.returncode, "wall_s": wall, "traceback_after_success": traceback,
-            "why": "" if result == "equal" else _why(outcome.output),
-            "traceback": _last_traceback(outcome.output) if traceback else ""}
+    traceback = (
+        launcher == "ddpkit-run" and outcome.returncode == 0 and "Traceback (most recent call last)" in outcome.output
+    )
+    return {
+        "launcher": launcher,
+        "kill_at": kill_at,
+        "kill_rank": kill_rank,
+        "result": result,
+        "returncode": outcome.returncode,
+        "wall_s": wall,
+        "traceback_after_success": traceback,
+        "why": "" if result == "equal" else _why(outcome.output),
+        "traceback": _last_traceback(outcome.output) if traceback else "",
+    }
 
 
 def _last_traceback(output: str) -> str:
@@ -95,26 +103,38 @@ def main() -> None:
         assert reference.returncode == 0 and reference.weights is not None, reference.output
         for index, (kill_at, kill_rank) in enumerate(kills):
             for launcher in launchers:
-                row = _round(launcher, Path(tmp) / f"{launcher}-{index}", kill_at, kill_rank,
-                             reference.weights, args.timeout)
+                row = _round(
+                    launcher, Path(tmp) / f"{launcher}-{index}", kill_at, kill_rank, reference.weights, args.timeout
+                )
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     _write(args, launchers, rows, load_before)
 
 
 def _write(args: argparse.Namespace, launchers: list[str], rows: list[dict], load_before: float) -> None:
-    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "cpus": len(os.sched_getaffinity(0)), "machine": platform.processor(),
-              "load_before": load_before, "load_after": os.getloadavg()[0],
-              "command": "python benchmarks/restarts.py " + " ".join(sys.argv[1:]), "seed": args.seed}
+    header = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)),
+        "machine": platform.processor(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "command": "python benchmarks/restarts.py " + " ".join(sys.argv[1:]),
+        "seed": args.seed,
+    }
     out = REPO / "benchmarks" / args.name
     out.with_suffix(".json").write_text(json.dumps({**header, "rounds": rows}, indent=1) + "\n")
-    lines = [f"# Restarts: {args.rounds} rounds per launcher, one rank SIGKILLed, max restarts 1", "",
-             f"{header['date']} · torch {header['torch']} · {header['cpus']} cores · load average (1 min) "
-             f"{load_before:.1f} before, {header['load_after']:.1f} after", "",
-             f"Command: `{header['command']}` (seed {args.seed}; the kill steps and ranks are the same for every "
-             "launcher)", "", "| launcher | command | equal | differs | failed | hung | traceback after success |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Restarts: {args.rounds} rounds per launcher, one rank SIGKILLed, max restarts 1",
+        "",
+        f"{header['date']} · torch {header['torch']} · {header['cpus']} cores · load average (1 min) "
+        f"{load_before:.1f} before, {header['load_after']:.1f} after",
+        "",
+        f"Command: `{header['command']}` (seed {args.seed}; the kill steps and ranks are the same for every launcher)",
+        "",
+        "| launcher | command | equal | differs | failed | hung | traceback after success |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for launcher in launchers:
         mine = [row for row in rows if row["launcher"] == launcher]
         counts = [sum(row["result"] == kind for row in mine) for kind in ("equal", "differs", "failed", "hung")]
@@ -123,8 +143,11 @@ def _write(args: argparse.Namespace, launchers: list[str], rows: list[dict], loa
         shown = re.sub(r"--master-port \d+", "--master-port PORT", shown)
         tracebacks = sum(row["traceback_after_success"] for row in mine)
         lines.append(f"| {launcher} | `{shown}` | {' | '.join(map(str, counts))} | {tracebacks} |")
-    whys = [f"- {row['launcher']} kill at step {row['kill_at']} of rank {row['kill_rank']}: {row['result']}: "
-            f"`{row['why']}`" for row in rows if row["result"] != "equal"]
+    whys = [
+        f"- {row['launcher']} kill at step {row['kill_at']} of rank {row['kill_rank']}: {row['result']}: `{row['why']}`"
+        for row in rows
+        if row["result"] != "equal"
+    ]
     if whys:
         lines += ["", "Rounds that did not end equal:", "", *whys]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -36,8 +36,14 @@ class Pixels(Dataset):
 
 def autoencoder() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 32), nn.ReLU(),
-        nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 784), nn.Sigmoid(),
+        nn.Linear(784, 128),
+        nn.ReLU(),
+        nn.Linear(128, 32),
+        nn.ReLU(),
+        nn.Linear(32, 128),
+        nn.ReLU(),
+        nn.Linear(128, 784),
+        nn.Sigmoid(),
     )
 
 
@@ -77,8 +83,15 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loader = ddpkit.DataLoader(train_set, global_batch_size=128, shuffle=True, seed=0, num_workers=2)  # ddpkit
     test_loader = ddpkit.DataLoader(test_set, global_batch_size=1000, shuffle=False, num_workers=2)  # ddpkit
-    ckpt = ddpkit.Checkpointer(args.out, model=model, optimizer=optimizer, loader=loader,  # ddpkit
-                               every_steps=500, best_metric="mse", best_mode="min")  # ddpkit
+    ckpt = ddpkit.Checkpointer(
+        args.out,
+        model=model,
+        optimizer=optimizer,
+        loader=loader,  # ddpkit
+        every_steps=500,
+        best_metric="mse",
+        best_mode="min",
+    )  # ddpkit
     start = ckpt.resume("auto")  # ddpkit
 
     for epoch in range(start.epoch, args.epochs):

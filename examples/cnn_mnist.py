@@ -41,8 +41,17 @@ class ShiftedImages(Dataset):
 
 def cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
-        nn.Flatten(), nn.Linear(4608, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10),
+        nn.Conv2d(1, 32, 3),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.Linear(4608, 128),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(128, 10),
     )
 
 
@@ -80,11 +89,24 @@ def main() -> None:
     model = ddpkit.prepare_model(cnn())  # ddpkit
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000, gamma=0.7)
-    loader = ddpkit.DataLoader(train_set, global_batch_size=args.batch_size, shuffle=True, seed=0,  # ddpkit
-                               num_workers=2, persistent_workers=True)
+    loader = ddpkit.DataLoader(
+        train_set,
+        global_batch_size=args.batch_size,
+        shuffle=True,
+        seed=0,  # ddpkit
+        num_workers=2,
+        persistent_workers=True,
+    )
     test_loader = ddpkit.DataLoader(test_set, global_batch_size=1000, shuffle=False, num_workers=2)  # ddpkit
-    ckpt = ddpkit.Checkpointer(args.out, model=model, optimizer=optimizer, scheduler=scheduler,  # ddpkit
-                               loader=loader, every_steps=args.every_steps, best_metric="accuracy")  # ddpkit
+    ckpt = ddpkit.Checkpointer(
+        args.out,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,  # ddpkit
+        loader=loader,
+        every_steps=args.every_steps,
+        best_metric="accuracy",
+    )  # ddpkit
     start = ckpt.resume("auto")  # ddpkit
 
     for epoch in range(start.epoch, args.epochs):

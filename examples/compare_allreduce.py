@@ -45,8 +45,10 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     names = ["builtin", *[a for a in args.algorithms if a != "builtin"]]
     functions = {name: resolve_allreduce(name) for name in names}
     if rank == 0:
-        print(f"{world_size} ranks, float32, slowest rank, median (min-max) of {args.repeats}; "
-              f"available: {', '.join(available_allreduce_algorithms())}")
+        print(
+            f"{world_size} ranks, float32, slowest rank, median (min-max) of {args.repeats}; "
+            f"available: {', '.join(available_allreduce_algorithms())}"
+        )
     for size_mib in args.sizes_mib:
         tensor = torch.randn(max(1, int(size_mib * 2**20) // 4))
         times: dict[str, list[float]] = {name: [] for name in names}

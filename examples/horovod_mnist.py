@@ -79,8 +79,16 @@ def datasets(args: argparse.Namespace) -> tuple[torch.utils.data.Dataset, torch.
     return train, test
 
 
-def train_epoch(model: nn.Module, optimizer: optim.Optimizer, loader: DataLoader, sampler: DistributedSampler,
-                epoch: int, args: argparse.Namespace, device: torch.device, log: bool) -> None:
+def train_epoch(
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    loader: DataLoader,
+    sampler: DistributedSampler,
+    epoch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    log: bool,
+) -> None:
     """One epoch over this worker's share of the training set."""
     model.train()
     sampler.set_epoch(epoch)  # a different shuffle every epoch, the same on every worker
@@ -137,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Average,
-                                         gradient_predivide_factor=args.gradient_predivide_factor)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Average,
+        gradient_predivide_factor=args.gradient_predivide_factor,
+    )
 
     for epoch in range(1, args.epochs + 1):
         train_epoch(model, optimizer, train_loader, train_sampler, epoch, args, device, log=hvd.rank() == 0)

@@ -70,8 +70,14 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loader = ddpkit.DataLoader(train_set, global_batch_size=64, shuffle=True, seed=0, num_workers=2)  # ddpkit
     test_loader = ddpkit.DataLoader(test_set, global_batch_size=1000, shuffle=False, num_workers=2)  # ddpkit
-    ckpt = ddpkit.Checkpointer(args.out, model=model, optimizer=optimizer, loader=loader,  # ddpkit
-                               every_steps=500, best_metric="accuracy")  # ddpkit
+    ckpt = ddpkit.Checkpointer(
+        args.out,
+        model=model,
+        optimizer=optimizer,
+        loader=loader,  # ddpkit
+        every_steps=500,
+        best_metric="accuracy",
+    )  # ddpkit
     start = ckpt.resume("auto")  # ddpkit
 
     for epoch in range(start.epoch, args.epochs):

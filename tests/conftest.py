@@ -58,9 +58,7 @@ def _no_stray_children():
 def _is_alive(proc: psutil.Process) -> bool:
     try:
         # multiprocessing's resource tracker lives as long as the test session.
-        return proc.status() != psutil.STATUS_ZOMBIE and not any(
-            "resource_tracker" in part for part in proc.cmdline()
-        )
+        return proc.status() != psutil.STATUS_ZOMBIE and not any("resource_tracker" in part for part in proc.cmdline())
     except psutil.NoSuchProcess:
         return False
 

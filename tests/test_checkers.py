@@ -30,13 +30,17 @@ def _assert_clean(result: subprocess.CompletedProcess[str]) -> None:
 def test_import_layers() -> None:
     """import-linter's contracts: the core never imports the commands, trainer or benchmarks, and so on."""
     lint_imports = Path(sys.executable).with_name("lint-imports")
-    result = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=240)
+    result = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     _assert_clean(result)
 
 
 def test_ruff_lint() -> None:
     _assert_clean(_run("ruff", "check", "--no-cache", *SOURCES))
+
+
+def test_ruff_format() -> None:
+    """The code is as ``ruff format`` writes it (after a merge: run ``ruff format src tests examples benchmarks``)."""
+    _assert_clean(_run("ruff", "format", "--check", "--no-cache", *SOURCES))
 
 
 @pytest.mark.slow
@@ -54,6 +58,6 @@ def test_public_names_are_visible() -> None:
     for line in block.splitlines():
         line = line.strip()
         if line.startswith("from "):
-            module, names = line[len("from "):].split(" import ")
+            module, names = line[len("from ") :].split(" import ")
             imported.update({name.strip(): module for name in names.split(",")})
     assert imported == ddpkit._PUBLIC

@@ -7,12 +7,15 @@ from ddpkit.models import MODELS, get_model_spec
 from tests.cli_runner import run_ddpkit
 
 
-@pytest.mark.parametrize("words,message", [
-    (["train", "nproc=0"], "error: nproc=0 is not valid; it must be > 0"),
-    (["train", "nproc=3"], "error: global batch size 64 does not divide among 3 workers"),
-    (["train", "epoch=2"], "error: unknown config key 'epoch' (did you mean 'epochs'?)"),
-    (["fly"], "error: unknown command 'fly'"),
-])
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        (["train", "nproc=0"], "error: nproc=0 is not valid; it must be > 0"),
+        (["train", "nproc=3"], "error: global batch size 64 does not divide among 3 workers"),
+        (["train", "epoch=2"], "error: unknown config key 'epoch' (did you mean 'epochs'?)"),
+        (["fly"], "error: unknown command 'fly'"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, words, message):
     monkeypatch.chdir(tmp_path)
     assert main(words) == 2  # in-process: the exit path of the command itself is checked below
@@ -33,8 +36,9 @@ def test_unknown_model_lists_every_registered_one(tmp_path, monkeypatch, capsys)
     assert {"autoencoder", "cnn", "mlp"} <= set(reference)
     monkeypatch.chdir(tmp_path)
     assert main(["train", "model=resnet"]) == 2  # in-process, as above
-    assert capsys.readouterr().err == (f"error: unknown model 'resnet'; choose one of: {', '.join(reference)}, "
-                                       "or give module:function\n")
+    assert capsys.readouterr().err == (
+        f"error: unknown model 'resnet'; choose one of: {', '.join(reference)}, or give module:function\n"
+    )
 
 
 def test_missing_data_offline_and_corrupt_file(tmp_path, monkeypatch, capsys):
@@ -43,9 +47,15 @@ def test_missing_data_offline_and_corrupt_file(tmp_path, monkeypatch, capsys):
     assert "fashion-mnist not found in" in capsys.readouterr().err
     folder = tmp_path / "fm"
     folder.mkdir()
-    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
-        (folder / name).write_bytes((__import__("pathlib").Path("/usr/share/datasets/fashion-mnist") / name).read_bytes())
+    for name in (
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    ):
+        (folder / name).write_bytes(
+            (__import__("pathlib").Path("/usr/share/datasets/fashion-mnist") / name).read_bytes()
+        )
     damaged = folder / "train-labels-idx1-ubyte.gz"
     damaged.write_bytes(damaged.read_bytes()[:1000])
     before = damaged.read_bytes()

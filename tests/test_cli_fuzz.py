@@ -46,9 +46,41 @@ OTHER_KEYS = ["epoch", "nprocs", "checkpoint", "checkpoint.nope", "lr.x", "x.y.z
 VALUES = st.one_of(
     st.integers(-5, 10**6).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(str),
-    st.sampled_from(["true", "false", "True", "yes", "no", "null", "~", "[]", "{}", "[1, 2]", "{a: 1}", "{keep: x}",
-                     "auto", "never", "2:00:00", "1e3", "0x10", "", "'", '"', "'two'", "${oc.env:HOME}", "${x}",
-                     "${", "fp16", "sgd", "cosine", "SIGTERM", "SIGUSR1,USR2", "per_worker", "tensorboard"]),
+    st.sampled_from(
+        [
+            "true",
+            "false",
+            "True",
+            "yes",
+            "no",
+            "null",
+            "~",
+            "[]",
+            "{}",
+            "[1, 2]",
+            "{a: 1}",
+            "{keep: x}",
+            "auto",
+            "never",
+            "2:00:00",
+            "1e3",
+            "0x10",
+            "",
+            "'",
+            '"',
+            "'two'",
+            "${oc.env:HOME}",
+            "${x}",
+            "${",
+            "fp16",
+            "sgd",
+            "cosine",
+            "SIGTERM",
+            "SIGUSR1,USR2",
+            "per_worker",
+            "tensorboard",
+        ]
+    ),
     st.text(alphabet=st.characters(codec="utf-8", exclude_characters="/\x00"), max_size=12),
 )
 OPTIONS = ["--help", "-h", "--epochs", "-x", "--", "5", "-m", "--version"]
@@ -67,8 +99,9 @@ def _word(key: str, draw: st.DrawFn) -> str:
 @st.composite
 def words(draw: st.DrawFn) -> list[tuple[str, object]]:
     """("word", text) for key=value words and options; ("yaml", content) for a YAML file to write."""
-    kinds = st.sampled_from(["default"] * 6 + ["known"] * 6 + ["other", "option", "yaml", "broken_yaml", "missing_yaml",
-                                                                "bare"])
+    kinds = st.sampled_from(
+        ["default"] * 6 + ["known"] * 6 + ["other", "option", "yaml", "broken_yaml", "missing_yaml", "bare"]
+    )
     drawn = []
     for kind in draw(st.lists(kinds, max_size=6)):
         if kind == "default":  # a value of the right type: the key's default
@@ -115,8 +148,13 @@ def workers(monkeypatch) -> Workers:
     return stand_in
 
 
-@settings(max_examples=500, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=500,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(drawn=words())
 def test_any_words_give_a_run_or_one_line_with_exit_2(drawn, workers, capfd):
     with tempfile.TemporaryDirectory(prefix="ddpkit-fuzz-") as folder, _inside(folder):

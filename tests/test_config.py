@@ -15,29 +15,44 @@ def test_words_files_and_order(tmp_path):
 
 def test_model_recipe_is_default_and_overridable():
     cnn = parse_train_config(["model=cnn"])
-    assert (cnn.optimizer, cnn.lr, cnn.momentum, cnn.batch_size, cnn.batch_scope) == ("sgd", 0.01, 0.5, 16, "per_worker")
+    assert (cnn.optimizer, cnn.lr, cnn.momentum, cnn.batch_size, cnn.batch_scope) == (
+        "sgd",
+        0.01,
+        0.5,
+        16,
+        "per_worker",
+    )
     assert parse_train_config(["model=cnn", "lr=0.1"]).lr == 0.1
 
 
-@pytest.mark.parametrize("words,message", [
-    (["epoch=3"], "unknown config key 'epoch' (did you mean 'epochs'?)"),
-    (["epochs=many"], "bad value for 'epochs'"),
-    (["nproc=0"], "nproc=0 is not valid; it must be > 0"),
-    (["optimizer=rmsprop"], "optimizer='rmsprop' is not valid; choose one of: adam, sgd"),
-    (["fast"], "'fast' is neither key=value nor a .yaml file"),
-    (["missing.yaml"], "config file 'missing.yaml' does not exist"),
-    (["master_port=70000"], "master_port=70000 is not a TCP port"),
-    (["nproc=two"], "bad value for 'nproc': nproc must be a whole number, e.g. nproc=1 (given 'nproc=two')"),
-    (["nproc=2.5"], "nproc must be a whole number, e.g. nproc=1 (given 'nproc=2.5')"),
-    (["lr=fast"], "lr must be a number, e.g. lr=0.001 (given 'lr=fast')"),
-    (["progress=maybe"], "progress must be true or false, e.g. progress=true (given 'progress=maybe')"),
-    (["checkpoint.keep="], "checkpoint.keep must be a whole number, e.g. checkpoint.keep=2 (given 'checkpoint.keep=')"),
-    (["epochs=${oc.env:HOME}"], "epochs must be a whole number, e.g. epochs=5 (While dereferencing interpolation"),
-    (["epochs=${nothing}"], "bad value for 'epochs': Interpolation key 'nothing' not found"),
-    (["checkpoint=5"], "checkpoint is a group of options, not a value ('checkpoint=5'); set one of its keys as "
-                       "checkpoint.KEY=VALUE, e.g. checkpoint.enabled=true"),
-    (["task='"], "cannot read \"task='\" (while scanning a quoted scalar); the value is read as YAML"),
-])
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        (["epoch=3"], "unknown config key 'epoch' (did you mean 'epochs'?)"),
+        (["epochs=many"], "bad value for 'epochs'"),
+        (["nproc=0"], "nproc=0 is not valid; it must be > 0"),
+        (["optimizer=rmsprop"], "optimizer='rmsprop' is not valid; choose one of: adam, sgd"),
+        (["fast"], "'fast' is neither key=value nor a .yaml file"),
+        (["missing.yaml"], "config file 'missing.yaml' does not exist"),
+        (["master_port=70000"], "master_port=70000 is not a TCP port"),
+        (["nproc=two"], "bad value for 'nproc': nproc must be a whole number, e.g. nproc=1 (given 'nproc=two')"),
+        (["nproc=2.5"], "nproc must be a whole number, e.g. nproc=1 (given 'nproc=2.5')"),
+        (["lr=fast"], "lr must be a number, e.g. lr=0.001 (given 'lr=fast')"),
+        (["progress=maybe"], "progress must be true or false, e.g. progress=true (given 'progress=maybe')"),
+        (
+            ["checkpoint.keep="],
+            "checkpoint.keep must be a whole number, e.g. checkpoint.keep=2 (given 'checkpoint.keep=')",
+        ),
+        (["epochs=${oc.env:HOME}"], "epochs must be a whole number, e.g. epochs=5 (While dereferencing interpolation"),
+        (["epochs=${nothing}"], "bad value for 'epochs': Interpolation key 'nothing' not found"),
+        (
+            ["checkpoint=5"],
+            "checkpoint is a group of options, not a value ('checkpoint=5'); set one of its keys as "
+            "checkpoint.KEY=VALUE, e.g. checkpoint.enabled=true",
+        ),
+        (["task='"], 'cannot read "task=\'" (while scanning a quoted scalar); the value is read as YAML'),
+    ],
+)
 def test_bad_words_give_one_line(words, message):
     with pytest.raises(ConfigError) as info:
         parse(TrainConfig, words)
@@ -54,5 +69,8 @@ def test_type_errors_in_a_file_name_the_file(tmp_path):
 
 
 def test_unknown_model_lists_choices():
-    with pytest.raises(ValueError, match="unknown model 'resnet'; choose one of: autoencoder, cnn, cnn_bn, mlp, or give module:function"):
+    with pytest.raises(
+        ValueError,
+        match="unknown model 'resnet'; choose one of: autoencoder, cnn, cnn_bn, mlp, or give module:function",
+    ):
         parse_train_config(["model=resnet"])

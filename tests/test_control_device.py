@@ -33,9 +33,23 @@ from torch import nn
 from tests.helpers.workers import run_on_ranks
 
 TENSOR_COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "scatter", "all_to_all",
-    "all_to_all_single", "send", "recv", "isend", "irecv",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 )
 """torch.distributed's functions that take tensors (those a torch version lacks are skipped)."""
 
@@ -167,8 +181,15 @@ def _bench_comm_samples(tmp_path, monkeypatch) -> None:
     _slowest_rank([1.0, 2.0])
 
 
-CONTROL_PATHS = [_reduce_sums, _checkpoint_agreement, _allreduce_choice, _doctor_sanity, _doctor_latency,
-                 _bench_comm_batch_size, _bench_comm_samples]
+CONTROL_PATHS = [
+    _reduce_sums,
+    _checkpoint_agreement,
+    _allreduce_choice,
+    _doctor_sanity,
+    _doctor_latency,
+    _bench_comm_batch_size,
+    _bench_comm_samples,
+]
 
 
 @pytest.fixture
@@ -203,11 +224,17 @@ def test_shared_memory_all_reduces_refuse_other_devices_in_one_line():
     from ddpkit.comm import hierarchical, shm
 
     meta = torch.zeros(4, device="meta")
-    with pytest.raises(ValueError, match=r"^ddpkit.comm.shm.all_reduce takes CPU tensors, got one on meta; "
-                                         r"use allreduce=builtin .* for CUDA tensors$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ddpkit.comm.shm.all_reduce takes CPU tensors, got one on meta; "
+        r"use allreduce=builtin .* for CUDA tensors$",
+    ):
         shm.all_reduce(meta)
-    with pytest.raises(ValueError, match=r"^ddpkit.comm.hierarchical.all_reduce takes CPU tensors, got one on meta; "
-                                         r"use allreduce=builtin .* for CUDA tensors$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ddpkit.comm.hierarchical.all_reduce takes CPU tensors, got one on meta; "
+        r"use allreduce=builtin .* for CUDA tensors$",
+    ):
         hierarchical.all_reduce(meta)
 
 

@@ -19,8 +19,9 @@ distributed.exit_process(3)
 
 @pytest.mark.parametrize("joined", [True, False])
 def test_exit_process_flushes_output_and_keeps_the_code(joined):
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(joined=joined)], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(joined=joined)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 3
     assert out.stdout == "written before the exit" and out.stderr.endswith("and to stderr")
 
@@ -30,8 +31,14 @@ def _adopt_existing_group(rank: int, world_size: int) -> dict:
 
     from ddpkit import distributed
 
-    torchrun_says_other = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    torchrun_says_other = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "3",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     with pytest.raises(ValueError, match=f"makes this process rank {rank} of 2, but torchrun's variables say rank 3"):
         distributed.init(environ=torchrun_says_other)
     with pytest.raises(ValueError, match="backend='nccl' but the existing process group uses 'gloo'"):
@@ -39,8 +46,19 @@ def _adopt_existing_group(rank: int, world_size: int) -> dict:
     ctx = distributed.init(environ={})
     env = ctx.env
     distributed.shutdown()
-    return {"env": (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
-                    env.num_nodes), "backend": ctx.backend, "group_kept": dist.is_initialized()}
+    return {
+        "env": (
+            env.source,
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.local_world_size,
+            env.node_rank,
+            env.num_nodes,
+        ),
+        "backend": ctx.backend,
+        "group_kept": dist.is_initialized(),
+    }
 
 
 def test_init_adopts_a_process_group_the_script_formed_and_leaves_it_to_the_script():

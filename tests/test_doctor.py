@@ -35,11 +35,13 @@ from ddpkit.env.ports import free_port
 from tests.helpers.launch_in_process import Commands
 
 
-def environment(rank: int = 0, world_size: int = 2, num_nodes: int = 1, master_addr: str = "10.0.0.1",
-                master_port: int = 29500) -> ClusterEnvironment:
+def environment(
+    rank: int = 0, world_size: int = 2, num_nodes: int = 1, master_addr: str = "10.0.0.1", master_port: int = 29500
+) -> ClusterEnvironment:
     per_node = world_size // num_nodes
-    return ClusterEnvironment("torchrun", rank, rank % per_node, world_size, per_node, rank // per_node, num_nodes,
-                              master_addr, master_port)
+    return ClusterEnvironment(
+        "torchrun", rank, rank % per_node, world_size, per_node, rank // per_node, num_nodes, master_addr, master_port
+    )
 
 
 def worker(rank: int, address: str, stack: str, interface: str = "eth0") -> WorkerInfo:
@@ -54,11 +56,14 @@ def test_config_from_words():
     assert (cfg.json, cfg.nproc, cfg.timeout, cfg.bandwidth_mib) == (True, 3, 5.0, 4)
 
 
-@pytest.mark.parametrize("word, message", [
-    ("nproc=0", "nproc=0 is not valid; it must be > 0"),
-    ("master_port=70000", "master_port=70000 is not a TCP port"),
-    ("jsn=true", "unknown config key 'jsn' (did you mean 'json'?)"),
-])
+@pytest.mark.parametrize(
+    "word, message",
+    [
+        ("nproc=0", "nproc=0 is not valid; it must be > 0"),
+        ("master_port=70000", "master_port=70000 is not a TCP port"),
+        ("jsn=true", "unknown config key 'jsn' (did you mean 'json'?)"),
+    ],
+)
 def test_bad_options_name_the_problem(word, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse(DoctorConfig, [word])
@@ -95,8 +100,10 @@ def test_loopback_gloo_address_is_a_problem_only_across_hosts():
 
 def test_gloo_connection_failure_names_every_address_and_the_fix():
     # The error ddpkit.init raises when gloo's connectFullMesh fails (as seen across two hosts).
-    error = ("rank 0/2 could not join the process group at 10.0.0.1:29500 (torchrun): Gloo connectFullMesh failed "
-             "with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[10.0.0.9]:35218")
+    error = (
+        "rank 0/2 could not join the process group at 10.0.0.1:29500 (torchrun): Gloo connectFullMesh failed "
+        "with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[10.0.0.9]:35218"
+    )
     workers = [worker(0, "10.0.0.1", "a"), worker(1, "10.0.0.9", "b", interface="eth1")]
     text = join_diagnosis(environment(), error, workers)
     assert text.startswith("rank 0/2: gloo could not connect the workers to each other (rank 0/2 could not join")
@@ -139,8 +146,13 @@ def test_reach_master_connects_to_a_listening_port():
 
 def sample_report() -> Report:
     env = environment(num_nodes=2)
-    report = Report(env, "node0", NetworkChoice("eth0", "10.0.0.1", "route to the master"), "gloo",
-                    Devices(8, 4, (), "2.13.0+cpu", True, False))
+    report = Report(
+        env,
+        "node0",
+        NetworkChoice("eth0", "10.0.0.1", "route to the master"),
+        "gloo",
+        Devices(8, 4, (), "2.13.0+cpu", True, False),
+    )
     report.checks = [Check("reach master", True, "TCP connect to 10.0.0.1:29500", 0.002)]
     report.workers = [worker(0, "10.0.0.1", "a"), worker(1, "10.0.0.2", "b")]
     report.peers = [PeerLink(1, 150.0, 140.0, 300.0, 1.25, 1.0, 1.5)]
@@ -155,7 +167,7 @@ def test_text_report_has_environment_devices_and_peer_table():
     assert "interface     eth0 10.0.0.1 (routes to the master)" in text
     assert "devices       8 CPUs (4 usable), no CUDA device, torch 2.13.0+cpu" in text
     assert "ok    reach master: TCP connect to 10.0.0.1:29500 (2.0 ms)" in text
-    table = text[text.index("workers"):].splitlines()
+    table = text[text.index("workers") :].splitlines()
     assert table[1].split() == ["rank", "node", "host", "interface", "address", "latency", "us", "bandwidth", "GB/s"]
     assert table[3].split() == ["1", "1", "node1", "eth0", "10.0.0.2", "150", "1.25"]
     assert text.endswith("result: OK")
@@ -165,8 +177,15 @@ def test_json_report_is_plain_data():
     data = json.loads(json.dumps(sample_report().to_dict()))
     assert data["ok"] is True
     assert data["environment"]["world_size"] == 2 and data["network"]["interface"] == "eth0"
-    assert data["peers"][0] == {"rank": 1, "latency_us": 150.0, "latency_us_min": 140.0, "latency_us_max": 300.0,
-                                "bandwidth_gbps": 1.25, "bandwidth_gbps_min": 1.0, "bandwidth_gbps_max": 1.5}
+    assert data["peers"][0] == {
+        "rank": 1,
+        "latency_us": 150.0,
+        "latency_us_min": 140.0,
+        "latency_us_max": 300.0,
+        "bandwidth_gbps": 1.25,
+        "bandwidth_gbps_min": 1.0,
+        "bandwidth_gbps_max": 1.5,
+    }
 
 
 # -- real runs ------------------------------------------------------------------
@@ -188,8 +207,13 @@ def test_doctor_alone_reports_one_process_and_how_to_run_more(tmp_path, monkeypa
     out = capsys.readouterr().out
     assert "environment   local: rank 0 of world_size 1" in out
     assert "ok    all_reduce: sum of ranks 0 == 0" in out
-    for hint in ("ddpkit doctor nproc=2", "torchrun --nnodes N", "-m ddpkit doctor",
-                 "srun --nodes N --ntasks-per-node K python -m ddpkit doctor", "mpirun -np N python -m ddpkit doctor"):
+    for hint in (
+        "ddpkit doctor nproc=2",
+        "torchrun --nnodes N",
+        "-m ddpkit doctor",
+        "srun --nodes N --ntasks-per-node K python -m ddpkit doctor",
+        "mpirun -np N python -m ddpkit doctor",
+    ):
         assert hint in out
     assert out.rstrip().endswith("result: OK")
 
@@ -230,8 +254,14 @@ def doctor_as(monkeypatch, capsys):
         for name in list(os.environ):
             if name.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI")):
                 monkeypatch.delenv(name)
-        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        for name, value in {
+            "RANK": rank,
+            "LOCAL_RANK": rank,
+            "WORLD_SIZE": 2,
+            "LOCAL_WORLD_SIZE": 2,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }.items():
             monkeypatch.setenv(name, str(value))
         capsys.readouterr()
         code = cli.main(["doctor", *words])

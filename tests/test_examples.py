@@ -92,10 +92,19 @@ def test_every_example_runs_under_two_launchers():
 
 @pytest.mark.parametrize("example", [LAUNCHED_BY["torchrun"]])
 def test_example_under_torchrun(example, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               _script(example), *TINY, "--out", str(tmp_path)]
-    _check(subprocess.run(command, cwd=tmp_path, env=_environ(), capture_output=True, text=True, timeout=300),
-           example)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        _script(example),
+        *TINY,
+        "--out",
+        str(tmp_path),
+    ]
+    _check(subprocess.run(command, cwd=tmp_path, env=_environ(), capture_output=True, text=True, timeout=300), example)
 
 
 def test_horovod_example_under_ddpkit_run_ends_with_stock_ddp_weights(under_ddpkit_run):

@@ -50,18 +50,27 @@ def test_train_help_names_every_config_field_with_its_default_and_docstring(caps
 def test_a_field_in_no_group_is_still_listed(capsys):
     from ddpkit.command_help import CommandHelp, render_help
 
-    text = render_help(CommandHelp(usage="x", summary="y", schema="ddpkit.config:CheckpointConfig",
-                                   groups=(("cadence", ("every_steps", "every_seconds")),)))
+    text = render_help(
+        CommandHelp(
+            usage="x",
+            summary="y",
+            schema="ddpkit.config:CheckpointConfig",
+            groups=(("cadence", ("every_steps", "every_seconds")),),
+        )
+    )
     assert "\ncadence:\n  every_steps=<int>" in text
     assert "\nother options:\n  enabled=<bool>" in text and "  requeue=<bool>" in text
 
 
-@pytest.mark.parametrize("words", [
-    *[[name, flag] for name in COMMANDS for flag in ("--help", "-h")],
-    *[["bench", kind, "--help"] for kind in KINDS],
-    ["train", "epochs=3", "--help"],
-    ["run", "nproc=2", "--help"],
-])
+@pytest.mark.parametrize(
+    "words",
+    [
+        *[[name, flag] for name in COMMANDS for flag in ("--help", "-h")],
+        *[["bench", kind, "--help"] for kind in KINDS],
+        ["train", "epochs=3", "--help"],
+        ["run", "nproc=2", "--help"],
+    ],
+)
 def test_every_command_has_help(capsys, words):
     text = help_text(capsys, *words)
     assert text.startswith("usage: ddpkit ")

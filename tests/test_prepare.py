@@ -48,8 +48,13 @@ def _net(rank: int, variant: str) -> Net:
     return net
 
 
-def _train(model: nn.Module, no_sync: Callable[[], contextlib.AbstractContextManager], variant: str,
-           optimizer_name: str, rank: int) -> list[torch.Tensor]:
+def _train(
+    model: nn.Module,
+    no_sync: Callable[[], contextlib.AbstractContextManager],
+    variant: str,
+    optimizer_name: str,
+    rank: int,
+) -> list[torch.Tensor]:
     """The parameters after NUM_STEPS steps of a plain torch loop on this rank's batches."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer_name == "sgd":
@@ -74,8 +79,9 @@ def _train(model: nn.Module, no_sync: Callable[[], contextlib.AbstractContextMan
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _matches_stock_ddp(rank: int, world_size: int, modes: list[str], allreduces: list[str], variants: list[str],
-                       optimizers: list[str]) -> dict:
+def _matches_stock_ddp(
+    rank: int, world_size: int, modes: list[str], allreduces: list[str], variants: list[str], optimizers: list[str]
+) -> dict:
     """Train each combination through prepare_model and stock DDP on the same batches; report what differs."""
     import ddpkit.distributed
     from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
@@ -135,7 +141,9 @@ def _single_worker(rank: int, world_size: int) -> dict:
 
     ddpkit.distributed.init()
     try:
-        with pytest.raises(ValueError, match="allreduce='bogus' is not an all_reduce algorithm; choose one of: builtin, naive"):
+        with pytest.raises(
+            ValueError, match="allreduce='bogus' is not an all_reduce algorithm; choose one of: builtin, naive"
+        ):
             prepare_model(Net(), allreduce="bogus")
         with pytest.raises(ValueError, match="grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"):
             prepare_model(Net(), grad_sync="bogus")
@@ -158,12 +166,24 @@ def _single_worker(rank: int, world_size: int) -> dict:
 
 MODES = ["ddp", "flat", "manual"]
 JOBS = {
-    "test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks":
-        (_matches_stock_ddp, 2, (MODES, ["builtin", "ring", "shm"], list(VARIANTS), ["sgd", "adam"]), {}),
-    "test_every_mode_trains_like_stock_ddp_on_3_ranks":
-        (_matches_stock_ddp, 3, (MODES, ["ring", "shm"], ["set_to_none", "accumulate", "unused"], ["adam"]), {}),
-    "test_one_worker_returns_the_model_itself_and_trains_as_plain_torch":
-        (_single_worker, 1, (), {"init_process_group": False}),
+    "test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks": (
+        _matches_stock_ddp,
+        2,
+        (MODES, ["builtin", "ring", "shm"], list(VARIANTS), ["sgd", "adam"]),
+        {},
+    ),
+    "test_every_mode_trains_like_stock_ddp_on_3_ranks": (
+        _matches_stock_ddp,
+        3,
+        (MODES, ["ring", "shm"], ["set_to_none", "accumulate", "unused"], ["adam"]),
+        {},
+    ),
+    "test_one_worker_returns_the_model_itself_and_trains_as_plain_torch": (
+        _single_worker,
+        1,
+        (),
+        {"init_process_group": False},
+    ),
 }
 """The job each multi-process test checks: function, ranks, arguments, options."""
 

@@ -12,7 +12,7 @@ import pytest
 from ddpkit.stacks import innermost_frame
 from tests.helpers.launch_in_process import Commands
 
-SCRIPT = '''
+SCRIPT = """
 import os, signal, time
 import torch
 import ddpkit
@@ -24,7 +24,7 @@ for step in range(5):
     if step == 2 and ctx.rank == 1:
         {stuck}
 print("done", ctx.rank)
-'''
+"""
 SLEEPS = "time.sleep(600)  # stuck inside a step"
 STOPS = "os.kill(os.getpid(), signal.SIGSTOP)"
 
@@ -62,8 +62,10 @@ def test_a_stuck_rank_is_named_with_where_it_was_within_a_minute(tmp_path, stuck
     assert out.returncode == 1, out.stderr
     assert took < 60, f"the job took {took:.0f} s to end"
     error = [line for line in out.stderr.splitlines() if line.startswith("error: ")][0]
-    assert "error: worker rank 0 failed (exit code 1): RuntimeError: shm all_reduce: rank 1 did not arrive " \
-           "within 20.0 s" in error, out.stderr
+    assert (
+        "error: worker rank 0 failed (exit code 1): RuntimeError: shm all_reduce: rank 1 did not arrive "
+        "within 20.0 s" in error
+    ), out.stderr
     if stuck == SLEEPS:
         match = re.search(r"; rank 1 was at script\.py:11 in <module> \(stack: (\S+)\)$", error)
         assert match, error
@@ -71,5 +73,8 @@ def test_a_stuck_rank_is_named_with_where_it_was_within_a_minute(tmp_path, stuck
         dump = (stacks / "rank-1.txt").read_text()
         assert 'File "script.py", line 11 in <module>' in dump, dump
     else:
-        assert re.search(r"; rank 1 \(pid \d+\) was stopped \(SIGSTOP\): no stack; it was continued so that it can "
-                         r"end$", error), error
+        assert re.search(
+            r"; rank 1 \(pid \d+\) was stopped \(SIGSTOP\): no stack; it was continued so that it can "
+            r"end$",
+            error,
+        ), error

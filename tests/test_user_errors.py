@@ -20,8 +20,9 @@ from tests.helpers.launch_in_process import Commands
 TINY = ["dataset=synthetic", "synthetic_samples=256", "batch_size=32", "epochs=1", "progress=false"]
 
 
-@pytest.mark.parametrize("error", [ConfigError, CheckpointError, CorruptDataError, DataNotFoundError,
-                                   InconsistentEnvironment])
+@pytest.mark.parametrize(
+    "error", [ConfigError, CheckpointError, CorruptDataError, DataNotFoundError, InconsistentEnvironment]
+)
 def test_ddpkit_s_errors_for_the_user_share_one_base_class(error):
     assert issubclass(error, UserError)
 
@@ -44,24 +45,34 @@ def test_a_user_error_is_reported_as_its_line_and_any_other_with_its_traceback(c
     assert "in _fail" in err
 
 
-@pytest.mark.parametrize("words, message", [
-    (["allreduce=rign"], "error: allreduce='rign' is not an all_reduce algorithm (did you mean 'ring'?); "
-                         "choose one of: builtin,"),
-    (["backend=mpi"], "error: backend='mpi' is not valid; choose one of: auto, gloo, nccl, cpu:gloo,cuda:nccl"),
-    (["device=tpu"], "error: device='tpu' is not valid; choose one of: auto, cpu, cuda"),
-    (["optimizer=lamb"], "error: optimizer='lamb' is not valid; choose one of: adam, sgd"),
-    (["lr_schedule=linear"], "error: lr_schedule='linear' is not valid; choose one of:"),
-    (["model=resnet"], "error: unknown model 'resnet'"),
-    (["dataset=cifar"], "error: unknown dataset 'cifar'"),
-    (["batch_size=33"], "error: global batch size 33 does not divide among 2 workers"),
-    (["sync_batchnorm=true", "device=cpu"], "error: sync_batchnorm=true needs CUDA devices"),
-    (["nnodes=2", "master_port=29500"], "error: nnodes=2 needs master_addr=HOST, the host name or address of node 0"),
-    (["nnodes=2", "master_addr=node0"], "error: nnodes=2 needs master_port=PORT, a free TCP port on node 0"),
-    (["nnodes=2", "node_rank=2"], "error: node_rank=2 is not valid for nnodes=2; use 0 to 1, 0 on the master"),
-    (["nnodes=0"], "error: nnodes=0 is not valid; it must be > 0"),
-    (["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "batch_size=34"],
-     "error: global batch size 34 does not divide among 4 workers"),
-])
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (
+            ["allreduce=rign"],
+            "error: allreduce='rign' is not an all_reduce algorithm (did you mean 'ring'?); choose one of: builtin,",
+        ),
+        (["backend=mpi"], "error: backend='mpi' is not valid; choose one of: auto, gloo, nccl, cpu:gloo,cuda:nccl"),
+        (["device=tpu"], "error: device='tpu' is not valid; choose one of: auto, cpu, cuda"),
+        (["optimizer=lamb"], "error: optimizer='lamb' is not valid; choose one of: adam, sgd"),
+        (["lr_schedule=linear"], "error: lr_schedule='linear' is not valid; choose one of:"),
+        (["model=resnet"], "error: unknown model 'resnet'"),
+        (["dataset=cifar"], "error: unknown dataset 'cifar'"),
+        (["batch_size=33"], "error: global batch size 33 does not divide among 2 workers"),
+        (["sync_batchnorm=true", "device=cpu"], "error: sync_batchnorm=true needs CUDA devices"),
+        (
+            ["nnodes=2", "master_port=29500"],
+            "error: nnodes=2 needs master_addr=HOST, the host name or address of node 0",
+        ),
+        (["nnodes=2", "master_addr=node0"], "error: nnodes=2 needs master_port=PORT, a free TCP port on node 0"),
+        (["nnodes=2", "node_rank=2"], "error: node_rank=2 is not valid for nnodes=2; use 0 to 1, 0 on the master"),
+        (["nnodes=0"], "error: nnodes=0 is not valid; it must be > 0"),
+        (
+            ["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "batch_size=34"],
+            "error: global batch size 34 does not divide among 4 workers",
+        ),
+    ],
+)
 def test_bad_names_and_combinations_fail_before_any_worker_starts(tmp_path, monkeypatch, capsys, words, message):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "nproc=2", *TINY, *words]) == 2
@@ -74,14 +85,16 @@ def test_bad_names_and_combinations_fail_before_any_worker_starts(tmp_path, monk
 def test_the_command_itself_exits_2_with_one_line_for_a_bad_name(tmp_path):
     out = run_ddpkit("train", "nproc=2", *TINY, "allreduce=rign", cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.startswith("error: allreduce='rign' is not an all_reduce algorithm") \
-        and out.stderr.count("\n") == 1, out.stderr
+    assert (
+        out.stderr.startswith("error: allreduce='rign' is not an all_reduce algorithm") and out.stderr.count("\n") == 1
+    ), out.stderr
     assert out.stdout == ""
 
 
 @pytest.mark.slow
 def test_a_value_error_in_the_user_s_model_shows_its_traceback_and_rank(tmp_path):
-    (tmp_path / "broken_model.py").write_text(textwrap.dedent("""
+    (tmp_path / "broken_model.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
 
@@ -95,11 +108,14 @@ def test_a_value_error_in_the_user_s_model_shows_its_traceback_and_rank(tmp_path
 
         def build():
             return Broken()
-    """))
+    """)
+    )
     with Commands() as commands:  # in this process; the command's own exit path is checked above
         out = commands.run("train", "nproc=2", *TINY, "model=broken_model:build", cwd=tmp_path)
     assert out.returncode == 1, out.stderr
-    assert "error: worker rank " in out.stderr and "failed (exit code 1): ValueError: my model cannot take a batch " \
-        "of (16, 1, 28, 28)" in out.stderr, out.stderr
+    assert (
+        "error: worker rank " in out.stderr
+        and "failed (exit code 1): ValueError: my model cannot take a batch of (16, 1, 28, 28)" in out.stderr
+    ), out.stderr
     assert "Traceback (most recent call last)" in out.stderr and "broken_model.py" in out.stderr, out.stderr
     assert 'raise ValueError("my model cannot take a batch of "' in out.stderr, out.stderr

@@ -42,16 +42,18 @@ class CheckpointsConfig:
 EXPORT_HELP = CommandHelp(
     usage="ddpkit export CHECKPOINT OUT [key=value ...]",
     summary="Write a checkpoint's weights and model config for inference: OUT/model.pt (the weights, loadable "
-            "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
+    "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
     schema="ddpkit.checkpoint_cli:ExportConfig",
-    positional=(("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified "
-                               "checkpoint)"), ("OUT", "the folder to write")),
+    positional=(
+        ("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified checkpoint)"),
+        ("OUT", "the folder to write"),
+    ),
     examples=("ddpkit export runs/latest exported/", "ddpkit export runs/latest/checkpoints/best-000000940 out/"),
 )
 CHECKPOINTS_HELP = CommandHelp(
     usage="ddpkit checkpoints DIR [key=value ...]",
     summary="List the checkpoints of a folder, one line each: step, epoch, metric, size and whether it verifies "
-            "(newest, best, incomplete or corrupt).",
+    "(newest, best, incomplete or corrupt).",
     schema="ddpkit.checkpoint_cli:CheckpointsConfig",
     positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
     examples=("ddpkit checkpoints runs/latest", "ddpkit checkpoints runs/latest verify=false"),
@@ -99,7 +101,9 @@ def checkpoints_command(args: Sequence[str]) -> int:
     if not infos:
         print(f"no checkpoints in {root}")
         return 0
-    newest_complete = max((i.global_step for i in infos if i.manifest and i.path.name.startswith("step-")), default=None)
+    newest_complete = max(
+        (i.global_step for i in infos if i.manifest and i.path.name.startswith("step-")), default=None
+    )
     rows = [("checkpoint", "step", "epoch", "metric", "size", "status")]
     for info in infos:
         manifest = info.manifest or {}
@@ -119,20 +123,31 @@ def checkpoints_command(args: Sequence[str]) -> int:
             status += ", best"
         elif info.global_step == newest_complete and info.manifest:
             status += ", newest"
-        rows.append((info.path.name, str(info.global_step), _epoch(manifest), _metric(manifest),
-                     _size(info.size), status))
+        rows.append(
+            (info.path.name, str(info.global_step), _epoch(manifest), _metric(manifest), _size(info.size), status)
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     print(f"{root}:")
     for row in rows:
-        print("  ".join(cell.ljust(width) if i in (0, 3) else cell.rjust(width)
-                        for i, (cell, width) in enumerate(zip(row[:5], widths))) + "  " + row[5])
+        print(
+            "  ".join(
+                cell.ljust(width) if i in (0, 3) else cell.rjust(width)
+                for i, (cell, width) in enumerate(zip(row[:5], widths))
+            )
+            + "  "
+            + row[5]
+        )
     return 0
 
 
 def _epoch(manifest: dict) -> str:
     if "completed_epochs" not in manifest:
         return "-"
-    done, step, per_epoch = manifest["completed_epochs"], manifest.get("step_in_epoch", 0), manifest.get("steps_per_epoch")
+    done, step, per_epoch = (
+        manifest["completed_epochs"],
+        manifest.get("step_in_epoch", 0),
+        manifest.get("steps_per_epoch"),
+    )
     return f"{done}" if not step else f"{done}+{step}/{per_epoch}"
 
 

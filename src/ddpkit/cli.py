@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from ddpkit.launch.script import RunConfig
 
 
-
 @dataclass(frozen=True)
 class Command:
     """A ``ddpkit`` command: the function that runs it and its help."""
@@ -57,75 +56,110 @@ class Command:
 TRAIN_HELP = CommandHelp(
     usage="ddpkit train [key=value ...] [config.yaml ...]",
     summary="Train a model data-parallel: nproc=N workers on this machine, or one worker of a torchrun, "
-            "srun or mpirun job (detected). YAML files and key=value words are merged in the order given; "
-            "the model's recipe sets the defaults of some options (lr, epochs...). The run writes "
-            "metrics.jsonl, summary.json and checkpoints into its own folder runs/<model>-<dataset>/<time> "
-            "(runs/latest points to it).",
-    schema="ddpkit.config:TrainConfig", groups=TRAIN_OPTION_GROUPS,
-    examples=("ddpkit train nproc=2                          # the MLP on Fashion-MNIST, 2 workers",
-              "ddpkit train model=cnn epochs=1 nproc=2 checkpoint.every_steps=200",
-              "ddpkit train nproc=2 resume=auto             # continue the latest run of this model and data",
-              "torchrun --nproc-per-node 2 -m ddpkit train"))
+    "srun or mpirun job (detected). YAML files and key=value words are merged in the order given; "
+    "the model's recipe sets the defaults of some options (lr, epochs...). The run writes "
+    "metrics.jsonl, summary.json and checkpoints into its own folder runs/<model>-<dataset>/<time> "
+    "(runs/latest points to it).",
+    schema="ddpkit.config:TrainConfig",
+    groups=TRAIN_OPTION_GROUPS,
+    examples=(
+        "ddpkit train nproc=2                          # the MLP on Fashion-MNIST, 2 workers",
+        "ddpkit train model=cnn epochs=1 nproc=2 checkpoint.every_steps=200",
+        "ddpkit train nproc=2 resume=auto             # continue the latest run of this model and data",
+        "torchrun --nproc-per-node 2 -m ddpkit train",
+    ),
+)
 
 RUN_HELP = CommandHelp(
     usage="ddpkit run [key=value ...] SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]",
     summary="Run your own Python program as nproc workers on this machine, as torchrun does: each worker "
-            "gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT... and runs the program as "
-            "__main__. The key=value words before the program are ddpkit's; the program's own arguments "
-            "follow it and are not read by ddpkit.",
+    "gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT... and runs the program as "
+    "__main__. The key=value words before the program are ddpkit's; the program's own arguments "
+    "follow it and are not read by ddpkit.",
     schema="ddpkit.launch.script:RunConfig",
-    positional=(("SCRIPT.py [ARGS ...]", "the script each worker runs, with its arguments"),
-                ("-m MODULE [ARGS ...]", "or a module, as python -m runs it")),
-    examples=("ddpkit run nproc=2 train.py --lr 0.1",
-              "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"))
+    positional=(
+        ("SCRIPT.py [ARGS ...]", "the script each worker runs, with its arguments"),
+        ("-m MODULE [ARGS ...]", "or a module, as python -m runs it"),
+    ),
+    examples=("ddpkit run nproc=2 train.py --lr 0.1", "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"),
+)
 
 DOCTOR_HELP = CommandHelp(
     usage="ddpkit doctor [key=value ...]",
     summary="Print what each worker sees (launcher, ranks, network interface, devices, backend) and check "
-            "that the workers reach each other: rendezvous, roll call, process group, all_reduce, then "
-            "latency and bandwidth between rank 0 and every peer. Run it as the training runs "
-            "(nproc=N here, or under torchrun, srun or mpirun).",
+    "that the workers reach each other: rendezvous, roll call, process group, all_reduce, then "
+    "latency and bandwidth between rank 0 and every peer. Run it as the training runs "
+    "(nproc=N here, or under torchrun, srun or mpirun).",
     schema="ddpkit.doctor.config:DoctorConfig",
-    examples=("ddpkit doctor nproc=2", "srun --nodes 2 --ntasks-per-node 4 python -m ddpkit doctor"))
+    examples=("ddpkit doctor nproc=2", "srun --nodes 2 --ntasks-per-node 4 python -m ddpkit doctor"),
+)
 
 PLOT_HELP = CommandHelp(
     usage="ddpkit plot RUN_DIR [RUN_DIR ...] [key=value ...]",
     summary="Draw runs' training loss, test metric and throughput against the step (or epoch) from their "
-            "metrics.jsonl into one PNG, several runs overlaid and named by the settings in which they differ.",
+    "metrics.jsonl into one PNG, several runs overlaid and named by the settings in which they differ.",
     schema="ddpkit.train.plot:PlotConfig",
     positional=(("RUN_DIR", "a run's folder (e.g. runs/latest) or its metrics.jsonl; several are overlaid"),),
-    examples=("ddpkit plot runs/latest", "ddpkit plot runs/w1 runs/w2 output=workers.png",
-              "ddpkit plot runs/lr-a runs/lr-b x=epoch panels=loss,test"))
+    examples=(
+        "ddpkit plot runs/latest",
+        "ddpkit plot runs/w1 runs/w2 output=workers.png",
+        "ddpkit plot runs/lr-a runs/lr-b x=epoch panels=loss,test",
+    ),
+)
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("ddpkit.cli:train_command", TRAIN_HELP,
-                     "train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)"),
-    "run": Command("ddpkit.cli:run_command", RUN_HELP,
-                   "run your own Python script as nproc=N workers here, as torchrun does (RANK, WORLD_SIZE... set)"),
-    "bench": Command("ddpkit.bench.cli:bench_command", BENCH_HELP,
-                     "benchmarks: bench train | bench comm | bench scaling"),
-    "slurm": Command("ddpkit.launch.slurm_cli:main", SLURM_HELP,
-                     "write or submit an sbatch script for a training job"),
-    "doctor": Command("ddpkit.doctor:main", DOCTOR_HELP,
-                      "print the detected environment and check the network between workers"),
-    "checkpoints": Command("ddpkit.checkpoint_cli:checkpoints_command", CHECKPOINTS_HELP,
-                           "list the checkpoints of a folder, with step, epoch, metric and whether each verifies"),
-    "export": Command("ddpkit.checkpoint_cli:export_command", EXPORT_HELP,
-                      "write a checkpoint's weights and model config for inference"),
-    "plot": Command("ddpkit.train.plot:plot_command", PLOT_HELP,
-                    "draw runs' loss, test metric and throughput from their metrics.jsonl into a PNG"),
+    "train": Command(
+        "ddpkit.cli:train_command",
+        TRAIN_HELP,
+        "train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)",
+    ),
+    "run": Command(
+        "ddpkit.cli:run_command",
+        RUN_HELP,
+        "run your own Python script as nproc=N workers here, as torchrun does (RANK, WORLD_SIZE... set)",
+    ),
+    "bench": Command(
+        "ddpkit.bench.cli:bench_command", BENCH_HELP, "benchmarks: bench train | bench comm | bench scaling"
+    ),
+    "slurm": Command("ddpkit.launch.slurm_cli:main", SLURM_HELP, "write or submit an sbatch script for a training job"),
+    "doctor": Command(
+        "ddpkit.doctor:main", DOCTOR_HELP, "print the detected environment and check the network between workers"
+    ),
+    "checkpoints": Command(
+        "ddpkit.checkpoint_cli:checkpoints_command",
+        CHECKPOINTS_HELP,
+        "list the checkpoints of a folder, with step, epoch, metric and whether each verifies",
+    ),
+    "export": Command(
+        "ddpkit.checkpoint_cli:export_command",
+        EXPORT_HELP,
+        "write a checkpoint's weights and model config for inference",
+    ),
+    "plot": Command(
+        "ddpkit.train.plot:plot_command",
+        PLOT_HELP,
+        "draw runs' loss, test metric and throughput from their metrics.jsonl into a PNG",
+    ),
 }
 """Every command, in the order the usage lists them."""
 
 
 def usage() -> str:
     """The top-level usage: every command in one line."""
-    lines = ["usage: ddpkit COMMAND [key=value ...] [config.yaml ...]",
-             "       ddpkit COMMAND --help      every option of COMMAND, with its type, default and meaning",
-             "       ddpkit --version", "", "commands:"]
+    lines = [
+        "usage: ddpkit COMMAND [key=value ...] [config.yaml ...]",
+        "       ddpkit COMMAND --help      every option of COMMAND, with its type, default and meaning",
+        "       ddpkit --version",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<12} {command.brief}" for name, command in COMMANDS.items()]
-    lines += ["", "examples:", *(f"  {line}" for line in COMMANDS["train"].help.examples[:2]),
-              "  ddpkit run nproc=2 train.py --lr 0.1        # your script, 2 workers; its arguments follow it"]
+    lines += [
+        "",
+        "examples:",
+        *(f"  {line}" for line in COMMANDS["train"].help.examples[:2]),
+        "  ddpkit run nproc=2 train.py --lr 0.1        # your script, 2 workers; its arguments follow it",
+    ]
     return "\n".join(lines)
 
 
@@ -172,8 +206,9 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
             return 0
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
         with _stack_files_in(Path(cfg.output_dir) / "stacks" if cfg.output_dir else None):
-            code = _launch(_launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout),
-                           run_worker, cfg, export_dir)
+            code = _launch(
+                _launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout), run_worker, cfg, export_dir
+            )
     except Preempted as stop:  # the one worker, in this process
         code = int(stop.code)
     except LaunchError as e:
@@ -244,11 +279,17 @@ def run_command(args: Sequence[str]) -> int:
     # about a second; behaviour does not change with nproc.
     code = _launch(_launch_spec(config), run_script, target)
     if code == EXIT_PREEMPTED:
-        print(f"ddpkit: preempted: a worker exited with status {EXIT_PREEMPTED}; run the same command to continue "
-              "(a script with a ddpkit.Checkpointer resumes from its checkpoint)", file=sys.stderr)
+        print(
+            f"ddpkit: preempted: a worker exited with status {EXIT_PREEMPTED}; run the same command to continue "
+            "(a script with a ddpkit.Checkpointer resumes from its checkpoint)",
+            file=sys.stderr,
+        )
     elif code == EXIT_INTERRUPTED:
-        print("ddpkit: interrupted: run the same command to continue (a script with a ddpkit.Checkpointer "
-              "wrote a checkpoint at Ctrl-C and resumes from it)", file=sys.stderr)
+        print(
+            "ddpkit: interrupted: run the same command to continue (a script with a ddpkit.Checkpointer "
+            "wrote a checkpoint at Ctrl-C and resumes from it)",
+            file=sys.stderr,
+        )
     return code
 
 
@@ -256,8 +297,15 @@ def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
     """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts), with ``options`` added."""
     from ddpkit.launch.local import LaunchSpec
 
-    return LaunchSpec(config.nproc, config.master_port, config.max_restarts, nnodes=config.nnodes,
-                      node_rank=config.node_rank, master_addr=config.master_addr, **options)
+    return LaunchSpec(
+        config.nproc,
+        config.master_port,
+        config.max_restarts,
+        nnodes=config.nnodes,
+        node_rank=config.node_rank,
+        master_addr=config.master_addr,
+        **options,
+    )
 
 
 def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> int:
@@ -283,14 +331,15 @@ def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> int:
         if e.failure.exitcode in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
             return e.failure.exitcode
         if spec.max_restarts:
-            print(f"error: the job failed after {spec.max_restarts} restart(s) (max_restarts={spec.max_restarts})",
-                  file=sys.stderr)
+            print(
+                f"error: the job failed after {spec.max_restarts} restart(s) (max_restarts={spec.max_restarts})",
+                file=sys.stderr,
+            )
         raise
     except SignalException as e:  # the launcher itself got the signal and passed it on to the workers
         name = signal.Signals(e.sigval).name
         if name in spec.forward_signals:
-            print(f"ddpkit: stopped by {name}: the workers finished their step and wrote a checkpoint",
-                  file=sys.stderr)
+            print(f"ddpkit: stopped by {name}: the workers finished their step and wrote a checkpoint", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"error: stopped by {name}", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -336,8 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        print(f"error: unknown command {name!r}{hint}; choose one of: {', '.join(COMMANDS)} (ddpkit --help)",
-              file=sys.stderr)
+        print(
+            f"error: unknown command {name!r}{hint}; choose one of: {', '.join(COMMANDS)} (ddpkit --help)",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     command = COMMANDS[name]
     if name not in ("run", "bench") and wants_help(rest):  # run and bench read their own words (a script's, a kind)

@@ -96,8 +96,10 @@ def _read_layer(word: str) -> dict[str, Any]:
         except Exception as e:  # YAML syntax errors come in several types
             raise ConfigError(f"config file {word!r} is not valid YAML: {e}".splitlines()[0]) from None
         if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"config file {word!r} holds a list, not options; write one option per line as "
-                              "key: value, e.g. epochs: 5")
+            raise ConfigError(
+                f"config file {word!r} holds a list, not options; write one option per line as "
+                "key: value, e.g. epochs: 5"
+            )
         return OmegaConf.to_container(loaded)
     if "=" not in word:
         raise ConfigError(f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. epochs=5")
@@ -110,8 +112,10 @@ def _read_layer(word: str) -> dict[str, Any]:
         return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
     except (OmegaConfBaseException, yaml.YAMLError) as e:
         reason = str(e).splitlines()[0]
-        raise ConfigError(f"cannot read {word!r} ({reason}); the value is read as YAML: write plain text "
-                          f"or quote it, e.g. {key}='a b'") from None
+        raise ConfigError(
+            f"cannot read {word!r} ({reason}); the value is read as YAML: write plain text "
+            f"or quote it, e.g. {key}='a b'"
+        ) from None
 
 
 def _explain(error: OmegaConfBaseException, schema: type, word: str) -> str:
@@ -159,8 +163,10 @@ def _check_groups(word: str, layer: Mapping[str, Any], schema: type, prefix: str
         if dataclasses.is_dataclass(expected) and not isinstance(value, Mapping):
             group = prefix + str(name)
             example = _example(schema, f"{group}.{dataclasses.fields(expected)[0].name}")
-            raise ConfigError(f"{group} is a group of options, not a value ({word!r}); set one of its keys as "
-                              f"{group}.KEY=VALUE, e.g. {example}")
+            raise ConfigError(
+                f"{group} is a group of options, not a value ({word!r}); set one of its keys as "
+                f"{group}.KEY=VALUE, e.g. {example}"
+            )
         if dataclasses.is_dataclass(expected):
             _check_groups(word, value, schema, f"{prefix}{name}.")
 
@@ -168,8 +174,9 @@ def _check_groups(word: str, layer: Mapping[str, Any], schema: type, prefix: str
 def _field_names(schema: type, prefix: str = "") -> list[str]:
     names = []
     for field in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(field.type) or (isinstance(field.default_factory, type)
-                                                    and dataclasses.is_dataclass(field.default_factory)):
+        if dataclasses.is_dataclass(field.type) or (
+            isinstance(field.default_factory, type) and dataclasses.is_dataclass(field.default_factory)
+        ):
             nested = field.default_factory if field.default_factory is not dataclasses.MISSING else field.type
             names += _field_names(nested, f"{prefix}{field.name}.")
         else:
@@ -181,7 +188,6 @@ LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
 LOGGERS = ("jsonl", *sorted(BACKENDS))
 """Values of TrainConfig.logger: metrics.jsonl alone, or also one of ddpkit.tracking's backends."""
-
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -203,16 +209,19 @@ def check_nodes(nnodes: int, node_rank: int, master_addr: str, master_port: int)
     if not 0 <= master_port <= 65535:
         raise ConfigError(f"master_port={master_port} is not a TCP port; use 1-65535, or 0 for a free one")
     if not 0 <= node_rank < nnodes:
-        raise ConfigError(f"node_rank={node_rank} is not valid for nnodes={nnodes}; use 0 to {nnodes - 1}, "
-                          "0 on the master")
+        raise ConfigError(
+            f"node_rank={node_rank} is not valid for nnodes={nnodes}; use 0 to {nnodes - 1}, 0 on the master"
+        )
     if nnodes > 1 and not master_addr:
-        raise ConfigError(f"nnodes={nnodes} needs master_addr=HOST, the host name or address of node 0 (its "
-                          "container name in a container network), the same on every node")
+        raise ConfigError(
+            f"nnodes={nnodes} needs master_addr=HOST, the host name or address of node 0 (its "
+            "container name in a container network), the same on every node"
+        )
     if nnodes > 1 and not master_port:
-        raise ConfigError(f"nnodes={nnodes} needs master_port=PORT, a free TCP port on node 0, the same on every "
-                          "node (e.g. master_port=29500)")
-
-
+        raise ConfigError(
+            f"nnodes={nnodes} needs master_port=PORT, a free TCP port on node 0, the same on every "
+            "node (e.g. master_port=29500)"
+        )
 
 
 @dataclasses.dataclass
@@ -270,13 +279,61 @@ class CheckpointConfig:
 
 
 TRAIN_OPTION_GROUPS = (
-    ("model and data", ("model", "dataset", "task", "loss", "data_dir", "download", "data_mirror",
-                        "synthetic_samples", "num_workers", "init_from", "freeze")),
-    ("optimization", ("epochs", "max_steps", "batch_size", "batch_scope", "optimizer", "lr", "momentum",
-                      "lr_schedule", "warmup_steps", "lr_step_epochs", "lr_gamma", "weight_decay", "scale_lr",
-                      "grad_accum_steps", "precision", "seed")),
-    ("distributed", ("nproc", "nnodes", "node_rank", "master_addr", "master_port", "backend", "device",
-                     "allreduce", "grad_sync", "sync_batchnorm", "timeout", "threads", "max_restarts")),
+    (
+        "model and data",
+        (
+            "model",
+            "dataset",
+            "task",
+            "loss",
+            "data_dir",
+            "download",
+            "data_mirror",
+            "synthetic_samples",
+            "num_workers",
+            "init_from",
+            "freeze",
+        ),
+    ),
+    (
+        "optimization",
+        (
+            "epochs",
+            "max_steps",
+            "batch_size",
+            "batch_scope",
+            "optimizer",
+            "lr",
+            "momentum",
+            "lr_schedule",
+            "warmup_steps",
+            "lr_step_epochs",
+            "lr_gamma",
+            "weight_decay",
+            "scale_lr",
+            "grad_accum_steps",
+            "precision",
+            "seed",
+        ),
+    ),
+    (
+        "distributed",
+        (
+            "nproc",
+            "nnodes",
+            "node_rank",
+            "master_addr",
+            "master_port",
+            "backend",
+            "device",
+            "allreduce",
+            "grad_sync",
+            "sync_batchnorm",
+            "timeout",
+            "threads",
+            "max_restarts",
+        ),
+    ),
     ("checkpoints", ("checkpoint", "resume")),
     ("output", ("output_dir", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
 )

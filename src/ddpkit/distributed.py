@@ -189,8 +189,10 @@ def _say_restart(environ: Mapping[str, str], rank: int) -> None:
     restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart and rank == 0:
         limit = environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-        get_logger().warning(f"restart {restart} of {limit}: the workers were started again after a failure; "
-                             "a Checkpointer with resume('auto') continues from the newest checkpoint")
+        get_logger().warning(
+            f"restart {restart} of {limit}: the workers were started again after a failure; "
+            "a Checkpointer with resume('auto') continues from the newest checkpoint"
+        )
 
 
 def shutdown() -> None:
@@ -321,7 +323,9 @@ def _existing_backend(requested: str) -> str:
     return backend
 
 
-def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:
+def _init_process_group(
+    env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]
+) -> None:
     if env.world_size == 1:
         # One worker needs no network: a store in memory keeps collectives callable.
         store = dist.HashStore()  # type: ignore[attr-defined]  # public in torch, missing from its __all__
@@ -341,8 +345,9 @@ def _init_process_group(env: ClusterEnvironment, backend: str, timeout: float, e
         if round_store.uses_agent_store(environ):
             # The agent's store outlives a round of workers: form the group under keys of this round only.
             store = round_store.round_store(environ, env.rank, env.world_size, timedelta(seconds=timeout))
-            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=timedelta(seconds=timeout))
+            dist.init_process_group(
+                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+            )
         else:
             dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:

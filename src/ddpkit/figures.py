@@ -51,8 +51,10 @@ def new_figure(
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        print("warning: matplotlib is not installed, so no PNG was written; "
-              "pip install 'ddpkit[plot]' to get one", file=sys.stderr)
+        print(
+            "warning: matplotlib is not installed, so no PNG was written; pip install 'ddpkit[plot]' to get one",
+            file=sys.stderr,
+        )
         return None
     ncols = max(1, min(ncols, num_panels))
     nrows = max(1, -(-num_panels // ncols))

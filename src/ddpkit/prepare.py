@@ -86,11 +86,14 @@ def prepare_model(
 
         resolve_allreduce(allreduce)  # an unknown or unavailable name: ValueError naming the valid ones
     if sync_batchnorm and ctx.device.type == "cpu":
-        raise UserError("sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
-                         "drop it on CPU")
+        raise UserError(
+            "sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); drop it on CPU"
+        )
     if sync_batchnorm and grad_sync in ("flat", "manual"):
-        raise UserError(f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
-                         f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'")
+        raise UserError(
+            f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
+            f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'"
+        )
     if isinstance(model, DDP) or _uncompiled(model) in _SYNCS:
         raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
     model = model.to(ctx.device)
@@ -136,7 +139,7 @@ def _replace_prefix(mapping: dict[str, Any], old: str, new: str) -> None:
     """Replace ``old`` by ``new`` at the start of every key of ``mapping`` that has it, in place and in order."""
     items = list(mapping.items())
     mapping.clear()
-    mapping.update((new + key[len(old):] if key.startswith(old) else key, value) for key, value in items)
+    mapping.update((new + key[len(old) :] if key.startswith(old) else key, value) for key, value in items)
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:

@@ -61,8 +61,9 @@ def round_store(environ: Mapping[str, str], rank: int, world_size: int, timeout:
     Raises:
         DistStoreError: rank 0 of the round did not hand over its token within ``timeout``.
     """
-    agent_store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False,
-                                timeout=timeout)
+    agent_store = dist.TCPStore(
+        environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     base = f"ddpkit/{environ.get('TORCHELASTIC_RUN_ID', '')}"
     deadline = time.monotonic() + timeout.total_seconds()
     token = _hand_out(agent_store, base, world_size) if rank == 0 else _take(agent_store, base, rank, deadline)
@@ -91,5 +92,6 @@ def _take(store: dist.Store, base: str, rank: int, deadline: float) -> str:
                 return token
             time.sleep(POLL)
         if time.monotonic() > deadline:
-            raise dist.DistStoreError(f"rank 0 of this round did not answer rank {rank}'s hello through the "
-                                      "launcher's store")
+            raise dist.DistStoreError(
+                f"rank 0 of this round did not answer rank {rank}'s hello through the launcher's store"
+            )

@@ -112,8 +112,10 @@ def dump_peers(world_size: int) -> str:
             _signal(pid)
     if len(stopped) < len(peers):
         time.sleep(DUMP_WAIT_SECONDS)
-    parts = [f"rank {rank} (pid {peers[rank][1]}) was stopped (SIGSTOP): no stack; it was continued so that it "
-             "can end" for rank in stopped]
+    parts = [
+        f"rank {rank} (pid {peers[rank][1]}) was stopped (SIGSTOP): no stack; it was continued so that it can end"
+        for rank in stopped
+    ]
     parts += [_where(rank, thread, path) for rank, (_, _, thread, path) in peers.items() if rank not in stopped]
     return "; ".join(part for part in parts if part)
 

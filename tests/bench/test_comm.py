@@ -36,12 +36,22 @@ MIB = 1 << 20
 # --- formulas ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op,n,factor", [
-    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 1, 0.0),
-    ("all_gather", 2, 0.5), ("all_gather_into_tensor", 4, 0.75), ("reduce_scatter", 4, 0.75),
-    ("all_to_all", 3, 2 / 3), ("gather", 4, 0.75), ("scatter", 2, 0.5),
-    ("broadcast", 4, 1.0), ("reduce", 8, 1.0),
-])
+@pytest.mark.parametrize(
+    "op,n,factor",
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 4, 1.5),
+        ("all_reduce", 1, 0.0),
+        ("all_gather", 2, 0.5),
+        ("all_gather_into_tensor", 4, 0.75),
+        ("reduce_scatter", 4, 0.75),
+        ("all_to_all", 3, 2 / 3),
+        ("gather", 4, 0.75),
+        ("scatter", 2, 0.5),
+        ("broadcast", 4, 1.0),
+        ("reduce", 8, 1.0),
+    ],
+)
 def test_bus_factor_follows_nccl_tests(op, n, factor):
     assert bus_factor(op, n) == pytest.approx(factor)
 
@@ -60,11 +70,20 @@ def test_sweep_sizes_default_covers_4_bytes_to_64_mib_with_32_mib():
     assert sweep_sizes(100, 100, 2) == [100]
 
 
-@pytest.mark.parametrize("op,num_bytes,n,count", [
-    ("all_reduce", 4, 2, 1), ("all_reduce", 2, 2, 1), ("broadcast", 1024, 3, 256),
-    ("all_gather", 4, 2, 2), ("all_gather", 1024, 3, 255), ("reduce_scatter", 64, 4, 16),
-    ("all_to_all", 4, 4, 4), ("all_to_all_single", 40, 3, 9), ("gather", 8, 2, 2),
-])
+@pytest.mark.parametrize(
+    "op,num_bytes,n,count",
+    [
+        ("all_reduce", 4, 2, 1),
+        ("all_reduce", 2, 2, 1),
+        ("broadcast", 1024, 3, 256),
+        ("all_gather", 4, 2, 2),
+        ("all_gather", 1024, 3, 255),
+        ("reduce_scatter", 64, 4, 16),
+        ("all_to_all", 4, 4, 4),
+        ("all_to_all_single", 40, 3, 9),
+        ("gather", 8, 2, 2),
+    ],
+)
 def test_message_count_rounds_split_buffers_to_whole_pieces(op, num_bytes, n, count):
     assert message_count(op, num_bytes, n, 4) == count
 
@@ -90,15 +109,18 @@ def test_smoke_presets_yield_to_explicit_words():
     assert parse_config([]).max_bytes == 64 * MIB and parse_config([]).iterations == 0
 
 
-@pytest.mark.parametrize("words,message", [
-    (["ops=[all_reduce,barrier]"], "ops: 'barrier' is not an op this benchmark runs"),
-    (["ops=[]"], "ops is empty"),
-    (["ops=[reduce,reduce]"], "names an op twice"),
-    (["step_factor=1"], "step_factor=1 is not valid"),
-    (["min_bytes=1024", "max_bytes=4"], "max_bytes=4 is below min_bytes=1024"),
-    (["dtype=float8"], "dtype='float8' is not valid"),
-    (["repeats=0"], "repeats=0 is not valid"),
-])
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        (["ops=[all_reduce,barrier]"], "ops: 'barrier' is not an op this benchmark runs"),
+        (["ops=[]"], "ops is empty"),
+        (["ops=[reduce,reduce]"], "names an op twice"),
+        (["step_factor=1"], "step_factor=1 is not valid"),
+        (["min_bytes=1024", "max_bytes=4"], "max_bytes=4 is below min_bytes=1024"),
+        (["dtype=float8"], "dtype='float8' is not valid"),
+        (["repeats=0"], "repeats=0 is not valid"),
+    ],
+)
 def test_bad_config_is_a_config_error(words, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(words)
@@ -178,8 +200,11 @@ def test_smoke_run_measures_every_op_and_algorithm(smoke_run):
         assert all(t["median"] >= r * (1 - 1e-9) for r in row["rank_median_us"]) and len(row["rank_median_us"]) == 2
         assert row["algbw_gbps"] == pytest.approx(row["bytes"] / seconds / 1e9)
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(row["op"], 2))
-        builtin = next(r for r in report["collectives"]
-                       if (r["op"], r["bytes"], r["algorithm"]) == (row["op"], row["bytes"], "builtin"))
+        builtin = next(
+            r
+            for r in report["collectives"]
+            if (r["op"], r["bytes"], r["algorithm"]) == (row["op"], row["bytes"], "builtin")
+        )
         assert row["vs_builtin"] == pytest.approx(t["median"] / builtin["time_us"]["median"])
     assert [r["bytes"] for r in report["pingpong"]] == sizes
     for row in report["pingpong"]:

@@ -20,8 +20,18 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_loader.py"
 @pytest.mark.slow
 def test_the_hf_loader_benchmark_runs_and_writes_its_report(tmp_path):
     with Commands() as commands:
-        out = commands.run("run", "nproc=2", str(SCRIPT), "--rows", "512", "--repeats", "1", "--output",
-                           str(tmp_path / "hf"), cwd=tmp_path)
+        out = commands.run(
+            "run",
+            "nproc=2",
+            str(SCRIPT),
+            "--rows",
+            "512",
+            "--repeats",
+            "1",
+            "--output",
+            str(tmp_path / "hf"),
+            cwd=tmp_path,
+        )
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     result = json.loads((tmp_path / "hf.json").read_text())
     assert result["rows"] == 512 and result["world_size"] == 2 and result["num_workers"] == 2

@@ -88,7 +88,11 @@ def test_projection_world_sizes_cover_the_range():
 def test_default_matrix_is_the_smoke_matrix():
     runs = configurations(parse_config(["smoke=true"]))
     assert [(r.workers, r.nodes, r.allreduce) for r in runs] == [
-        (1, 1, "none"), (2, 1, "builtin"), (2, 1, "shm"), (2, 2, "builtin"), (2, 2, "shm"),
+        (1, 1, "none"),
+        (2, 1, "builtin"),
+        (2, 1, "shm"),
+        (2, 2, "builtin"),
+        (2, 2, "shm"),
     ]
     assert runs[3].name == "2 workers, 2 nodes, builtin"
 
@@ -116,13 +120,24 @@ def test_fit_sizes_bracket_the_gradients():
 def test_merge_rounds_takes_medians_and_extremes_and_predicts_each_round():
     def result(step, low, high, comm):
         compute = step / 2
-        return {"slowest_rank": {"step": step, "compute": compute, "sync_noop": compute + 0.1, "step_min": low,
-                                 "step_max": high},
-                "comm_s": comm, "comm_isolated_s": comm, "comm_sizes": [100, 200], "gradient_bytes": 200,
-                "global_batch": 64}
+        return {
+            "slowest_rank": {
+                "step": step,
+                "compute": compute,
+                "sync_noop": compute + 0.1,
+                "step_min": low,
+                "step_max": high,
+            },
+            "comm_s": comm,
+            "comm_isolated_s": comm,
+            "comm_sizes": [100, 200],
+            "gradient_bytes": 200,
+            "global_batch": 64,
+        }
 
-    merged = merge_rounds([result(1.0, 0.8, 2.0, [4.0, 5.0]), result(3.0, 0.7, 9.0, [2.0, 4.0]),
-                           result(2.0, 0.9, 3.0, [3.0, 6.0])])
+    merged = merge_rounds(
+        [result(1.0, 0.8, 2.0, [4.0, 5.0]), result(3.0, 0.7, 9.0, [2.0, 4.0]), result(2.0, 0.9, 3.0, [3.0, 6.0])]
+    )
     assert merged["slowest_rank"] == {"step": 2.0, "compute": 1.0, "sync_noop": 1.1, "step_min": 0.7, "step_max": 9.0}
     assert merged["comm_s"] == [3.0, 5.0] and merged["step_by_round"] == [1.0, 3.0, 2.0]
     assert merged["global_batch"] == 64
@@ -132,10 +147,18 @@ def test_merge_rounds_takes_medians_and_extremes_and_predicts_each_round():
 
 def test_bottleneck_names_communication_and_its_kind():
     row = {
-        "workers": 2, "nodes": 2, "allreduce": "builtin", "gradient_bytes": 159_040,
+        "workers": 2,
+        "nodes": 2,
+        "allreduce": "builtin",
+        "gradient_bytes": 159_040,
         "step_s": {"median": 1e-3},
-        "breakdown_s": {"data": 0.05e-3, "forward": 0.1e-3, "backward": 0.1e-3, "optimizer": 0.05e-3,
-                        "exposed_comm": 0.7e-3},
+        "breakdown_s": {
+            "data": 0.05e-3,
+            "forward": 0.1e-3,
+            "backward": 0.1e-3,
+            "optimizer": 0.05e-3,
+            "exposed_comm": 0.7e-3,
+        },
         "comm_fit": {"alpha_s": 400e-6, "beta_s_per_byte": 1e-9, "allreduce_gradient_s": 560e-6},
     }
     text = bottleneck(row, cores=2)
@@ -162,7 +185,11 @@ def test_smoke_run_through_the_cli_writes_consistent_outputs(tmp_path):
     report = json.loads(json_path.read_text())
     rows = report["rows"]
     assert [(r["workers"], r["nodes"], r["allreduce"]) for r in rows] == [
-        (1, 1, "none"), (2, 1, "builtin"), (2, 1, "shm"), (2, 2, "builtin"), (2, 2, "shm"),
+        (1, 1, "none"),
+        (2, 1, "builtin"),
+        (2, 1, "shm"),
+        (2, 2, "builtin"),
+        (2, 2, "shm"),
     ]
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[0]["efficiency"] == pytest.approx(1.0)
     for r in rows:
@@ -178,7 +205,9 @@ def test_smoke_run_through_the_cli_writes_consistent_outputs(tmp_path):
             assert r["sync_overhead_s"] >= 0
             # One round (smoke): the prediction is the round's own compute + overhead + t(gradient bytes).
             assert r["predicted_by_round_s"] == [r["predicted_step_s"]]
-            assert r["predicted_step_s"] == pytest.approx(r["compute_s"] + r["sync_overhead_s"] + fit["allreduce_gradient_s"])
+            assert r["predicted_step_s"] == pytest.approx(
+                r["compute_s"] + r["sync_overhead_s"] + fit["allreduce_gradient_s"]
+            )
     # The projection's compute comes from the 1-worker run's batch ladder 64, 32, ..., 1.
     assert [int(b) for b in rows[0]["compute_by_batch_s"]] == [1, 2, 4, 8, 16, 32, 64]
     for network in report["projection"]["networks"]:

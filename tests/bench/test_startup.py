@@ -26,9 +26,13 @@ def test_t8_compares_first_step_with_torchruns_wall_and_t9_the_two_walls():
 
 def test_markdown_names_the_command_and_whether_each_target_is_met():
     results = [_row(DDPKIT_1, 6.0, 2.0), _row(DDPKIT_2, 5.0, 2.5), _row(TORCHRUN, 2.0)]
-    report = {"machine": {"date": "2026-11-24", "torch": "2.13.0", "cpu_model": "cpu", "cores": 2},
-              "command_words": ["repeats=3"], "train_words": ["progress=false"], "results": results,
-              "ratios": _ratios(results)}
+    report = {
+        "machine": {"date": "2026-11-24", "torch": "2.13.0", "cpu_model": "cpu", "cores": 2},
+        "command_words": ["repeats=3"],
+        "train_words": ["progress=false"],
+        "results": results,
+        "ratios": _ratios(results),
+    }
     text = render_markdown(report)
     assert "Command: `ddpkit bench startup repeats=3`" in text
     assert f"| {T8} | 1.250 | <= 1.00 | not met |" in text and f"| {T9} | 0.833 | <= 1.00 | met |" in text
@@ -53,5 +57,7 @@ def test_smoke_run_times_the_three_commands(tmp_path):
         # The first step begins after the command starts and before it ends, training included.
         assert 0 < sample["first_step_s"] < sample["wall_s"] - sample["train_time_s"]
     assert rows[TORCHRUN]["wall_s"]["median"] > 0
-    assert report["ratios"][T9]["value"] == pytest.approx(rows[DDPKIT_2]["wall_s"]["median"] / rows[DDPKIT_1]["wall_s"]["median"])
+    assert report["ratios"][T9]["value"] == pytest.approx(
+        rows[DDPKIT_2]["wall_s"]["median"] / rows[DDPKIT_1]["wall_s"]["median"]
+    )
     assert "| ratio (medians, same run) | value | target | met |" in json_path.with_suffix(".md").read_text()

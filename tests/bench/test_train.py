@@ -24,21 +24,32 @@ def test_matrix_crosses_allreduce_and_grad_sync_for_several_workers_only():
     ]
     assert [r["name"] for r in _configurations(cfg)] == [*ddpkit_rows, OWN_TENSORS, OWN_SAMPLES, OWN_TORCH]
     assert [r["name"] for r in _configurations(dataclasses.replace(cfg, own_loop=False))] == ddpkit_rows
-    assert [r["name"] for r in _configurations(dataclasses.replace(cfg, workers=[1], own_loop=False))] == \
-        ddpkit_rows[:2]
+    assert [r["name"] for r in _configurations(dataclasses.replace(cfg, workers=[1], own_loop=False))] == ddpkit_rows[
+        :2
+    ]
 
 
-@pytest.mark.parametrize("word, message", [
-    ("grad_sync=[bogus]", "grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"),
-    ("allreduce=[rng]", "allreduce='rng' is not valid; choose one of: auto, builtin, naive, ring"),
-])
+@pytest.mark.parametrize(
+    "word, message",
+    [
+        ("grad_sync=[bogus]", "grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"),
+        ("allreduce=[rng]", "allreduce='rng' is not valid; choose one of: auto, builtin, naive, ring"),
+    ],
+)
 def test_bad_names_are_refused_before_any_run(word, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         parse(TrainBenchConfig, [word])
 
 
-SMOKE_WORDS = ("smoke=true", "allreduce=[auto,builtin]", "grad_sync=[ddp]", "t2=true", "t5_seeds=[3]", "t9=true",
-               "t10=true")
+SMOKE_WORDS = (
+    "smoke=true",
+    "allreduce=[auto,builtin]",
+    "grad_sync=[ddp]",
+    "t2=true",
+    "t5_seeds=[3]",
+    "t9=true",
+    "t10=true",
+)
 """One smoke run for every check: 1 and 2 workers, both all_reduce words with a gradient sync that is not the
 default (so that both words must reach ``ddpkit train``), the own loops, T2, T5, T9 and T10. (What grad_sync=auto
 resolves to for W1 is checked through the trainer by test_scaling's smoke run.)"""
@@ -71,12 +82,15 @@ def test_smoke_run_writes_times_ratios_and_what_auto_chose(smoke_run):
     assert (stock["resolved_allreduce"], stock["resolved_grad_sync"]) == ("builtin", "ddp")
     ratios = report["ratios"]
     assert ratios["T1 ddpkit 1 worker / bare loop"] == pytest.approx(
-        results["ddpkit 1 worker"]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"])
+        results["ddpkit 1 worker"]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"]
+    )
     assert sum(name.startswith("ddpkit 2 workers") and name.endswith(" / ddpkit 1 worker") for name in ratios) == 2
     assert ratios["T6 own loop (public API, tensors) / bare loop"] == pytest.approx(
-        results[OWN_TENSORS]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"])
-    assert ratios["T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"] == \
-        pytest.approx(results[OWN_SAMPLES]["train_time_s"]["median"] / results[OWN_TORCH]["train_time_s"]["median"])
+        results[OWN_TENSORS]["train_time_s"]["median"] / results["bare loop"]["train_time_s"]["median"]
+    )
+    assert ratios[
+        "T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"
+    ] == pytest.approx(results[OWN_SAMPLES]["train_time_s"]["median"] / results[OWN_TORCH]["train_time_s"]["median"])
     assert "| ratio (medians, same run) | value |" in json_path.with_suffix(".md").read_text()
 
 
@@ -86,9 +100,11 @@ def test_ratios_leave_out_what_was_not_run():
 
     # workers=[1] own_loop=false: T1 alone; no own loop on one side of T7: no T7.
     assert _ratios([row("bare loop", 2.0), row("ddpkit 1 worker", 2.2)]) == {
-        "T1 ddpkit 1 worker / bare loop": pytest.approx(1.1)}
+        "T1 ddpkit 1 worker / bare loop": pytest.approx(1.1)
+    }
     assert _ratios([row("bare loop", 2.0), row(OWN_TENSORS, 2.1), row(OWN_SAMPLES, 1.0)]) == {
-        "T6 own loop (public API, tensors) / bare loop": pytest.approx(1.05)}
+        "T6 own loop (public API, tensors) / bare loop": pytest.approx(1.05)
+    }
 
 
 def test_restated_targets_compare_in_their_direction():
@@ -106,9 +122,12 @@ def test_smoke_run_reports_t2_and_t5(smoke_run):
 
     json_path, report = smoke_run
     t2 = report["t2"]["stats"]
-    assert report["t2"]["targets"][T2_W2]["value"] == pytest.approx(t2["w2_ddpkit"]["median"] / t2["w2_ceiling"]["median"])
+    assert report["t2"]["targets"][T2_W2]["value"] == pytest.approx(
+        t2["w2_ddpkit"]["median"] / t2["w2_ceiling"]["median"]
+    )
     assert report["t2"]["targets"][T2_W1]["value"] == pytest.approx(
-        t2["w1_ddpkit_step"]["median"] / t2["w1_ceiling_step"]["median"])
+        t2["w1_ddpkit_step"]["median"] / t2["w1_ceiling_step"]["median"]
+    )
     assert all(t2[key]["median"] > 0 for key in t2)
     t5 = report["t5"]
     assert t5["seeds"] == [3] and all(len(values) == 1 for values in t5["accuracy"].values())
@@ -133,7 +152,9 @@ def test_smoke_run_reports_t9_and_t10(smoke_run):
     t10 = report["t10"]
     assert t10["files_identical"] is True  # one synchronous and one async save of the same state
     assert set(t10["windows_s"]) == {"none", "sync", "async"} and all(len(w) == 1 for w in t10["windows_s"].values())
-    assert t10["targets"][T10]["value"] == pytest.approx(t10["lost_per_save_s"]["async"] / t10["lost_per_save_s"]["sync"])
+    assert t10["targets"][T10]["value"] == pytest.approx(
+        t10["lost_per_save_s"]["async"] / t10["lost_per_save_s"]["sync"]
+    )
     markdown = json_path.with_suffix(".md").read_text()
     assert "## T9" in markdown and "## T10" in markdown and T10 in markdown
 

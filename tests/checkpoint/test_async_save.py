@@ -75,8 +75,7 @@ def test_async_and_sync_saves_of_the_same_state_are_byte_identical(tmp_path):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     _train(model, optimizer, 3)
     sync = Checkpointer(tmp_path / "sync", model=model, optimizer=optimizer, preempt_signals=())
-    background = Checkpointer(tmp_path / "async", model=model, optimizer=optimizer, preempt_signals=(),
-                              async_save=True)
+    background = Checkpointer(tmp_path / "async", model=model, optimizer=optimizer, preempt_signals=(), async_save=True)
     for ckpt in (sync, background):
         ckpt.global_step = 3
     expected = sync.save()
@@ -102,8 +101,17 @@ def _run_loop(folder: Path, async_save: bool) -> list[Path]:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = ddpkit.DataLoader(Numbers(), 6, seed=1)
-    ckpt = Checkpointer(folder, model=model, optimizer=optimizer, loader=loader, every_steps=3, keep=10,
-                        best_metric="accuracy", preempt_signals=(), async_save=async_save)
+    ckpt = Checkpointer(
+        folder,
+        model=model,
+        optimizer=optimizer,
+        loader=loader,
+        every_steps=3,
+        keep=10,
+        best_metric="accuracy",
+        preempt_signals=(),
+        async_save=async_save,
+    )
     for epoch in range(ckpt.resume("never").epoch, 2):
         loader.set_epoch(epoch)
         for x, y in loader:
@@ -121,8 +129,13 @@ def test_a_loop_with_async_saves_writes_the_files_a_sync_loop_writes(tmp_path):
     assert [path.name for path in written] == [path.name for path in expected]
     # Steps 3 and 6 (cadence), 4 and 8 (epoch ends, each replaced at the next epoch's start or close(), with
     # its metrics), and the best one (the second epoch's: the first epoch's best was deleted then).
-    assert [path.name for path in expected] == ["step-000000003", "step-000000004", "step-000000006",
-                                                "step-000000008", "best-000000008"]
+    assert [path.name for path in expected] == [
+        "step-000000003",
+        "step-000000004",
+        "step-000000006",
+        "step-000000008",
+        "best-000000008",
+    ]
     for got, want in zip(written, expected, strict=True):
         assert _files(got) == _files(want), got.name
         assert _manifest_without_time(got) == _manifest_without_time(want), got.name
@@ -181,8 +194,12 @@ time.sleep(600)
 def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_newest_and_complete(tmp_path):
     folder, marks = tmp_path / "checkpoints", tmp_path / "marks"
     marks.mkdir()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder), str(marks)],
-                             env={**os.environ, "PYTHONPATH": PYTHONPATH}, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(folder), str(marks)],
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((marks / "writing").exists() and (marks / "trained-on").exists()):

@@ -152,12 +152,18 @@ def test_an_object_without_state_dict_is_refused(tmp_path, checkpointers):
     assert "pass objects with both" in message
 
 
-@pytest.mark.parametrize("make,expected", [
-    # tests/data/test_loader.py checks the start of these messages; here: one line, and the fix.
-    (lambda: ddpkit.DataLoader(_Unsized(), global_batch_size=4), ["neither", "give it __len__"]),
-    (lambda: ddpkit.DataLoader(_Sized(), global_batch_size=2, rank=0, world_size=4),
-     ["global batch size 2 does not divide among 4 workers", "use a global_batch_size that is a multiple of 4"]),
-], ids=["unsized-dataset", "global-batch-below-world-size"])
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        # tests/data/test_loader.py checks the start of these messages; here: one line, and the fix.
+        (lambda: ddpkit.DataLoader(_Unsized(), global_batch_size=4), ["neither", "give it __len__"]),
+        (
+            lambda: ddpkit.DataLoader(_Sized(), global_batch_size=2, rank=0, world_size=4),
+            ["global batch size 2 does not divide among 4 workers", "use a global_batch_size that is a multiple of 4"],
+        ),
+    ],
+    ids=["unsized-dataset", "global-batch-below-world-size"],
+)
 def test_a_loader_the_checkpointer_could_not_resume_is_refused(make, expected):
     with pytest.raises(ValueError) as error:
         make()
@@ -178,10 +184,14 @@ def test_resuming_without_an_object_the_checkpoint_holds_names_it(tmp_path, chec
     assert "pass the same objects it was written with" in message
 
 
-@pytest.mark.parametrize("saved,resumed,expected", [
-    (1, 2, 'Missing key(s) in state_dict: "2.weight", "2.bias"'),
-    (2, 1, 'Unexpected key(s) in state_dict: "2.weight", "2.bias"'),
-], ids=["extra-layer-in-the-run", "extra-layer-in-the-checkpoint"])
+@pytest.mark.parametrize(
+    "saved,resumed,expected",
+    [
+        (1, 2, 'Missing key(s) in state_dict: "2.weight", "2.bias"'),
+        (2, 1, 'Unexpected key(s) in state_dict: "2.weight", "2.bias"'),
+    ],
+    ids=["extra-layer-in-the-run", "extra-layer-in-the-checkpoint"],
+)
 def test_resuming_a_model_of_another_architecture_names_the_keys(tmp_path, checkpointers, saved, resumed, expected):
     def model(layers: int) -> nn.Module:
         return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))[: 2 * layers - 1]
@@ -217,8 +227,10 @@ def _save_on_rank_one_only(rank: int, world_size: int, folder: str) -> tuple[str
 def test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout(two_rank_jobs):
     folder = two_rank_jobs["folder"] / "save-on-one-rank"
     _, (message, waited) = two_rank_jobs["save-on-one-rank"].get()
-    assert message == (f"a checkpoint save was reached by rank(s) [1] but not by rank(s) [0] within {SAVE_TIMEOUT_S}s; "
-                       "saving is collective: call Checkpointer.step()/save() on every rank at the same point")
+    assert message == (
+        f"a checkpoint save was reached by rank(s) [1] but not by rank(s) [0] within {SAVE_TIMEOUT_S}s; "
+        "saving is collective: call Checkpointer.step()/save() on every rank at the same point"
+    )
     assert SAVE_TIMEOUT_S <= waited < 10
     assert _steps(folder) == []
 
@@ -296,8 +308,7 @@ def test_resume_auto_never_and_path(tmp_path, checkpointers):
     assert "does not exist" in _one_line(error)
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_path, checkpointers,
-                                                                                    ddpkit_log):
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_path, checkpointers, ddpkit_log):
     model, optimizer, scheduler = _parts()
     ckpt = checkpointers(tmp_path, model=model, optimizer=optimizer, every_steps=1, keep=2)
     _train(model, optimizer, scheduler, ckpt, 2)
@@ -363,13 +374,21 @@ def _save_then_resume_every_ranks_rng(rank: int, world_size: int, folder: str) -
     got = _draws()
     weights = ddpkit.unwrap_model(ckpt.objects["model"]).state_dict()
     ckpt.close()
-    return {"first": first.resumed, "saved": str(saved), "start": (start.global_step, str(start.path)),
-            "expected": expected, "got": got, "weight": weights["0.weight"]}
+    return {
+        "first": first.resumed,
+        "saved": str(saved),
+        "start": (start.global_step, str(start.path)),
+        "expected": expected,
+        "got": got,
+        "weight": weights["0.weight"],
+    }
 
 
 TWO_RANK_JOBS = {
-    "save-on-one-rank": ("test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout",
-                         _save_on_rank_one_only),
+    "save-on-one-rank": (
+        "test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout",
+        _save_on_rank_one_only,
+    ),
     "rng": ("test_two_ranks_save_and_resume_each_ranks_rng", _save_then_resume_every_ranks_rng),
 }
 """Each 2-rank job (named by the folder it saves into under the fixture's): the test that checks it, its function."""
@@ -410,7 +429,9 @@ class _Indices(Dataset):
 
 
 def test_dataloader_workers_survive_a_preemption_signal_sent_to_every_process(tmp_path, checkpointers):
-    loader = ddpkit.DataLoader(_Indices(), global_batch_size=4, shuffle=True, seed=SEED, rank=0, world_size=1, num_workers=1)
+    loader = ddpkit.DataLoader(
+        _Indices(), global_batch_size=4, shuffle=True, seed=SEED, rank=0, world_size=1, num_workers=1
+    )
     ckpt = checkpointers(tmp_path, loader=loader, preempt_signals=("SIGTERM",))
     before = {child.pid for child in psutil.Process().children()}
     batches = iter(loader)

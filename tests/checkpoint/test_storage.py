@@ -40,8 +40,9 @@ def tmpfs(folder: Path, size: int) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if mounted.returncode:
         pytest.skip(f"mount -t tmpfs was refused here: {mounted.stderr.strip()}")
     try:
@@ -101,8 +102,11 @@ def test_read_only_folder_names_the_fix(tmp_path):
         remount(folder, "ro")
         ckpt = Checkpointer(folder / "ckpt", model=model, optimizer=optimizer, preempt_signals=())
         try:
-            with pytest.raises(StorageError, match=r"Read-only file system .*; no complete checkpoint exists yet; "
-                                                   r"make .*ckpt writable by this user"):
+            with pytest.raises(
+                StorageError,
+                match=r"Read-only file system .*; no complete checkpoint exists yet; "
+                r"make .*ckpt writable by this user",
+            ):
                 ckpt.save()
         finally:
             ckpt.close()
@@ -111,8 +115,9 @@ def test_read_only_folder_names_the_fix(tmp_path):
 def test_warn_mode_goes_on_and_retries_at_the_next_save(tmp_path):
     model, optimizer = stepped_model()
     with tmpfs(tmp_path / "small", 1_000_000) as small, LogRecords() as logs:
-        ckpt = Checkpointer(small / "ckpt", model=model, optimizer=optimizer, keep=1, preempt_signals=(),
-                            on_write_error="warn")
+        ckpt = Checkpointer(
+            small / "ckpt", model=model, optimizer=optimizer, keep=1, preempt_signals=(), on_write_error="warn"
+        )
         try:
             ckpt.resume("never")
             first = ckpt.save()
@@ -125,8 +130,9 @@ def test_warn_mode_goes_on_and_retries_at_the_next_save(tmp_path):
         finally:
             ckpt.close()
         warnings = logs.warnings()
-        assert any("No space left on device" in w and "(training goes on: on_write_error=warn)" in w
-                   for w in warnings), warnings
+        assert any(
+            "No space left on device" in w and "(training goes on: on_write_error=warn)" in w for w in warnings
+        ), warnings
         assert [info.path for info in list_checkpoints(small / "ckpt")] == [second]
 
 
@@ -139,8 +145,12 @@ def test_a_folder_too_small_for_keep_plus_one_is_warned_about_before_training(tm
         Checkpointer(small / "roomy", model=model, optimizer=optimizer, keep=1, preempt_signals=()).close()
         assert not logs.warnings()
         Checkpointer(small / "tight", model=model, optimizer=optimizer, keep=2, preempt_signals=()).close()
-        assert any(w.startswith(f"checkpoint folder {small / 'tight'} has ") and "keeping 2 checkpoint(s)" in w
-                   and "a save will fail for lack of space" in w for w in logs.warnings()), logs.warnings()
+        assert any(
+            w.startswith(f"checkpoint folder {small / 'tight'} has ")
+            and "keeping 2 checkpoint(s)" in w
+            and "a save will fail for lack of space" in w
+            for w in logs.warnings()
+        ), logs.warnings()
 
 
 @pytest.mark.slow
@@ -170,5 +180,6 @@ def test_full_disk_under_ddpkit_train_stops_with_74_and_resume_after_freeing_is_
             assert f"resumed from {small}/step-000000008" in out.stderr, out.stderr
             newest = [info for info in list_checkpoints(small) if info.manifest][-1]
             assert newest.global_step == CLI_TOTAL_STEPS
-            assert_same_weights(verify_checkpoint(newest.path)["model.pt"], final_weights(reference),
-                                "resumed after a full disk")
+            assert_same_weights(
+                verify_checkpoint(newest.path)["model.pt"], final_weights(reference), "resumed after a full disk"
+            )

@@ -96,8 +96,9 @@ def test_the_image_runs_ddpkit_as_its_non_root_user(image: Image):
 def test_one_container_trains_with_two_workers(image: Image, tmp_path):
     # With the runtime's default /dev/shm, 64 MB: the shared-memory all_reduce of 2 workers takes 4 MiB of it.
     runs = runs_folder(tmp_path)
-    out = image.podman.run("run", "--rm", "--network", "none", "--volume", f"{runs}:/work/runs", image.tag,
-                           "train", "nproc=2", *TINY)
+    out = image.podman.run(
+        "run", "--rm", "--network", "none", "--volume", f"{runs}:/work/runs", image.tag, "train", "nproc=2", *TINY
+    )
 
     assert "[rank 0/2] gradients: flat of 155 KiB with all_reduce=shm over gloo" in out.stderr, out.stderr
     assert "[rank 0/2] done: mlp on synthetic, 2 worker(s)" in out.stderr
@@ -106,8 +107,20 @@ def test_one_container_trains_with_two_workers(image: Image, tmp_path):
 
 def test_a_container_with_a_small_shm_falls_back_to_gloo_and_says_the_fix(image: Image, tmp_path):
     runs = runs_folder(tmp_path)
-    out = image.podman.run("run", "--rm", "--network", "none", "--shm-size", "1m", "--volume", f"{runs}:/work/runs",
-                           image.tag, "train", "nproc=2", *TINY)
+    out = image.podman.run(
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "--shm-size",
+        "1m",
+        "--volume",
+        f"{runs}:/work/runs",
+        image.tag,
+        "train",
+        "nproc=2",
+        *TINY,
+    )
 
     warnings = [line for line in out.stderr.splitlines() if "allreduce=auto:" in line]
     assert warnings == [

@@ -22,7 +22,10 @@ def check_two_worker_report(report: dict, source: str) -> None:
     env = report["environment"]
     assert (env["source"], env["rank"], env["world_size"], env["num_nodes"]) == (source, 0, 2, 1)
     assert [(c["name"], c["ok"]) for c in report["checks"]] == [
-        ("reach master", True), ("roll call", True), ("join process group", True), ("all_reduce", True),
+        ("reach master", True),
+        ("roll call", True),
+        ("join process group", True),
+        ("all_reduce", True),
     ]
     assert [w["rank"] for w in report["workers"]] == [0, 1]
     (peer,) = report["peers"]
@@ -38,8 +41,9 @@ def test_doctor_under_mpirun():
 
 
 def test_doctor_under_srun(slurm_cluster: SlurmCluster):
-    result = slurm_cluster.run(["srun", "-n2", *DOCTOR], env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH},
-                               timeout=180)
+    result = slurm_cluster.run(
+        ["srun", "-n2", *DOCTOR], env={**slurm_cluster.env, "PYTHONPATH": PYTHONPATH}, timeout=180
+    )
 
     report = json.loads(result.stdout)
     check_two_worker_report(report, "slurm")

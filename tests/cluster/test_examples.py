@@ -22,7 +22,17 @@ def test_example_under_mpirun(example, tmp_path):
 
 @pytest.mark.parametrize("example", [LAUNCHED_BY["srun"]])
 def test_example_under_srun(example, slurm_cluster, tmp_path):
-    command = ["srun", "--ntasks=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", f"--chdir={tmp_path}",
-               sys.executable, _script(example), *TINY, "--out", str(tmp_path)]
+    command = [
+        "srun",
+        "--ntasks=2",
+        "--ntasks-per-node=2",
+        "--kill-on-bad-exit=1",
+        f"--chdir={tmp_path}",
+        sys.executable,
+        _script(example),
+        *TINY,
+        "--out",
+        str(tmp_path),
+    ]
     env = {**slurm_cluster.env, "PYTHONPATH": PYTHONPATH}
     _check(slurm_cluster.run(command, env=env, timeout=300, check=False), example)

@@ -93,9 +93,7 @@ class Scontrol:
     env: dict[str, str]
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [self.path, *args], env=self.env, capture_output=True, text=True, timeout=60, check=False
-        )
+        return subprocess.run([self.path, *args], env=self.env, capture_output=True, text=True, timeout=60, check=False)
 
     def hostnames(self, hostlist: str) -> list[str] | None:
         """The names scontrol expands the hostlist into; None where it refuses it."""
@@ -139,9 +137,9 @@ def test_generated_hostlists_match_scontrol(scontrol: Scontrol):
     hostlists = [_join(expressions, separators) for expressions, separators in generated]
     # One scontrol process per hostlist (or per expression), a few at a time: each mostly waits to start.
     with ThreadPoolExecutor(max_workers=4) as pool:
-        expected_lists = list(pool.map(
-            lambda case: _expected(scontrol, case[0][0], case[1], accepts_suffix), zip(generated, hostlists)
-        ))
+        expected_lists = list(
+            pool.map(lambda case: _expected(scontrol, case[0][0], case[1], accepts_suffix), zip(generated, hostlists))
+        )
     mismatches, names = [], 0
     for hostlist, expected in zip(hostlists, expected_lists):
         names += len(expected)

@@ -23,8 +23,9 @@ def test_mpirun_reads_a_rendered_hostfile_and_starts_two_ranks_that_know_their_r
     hostfile = tmp_path / "hosts"
     hostfile.write_text(render_hostfile(["localhost"], slots=2))
 
-    result = run_mpirun(2, [sys.executable, "-c", PRINT_IDENTITY], hostfile=str(hostfile), export=["DDPKIT_PROBE=seen"],
-                        timeout=60)
+    result = run_mpirun(
+        2, [sys.executable, "-c", PRINT_IDENTITY], hostfile=str(hostfile), export=["DDPKIT_PROBE=seen"], timeout=60
+    )
 
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split("\n")[:-1]) == ["0 2 0 seen", "1 2 1 seen"]

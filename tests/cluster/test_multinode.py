@@ -77,8 +77,16 @@ def rendezvous_flags(host: Host, node_rank: int, master: Host, port: int, form: 
     if form == "static":
         return ["--node-rank", str(node_rank), "--master-addr", master.address, "--master-port", str(port)]
     return [
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master.address}:{port}", "--rdzv-id", "multinode",
-        "--rdzv-conf", f"is_host={'true' if host is master else 'false'}", "--local-addr", host.address,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{master.address}:{port}",
+        "--rdzv-id",
+        "multinode",
+        "--rdzv-conf",
+        f"is_host={'true' if host is master else 'false'}",
+        "--local-addr",
+        host.address,
     ]
 
 
@@ -105,19 +113,30 @@ def run_on_two_hosts(
         flags = rendezvous_flags(host, node_rank, hosts.a, port, form)
         if not local_addr:
             flags = flags[:-2]
-        argvs.append([TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), *flags, "-m", "ddpkit",
-                      *words])
+        argvs.append(
+            [TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), *flags, "-m", "ddpkit", *words]
+        )
     return run_both(hosts, argvs, cwd, timeout=timeout, env=worker_environment() if env is None else env)
 
 
-def run_both(hosts: TwoHosts, argvs: Sequence[Sequence[str]], cwd: Path, *, timeout: float,
-             env: dict[str, str]) -> tuple[NodeResult, NodeResult]:
+def run_both(
+    hosts: TwoHosts, argvs: Sequence[Sequence[str]], cwd: Path, *, timeout: float, env: dict[str, str]
+) -> tuple[NodeResult, NodeResult]:
     """``argvs[0]`` in namespace A and ``argvs[1]`` in B at once; wait for both (killed at timeout)."""
     procs = []
     for host, argv in zip((hosts.a, hosts.b), argvs):
         # A session per node: on timeout the whole tree goes (the launcher and its workers).
-        procs.append(subprocess.Popen(host.command(list(argv)), cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                host.command(list(argv)),
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     results = []
     try:
         for proc in procs:
@@ -141,8 +160,9 @@ def test_two_hosts_two_workers_each_train_w1(netns_hosts: TwoHosts, tmp_path, fa
     # Four workers on two cores, each with a quarter of every global batch. The static form here; the c10d form
     # (with the module docstring's two flags) forms the same 2x2 process group in
     # test_doctor_reports_both_hosts_with_two_workers_each, through the same ddpkit.init.
-    a, b = run_on_two_hosts(netns_hosts, 2, ["train", "progress=false", *W1_SHORT, *SHARED_CORES], tmp_path,
-                            form="static")
+    a, b = run_on_two_hosts(
+        netns_hosts, 2, ["train", "progress=false", *W1_SHORT, *SHARED_CORES], tmp_path, form="static"
+    )
 
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
     assert f"[rank 0/4] torchrun: world_size 4 on 2 node(s), master {netns_hosts.a.address}:" in a.stderr
@@ -157,9 +177,23 @@ def test_ddpkit_train_with_nnodes_on_two_hosts(netns_hosts: TwoHosts, tmp_path, 
     # No torchrun: `ddpkit train nnodes=2 node_rank=R master_addr=A master_port=P` on each host, as in two
     # containers. Both hosts share this folder; only node 0 makes a run folder, and every rank writes into it.
     port = free_port()
-    argvs = [[sys.executable, "-m", "ddpkit", "train", "nproc=2", "nnodes=2", f"node_rank={node_rank}",
-              f"master_addr={netns_hosts.a.address}", f"master_port={port}", "progress=false", *W1_SHORT,
-              *SHARED_CORES] for node_rank in (0, 1)]
+    argvs = [
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            "nproc=2",
+            "nnodes=2",
+            f"node_rank={node_rank}",
+            f"master_addr={netns_hosts.a.address}",
+            f"master_port={port}",
+            "progress=false",
+            *W1_SHORT,
+            *SHARED_CORES,
+        ]
+        for node_rank in (0, 1)
+    ]
     a, b = run_both(netns_hosts, argvs, tmp_path, timeout=540, env=worker_environment())
 
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
@@ -179,8 +213,14 @@ def doctor_report(result: NodeResult) -> dict:
 
 @pytest.mark.timeout(300)
 def test_doctor_reports_both_hosts_with_two_workers_each(netns_hosts: TwoHosts, tmp_path):
-    a, b = run_on_two_hosts(netns_hosts, 2, ["doctor", "json=true", "bandwidth_mib=1", "latency_iterations=5"],
-                            tmp_path, form="c10d", timeout=240)
+    a, b = run_on_two_hosts(
+        netns_hosts,
+        2,
+        ["doctor", "json=true", "bandwidth_mib=1", "latency_iterations=5"],
+        tmp_path,
+        form="c10d",
+        timeout=240,
+    )
 
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
     # Only rank 0 prints the report; it runs on whichever node the c10d rendezvous made first.
@@ -191,16 +231,23 @@ def test_doctor_reports_both_hosts_with_two_workers_each(netns_hosts: TwoHosts, 
     env = report["environment"]
     assert (env["world_size"], env["num_nodes"], env["master_addr"]) == (4, 2, first.address)
     assert report["network"] == {
-        "interface": first.interface, "address": first.address, "reason": "route to the master",
+        "interface": first.interface,
+        "address": first.address,
+        "reason": "route to the master",
     }
     assert [(c["name"], c["ok"]) for c in report["checks"]] == [
-        ("reach master", True), ("roll call", True), ("join process group", True), ("all_reduce", True),
+        ("reach master", True),
+        ("roll call", True),
+        ("join process group", True),
+        ("all_reduce", True),
     ]
     assert report["checks"][1]["detail"] == "4 of 4 workers arrived, on 2 host(s)"
     workers = [(w["rank"], w["node_rank"], w["interface"], w["address"]) for w in report["workers"]]
     assert workers == [
-        (0, 0, first.interface, first.address), (1, 0, first.interface, first.address),
-        (2, 1, second.interface, second.address), (3, 1, second.interface, second.address),
+        (0, 0, first.interface, first.address),
+        (1, 0, first.interface, first.address),
+        (2, 1, second.interface, second.address),
+        (3, 1, second.interface, second.address),
     ]
     stacks = [w["stack"] for w in report["workers"]]  # two network namespaces, one per host
     assert stacks[0] == stacks[1] != stacks[2] == stacks[3]
@@ -229,8 +276,9 @@ def test_doctor_diagnoses_gloo_bound_to_loopback(netns_hosts: TwoHosts, tmp_path
 def test_doctor_explains_c10d_rendezvous_without_local_addr(netns_hosts: TwoHosts, tmp_path):
     # Without --local-addr the workers learn MASTER_ADDR=localhost (see the module docstring). Nothing listens
     # there on rank 1's host and rank 1 never arrives on rank 0's: both give up after the timeout.
-    a, b = run_on_two_hosts(netns_hosts, 1, ["doctor", "timeout=5"], tmp_path, form="c10d", local_addr=False,
-                            timeout=240)
+    a, b = run_on_two_hosts(
+        netns_hosts, 1, ["doctor", "timeout=5"], tmp_path, form="c10d", local_addr=False, timeout=240
+    )
 
     assert a.returncode != 0 and b.returncode != 0
     stderr = a.stderr + b.stderr
@@ -241,4 +289,3 @@ def test_doctor_explains_c10d_rendezvous_without_local_addr(netns_hosts: TwoHost
     assert "MASTER_ADDR=localhost is a loopback address, but the job spans 2 nodes" in problem
     assert "pass --local-addr <this node's address> on every node" in problem
     assert "problem: rank 1 of 2 did not arrive at localhost:" in a.stdout + b.stdout
-

@@ -98,16 +98,26 @@ def test_cluster_runs_a_two_task_step(slurm_cluster: SlurmCluster):
     assert sorted(tasks.stdout.splitlines()) == [f"{slurm_cluster.node_name} 0/2", f"{slurm_cluster.node_name} 1/2"]
 
 
-def test_ddpkit_slurm_submit_stages_data_and_moves_the_port_up_when_taken(slurm_cluster: SlurmCluster,
-                                                                          project: Path):
+def test_ddpkit_slurm_submit_stages_data_and_moves_the_port_up_when_taken(slurm_cluster: SlurmCluster, project: Path):
     data = project / "shared-data"
     data.mkdir()
     (data / "train.idx").write_text("pixels")
     argv = [
-        sys.executable, "-m", "ddpkit", "slurm", "submit=true", "tasks_per_node=2",
-        f"project_root={project}", "output=out-%j.txt", "command=python worker.py",
-        f"output_script={project / 'job.sbatch'}", f"stage_data={data}", f"stage_data_to={project}/local-$SLURM_JOB_ID",
-        "model=mlp", "--", "epochs=1",
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "slurm",
+        "submit=true",
+        "tasks_per_node=2",
+        f"project_root={project}",
+        "output=out-%j.txt",
+        "command=python worker.py",
+        f"output_script={project / 'job.sbatch'}",
+        f"stage_data={data}",
+        f"stage_data_to={project}/local-$SLURM_JOB_ID",
+        "model=mlp",
+        "--",
+        "epochs=1",
     ]
     # Hold the port the next job id derives, so the script must take the one after.
     next_id = int(parse_next_job_id(slurm_cluster))
@@ -186,8 +196,10 @@ def test_each_launch_mode_starts_two_ranked_workers_that_each_get_the_preemption
     # Two workers, ranked by their launcher, each with the training arguments and the same rendezvous
     # address; each got the signal once, checkpointed and exited 0.
     assert [line.split(" master ")[0] for line in lines_of(result.output, "rank")] == [
-        "rank 0 run 0: args ['wait']", "rank 0 run 0: signals [10]: checkpoint",
-        "rank 1 run 0: args ['wait']", "rank 1 run 0: signals [10]: checkpoint",
+        "rank 0 run 0: args ['wait']",
+        "rank 0 run 0: signals [10]: checkpoint",
+        "rank 1 run 0: args ['wait']",
+        "rank 1 run 0: signals [10]: checkpoint",
     ]
     assert len(set(re.findall(r" master (\S+)$", result.output, re.MULTILINE))) == 1, result.output
     assert "no signal came" not in result.output

@@ -104,9 +104,15 @@ def w1_job(slurm_cluster: SlurmCluster, tmp_path_factory) -> W1Job | None:
         return None  # test_ddpkit_slurm_submit_trains_w1 skips (its fashion_mnist fixture says why)
     project = tmp_path_factory.mktemp("w1")
     words = [
-        "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
-        f"project_root={project}", "output=logs/train-%j.out", "job_name=w1",
-        "progress=false", *W1_SHORT,
+        "slurm",
+        "submit=true",
+        "launch=srun",
+        "tasks_per_node=2",
+        f"project_root={project}",
+        "output=logs/train-%j.out",
+        "job_name=w1",
+        "progress=false",
+        *W1_SHORT,
     ]
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(printed):
@@ -134,9 +140,18 @@ def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(
     # w1_job: submitted first, so that W1 trains while this job waits (to be signalled, to start again).
     (tmp_path / "slow_images.py").write_text(DATASET)
     words = [
-        "slurm", "submit=true", "launch=srun", "tasks_per_node=2",
-        "time=30", "preempt_signal=USR1", f"project_root={tmp_path}", "output=train-%j.out",
-        "progress=false", "dataset=slow_images:build", f"epochs={EPOCHS}", "checkpoint.sync_seconds=0.01",
+        "slurm",
+        "submit=true",
+        "launch=srun",
+        "tasks_per_node=2",
+        "time=30",
+        "preempt_signal=USR1",
+        f"project_root={tmp_path}",
+        "output=train-%j.out",
+        "progress=false",
+        "dataset=slow_images:build",
+        f"epochs={EPOCHS}",
+        "checkpoint.sync_seconds=0.01",
     ]
     # ddpkit slurm in this process (tests/cluster/test_slurm_cluster.py runs the command); sbatch passes its
     # environment on to the job: the workers import this checkout.

@@ -196,8 +196,9 @@ def _rooted_worker(rank: int, world_size: int) -> list[str]:
                         builtin = inputs[rank].clone()
                         dist.reduce(builtin, root, op=op)
                         if rank == root and (problem := mismatch(tensor, builtin)) is not None:
-                            failures.append(f"reduce vs dist.reduce n={world_size} dst={root} {dtype} {op.name}: "
-                                            f"{problem}")
+                            failures.append(
+                                f"reduce vs dist.reduce n={world_size} dst={root} {dtype} {op.name}: {problem}"
+                            )
                 inputs = [make_input(r, shape, dtype, R.SUM, seed) for r in range(world_size)]
                 # broadcast
                 tensor = as_case_tensor(inputs[rank], contiguous)
@@ -210,8 +211,9 @@ def _rooted_worker(rank: int, world_size: int) -> list[str]:
                 if rank == root:
                     for r in range(world_size):
                         if (problem := mismatch(outputs[r], inputs[r])) is not None:
-                            failures.append(f"gather n={world_size} dst={root} {dtype} shape={shape} piece {r}: "
-                                            f"{problem}")
+                            failures.append(
+                                f"gather n={world_size} dst={root} {dtype} shape={shape} piece {r}: {problem}"
+                            )
                 # scatter: rank i receives the root's i-th piece
                 pieces = [make_input(root, shape, dtype, R.SUM, seed * 7 + i) for i in range(world_size)]
                 tensor = as_case_tensor(torch.zeros(shape, dtype=dtype), contiguous)
@@ -266,6 +268,7 @@ def _everyone_worker(rank: int, world_size: int) -> list[str]:
                 reduce_scatter_tensor(flat_out, torch.cat([t.reshape(-1) for t in lists[rank]]), op=op)
                 if (problem := mismatch(flat_out, want)) is not None:
                     failures.append(f"reduce_scatter_tensor {case} {op.name}: {problem}")
+
         # all_to_all with uneven pieces: rank i sends (i + 2 j) % 4 elements to rank j
         def piece(src: int, dst: int) -> torch.Tensor:
             return make_input(src, ((src + 2 * dst) % 4,), dtype, R.SUM, seed * 17 + dst)  # noqa: B023 (called in this iteration)
@@ -356,8 +359,12 @@ def _every_collective(rank: int, world_size: int, folder: str) -> list[str]:
 @pytest.fixture(scope="module")
 def every_world_size(request, tmp_path_factory):
     """Each selected world size's failures by rank, the world sizes side by side."""
-    return run_side_by_side({n: (_every_collective, n, (str(tmp_path_factory.mktemp(f"barrier-{n}")),), {})
-                             for n in selected_params(request, "world_size")})
+    return run_side_by_side(
+        {
+            n: (_every_collective, n, (str(tmp_path_factory.mktemp(f"barrier-{n}")),), {})
+            for n in selected_params(request, "world_size")
+        }
+    )
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,9 @@ def _choices(rank: int, world_size: int) -> list[str]:
     choices = []
     for num_nodes in (1, 2, 4):
         per_node = world_size // num_nodes
-        env = ClusterEnvironment("test", rank, rank % per_node, world_size, per_node, rank // per_node, num_nodes,
-                                 "127.0.0.1", 1)
+        env = ClusterEnvironment(
+            "test", rank, rank % per_node, world_size, per_node, rank // per_node, num_nodes, "127.0.0.1", 1
+        )
         choices.append(choose_allreduce("auto", Context(env, torch.device("cpu"), "gloo")))
     choices.append(choose_allreduce("ring", Context(env, torch.device("cpu"), "gloo")))
     return choices

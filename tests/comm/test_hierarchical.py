@@ -12,8 +12,12 @@ from ddpkit.comm.hierarchical import HierarchicalAllReduce
 from ddpkit.comm.ops import ReduceOp
 from tests.helpers.module_runs import run_side_by_side, selected_params
 
-CASES = [(op, dtype, numel) for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT)
-         for dtype in (torch.float32, torch.int64) for numel in (0, 1, 1023, 70000)]
+CASES = [
+    (op, dtype, numel)
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT)
+    for dtype in (torch.float32, torch.int64)
+    for numel in (0, 1, 1023, 70000)
+]
 
 
 def _compare(rank, world_size, node_keys):
@@ -34,8 +38,9 @@ def _compare(rank, world_size, node_keys):
 @pytest.fixture(scope="module")
 def layouts(request) -> dict:
     """Each selected layout's result by rank (the number of nodes it saw)."""
-    return run_side_by_side({keys: (_compare, len(keys), (keys,), {})
-                             for keys in selected_params(request, "node_keys")}, timeout=180)
+    return run_side_by_side(
+        {keys: (_compare, len(keys), (keys,), {}) for keys in selected_params(request, "node_keys")}, timeout=180
+    )
 
 
 @pytest.mark.slow

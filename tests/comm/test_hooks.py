@@ -118,8 +118,11 @@ def _dropped_flat_gradient_is_refused(rank: int, world_size: int) -> str:
 
 def _hooks_worker(rank: int, world_size: int) -> tuple[list[str], str, str]:
     # One spawn for all checks: building the first DDP model costs seconds.
-    return (_hooks_match_stock_ddp(rank, world_size), _hook_error_reaches_backward(rank, world_size),
-            _dropped_flat_gradient_is_refused(rank, world_size))
+    return (
+        _hooks_match_stock_ddp(rank, world_size),
+        _hook_error_reaches_backward(rank, world_size),
+        _dropped_flat_gradient_is_refused(rank, world_size),
+    )
 
 
 def test_hooks_flat_and_manual_sync_give_stock_ddp_gradients_and_surface_errors():

@@ -48,8 +48,11 @@ def test_resolve_allreduce_returns_the_algorithm_of_that_name():
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(ValueError, match=r"allreduce='rign' is not an all_reduce algorithm \(did you mean 'ring'\?\); "
-                                         r"choose one of: builtin, naive, ring"):
+    with pytest.raises(
+        ValueError,
+        match=r"allreduce='rign' is not an all_reduce algorithm \(did you mean 'ring'\?\); "
+        r"choose one of: builtin, naive, ring",
+    ):
         resolve_allreduce("rign")
 
 

@@ -119,8 +119,9 @@ def _gloo_has(dtype: torch.dtype, op: ReduceOp) -> bool:
     return dtype not in _GLOO_UNSUPPORTED_DTYPES and (op is not ReduceOp.AVG or dtype.is_floating_point)
 
 
-def _check_against_gloo(t: torch.Tensor, expected: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp,
-                        label: str) -> None:
+def _check_against_gloo(
+    t: torch.Tensor, expected: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp, label: str
+) -> None:
     """``t`` (ours) against ``expected`` (gloo's all_reduce of the same inputs)."""
     if not t.dtype.is_floating_point:
         assert torch.equal(t, expected), f"{label}: differs from gloo's all_reduce"
@@ -367,8 +368,10 @@ def jobs(request, tmp_path_factory) -> dict:
     """
     assert shm.is_available(), shm.unavailable_reason()
     tests = selected_tests(request)
-    runs = {n: (_correctness_worker, n, (), {})
-            for n in selected_params(request, "world_size", "test_all_reduce_matches_references_gloo_and_ddp")}
+    runs = {
+        n: (_correctness_worker, n, (), {})
+        for n in selected_params(request, "world_size", "test_all_reduce_matches_references_gloo_and_ddp")
+    }
     if "test_failures_are_clear_errors_not_hangs" in tests:
         runs["failures"] = (_failures_worker, 2, (), {})
     if "test_two_concurrent_jobs_do_not_interfere" in tests:
@@ -445,8 +448,10 @@ def _run_dying_jobs(world_sizes: list[int], folder) -> dict[int, tuple[dict, int
     with warm_workers() as ctx:
         results = ctx.Queue()
         procs = {
-            n: [ctx.Process(target=_dying_worker, args=(r, n, str(folder / f"store-{n}"), n - 1, results))
-                for r in range(n)]
+            n: [
+                ctx.Process(target=_dying_worker, args=(r, n, str(folder / f"store-{n}"), n - 1, results))
+                for r in range(n)
+            ]
             for n in world_sizes
         }
         for job in procs.values():

@@ -39,8 +39,9 @@ class NoisyDataset(IndexDataset):
 
 def _ranks(dataset, batch, world_size, **kwargs):
     kwargs.setdefault("shuffle", True)
-    return [DataLoader(dataset, global_batch_size=batch, rank=r, world_size=world_size, **kwargs)
-            for r in range(world_size)]
+    return [
+        DataLoader(dataset, global_batch_size=batch, rank=r, world_size=world_size, **kwargs) for r in range(world_size)
+    ]
 
 
 def _epoch(loaders, epoch=None):
@@ -79,8 +80,11 @@ def test_same_global_batches_for_any_world_size(num_samples):
 
 def test_empty_share_is_a_batch_with_zero_rows():
     def collate(samples):
-        return {"x": torch.stack([torch.full((3,), float(i)) for i in samples]), "name": [str(i) for i in samples],
-                "pair": (torch.tensor(samples), np.array(samples))}
+        return {
+            "x": torch.stack([torch.full((3,), float(i)) for i in samples]),
+            "name": [str(i) for i in samples],
+            "pair": (torch.tensor(samples), np.array(samples)),
+        }
 
     for kwargs in ({}, {"collate_fn": collate}, {"collate_fn": collate, "num_workers": 2}):
         last = _epoch(_ranks(IndexDataset(26), 12, 4, **kwargs))[-1]
@@ -99,8 +103,9 @@ def test_workers_give_the_same_batches():
 
 
 def test_persistent_workers_over_epochs():
-    loader = DataLoader(IndexDataset(30), global_batch_size=8, shuffle=True, seed=2, num_workers=2,
-                        persistent_workers=True)
+    loader = DataLoader(
+        IndexDataset(30), global_batch_size=8, shuffle=True, seed=2, num_workers=2, persistent_workers=True
+    )
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert [i for batch in loader for i in batch.tolist()] == epoch_permutation(30, 2, epoch).tolist()

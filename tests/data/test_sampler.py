@@ -9,8 +9,10 @@ from ddpkit.data.sampler import GlobalBatchSampler, epoch_permutation, shard_ran
 
 
 def _global_batches(num_samples, batch, world_size, epoch=0, start=0):
-    per_rank = [list(GlobalBatchSampler(num_samples, batch, r, world_size, seed=7).epoch(epoch, start))
-                for r in range(world_size)]
+    per_rank = [
+        list(GlobalBatchSampler(num_samples, batch, r, world_size, seed=7).epoch(epoch, start))
+        for r in range(world_size)
+    ]
     return [torch.cat([per_rank[r][s] for r in range(world_size)]).tolist() for s in range(len(per_rank[0]))]
 
 
@@ -36,8 +38,9 @@ def test_order_is_the_original_one():
     for world_size in (1, 2, 3, 4):
         for rank in range(world_size):
             order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + 3))
-            expected = [torch.tensor_split(order[s * batch:(s + 1) * batch], world_size)[rank].tolist()
-                        for s in range(9)]
+            expected = [
+                torch.tensor_split(order[s * batch : (s + 1) * batch], world_size)[rank].tolist() for s in range(9)
+            ]
             sampler = GlobalBatchSampler(num_samples, batch, rank, world_size, seed)
             assert [t.tolist() for t in sampler.epoch(3)] == expected
             sampler.set_epoch(3)
@@ -139,8 +142,15 @@ def test_state_counts_yielded_batches_and_resumes_at_another_world_size():
     seen = [[i for it in iterators for i in next(it)] for _ in range(4)]
     state = samplers[0].state_dict()
     assert state == samplers[1].state_dict()
-    assert state == {"epoch": 1, "step_in_epoch": 4, "num_samples": 101, "global_batch_size": 12, "seed": 4,
-                     "shuffle": True, "drop_last": False}
+    assert state == {
+        "epoch": 1,
+        "step_in_epoch": 4,
+        "num_samples": 101,
+        "global_batch_size": 12,
+        "seed": 4,
+        "shuffle": True,
+        "drop_last": False,
+    }
     resumed = _ranks(101, 12, 3, seed=4)
     for s in resumed:
         s.load_state_dict(state)
@@ -160,8 +170,9 @@ def test_state_of_a_complete_epoch_resumes_at_the_next():
     assert list(resumed) == [t.tolist() for t in resumed.epoch(1)]
 
 
-@pytest.mark.parametrize("name,value", [("num_samples", 31), ("global_batch_size", 16), ("seed", 3),
-                                        ("shuffle", False)])
+@pytest.mark.parametrize(
+    "name,value", [("num_samples", 31), ("global_batch_size", 16), ("seed", 3), ("shuffle", False)]
+)
 def test_load_refuses_another_setup(name, value):
     state = {**GlobalBatchSampler(30, 8, 0, 1, seed=2).state_dict(), name: value}
     with pytest.raises(ValueError, match=f"saved with {name}={value} but this sampler has {name}="):

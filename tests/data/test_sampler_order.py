@@ -47,8 +47,7 @@ def _draw(sampler, seed, epoch):
 
 
 def _weighted(num_draws=45):
-    return WeightedRandomSampler(1.0 + torch.arange(30) % 4, num_draws, replacement=True,
-                                 generator=torch.Generator())
+    return WeightedRandomSampler(1.0 + torch.arange(30) % 4, num_draws, replacement=True, generator=torch.Generator())
 
 
 def _ranks(world_size, **kwargs):
@@ -134,8 +133,10 @@ def test_a_sampler_whose_order_cannot_be_repeated_is_refused_in_one_line():
 
 
 def test_a_users_sampler_on_torchs_generator_is_reproducible():
-    orders = [[i for b in DataLoader(IndexDataset(30), batch_size=6, sampler=LengthGrouped(), seed=1)
-               for i in b.tolist()] for _ in range(2)]
+    orders = [
+        [i for b in DataLoader(IndexDataset(30), batch_size=6, sampler=LengthGrouped(), seed=1) for i in b.tolist()]
+        for _ in range(2)
+    ]
     assert orders[0] == orders[1] and sorted(orders[0]) == list(range(30))
 
 
@@ -150,8 +151,11 @@ def _own_data():
 
 
 def _records(prefix: Path) -> list[tuple[int, int]]:
-    lines = [line.split() for path in sorted(prefix.parent.glob(prefix.name + ".*"))
-             for line in path.read_text().splitlines()]
+    lines = [
+        line.split()
+        for path in sorted(prefix.parent.glob(prefix.name + ".*"))
+        for line in path.read_text().splitlines()
+    ]
     return [(int(epoch), int(sample)) for epoch, sample in lines]
 
 
@@ -164,11 +168,23 @@ def launched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("weighted")
     results = {}
     with Commands() as commands:
-        for name, nproc, checkpoints, stop_at in (("stopped", "nproc=2", "a", stop), ("resumed", "nproc=2", "a", 0),
-                                                  ("resumed_on_1", "nproc=1", "b", 0)):
+        for name, nproc, checkpoints, stop_at in (
+            ("stopped", "nproc=2", "a", stop),
+            ("resumed", "nproc=2", "a", 0),
+            ("resumed_on_1", "nproc=1", "b", 0),
+        ):
             env = {"RECORD": str(folder / name), "STOP_AT_STEP": str(stop_at)}
-            out = commands.run("run", nproc, str(SCRIPT), "--data", "weighted", "--out",
-                               str(folder / f"ckpt-{checkpoints}"), cwd=folder, env=env)
+            out = commands.run(
+                "run",
+                nproc,
+                str(SCRIPT),
+                "--data",
+                "weighted",
+                "--out",
+                str(folder / f"ckpt-{checkpoints}"),
+                cwd=folder,
+                env=env,
+            )
             assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
             if name == "stopped":
                 shutil.copytree(folder / "ckpt-a", folder / "ckpt-b")

@@ -56,8 +56,9 @@ except SharedMemoryError as e:
 @pytest.mark.slow
 def test_workers_out_of_shared_memory_warn_first_then_fail_in_one_line():
     argv = with_shm_of(8 * MIB, [sys.executable, "-c", _LOOPS])
-    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH},
-                         timeout=240)
+    out = subprocess.run(
+        argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=240
+    )
     lines = out.stderr.splitlines()
     assert out.returncode == 0 and len(lines) == 3, out.stderr[-4000:]
     assert lines[0].startswith("batch of 1: [")  # (no warning: 6 MiB fit)

@@ -25,7 +25,10 @@ def test_search_order(tmp_path):
     source = DatasetSource("tiny", (), mirrors=(), system_dirs=("/usr/share/datasets/tiny",))
     environ = {"DDPKIT_DATA_DIR": "/data", "XDG_CACHE_HOME": str(tmp_path)}
     assert candidate_dirs(source, "", environ) == [
-        Path("/data"), tmp_path / "ddpkit" / "tiny", Path("/usr/share/datasets/tiny")]
+        Path("/data"),
+        tmp_path / "ddpkit" / "tiny",
+        Path("/usr/share/datasets/tiny"),
+    ]
     assert candidate_dirs(source, "/mine", environ) == [Path("/mine")]
 
 
@@ -81,7 +84,9 @@ def test_real_fashion_mnist_is_found(fashion_mnist):
 def test_unknown_dataset_lists_choices():
     with pytest.raises(ValueError, match="unknown dataset 'cifar'; choose one of: fashion-mnist, mnist, synthetic"):
         load_datasets("cifar", DataOptions())
-    with pytest.raises(ValueError, match="unknown image dataset 'cifar'; choose one of: fashion-mnist, mnist, synthetic"):
+    with pytest.raises(
+        ValueError, match="unknown image dataset 'cifar'; choose one of: fashion-mnist, mnist, synthetic"
+    ):
         load_images("cifar", DataOptions())
 
 
@@ -92,7 +97,8 @@ def _locate_concurrently(rank, world_size, url, served, cache):
 def test_concurrent_workers_download_once(tmp_path, mirror):
     """Three processes ask at once: the file lock lets one download, the others find the files."""
     url, served, requests = mirror
-    folders = run_on_ranks(_locate_concurrently, 3, url, str(served), str(tmp_path / "cache"),
-                           init_process_group=False, timeout=60)
+    folders = run_on_ranks(
+        _locate_concurrently, 3, url, str(served), str(tmp_path / "cache"), init_process_group=False, timeout=60
+    )
     assert len(set(folders)) == 1
     assert sorted(requests) == sorted(f"/{name}" for name in FILE_NAMES)

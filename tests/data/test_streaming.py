@@ -57,8 +57,10 @@ def _samples(loader):
 
 @pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 0), (2, 2), (3, 2)])
 def test_a_plain_stream_is_dealt_round_robin_every_sample_to_one_rank(world_size, num_workers):
-    per_rank = [_samples(DataLoader(Numbers(50), batch_size=3, rank=r, world_size=world_size, num_workers=num_workers))
-                for r in range(world_size)]
+    per_rank = [
+        _samples(DataLoader(Numbers(50), batch_size=3, rank=r, world_size=world_size, num_workers=num_workers))
+        for r in range(world_size)
+    ]
     assert sorted(i for samples in per_rank for i in samples) == list(range(50))
     stride = world_size * max(num_workers, 1)
     for rank, samples in enumerate(per_rank):  # each of the rank's workers keeps its own residues
@@ -104,7 +106,7 @@ def test_a_stateful_stream_resumes_where_the_loop_stopped(num_workers):
 def _batches_of(n, batch_size, num_workers):
     """The batches torch's loader makes of a stream of n dealt to num_workers workers (one list each)."""
     shares = [list(range(w, n, max(num_workers, 1))) for w in range(max(num_workers, 1))]
-    return [share[k:k + batch_size] for share in shares for k in range(0, len(share), batch_size)]
+    return [share[k : k + batch_size] for share in shares for k in range(0, len(share), batch_size)]
 
 
 def test_steps_per_epoch_of_a_stream_is_known_at_its_last_batch():
@@ -116,8 +118,9 @@ def test_steps_per_epoch_of_a_stream_is_known_at_its_last_batch():
 def test_hf_map_style_dataset_in_torch_format_on_two_ranks_with_workers():
     rows = datasets.Dataset.from_dict({"x": [[float(i), -float(i)] for i in range(37)], "id": list(range(37))})
     dataset = rows.with_format("torch")
-    loaders = [DataLoader(dataset, batch_size=4, shuffle=True, seed=5, rank=r, world_size=2, num_workers=2)
-               for r in range(2)]
+    loaders = [
+        DataLoader(dataset, batch_size=4, shuffle=True, seed=5, rank=r, world_size=2, num_workers=2) for r in range(2)
+    ]
     steps = list(zip(*loaders, strict=True))
     assert len(steps) == 5  # global batches of 8: 4 full, then 5 rows split 3 + 2
     batch = steps[0][0]
@@ -131,10 +134,21 @@ def test_an_hf_dataset_in_torch_format_is_read_collated_as_default_collate_would
     rows = {"x": [[float(i), -float(i)] for i in range(26)], "id": list(range(26)), "name": [str(i) for i in range(26)]}
     dataset = datasets.Dataset.from_dict(rows).with_format("torch")
     for world_size in (2, 4):  # 4: the last global batch of 2 leaves two ranks an empty share
-        collated = [DataLoader(dataset, global_batch_size=12, shuffle=True, rank=r, world_size=world_size)
-                    for r in range(world_size)]
-        by_rows = [DataLoader(dataset, global_batch_size=12, shuffle=True, rank=r, world_size=world_size,
-                              collate_fn=torch.utils.data.default_collate) for r in range(world_size)]
+        collated = [
+            DataLoader(dataset, global_batch_size=12, shuffle=True, rank=r, world_size=world_size)
+            for r in range(world_size)
+        ]
+        by_rows = [
+            DataLoader(
+                dataset,
+                global_batch_size=12,
+                shuffle=True,
+                rank=r,
+                world_size=world_size,
+                collate_fn=torch.utils.data.default_collate,
+            )
+            for r in range(world_size)
+        ]
         assert type(collated[0].dataset).__name__ == "ArrowBatchDataset"
         assert type(by_rows[0].dataset).__name__ == "BatchReadDataset"
         for fast, slow in zip(zip(*collated, strict=True), zip(*by_rows, strict=True), strict=True):
@@ -146,15 +160,27 @@ def test_an_hf_dataset_in_torch_format_is_read_collated_as_default_collate_would
 
 
 def test_columns_of_numbers_are_read_from_arrow_as_hfs_own_formatter_reads_them():
-    rows = {"pixels": [[i % 256] * 6 for i in range(40)], "label": [i % 10 for i in range(40)],
-            "weight": [i / 7 for i in range(40)], "flag": [i % 2 == 0 for i in range(40)]}
-    features = datasets.Features({"pixels": datasets.Sequence(datasets.Value("uint8"), length=6),
-                                  "label": datasets.ClassLabel(num_classes=10), "weight": datasets.Value("float32"),
-                                  "flag": datasets.Value("bool")})
+    rows = {
+        "pixels": [[i % 256] * 6 for i in range(40)],
+        "label": [i % 10 for i in range(40)],
+        "weight": [i / 7 for i in range(40)],
+        "flag": [i % 2 == 0 for i in range(40)],
+    }
+    features = datasets.Features(
+        {
+            "pixels": datasets.Sequence(datasets.Value("uint8"), length=6),
+            "label": datasets.ClassLabel(num_classes=10),
+            "weight": datasets.Value("float32"),
+            "flag": datasets.Value("bool"),
+        }
+    )
     base = datasets.Dataset.from_dict(rows, features=features)
     indices = [29, 2, 17, 17, 5]
-    for dataset in (base.with_format("torch"), base.shuffle(seed=1).select(range(30)).with_format("torch"),
-                    base.with_format("torch", columns=["pixels", "label"])):
+    for dataset in (
+        base.with_format("torch"),
+        base.shuffle(seed=1).select(range(30)).with_format("torch"),
+        base.with_format("torch", columns=["pixels", "label"]),
+    ):
         read = arrow_batch_reader(dataset)
         assert read is not None
         fast, hf = read(indices), dataset[indices]
@@ -188,8 +214,11 @@ def test_an_hf_dataset_is_read_a_batch_per_call_with_reproducible_transforms():
 
 
 def _records(prefix: Path) -> list[tuple[int, int]]:
-    lines = [line.split() for path in sorted(prefix.parent.glob(prefix.name + ".*"))
-             for line in path.read_text().splitlines()]
+    lines = [
+        line.split()
+        for path in sorted(prefix.parent.glob(prefix.name + ".*"))
+        for line in path.read_text().splitlines()
+    ]
     return [(int(epoch), int(sample)) for epoch, sample in lines]
 
 
@@ -200,17 +229,22 @@ def launched(tmp_path_factory):
     stop = random.Random(seed).randint(1, 11)  # an HF epoch is 12 global steps (96 rows, 8 per step)
     print(f"DDPKIT_TEST_SEED={seed}: the HF stream stops after global step {stop}")
     folder = tmp_path_factory.mktemp("streaming")
-    runs = [("uninterrupted", "nproc=2", "hf-stream", "a", 0), ("stopped", "nproc=2", "hf-stream", "b", stop),
-            ("resumed", "nproc=2", "hf-stream", "b", 0), ("resumed_on_1", "nproc=1", "hf-stream", "c", 0),
-            ("uneven", "nproc=2", "uneven", "d", 0)]
+    runs = [
+        ("uninterrupted", "nproc=2", "hf-stream", "a", 0),
+        ("stopped", "nproc=2", "hf-stream", "b", stop),
+        ("resumed", "nproc=2", "hf-stream", "b", 0),
+        ("resumed_on_1", "nproc=1", "hf-stream", "c", 0),
+        ("uneven", "nproc=2", "uneven", "d", 0),
+    ]
     results = {}
     with Commands() as commands:
         for name, nproc, data, run, stop_at in runs:
             if name == "resumed_on_1":  # from the checkpoint the stopped launch wrote
                 shutil.copytree(folder / "ckpt-b-at-stop", folder / "ckpt-c")
             env = {"RECORD": str(folder / f"{name}"), "STOP_AT_STEP": str(stop_at)}
-            out = commands.run("run", nproc, str(SCRIPT), "--data", data, "--out", str(folder / f"ckpt-{run}"),
-                               cwd=folder, env=env)
+            out = commands.run(
+                "run", nproc, str(SCRIPT), "--data", data, "--out", str(folder / f"ckpt-{run}"), cwd=folder, env=env
+            )
             assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
             if name == "stopped":
                 shutil.copytree(folder / "ckpt-b", folder / "ckpt-b-at-stop")

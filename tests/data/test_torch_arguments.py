@@ -66,8 +66,11 @@ TORCH_ARGUMENTS = {
     "batch_size": (4, {}, None),
     "shuffle": (True, {}, None),
     "sampler": (SubsetRandomSampler(range(0, 40, 2)), {}, None),
-    "batch_sampler": (BatchSampler(SequentialSampler(range(40)), 4, False), {},
-                      "batch_sampler=BatchSampler is not taken: ddpkit.DataLoader cuts one global order"),
+    "batch_sampler": (
+        BatchSampler(SequentialSampler(range(40)), 4, False),
+        {},
+        "batch_sampler=BatchSampler is not taken: ddpkit.DataLoader cuts one global order",
+    ),
     "num_workers": (2, {}, None),
     "collate_fn": (default_collate, {}, None),
     "pin_memory": (True, {}, None),
@@ -87,8 +90,8 @@ def test_the_signature_is_torchs_with_ddpkits_additions_keyword_only():
     torch_parameters = list(inspect.signature(torch.utils.data.DataLoader.__init__).parameters.values())[1:]
     ours = list(inspect.signature(DataLoader.__init__).parameters.values())[1:]
     assert [p.name for p in torch_parameters] == list(TORCH_ARGUMENTS), "a torch argument ddpkit does not handle yet"
-    assert [(p.name, p.kind) for p in ours[:len(torch_parameters)]] == [(p.name, p.kind) for p in torch_parameters]
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(torch_parameters):])
+    assert [(p.name, p.kind) for p in ours[: len(torch_parameters)]] == [(p.name, p.kind) for p in torch_parameters]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(torch_parameters) :])
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
@@ -146,9 +149,15 @@ def _ranks(dataset, world_size, **kwargs):
 def test_batch_size_per_rank_gives_distributed_samplers_batches_in_count_and_size(num_samples):
     dataset = IndexDataset(num_samples)
     ours = [[len(b) for b in loader] for loader in _ranks(dataset, 2, batch_size=16, shuffle=True)]
-    torchs = [[len(b) for b in torch.utils.data.DataLoader(
-        dataset, batch_size=16, sampler=DistributedSampler(dataset, num_replicas=2, rank=r, drop_last=True))]
-        for r in range(2)]
+    torchs = [
+        [
+            len(b)
+            for b in torch.utils.data.DataLoader(
+                dataset, batch_size=16, sampler=DistributedSampler(dataset, num_replicas=2, rank=r, drop_last=True)
+            )
+        ]
+        for r in range(2)
+    ]
     assert ours == torchs
 
 
@@ -157,9 +166,11 @@ def test_batch_size_says_once_that_the_batches_depend_on_the_world_size(caplog):
         loaders = [DataLoader(IndexDataset(30), batch_size=7, rank=0, world_size=3) for _ in range(2)]
         DataLoader(IndexDataset(30), global_batch_size=21, rank=0, world_size=3)
     lines = [record.getMessage() for record in caplog.records]
-    assert lines == ["ddpkit.DataLoader: batch_size=7 is per rank (as in torch), so 3 rank(s) make global batches "
-                     "of 21 and the batches change with the world size; global_batch_size=21 keeps them the same "
-                     "at any world size"]
+    assert lines == [
+        "ddpkit.DataLoader: batch_size=7 is per rank (as in torch), so 3 rank(s) make global batches "
+        "of 21 and the batches change with the world size; global_batch_size=21 keeps them the same "
+        "at any world size"
+    ]
     assert loaders[0].global_batch_size == 21 and loaders[0].batch_size == 7
 
 

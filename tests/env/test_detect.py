@@ -60,8 +60,13 @@ def test_innermost_launcher_wins(layers, source, rank, world_size):
         ({"WORLD_SIZE": "2"}, "^RANK is unset; start the job with torchrun"),
         ({**TORCHRUN, "RANK": "4"}, "^RANK=4 is not below WORLD_SIZE=4; "),
         (
-            {**recorded("slurm_srun_rank1"), "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2",
-             "SLURM_STEP_TASKS_PER_NODE": "<unset>", "SLURM_TASKS_PER_NODE": "<unset>"},
+            {
+                **recorded("slurm_srun_rank1"),
+                "SLURM_NNODES": "2",
+                "SLURM_STEP_NUM_NODES": "2",
+                "SLURM_STEP_TASKS_PER_NODE": "<unset>",
+                "SLURM_TASKS_PER_NODE": "<unset>",
+            },
             "^SLURM_NTASKS=2 on 2 nodes but SLURM_TASKS_PER_NODE and SLURM_NTASKS_PER_NODE are unset; "
             "pass --ntasks-per-node to sbatch or srun$",
         ),

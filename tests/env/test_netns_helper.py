@@ -33,9 +33,14 @@ def test_hosts_reach_each_other_over_the_veth_pair():
         try:
             port = server.stdout.readline().strip()
             client = hosts.b.run(
-                [sys.executable, "-c", "import socket, sys; s = socket.create_connection((sys.argv[1], "
-                 "int(sys.argv[2])), timeout=10); s.sendall(b'ping'); print(s.recv(16).decode())",
-                 hosts.a.address, port],
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket, sys; s = socket.create_connection((sys.argv[1], "
+                    "int(sys.argv[2])), timeout=10); s.sendall(b'ping'); print(s.recv(16).decode())",
+                    hosts.a.address,
+                    port,
+                ],
                 timeout=30,
             )
             assert client.stdout.strip() == "PING", client.stderr

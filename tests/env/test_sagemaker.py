@@ -44,8 +44,13 @@ print(json.dumps({"env": env.to_env_vars(), "args": env.to_cmd_args()}))
 """
 
 
-def write_job(root: Path, hosts: list[str], current_host: str, hyperparameters: Mapping[str, Any],
-              channels: tuple[str, ...] = ("training", "test")) -> Path:
+def write_job(
+    root: Path,
+    hosts: list[str],
+    current_host: str,
+    hyperparameters: Mapping[str, Any],
+    channels: tuple[str, ...] = ("training", "test"),
+) -> Path:
     """Write SageMaker's /opt/ml layout for one host under root; returns the base folder (root/opt/ml)."""
     base = root / "opt" / "ml"
     config = base / "input" / "config"
@@ -59,24 +64,32 @@ def write_job(root: Path, hosts: list[str], current_host: str, hyperparameters: 
         "current_instance_type": "ml.c5.xlarge",
         "current_group_name": "homogeneousCluster",
         "hosts": hosts,
-        "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": "ml.c5.xlarge",
-                             "hosts": hosts}],
+        "instance_groups": [
+            {"instance_group_name": "homogeneousCluster", "instance_type": "ml.c5.xlarge", "hosts": hosts}
+        ],
         "network_interface_name": "eth0",
     }
     (config / "resourceconfig.json").write_text(json.dumps(resources))
     # SageMaker stores every hyperparameter as a JSON-encoded string.
     encoded = {k: json.dumps(v) for k, v in {**hyperparameters, **SDK_HYPERPARAMETERS}.items()}
     (config / "hyperparameters.json").write_text(json.dumps(encoded))
-    data_config = {name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated",
-                          "RecordWrapperType": "None"} for name in channels}
+    data_config = {
+        name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated", "RecordWrapperType": "None"}
+        for name in channels
+    }
     (config / "inputdataconfig.json").write_text(json.dumps(data_config))
     return base
 
 
 def toolkit_environment(base: Path) -> tuple[dict[str, str], list[str]]:
     """The variables and arguments the sagemaker-training toolkit hands the entry point of the job at base."""
-    environ = {"PATH": os.environ["PATH"], "HOME": str(base), "SAGEMAKER_BASE_DIR": str(base),
-               "TRAINING_JOB_NAME": JOB_NAME, "AWS_DEFAULT_REGION": "us-east-1"}
+    environ = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(base),
+        "SAGEMAKER_BASE_DIR": str(base),
+        "TRAINING_JOB_NAME": JOB_NAME,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     done = subprocess.run([sys.executable, "-c", _TOOLKIT], env=environ, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     handed = json.loads(done.stdout.strip().splitlines()[-1])
@@ -87,8 +100,10 @@ def toolkit_environment(base: Path) -> tuple[dict[str, str], list[str]]:
 def two_hosts(tmp_path_factory) -> dict[str, tuple[dict[str, str], list[str]]]:
     """The toolkit's variables and arguments on each host of a two-host job, by host."""
     hosts = ["algo-1", "algo-2"]
-    return {host: toolkit_environment(write_job(tmp_path_factory.mktemp(host), hosts, host, HYPERPARAMETERS))
-            for host in hosts}
+    return {
+        host: toolkit_environment(write_job(tmp_path_factory.mktemp(host), hosts, host, HYPERPARAMETERS))
+        for host in hosts
+    }
 
 
 def test_reads_what_the_toolkit_hands_over(two_hosts):
@@ -143,8 +158,16 @@ def test_several_gpus_per_host_need_a_launcher(two_hosts):
 def test_the_toolkits_torchrun_wins(two_hosts):
     # distribution={"torch_distributed": ...}: torchrun --nnodes 2 --nproc_per_node 4 --node_rank 1 ...
     environ, _ = two_hosts["algo-2"]
-    torchrun = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-                "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "algo-1", "MASTER_PORT": "7777"}
+    torchrun = {
+        "RANK": "6",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "MASTER_ADDR": "algo-1",
+        "MASTER_PORT": "7777",
+    }
     env = detect_environment({**environ, "SM_NUM_GPUS": "4", **torchrun})
     assert (env.source, env.rank, env.node_rank, env.master_addr) == ("torchrun", 6, 1, "algo-1")
 
@@ -153,8 +176,14 @@ def test_the_toolkits_mpirun_wins_with_the_first_host_as_master(two_hosts):
     # distribution={"mpi": {"enabled": True, "processes_per_host": 2}}: mpirun on algo-1 exports its
     # own SM_* variables (SM_CURRENT_HOST=algo-1) to every rank, rank 3 runs on algo-2.
     environ, _ = two_hosts["algo-1"]
-    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_orte_num_nodes": "2", "PMIX_NAMESPACE": "prterun-algo-1-7@1"}
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_MCA_orte_num_nodes": "2",
+        "PMIX_NAMESPACE": "prterun-algo-1-7@1",
+    }
     env = detect_environment({**environ, **ompi})
     assert (env.source, env.rank, env.node_rank, env.num_nodes) == ("openmpi", 3, 1, 2)
     assert env.master_addr == "algo-1"
@@ -176,7 +205,11 @@ def test_train_words(two_hosts):
         f"checkpoint.dir={base / 'checkpoints'}",
         "resume=auto",
         f"data_dir={base / 'input/data/training'}",
-        "checkpoint.every_steps=2", "epochs=1", "eval_train=false", "lr=0.01", "model=mlp",
+        "checkpoint.every_steps=2",
+        "epochs=1",
+        "eval_train=false",
+        "lr=0.01",
+        "model=mlp",
     ]
     assert model_dir(environ) == str(base / "model")
 
@@ -200,8 +233,16 @@ def test_the_entry_points_arguments_become_words(two_hosts):
     environ, args = two_hosts["algo-1"]
     assert args[:2] == ["--checkpoint.every_steps", "2"]  # as the toolkit passes them
     words = key_value_words(environ, args + ["--batch_size=32", "seed=3", "--checkpoint.best_metric", ""])
-    assert words == ["checkpoint.every_steps=2", "epochs=1", "eval_train=False", "lr=0.01", "model=mlp",
-                     "batch_size=32", "seed=3", "checkpoint.best_metric=''"]  # '': "" as OmegaConf reads it
+    assert words == [
+        "checkpoint.every_steps=2",
+        "epochs=1",
+        "eval_train=False",
+        "lr=0.01",
+        "model=mlp",
+        "batch_size=32",
+        "seed=3",
+        "checkpoint.best_metric=''",
+    ]  # '': "" as OmegaConf reads it
     with pytest.raises(ValueError, match="--epochs has no value"):
         key_value_words(environ, ["--epochs", "--lr", "0.1"])
 

@@ -125,8 +125,16 @@ def test_master_addr_and_port_overrides():
 
 
 def test_single_node_without_tasks_per_node():
-    env = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "3",
-           "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_NODELIST": "solo"}
+    env = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "7",
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_NODELIST": "solo",
+    }
     assert SlurmEnvironment.from_env(env).local_world_size == 3
 
 

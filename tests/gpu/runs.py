@@ -50,8 +50,14 @@ def train(output_dir: Path, *words: str, nproc: int = 1) -> tuple[dict[str, Any]
     words = ("device=cuda", *TINY, f"output_dir={output_dir}", *words)
     command = [sys.executable, "-m", "ddpkit", "train", *words]
     if nproc == 1 or not two_workers_share_one_gpu():
-        out = subprocess.run([*command, f"nproc={nproc}"], cwd=output_dir.parent, env=environ(),
-                             capture_output=True, text=True, timeout=TIMEOUT)
+        out = subprocess.run(
+            [*command, f"nproc={nproc}"],
+            cwd=output_dir.parent,
+            env=environ(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         text = out.stdout + out.stderr
         assert out.returncode == 0, text[-5000:]
     else:
@@ -64,10 +70,26 @@ def _train_sharing_gpu_0(command: list[str], cwd: Path) -> str:
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = environ(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                      GROUP_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([*command, "backend=gloo"], cwd=cwd, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = environ(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            GROUP_RANK=str(rank),
+            GROUP_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [*command, "backend=gloo"],
+                cwd=cwd,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     texts = []
     try:
         for proc in procs:

@@ -32,8 +32,10 @@ def _mlp() -> nn.Module:
 
 def _cuda_batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-    batches = [(torch.rand(8, 1, 28, 28, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-               for _ in range(steps)]
+    batches = [
+        (torch.rand(8, 1, 28, 28, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        for _ in range(steps)
+    ]
     return [(x.cuda(), y.cuda()) for x, y in batches]
 
 
@@ -91,8 +93,9 @@ def _nccl_world_of_one(rank: int, world_size: int, folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def nccl_one(tmp_path_factory):
-    return run_on_ranks(_nccl_world_of_one, 1, str(tmp_path_factory.mktemp("nccl-one")), timeout=300,
-                        init_process_group=False)[0]
+    return run_on_ranks(
+        _nccl_world_of_one, 1, str(tmp_path_factory.mktemp("nccl-one")), timeout=300, init_process_group=False
+    )[0]
 
 
 def test_nccl_world_of_one_puts_control_messages_on_the_gpu(nccl_one):
@@ -123,9 +126,16 @@ def _sharing_gpu_0(rank: int, world_size: int, folder: str, grad_sync: str) -> d
     from ddpkit.checkpoint.manager import Checkpointer
 
     # A job of two one-GPU nodes as torch's env:// variables describe it: both workers bind GPU 0.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29500")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK=str(rank),
+        GROUP_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     ctx = distributed.init(device="cuda")  # adopts the helper's gloo group
     try:
         seen = {"backend": ctx.backend, "device": str(ctx.device), "control": str(distributed.control_device())}
@@ -184,8 +194,11 @@ def test_shared_memory_all_reduces_refuse_cuda_tensors_in_one_line():
 
     tensor = torch.zeros(4, device="cuda")
     for module in (shm, hierarchical):
-        with pytest.raises(ValueError, match=rf"^ddpkit.comm.{module.__name__.split('.')[-1]}.all_reduce takes CPU "
-                                             r"tensors, got one on cuda:0; use allreduce=builtin .* for CUDA tensors$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^ddpkit.comm.{module.__name__.split('.')[-1]}.all_reduce takes CPU "
+            r"tensors, got one on cuda:0; use allreduce=builtin .* for CUDA tensors$",
+        ):
             module.all_reduce(tensor)
 
 
@@ -194,8 +207,18 @@ def test_shared_memory_all_reduces_refuse_cuda_tensors_in_one_line():
 
 def test_bench_comm_on_cuda_tensors(tmp_path):
     nproc = min(2, torch.cuda.device_count())
-    command = [sys.executable, "-m", "ddpkit", "bench", "comm", "device=cuda", "smoke=true", f"nproc={nproc}",
-               "ops=[all_reduce,broadcast,all_gather,pingpong]", f"output_dir={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "bench",
+        "comm",
+        "device=cuda",
+        "smoke=true",
+        f"nproc={nproc}",
+        "ops=[all_reduce,broadcast,all_gather,pingpong]",
+        f"output_dir={tmp_path}",
+    ]
     out = subprocess.run(command, cwd=tmp_path, env=environ(), capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     (result,) = tmp_path.glob("comm-*.json")

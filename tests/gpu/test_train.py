@@ -42,8 +42,22 @@ def test_sync_batchnorm_trains_cnn_bn_on_cuda(tmp_path, nproc):
 
 def test_own_loop_example_on_cuda(tmp_path):
     """examples/mlp_fashion_mnist.py under ``ddpkit run nproc=1``: ddpkit.init() binds the GPU (device auto)."""
-    command = [sys.executable, "-m", "ddpkit", "run", "nproc=1", str(REPO / "examples" / "mlp_fashion_mnist.py"),
-               "--dataset", "synthetic", "--samples", "512", "--epochs", "2", "--out", str(tmp_path / "out")]
+    command = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "nproc=1",
+        str(REPO / "examples" / "mlp_fashion_mnist.py"),
+        "--dataset",
+        "synthetic",
+        "--samples",
+        "512",
+        "--epochs",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     out = subprocess.run(command, cwd=tmp_path, env=environ(), capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]

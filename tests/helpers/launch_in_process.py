@@ -44,8 +44,19 @@ import torch
 from ddpkit.cli import main
 from ddpkit.launch.local import worker_server
 
-LAUNCHER_VARIABLES = ("MASTER_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_",
-                      "GROUP_RANK", "SM_")
+LAUNCHER_VARIABLES = (
+    "MASTER_",
+    "OMPI_",
+    "PMIX_",
+    "PMI_",
+    "SLURM_",
+    "TORCHELASTIC_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_",
+    "GROUP_RANK",
+    "SM_",
+)
 """Prefixes of the variables of an outer launcher, which :meth:`Commands.run` can hide (``clean_environment``)."""
 
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
@@ -71,8 +82,10 @@ class Commands:
                 stack.callback(os.close, saved)
                 stack.callback(os.dup2, saved, fd)  # callbacks run last-in first-out: restored, then closed
                 os.dup2(file.fileno(), fd)
-            self._text = [io.TextIOWrapper(os.fdopen(os.dup(fd), "wb"), encoding="utf-8", errors="replace",
-                                           write_through=True) for fd in (1, 2)]
+            self._text = [
+                io.TextIOWrapper(os.fdopen(os.dup(fd), "wb"), encoding="utf-8", errors="replace", write_through=True)
+                for fd in (1, 2)
+            ]
             for stream in self._text:
                 stack.callback(stream.close)
             stack.enter_context(contextlib.redirect_stdout(self._text[0]))
@@ -106,8 +119,9 @@ class Commands:
         stack.callback(os.chdir, saved_cwd)
         stack.callback(lambda: sys.path.__setitem__(slice(None), saved_path))
 
-    def run(self, *words: str, cwd: Path | str, env: Mapping[str, str] | None = None,
-            clean_environment: bool = False) -> subprocess.CompletedProcess:
+    def run(
+        self, *words: str, cwd: Path | str, env: Mapping[str, str] | None = None, clean_environment: bool = False
+    ) -> subprocess.CompletedProcess:
         """``ddpkit WORDS`` in ``cwd``, as ``python -m ddpkit WORDS`` would run there; its status and output.
 
         As the command's process does, the current folder is importable for the
@@ -155,4 +169,3 @@ def _forget_modules_from(folder: Path, names: list[str]) -> None:
     for name in names:
         if (getattr(sys.modules.get(name), "__file__", None) or "").startswith(prefix):
             del sys.modules[name]
-

@@ -14,8 +14,12 @@ import numpy as np
 from ddpkit.data.idx import write_idx
 from ddpkit.data.sources import DatasetSource, RemoteFile
 
-FILE_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-              "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+FILE_NAMES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
 
 
 def make_idx_files(folder: Path, num_train: int = 12, num_test: int = 5) -> None:

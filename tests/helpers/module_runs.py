@@ -31,8 +31,12 @@ def selected_params(request: pytest.FixtureRequest, argname: str, test: str | No
     values: list[Any] = []
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
-        if (getattr(item, "module", None) is request.module and callspec is not None and argname in callspec.params
-                and test in (None, item.originalname)):
+        if (
+            getattr(item, "module", None) is request.module
+            and callspec is not None
+            and argname in callspec.params
+            and test in (None, item.originalname)
+        ):
             value = callspec.params[argname]
             if value not in values:
                 values.append(value)
@@ -41,8 +45,7 @@ def selected_params(request: pytest.FixtureRequest, argname: str, test: str | No
 
 def selected_tests(request: pytest.FixtureRequest) -> set[str]:
     """The names (without parameters) of this module's selected test functions."""
-    return {item.originalname for item in request.session.items
-            if getattr(item, "module", None) is request.module}
+    return {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
 
 
 @dataclass

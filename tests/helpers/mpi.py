@@ -78,8 +78,12 @@ def run_mpirun(
     # A session of its own: on timeout the whole group goes, ranks included
     # (killing mpirun alone with SIGKILL would orphan them).
     with subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=None if env is None else dict(env), start_new_session=True,
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=None if env is None else dict(env),
+        start_new_session=True,
     ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

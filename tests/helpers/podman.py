@@ -74,8 +74,16 @@ class Podman:
 
     def command(self, *args: str) -> list[str]:
         """``podman`` with this root's storage, then ``args``."""
-        return ["podman", "--root", str(self.root / "storage"), "--runroot", str(self.root / "run"),
-                "--storage-driver", "overlay", *args]
+        return [
+            "podman",
+            "--root",
+            str(self.root / "storage"),
+            "--runroot",
+            str(self.root / "run"),
+            "--storage-driver",
+            "overlay",
+            *args,
+        ]
 
     @property
     def environ(self) -> dict[str, str]:
@@ -84,8 +92,7 @@ class Podman:
 
     def run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         """Run ``podman ARGS``; raise with its output when it fails and ``check``."""
-        result = subprocess.run(self.command(*args), env=self.environ, capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(self.command(*args), env=self.environ, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise RuntimeError(f"podman {' '.join(args[:3])} failed ({result.returncode}): {result.stderr[-3000:]}")
         return result
@@ -128,11 +135,26 @@ def import_debian_base(podman: Podman, tag: str) -> None:
     """
     suite = _os_release()["VERSION_CODENAME"]
     excludes = [f"--dpkgopt=path-exclude=/usr/share/{folder}/*" for folder in ("doc", "man", "locale")]
-    mmdebstrap = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", *excludes,
-                  "--skip=output/dev", suite, "-", "-"]
+    mmdebstrap = [
+        "mmdebstrap",
+        "--quiet",
+        "--variant=minbase",
+        f"--include={','.join(BASE_PACKAGES)}",
+        *excludes,
+        "--skip=output/dev",
+        suite,
+        "-",
+        "-",
+    ]
     pipeline = f"{shlex.join(mmdebstrap)} | {shlex.join(podman.command('import', '-', tag))}"
-    result = subprocess.run(["bash", "-o", "pipefail", "-c", pipeline], input=apt_sources(), env=podman.environ,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", pipeline],
+        input=apt_sources(),
+        env=podman.environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"building the Debian base image failed: {result.stderr[-3000:]}")
 
@@ -151,15 +173,32 @@ def build_image(podman: Podman, base: str, tag: str, context: Path) -> subproces
     """Build the repository's Containerfile as ``tag`` on ``base``, offline: its wheels copied into ``context``."""
     _copy_sources(context)
     _download_wheels(context / "wheels")
-    return podman.run("build", "--network", "none", "--file", str(context / "Containerfile"),
-                      "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "WHEELS=wheels", "--tag", tag, str(context),
-                      timeout=900)
+    return podman.run(
+        "build",
+        "--network",
+        "none",
+        "--file",
+        str(context / "Containerfile"),
+        "--build-arg",
+        f"BASE_IMAGE={base}",
+        "--build-arg",
+        "WHEELS=wheels",
+        "--tag",
+        tag,
+        str(context),
+        timeout=900,
+    )
 
 
 def _copy_sources(context: Path) -> None:
     """The repository's files as ``git`` sees them (tracked, and new ones not ignored) into ``context``."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for name in filter(None, listed.split("\0")):
         source = REPO / name
         if source.is_file():
@@ -173,11 +212,29 @@ def _download_wheels(folder: Path) -> None:
     pip takes them from where it finds them on this machine (torch from its local wheel); the container's
     Python must be the same minor version as this one, which the Debian release of the base image gives.
     """
-    names = [re.split(r"[ ;<>=!~\[]", requirement)[0] for requirement in importlib.metadata.requires("ddpkit")
-             if "extra ==" not in requirement]
+    names = [
+        re.split(r"[ ;<>=!~\[]", requirement)[0]
+        for requirement in importlib.metadata.requires("ddpkit")
+        if "extra ==" not in requirement
+    ]
     pinned = [f"{name}=={importlib.metadata.version(name)}" for name in (*names, "setuptools")]
-    result = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest",
-                             str(folder), *pinned, "wheel"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--only-binary=:all:",
+            "--dest",
+            str(folder),
+            *pinned,
+            "wheel",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"pip download of the image's wheels failed: {result.stderr[-3000:]}")
 

@@ -70,8 +70,9 @@ def launch(launcher: str, folder: Path, kill_at: int = 0, kill_rank: int = 1, ti
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "KILL_AT_STEP": str(kill_at), "KILL_RANK": str(kill_rank)}
     argv = [*command(launcher), "--out", str(folder / "ckpt"), "--final", str(folder / "final.pt")]
-    with subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
+    with subprocess.Popen(
+        argv, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
             returncode: int | None = process.returncode

@@ -307,8 +307,14 @@ def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0, first_job_id
         ctld_port, d_port = _free_ports(2)
         conf.write_text(
             _SLURM_CONF.format(
-                host=node, ctld_port=ctld_port, d_port=d_port, munge_socket=munge_socket,
-                cred_expire=CRED_EXPIRE_SECONDS, root=root, cpus=cpus, first_job_id=first_job_id,
+                host=node,
+                ctld_port=ctld_port,
+                d_port=d_port,
+                munge_socket=munge_socket,
+                cred_expire=CRED_EXPIRE_SECONDS,
+                root=root,
+                cpus=cpus,
+                first_job_id=first_job_id,
             )
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -336,10 +342,18 @@ def _start_munged(root: Path) -> Path:
     sock = munge_dir / "munge.socket"
     started = subprocess.run(
         [
-            _program("munged"), f"--socket={sock}", f"--key-file={key}", f"--pid-file={munge_dir / 'munged.pid'}",
-            f"--log-file={munge_dir / 'munged.log'}", f"--seed-file={munge_dir / 'munged.seed'}",
+            _program("munged"),
+            f"--socket={sock}",
+            f"--key-file={key}",
+            f"--pid-file={munge_dir / 'munged.pid'}",
+            f"--log-file={munge_dir / 'munged.log'}",
+            f"--seed-file={munge_dir / 'munged.seed'}",
         ],
-        user="munge", group="munge", extra_groups=[], capture_output=True, text=True,
+        user="munge",
+        group="munge",
+        extra_groups=[],
+        capture_output=True,
+        text=True,
     )
     if started.returncode != 0:
         raise SlurmError(f"munged did not start: {started.stderr.strip()}")

@@ -171,8 +171,17 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, store_path, args, caller_environ, dict(environ or {}),
-                      init_process_group, results),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    store_path,
+                    args,
+                    caller_environ,
+                    dict(environ or {}),
+                    init_process_group,
+                    results,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -17,8 +17,20 @@ from tests.cli_runner import REPO
 from tests.helpers.workers import run_on_ranks
 
 SCRIPT = REPO / "examples" / "horovod_mnist.py"
-TINY = ["--dataset", "synthetic", "--train-samples", "512", "--test-samples", "256", "--epochs", "2",
-        "--batch-size", "32", "--log-interval", "1000"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "512",
+    "--test-samples",
+    "256",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "32",
+    "--log-interval",
+    "1000",
+]
 """Arguments for a run of a few seconds: 2 epochs of 8 steps on each of 2 workers."""
 
 
@@ -63,5 +75,6 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     """Every tensor equal to float32 rounding (the two all_reduces may add in different orders)."""
     assert got.keys() == want.keys()
     for name in want:
-        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), \
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), (
             f"{name} differs from stock DDP by {(got[name] - want[name]).abs().max():.3g}"
+        )

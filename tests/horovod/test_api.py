@@ -58,8 +58,10 @@ def check_allreduce(hvd, rank: int, world_size: int) -> None:
     assert torch.allclose(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25), total / 2)
     assert torch.allclose(hvd.allreduce(x, postscale_factor=3.0), total / world_size * 3)
     # Integers average by truncating division, as C and NCCL do: (0 + 5 + 10) // 3.
-    assert torch.equal(hvd.allreduce(torch.tensor([5 * rank + 1]), name="int"),
-                       torch.tensor([sum(5 * r + 1 for r in range(world_size)) // world_size]))
+    assert torch.equal(
+        hvd.allreduce(torch.tensor([5 * rank + 1]), name="int"),
+        torch.tensor([sum(5 * r + 1 for r in range(world_size)) // world_size]),
+    )
     y = x.clone()
     assert hvd.allreduce_(y, op=hvd.Sum) is y and torch.allclose(y, total)
     transposed = x.clone().t()  # not contiguous: reduced through a copy, written back
@@ -211,8 +213,11 @@ def check_broadcast_optimizer_state(hvd, rank: int, world_size: int) -> None:
             assert state["param_groups"] == root["param_groups"], (name, r)
             for index, values in root["state"].items():
                 for key, value in values.items():
-                    assert torch.equal(torch.as_tensor(state["state"][index][key]), torch.as_tensor(value)), \
-                        (name, r, key)
+                    assert torch.equal(torch.as_tensor(state["state"][index][key]), torch.as_tensor(value)), (
+                        name,
+                        r,
+                        key,
+                    )
 
 
 # -- DistributedOptimizer --------------------------------------------------------------------
@@ -232,8 +237,16 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, *, micro: int = 1, clip: float = 0.0,
-           no_sync: Callable | None = None, synchronize: Callable | None = None) -> list[torch.Tensor]:
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    *,
+    micro: int = 1,
+    clip: float = 0.0,
+    no_sync: Callable | None = None,
+    synchronize: Callable | None = None,
+) -> list[torch.Tensor]:
     """NUM_STEPS steps on this rank's batches, ``micro`` micro-batches each; the final parameters."""
     for step in range(NUM_STEPS):
         optimizer.zero_grad()
@@ -275,8 +288,9 @@ def check_distributed_optimizer_matches_ddp(hvd, rank: int, world_size: int) -> 
         want = _ddp_reference(rank, make, **train_options)
         torch.manual_seed(0)
         model = _Net()
-        optimizer = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
-                                             **options)
+        optimizer = hvd.DistributedOptimizer(
+            make(model.parameters()), named_parameters=model.named_parameters(), **options
+        )
         assert isinstance(optimizer, type(make([torch.zeros(1)]))), label
         _compare(_train(model, optimizer, rank, **train_options), want, label)
     assert set(optimizer.state_dict()) == {"state", "param_groups"}
@@ -293,9 +307,11 @@ def check_distributed_optimizer_sum_fp16_and_skip_synchronize(hvd, rank: int, wo
     want = _ddp_reference(rank, lambda ps: torch.optim.SGD(ps, lr=0.1))
     torch.manual_seed(0)
     model = _Net()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters(),
-                                         compression=hvd.Compression.fp16)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16,
+    )
     _compare(_train(model, optimizer, rank), want, "fp16", atol=1e-3)  # float16 carries ~3 digits
 
     want = _ddp_reference(rank, lambda ps: torch.optim.SGD(ps, lr=0.5), clip=0.05)
@@ -373,8 +389,9 @@ def _run_checks(rank: int, world_size: int, allreduce: str) -> dict[str, str | N
     if allreduce == "builtin":  # what a job with one rank per node, or on CUDA, gets
         ctx = distributed.context()
         engine.stop()
-        engine.start(engine.Engine(ctx.rank, ctx.world_size, ctx.device, distributed.control_device(),
-                                   builtin_all_reduce))
+        engine.start(
+            engine.Engine(ctx.rank, ctx.world_size, ctx.device, distributed.control_device(), builtin_all_reduce)
+        )
     results: dict[str, str | None] = {}
     try:
         for name, check in CHECKS.items():
@@ -391,8 +408,10 @@ def _run_checks(rank: int, world_size: int, allreduce: str) -> dict[str, str | N
 @pytest.fixture(scope="module")
 def jobs(request) -> dict:
     """Each selected job's outcome: the checks' results by rank for "auto" and "builtin", and "one worker"."""
-    jobs = {allreduce: (_run_checks, WORLD_SIZE, (allreduce,), {})
-            for allreduce in selected_params(request, "allreduce", "test_horovod_api")}
+    jobs = {
+        allreduce: (_run_checks, WORLD_SIZE, (allreduce,), {})
+        for allreduce in selected_params(request, "allreduce", "test_horovod_api")
+    }
     if "test_one_worker_trains_as_plain_torch" in selected_tests(request):
         jobs["one worker"] = (_one_worker, 1, (), {"init_process_group": False})
     return run_side_by_side(jobs, DYNAMO, timeout=240)  # every rank builds optimizers and DDP models
@@ -414,16 +433,20 @@ def _one_worker(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         model = _Net()
         plain = copy.deepcopy(model)
-        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()),
-                                             named_parameters=model.named_parameters())
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters()
+        )
         got = _train(model, optimizer, 0)
         want = _train(plain, torch.optim.Adam(plain.parameters()), 0)
-        return {"same": all(torch.equal(g, w) for g, w in zip(got, want)), "size": hvd.size(),
-                "sum": hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist(), "join": hvd.join()}
+        return {
+            "same": all(torch.equal(g, w) for g, w in zip(got, want)),
+            "size": hvd.size(),
+            "sum": hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist(),
+            "join": hvd.join(),
+        }
     finally:
         hvd.shutdown()
 
 
 def test_one_worker_trains_as_plain_torch(jobs):
-    assert jobs["one worker"].get() == [
-        {"same": True, "size": 1, "sum": [1.0, 1.0], "join": 0}]
+    assert jobs["one worker"].get() == [{"same": True, "size": 1, "sum": [1.0, 1.0], "join": 0}]

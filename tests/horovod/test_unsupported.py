@@ -14,8 +14,10 @@ from ddpkit.horovod import HorovodUnsupportedError
     [
         (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), "use op=hvd.Average"),
         (lambda: hvd.allreduce_async_(torch.ones(2), op=hvd.Adasum), "use op=hvd.Average"),
-        (lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), op=hvd.Adasum),
-         "use op=hvd.Average"),
+        (
+            lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), op=hvd.Adasum),
+            "use op=hvd.Average",
+        ),
         (lambda: hvd.elastic.run, r"ddpkit.Checkpointer .* `ddpkit run max_restarts=N`"),
         (lambda: hvd.elastic.TorchState, r"ddpkit.Checkpointer"),
         (lambda: hvd.ProcessSet([0, 1]), "process_set=hvd.global_process_set"),

@@ -29,8 +29,15 @@ def _alive(pid: int) -> bool:
 def test_a_restarted_run_ends_without_traceback_or_leftover_processes(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    out = run_ddpkit("run", "nproc=2", "max_restarts=1", str(SCRIPTS / "stuck_loader_worker.py"), str(pids),
-                     cwd=tmp_path, timeout=180)
+    out = run_ddpkit(
+        "run",
+        "nproc=2",
+        "max_restarts=1",
+        str(SCRIPTS / "stuck_loader_worker.py"),
+        str(pids),
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 1: my DataLoader worker is reading; sending myself SIGKILL" in out.stdout
     assert "restarting the workers (restart 1 of 1)" in out.stderr

@@ -10,8 +10,10 @@ from ddpkit.launch.failure import root_cause
 
 
 def _error(message: str, at: float, peer_lost: bool = False) -> dict:
-    return {"message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(at))}},
-            "ddpkit": {"time": at, "peer_lost": peer_lost}}
+    return {
+        "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(at))}},
+        "ddpkit": {"time": at, "peer_lost": peer_lost},
+    }
 
 
 def _agent_failure(tmp_path, rank: int, exitcode: int, data: dict | None) -> ProcessFailure:
@@ -40,6 +42,8 @@ def test_a_killed_rank_beats_a_peer_that_only_lost_it_even_if_seen_later(tmp_pat
 
 
 def test_without_peer_loss_the_earliest_failure_wins(tmp_path):
-    failures = {0: _agent_failure(tmp_path, 0, 1, _error("ValueError: late", at=20.0)),
-                2: _agent_failure(tmp_path, 2, 1, _error("ValueError: early", at=10.0))}
+    failures = {
+        0: _agent_failure(tmp_path, 0, 1, _error("ValueError: late", at=20.0)),
+        2: _agent_failure(tmp_path, 2, 1, _error("ValueError: early", at=10.0)),
+    }
     assert root_cause(failures).rank == 2

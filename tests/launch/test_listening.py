@@ -20,7 +20,7 @@ import psutil
 from tests.cli_runner import PYTHONPATH
 
 LOOPBACK = {"127.0.0.1", "::1"}
-RESTARTED_SCRIPT = '''
+RESTARTED_SCRIPT = """
 import os, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -32,15 +32,21 @@ if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
 dist.all_reduce(value)
 print(f"rank {dist.get_rank()} restart {os.environ['TORCHELASTIC_RESTART_COUNT']} sum {value.item():g}", flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 def watch(words: list[str], cwd: Path, timeout: float = 180) -> tuple[subprocess.CompletedProcess, set, dict]:
     """Run ``python -m ddpkit WORDS``; its result, the (address, port) of every listening socket of its process
     tree, and the modes of the shared-memory segments its processes mapped (path -> mode)."""
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", *words], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", *words],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     listening: set[tuple[str, int]] = set()
     segments: dict[str, int] = {}
     deadline = time.monotonic() + timeout
@@ -65,8 +71,9 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 def _listening(process: psutil.Process) -> set[tuple[str, int]]:
     try:
-        return {(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
-                if c.status == psutil.CONN_LISTEN}
+        return {
+            (c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+        }
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return set()
 
@@ -87,8 +94,16 @@ def _shm_modes(pid: int) -> dict[str, int]:
 
 
 def test_ddpkit_train_listens_on_loopback_only_and_keeps_its_files_private(tmp_path):
-    words = ["train", "nproc=2", "dataset=synthetic", "synthetic_samples=16384", "epochs=1", "threads=1",
-             "progress=false", f"output_dir={tmp_path / 'run'}"]
+    words = [
+        "train",
+        "nproc=2",
+        "dataset=synthetic",
+        "synthetic_samples=16384",
+        "epochs=1",
+        "threads=1",
+        "progress=false",
+        f"output_dir={tmp_path / 'run'}",
+    ]
     out, listening, segments = watch(words, tmp_path)
     assert out.returncode == 0, out.stderr
     assert len(listening) >= 4, listening  # the launcher's two stores, each worker's gloo pair

@@ -22,10 +22,17 @@ def failed(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("failed")
     with Commands() as commands:
         return {
-            "raises": commands.run("train", "nproc=2", "model=tests.launch.failing_model:fails_on_rank_one", *SMALL,
-                                   cwd=folder),
-            "killed": commands.run("train", "nproc=2", "model=tests.launch.failing_model:killed_on_rank_one",
-                                   *SMALL, "timeout=30", cwd=folder),
+            "raises": commands.run(
+                "train", "nproc=2", "model=tests.launch.failing_model:fails_on_rank_one", *SMALL, cwd=folder
+            ),
+            "killed": commands.run(
+                "train",
+                "nproc=2",
+                "model=tests.launch.failing_model:killed_on_rank_one",
+                *SMALL,
+                "timeout=30",
+                cwd=folder,
+            ),
         }
 
 

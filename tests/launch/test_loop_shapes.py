@@ -40,8 +40,22 @@ TERM_STEP = STEPS_PER_EPOCH * _rng.randint(1, EPOCHS - 1)
 
 def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[str, str] | None = None):
     folder.mkdir(exist_ok=True)
-    return commands.run("run", "nproc=2", *options, str(SCRIPT), "--shape", shape, "--out", str(folder / "ckpt"),
-                        "--final", str(folder / "final.pt"), "--every-steps", "4", cwd=folder, env=env)
+    return commands.run(
+        "run",
+        "nproc=2",
+        *options,
+        str(SCRIPT),
+        "--shape",
+        shape,
+        "--out",
+        str(folder / "ckpt"),
+        "--final",
+        str(folder / "final.pt"),
+        "--every-steps",
+        "4",
+        cwd=folder,
+        env=env,
+    )
 
 
 def _launcher_and_worker_lines(result, capsys) -> str:
@@ -101,8 +115,9 @@ def test_epochs_numbered_from_1_off_by_one_stops_with_one_line_before_training(c
     out = _run(commands, tmp_path, "from1_wrong", "max_restarts=1", env={"KILLS": "0:step:7"})
     assert out.returncode != 0
     lines = _launcher_and_worker_lines(out, capsys)
-    assert "but the loop now calls set_epoch(" in lines and "start the loop at the epoch resume() returns" \
-        in lines, lines
+    assert "but the loop now calls set_epoch(" in lines and "start the loop at the epoch resume() returns" in lines, (
+        lines
+    )
     assert not (tmp_path / "final.pt").exists()
 
 

@@ -43,8 +43,14 @@ def _own_cnn():
 def _uninterrupted_digests() -> dict[tuple[int, int], str]:
     """(epoch, index) -> digest of the sample an uninterrupted loader hands out, read in this process."""
     own_cnn = _own_cnn()
-    loader = ddpkit.DataLoader(own_cnn.Augmented(*own_cnn.synthetic_images()), global_batch_size=own_cnn.GLOBAL_BATCH_SIZE,
-                               shuffle=True, seed=own_cnn.LOADER_SEED, rank=0, world_size=1)
+    loader = ddpkit.DataLoader(
+        own_cnn.Augmented(*own_cnn.synthetic_images()),
+        global_batch_size=own_cnn.GLOBAL_BATCH_SIZE,
+        shuffle=True,
+        seed=own_cnn.LOADER_SEED,
+        rank=0,
+        world_size=1,
+    )
     digests = {}
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
@@ -79,9 +85,21 @@ def test_resume_at_another_world_size_and_num_workers_trains_every_sample_once_w
     with Commands() as commands:  # in this process, the three launches' workers forked from one worker server
         for n, (nproc, num_workers, stop) in enumerate(launches, 1):
             env = {"RECORD": str(tmp_path / f"launch{n}"), "STOP_AT_STEP": str(stop)}
-            out = commands.run("run", nproc, str(SCRIPT), "--out", str(tmp_path / "ckpt"), "--final",
-                               str(tmp_path / "final.pt"), "--num-workers", str(num_workers), "--every-steps", "0",
-                               cwd=tmp_path, env=env)
+            out = commands.run(
+                "run",
+                nproc,
+                str(SCRIPT),
+                "--out",
+                str(tmp_path / "ckpt"),
+                "--final",
+                str(tmp_path / "final.pt"),
+                "--num-workers",
+                str(num_workers),
+                "--every-steps",
+                "0",
+                cwd=tmp_path,
+                env=env,
+            )
             assert out.returncode == 0, f"launch {n}:\n{out.stdout}\n{out.stderr}"
             outputs.append(out)
 
@@ -102,6 +120,10 @@ def test_resume_at_another_world_size_and_num_workers_trains_every_sample_once_w
     expected = _uninterrupted_digests()
     assert seen.keys() == expected.keys(), sorted(set(expected) ^ set(seen))[:10]
     assert [key for key, count in seen.items() if count != 1] == []
-    wrong = [(n, epoch, index) for n, launch in records.items() for epoch, index, digest in launch
-             if digest != expected[epoch, index]]
+    wrong = [
+        (n, epoch, index)
+        for n, launch in records.items()
+        for epoch, index, digest in launch
+        if digest != expected[epoch, index]
+    ]
     assert wrong == [], f"{len(wrong)} samples augmented differently from an uninterrupted run, e.g. {wrong[:5]}"

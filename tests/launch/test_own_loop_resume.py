@@ -28,11 +28,29 @@ STEPS = 26
 """Global steps of the script's 2 epochs: 13 global batches of 16 (the last of 8) each."""
 
 
-def _run(commands: Commands, folder: Path, *options: str, every_steps: int, num_workers: int = 2,
-         env: dict[str, str] | None = None):
-    return commands.run("run", *options, str(SCRIPT), "--out", str(folder / "ckpt"), "--final",
-                        str(folder / "final.pt"), "--every-steps", str(every_steps), "--num-workers",
-                        str(num_workers), cwd=folder, env=env)
+def _run(
+    commands: Commands,
+    folder: Path,
+    *options: str,
+    every_steps: int,
+    num_workers: int = 2,
+    env: dict[str, str] | None = None,
+):
+    return commands.run(
+        "run",
+        *options,
+        str(SCRIPT),
+        "--out",
+        str(folder / "ckpt"),
+        "--final",
+        str(folder / "final.pt"),
+        "--every-steps",
+        str(every_steps),
+        "--num-workers",
+        str(num_workers),
+        cwd=folder,
+        env=env,
+    )
 
 
 def _starts(stdout: str) -> list[tuple[str, int, bool]]:
@@ -109,8 +127,7 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_completes_bit_identic
     print(f"seed {SEED + 1}: SIGTERM to rank {TERM_RANK} after optimizer step {TERM_AT}")
     first, folder = runs["preempted"], runs["preempted_folder"]
     assert first.returncode == 75, first.stdout + first.stderr
-    assert "ddpkit: preempted: a worker exited with status 75; run the same command to continue" \
-        in first.stderr
+    assert "ddpkit: preempted: a worker exited with status 75; run the same command to continue" in first.stderr
     stop = re.search(r"preempted by SIGTERM after global step (\d+): checkpoint (\S+) is complete", first.stderr)
     assert stop is not None, first.stderr
     step = int(stop[1])

@@ -25,35 +25,51 @@ def run_console_script(*words: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run the installed ``ddpkit`` console script (its sys.path[0] is its bin folder, not ``cwd``)."""
     assert CONSOLE_SCRIPT.is_file(), f"no console script beside {sys.executable}; pip install -e . first"
     environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    return subprocess.run([str(CONSOLE_SCRIPT), *words], cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *words], cwd=cwd, env=environ, capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
-@pytest.mark.parametrize("words,expected", [
-    (["a.py", "nproc=2", "--lr", "0.1"], (RunConfig(), ScriptTarget(path="a.py", args=("nproc=2", "--lr", "0.1")))),
-    (["nproc=2", "max_restarts=1", "-m", "json.tool", "-h"],
-     (RunConfig(nproc=2, max_restarts=1), ScriptTarget(module="json.tool", args=("-h",)))),
-    (["-mjson.tool", "x"], (RunConfig(), ScriptTarget(module="json.tool", args=("x",)))),
-    (["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "a.py"],
-     (RunConfig(nnodes=2, node_rank=1, master_addr="node0", master_port=29500), ScriptTarget(path="a.py"))),
-])
+@pytest.mark.parametrize(
+    "words,expected",
+    [
+        (["a.py", "nproc=2", "--lr", "0.1"], (RunConfig(), ScriptTarget(path="a.py", args=("nproc=2", "--lr", "0.1")))),
+        (
+            ["nproc=2", "max_restarts=1", "-m", "json.tool", "-h"],
+            (RunConfig(nproc=2, max_restarts=1), ScriptTarget(module="json.tool", args=("-h",))),
+        ),
+        (["-mjson.tool", "x"], (RunConfig(), ScriptTarget(module="json.tool", args=("x",)))),
+        (
+            ["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "a.py"],
+            (RunConfig(nnodes=2, node_rank=1, master_addr="node0", master_port=29500), ScriptTarget(path="a.py")),
+        ),
+    ],
+)
 def test_words_before_the_script_are_ddpkits(tmp_path, monkeypatch, words, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")
     assert parse_run_command(words) == expected
 
 
-@pytest.mark.parametrize("words,message", [
-    (["run", "nproc=2", "missing.py", "--lr", "0.1"],
-     "error: script 'missing.py' does not exist; give the path of a .py file"),
-    (["run", "nproc=2"], f"error: no script to run (a path ending in .py, or -m MODULE); {USAGE}"),
-    (["run", "nproc=2", "-m"], f"error: -m needs a module name; {USAGE}"),
-    (["run", "-m", "no_such_module_here.sub"], "error: no module named 'no_such_module_here' in the current folder"),
-    (["run", "nproc=0", "a.py"], "error: nproc=0 is not valid; it must be > 0"),
-    (["run", "nprocs=2", "a.py"], "error: unknown config key 'nprocs' (did you mean 'nproc'?)"),
-    (["run", "folder.py"], "error: script 'folder.py' is a folder, not a Python file"),
-    (["run", "nnodes=2", "master_port=29500", "a.py"], "error: nnodes=2 needs master_addr=HOST"),
-])
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        (
+            ["run", "nproc=2", "missing.py", "--lr", "0.1"],
+            "error: script 'missing.py' does not exist; give the path of a .py file",
+        ),
+        (["run", "nproc=2"], f"error: no script to run (a path ending in .py, or -m MODULE); {USAGE}"),
+        (["run", "nproc=2", "-m"], f"error: -m needs a module name; {USAGE}"),
+        (
+            ["run", "-m", "no_such_module_here.sub"],
+            "error: no module named 'no_such_module_here' in the current folder",
+        ),
+        (["run", "nproc=0", "a.py"], "error: nproc=0 is not valid; it must be > 0"),
+        (["run", "nprocs=2", "a.py"], "error: unknown config key 'nprocs' (did you mean 'nproc'?)"),
+        (["run", "folder.py"], "error: script 'folder.py' is a folder, not a Python file"),
+        (["run", "nnodes=2", "master_port=29500", "a.py"], "error: nnodes=2 needs master_addr=HOST"),
+    ],
+)
 def test_bad_input_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys, words, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")
@@ -120,10 +136,13 @@ def test_raising_rank_is_reported_once_with_its_traceback(launched):
     assert "should not get here" not in out.stdout
 
 
-@pytest.mark.parametrize("status,returncode,message", [
-    (3, 1, "error: worker rank 0 failed (exit code 3): exited without an error message"),
-    (75, 75, "ddpkit: preempted: a worker exited with status 75; run the same command to continue"),
-])
+@pytest.mark.parametrize(
+    "status,returncode,message",
+    [
+        (3, 1, "error: worker rank 0 failed (exit code 3): exited without an error message"),
+        (75, 75, "ddpkit: preempted: a worker exited with status 75; run the same command to continue"),
+    ],
+)
 def test_exit_status_of_a_rank(launched, status, returncode, message):
     out = launched[f"exit {status}"]
     assert out.returncode == returncode, out.stderr
@@ -146,15 +165,27 @@ def test_workers_ending_with_os_exit_0_finish_the_launch(launched):
 def test_missing_script_through_the_console_script_is_one_line(tmp_path):
     out = run_console_script("run", "nproc=2", "missing.py", cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr == (f"error: script 'missing.py' does not exist; give the path of a .py file "
-                          f"(relative paths start from the current folder {tmp_path})\n")
+    assert out.stderr == (
+        f"error: script 'missing.py' does not exist; give the path of a .py file "
+        f"(relative paths start from the current folder {tmp_path})\n"
+    )
 
 
 def test_console_script_imports_model_from_the_current_folder_in_every_worker(tmp_path):
     (tmp_path / "mymodels.py").write_text(
-        "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n")
-    out = run_console_script("train", "model=mymodels:build", "nproc=2", "epochs=1", "dataset=synthetic",
-                             "synthetic_samples=256", "checkpoint.enabled=false", "progress=false",
-                             f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
+        "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
+    )
+    out = run_console_script(
+        "train",
+        "model=mymodels:build",
+        "nproc=2",
+        "epochs=1",
+        "dataset=synthetic",
+        "synthetic_samples=256",
+        "checkpoint.enabled=false",
+        "progress=false",
+        f"output_dir={tmp_path / 'out'}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "out" / "summary.json").is_file()

@@ -19,35 +19,70 @@ from ddpkit.launch.sbatch import SbatchSpec, render_sbatch
 GOLDEN = Path(__file__).parent / "golden"
 
 RESOURCES = dict(
-    nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, partition="gpu", account="proj42",
-    qos="normal", time="2:00:00", project_root="/home/ada/ddp",
+    nodes=2,
+    tasks_per_node=4,
+    gpus_per_node=4,
+    cpus_per_task=8,
+    partition="gpu",
+    account="proj42",
+    qos="normal",
+    time="2:00:00",
+    project_root="/home/ada/ddp",
 )
 
 CASES = {
     "srun_venv": SbatchSpec(**RESOURCES, venv="/home/ada/venv", train_args=("model=mlp", "epochs=5")),
     "srun_apptainer_custom_command": SbatchSpec(
-        nodes=1, tasks_per_node=2, env_mode="apptainer", apptainer_image="/images/ddp.sif",
-        command=("python", "my_train.py"), train_args=("lr=0.1", "name=two words"), output="logs/%x-%j.out",
+        nodes=1,
+        tasks_per_node=2,
+        env_mode="apptainer",
+        apptainer_image="/images/ddp.sif",
+        command=("python", "my_train.py"),
+        train_args=("lr=0.1", "name=two words"),
+        output="logs/%x-%j.out",
         error="logs/%x-%j.err",
     ),
     "torchrun_modules_preempt_requeue": SbatchSpec(
-        **RESOURCES, launch_mode="torchrun", env_mode="modules", modules=("python/3.11", "cuda/12.4"),
-        nccl_debug="INFO", nccl_debug_subsys="INIT,NET", preempt_signal="USR1", requeue=True,
+        **RESOURCES,
+        launch_mode="torchrun",
+        env_mode="modules",
+        modules=("python/3.11", "cuda/12.4"),
+        nccl_debug="INFO",
+        nccl_debug_subsys="INIT,NET",
+        preempt_signal="USR1",
+        requeue=True,
         train_args=("model=cnn",),
     ),
     "torchrun_venv_staging_custom_command": SbatchSpec(
-        nodes=4, tasks_per_node=1, cpus_per_task=4, launch_mode="torchrun", venv="/home/ada/venv",
-        stage_data_from="/shared/datasets/fashion-mnist", command=("python", "my_train.py"),
+        nodes=4,
+        tasks_per_node=1,
+        cpus_per_task=4,
+        launch_mode="torchrun",
+        venv="/home/ada/venv",
+        stage_data_from="/shared/datasets/fashion-mnist",
+        command=("python", "my_train.py"),
         train_args=("epochs=1",),
     ),
     "mpirun_apptainer_gpu_staging": SbatchSpec(
-        **RESOURCES, launch_mode="mpirun", env_mode="apptainer", modules=("apptainer",),
-        apptainer_image="/images/ddp.sif", stage_data_from="/shared/fmnist", stage_data_to="$TMPDIR/fmnist",
-        nccl_debug="WARN", train_args=("model=mlp",),
+        **RESOURCES,
+        launch_mode="mpirun",
+        env_mode="apptainer",
+        modules=("apptainer",),
+        apptainer_image="/images/ddp.sif",
+        stage_data_from="/shared/fmnist",
+        stage_data_to="$TMPDIR/fmnist",
+        nccl_debug="WARN",
+        train_args=("model=mlp",),
     ),
     "mpirun_venv_preempt": SbatchSpec(
-        nodes=2, tasks_per_node=2, launch_mode="mpirun", venv="/home/ada/venv", preempt_signal="USR2",
-        preempt_grace_seconds=120, time="1-00:00", requeue=True,
+        nodes=2,
+        tasks_per_node=2,
+        launch_mode="mpirun",
+        venv="/home/ada/venv",
+        preempt_signal="USR2",
+        preempt_grace_seconds=120,
+        time="1-00:00",
+        requeue=True,
     ),
     "defaults": SbatchSpec(venv="/home/ada/venv"),
 }
@@ -92,10 +127,17 @@ def test_directives_follow_the_spec():
     script = render_sbatch(CASES["srun_venv"])
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert directives == [
-        "#SBATCH --job-name=ddpkit", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
-        "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8", "#SBATCH --partition=gpu",
-        "#SBATCH --account=proj42", "#SBATCH --qos=normal", "#SBATCH --time=2:00:00",
-        "#SBATCH --output=ddpkit-%j.out", "#SBATCH --chdir=/home/ada/ddp",
+        "#SBATCH --job-name=ddpkit",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj42",
+        "#SBATCH --qos=normal",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --output=ddpkit-%j.out",
+        "#SBATCH --chdir=/home/ada/ddp",
     ]
 
 
@@ -165,7 +207,9 @@ def test_invalid_spec_names_the_field_and_the_fix(fields, message):
     assert "\n" not in text
 
 
-@pytest.mark.parametrize("time, seconds_ok", [("90", True), ("1:30", True), ("2:00:00", True), ("1-0", True),
-                                               ("1-12:30", True), ("3-00:00:01", True)])
+@pytest.mark.parametrize(
+    "time, seconds_ok",
+    [("90", True), ("1:30", True), ("2:00:00", True), ("1-0", True), ("1-12:30", True), ("3-00:00:01", True)],
+)
 def test_every_slurm_time_format_is_accepted(time, seconds_ok):
     assert f"#SBATCH --time={time}" in render_sbatch(SbatchSpec(venv="/v", time=time))

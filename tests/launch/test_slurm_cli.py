@@ -24,17 +24,43 @@ def run(argv, capsys):
 
 def test_prints_the_script_of_the_options(capsys, tmp_path):
     argv = [
-        "nodes=2", "tasks_per_node=4", "gpus_per_node=4", "cpus_per_task=8", "partition=gpu", "account=proj42",
-        "qos=normal", "time=2:00:00", "launch=torchrun", "venv=/home/ada/venv", f"project_root={tmp_path}",
-        "preempt_signal=SIGUSR1", "nccl_debug=info", "model=cnn", "--", "epochs=1", "--not-an-option",
+        "nodes=2",
+        "tasks_per_node=4",
+        "gpus_per_node=4",
+        "cpus_per_task=8",
+        "partition=gpu",
+        "account=proj42",
+        "qos=normal",
+        "time=2:00:00",
+        "launch=torchrun",
+        "venv=/home/ada/venv",
+        f"project_root={tmp_path}",
+        "preempt_signal=SIGUSR1",
+        "nccl_debug=info",
+        "model=cnn",
+        "--",
+        "epochs=1",
+        "--not-an-option",
     ]
     status, out, err = run(argv, capsys)
 
     assert status == 0, err
     expected = SbatchSpec(
-        nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, partition="gpu", account="proj42",
-        qos="normal", time="2:00:00", launch_mode="torchrun", venv="/home/ada/venv", project_root=str(tmp_path),
-        preempt_signal="USR1", requeue=True, nccl_debug="INFO", train_args=("model=cnn", "epochs=1", "--not-an-option"),
+        nodes=2,
+        tasks_per_node=4,
+        gpus_per_node=4,
+        cpus_per_task=8,
+        partition="gpu",
+        account="proj42",
+        qos="normal",
+        time="2:00:00",
+        launch_mode="torchrun",
+        venv="/home/ada/venv",
+        project_root=str(tmp_path),
+        preempt_signal="USR1",
+        requeue=True,
+        nccl_debug="INFO",
+        train_args=("model=cnn", "epochs=1", "--not-an-option"),
     )
     assert out == render_sbatch(expected)
 
@@ -61,7 +87,9 @@ def test_relative_paths_are_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec = spec_of("venv=venv", "stage_data=data")
     assert (spec.venv, spec.stage_data_from, spec.project_root) == (
-        str(tmp_path / "venv"), str(tmp_path / "data"), str(tmp_path)
+        str(tmp_path / "venv"),
+        str(tmp_path / "data"),
+        str(tmp_path),
     )
 
 
@@ -93,8 +121,10 @@ def test_custom_command_is_split_like_a_shell(capsys):
         (["venv=/v", "epochs=many"], "error: training option: bad value for 'epochs'"),
         (["venv=/v", "epoch=3"], "error: training option: unknown config key 'epoch' (did you mean 'epochs'?)"),
         (["--nodes", "2"], "error: ddpkit slurm takes key=value words: write --nodes 2 as nodes=2"),
-        (["--ntasks-per-node=4"], "error: ddpkit slurm takes key=value words: write --ntasks-per-node=4 as "
-                                  "tasks_per_node=4"),
+        (
+            ["--ntasks-per-node=4"],
+            "error: ddpkit slurm takes key=value words: write --ntasks-per-node=4 as tasks_per_node=4",
+        ),
         (["--submit"], "error: ddpkit slurm takes key=value words: write --submit as submit=true"),
     ],
 )

@@ -12,11 +12,25 @@ from tests.cli_runner import PYTHONPATH
 
 @pytest.mark.slow
 def test_torchrun_two_workers(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "ddpkit", "train", "dataset=synthetic", "synthetic_samples=512", "epochs=1",
-               "progress=false", f"output_dir={tmp_path}"]
-    out = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": PYTHONPATH},
-                         capture_output=True, text=True, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ddpkit",
+        "train",
+        "dataset=synthetic",
+        "synthetic_samples=512",
+        "epochs=1",
+        "progress=false",
+        f"output_dir={tmp_path}",
+    ]
+    out = subprocess.run(
+        command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_steps"] == 8

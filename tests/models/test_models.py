@@ -55,10 +55,12 @@ def test_cnn_bn_is_cnn_with_batchnorm_after_each_convolution():
 def test_sync_batchnorm_on_cpu_is_one_line_before_launch(tmp_path, monkeypatch, capsys, device):
     monkeypatch.chdir(tmp_path)
     # In-process: tests/test_cli.py checks the exit status of the command itself.
-    assert main(["train", "model=cnn_bn", "sync_batchnorm=true", f"device={device}", "nproc=2",
-                 "dataset=synthetic"]) == 2
-    assert capsys.readouterr().err == ("error: sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm "
-                                       "supports CUDA only); drop it on CPU\n")
+    assert (
+        main(["train", "model=cnn_bn", "sync_batchnorm=true", f"device={device}", "nproc=2", "dataset=synthetic"]) == 2
+    )
+    assert capsys.readouterr().err == (
+        "error: sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm supports CUDA only); drop it on CPU\n"
+    )
     assert not (tmp_path / "runs").exists()  # no worker started
 
 
@@ -70,5 +72,6 @@ def test_prepare_model_refuses_sync_batchnorm_on_cpu():
             ddpkit.prepare_model(get_model_spec("cnn_bn").build(), sync_batchnorm=True)
     finally:
         distributed.shutdown()
-    assert str(error.value) == ("sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
-                                "drop it on CPU")
+    assert str(error.value) == (
+        "sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm supports CUDA only); drop it on CPU"
+    )

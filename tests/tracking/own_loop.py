@@ -91,14 +91,22 @@ def main() -> None:
     loader = ddpkit.DataLoader(train_set, global_batch_size=GLOBAL_BATCH, shuffle=True, seed=args.seed)
     test_loader = ddpkit.DataLoader(test_set, global_batch_size=GLOBAL_BATCH, shuffle=False)
     options = {"flush_seconds": 0.2} if args.kind == "wandb" else {}
-    tracker = ddpkit.Tracker(args.kind, args.out / "tracking", project="own-loop",
-                             config={"lr": 0.1, "epochs": args.epochs, "seed": args.seed}, **options)
-    ckpt = ddpkit.Checkpointer(args.out / "checkpoints", model=model, optimizer=optimizer, loader=loader,
-                               extra={"tracker": tracker})
+    tracker = ddpkit.Tracker(
+        args.kind,
+        args.out / "tracking",
+        project="own-loop",
+        config={"lr": 0.1, "epochs": args.epochs, "seed": args.seed},
+        **options,
+    )
+    ckpt = ddpkit.Checkpointer(
+        args.out / "checkpoints", model=model, optimizer=optimizer, loader=loader, extra={"tracker": tracker}
+    )
     start = ckpt.resume("auto")
     if ctx.rank == 0:
-        print(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: from global step {start.global_step}",
-              flush=True)
+        print(
+            f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: from global step {start.global_step}",
+            flush=True,
+        )
     for epoch in range(start.epoch, args.epochs):
         loader.set_epoch(epoch)
         for x, y in loader:

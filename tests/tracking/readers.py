@@ -56,8 +56,13 @@ def mlflow_client(folder: Path):
 @functools.cache
 def wandb_records(segment: Path) -> list[dict]:
     """The records of one offline run folder, through W&B's own reader (``wandb leet inspect --json``; read once)."""
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(segment)],
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(segment)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 

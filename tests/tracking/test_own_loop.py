@@ -35,15 +35,18 @@ def runs(tmp_path_factory):
     """Every job of this module, by name: (its folder, its result)."""
     # W&B writes its offline file every flush_seconds (0.2 s in own_loop.py): the epoch-2 evaluation, logged after
     # the epoch-2 checkpoint at a step the resumed run does not log again, must be on disk before the kill.
-    jobs = {kind: ["--kind", kind, "--kill-at", str(KILL_AT), "--pause", "2" if kind == "wandb" else "0"]
-            for kind in READERS}
+    jobs = {
+        kind: ["--kind", kind, "--kill-at", str(KILL_AT), "--pause", "2" if kind == "wandb" else "0"]
+        for kind in READERS
+    }
     jobs["read_only"] = ["--kind", "mlflow", "--read-only-at", str(READ_ONLY_AT)]
     results = {}
     with Commands() as commands:
         for name, words in jobs.items():
             folder = tmp_path_factory.mktemp(name)
-            out = commands.run("run", "nproc=2", "max_restarts=1", SCRIPT, *words, "--out", "job", cwd=folder,
-                               clean_environment=True)
+            out = commands.run(
+                "run", "nproc=2", "max_restarts=1", SCRIPT, *words, "--out", "job", cwd=folder, clean_environment=True
+            )
             results[name] = (folder / "job", out)
     database = results["read_only"][0] / "tracking" / "mlflow.db"
     if database.exists():  # MLflow's client, and pytest's clean-up, need it writable again
@@ -70,7 +73,9 @@ def test_hyperparameters_once_and_the_summary(runs):
     assert run.data.params == {key: str(value) for key, value in config.items()}
     assert run.info.status == "FINISHED" and run.data.tags["summary.final_accuracy"] == "1.0"
     segments = sorted((runs["wandb"][0] / "tracking" / "wandb").glob("offline-run-*"))
-    configs = [next(r["run"]["config"]["update"] for r in wandb_records(path) if r["type"] == "run") for path in segments]
+    configs = [
+        next(r["run"]["config"]["update"] for r in wandb_records(path) if r["type"] == "run") for path in segments
+    ]
     assert {key: value for key, value in configs[0].items() if key != "_wandb"} == config
     assert all(set(later) == {"_wandb"} for later in configs[1:])  # the resumed segments set no config
 
@@ -81,7 +86,8 @@ def test_read_only_database_is_one_warning_and_training_goes_on(runs):
     warnings = [line for line in out.stderr.splitlines() if "tracking:" in line and "failed" in line]
     assert len(warnings) == 1, out.stderr[-3000:]
     assert warnings[0].startswith("[rank 0/2] tracking: mlflow failed (") and warnings[0].endswith(
-        "tracking is off for the rest of this run; training and its checkpoints go on"), warnings[0]
+        "tracking is off for the rest of this run; training and its checkpoints go on"
+    ), warnings[0]
     assert "Traceback" not in out.stderr
     checkpoints = list_checkpoints(folder / "checkpoints")
     assert [info.global_step for info in checkpoints] == [12, 18]

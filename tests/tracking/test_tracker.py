@@ -19,8 +19,11 @@ from tests.train.checkpoint_helpers import LogRecords
 
 
 def test_unknown_kind_names_the_kinds():
-    with pytest.raises(ddpkit.UserError, match=r"^Tracker kind 'neptune' is not known; choose one of: csv, mlflow, "
-                                               r"tensorboard, wandb$"):
+    with pytest.raises(
+        ddpkit.UserError,
+        match=r"^Tracker kind 'neptune' is not known; choose one of: csv, mlflow, "
+        r"tensorboard, wandb$",
+    ):
         ddpkit.Tracker("neptune")
 
 
@@ -29,8 +32,9 @@ def test_missing_package_is_one_line_naming_the_extra(kind, package, monkeypatch
     monkeypatch.setitem(sys.modules, package, None)  # as without the extra: `import package` fails
     with pytest.raises(ddpkit.UserError) as error:
         ddpkit.Tracker(kind)
-    assert str(error.value) == (f"Tracker({kind!r}) needs the {package} package, which is not installed; "
-                                f"pip install 'ddpkit[{kind}]'")
+    assert str(error.value) == (
+        f"Tracker({kind!r}) needs the {package} package, which is not installed; pip install 'ddpkit[{kind}]'"
+    )
 
 
 def test_train_without_the_package_fails_before_any_worker(tmp_path, monkeypatch, capsys):
@@ -38,8 +42,10 @@ def test_train_without_the_package_fails_before_any_worker(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     words = ["dataset=synthetic", "synthetic_samples=256", "epochs=1", "device=cpu", "logger=mlflow", "output_dir=run"]
     assert main(["train", "nproc=2", *words]) == 2
-    assert capsys.readouterr().err == ("error: logger=mlflow needs the mlflow package, which is not installed; "
-                                       "pip install 'ddpkit[mlflow]', or use logger=jsonl\n")
+    assert capsys.readouterr().err == (
+        "error: logger=mlflow needs the mlflow package, which is not installed; "
+        "pip install 'ddpkit[mlflow]', or use logger=jsonl\n"
+    )
     assert not (tmp_path / "run").exists()  # no worker started, nothing written
 
 
@@ -105,8 +111,9 @@ def test_a_checkpoint_of_another_kind_starts_a_new_run(tmp_path):
     tracker = ddpkit.Tracker("csv", tmp_path / "b")
     with LogRecords() as logs:
         tracker.load_state_dict({"kind": "mlflow", "run_id": "abc", "step": 7})
-    assert logs.warnings() == ["tracking: the checkpoint continues mlflow run abc; this run tracks with csv: "
-                               "a new run starts"]
+    assert logs.warnings() == [
+        "tracking: the checkpoint continues mlflow run abc; this run tracks with csv: a new run starts"
+    ]
     tracker.log({"loss": 1.0}, step=1)  # not refused: the step count starts afresh
     tracker.close()
     assert READERS["csv"](tmp_path / "b")[0] == {"loss": [1]}

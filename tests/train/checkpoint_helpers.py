@@ -55,8 +55,9 @@ def mlp_dropout() -> nn.Module:
 
 def mlp_dropout_new_head() -> nn.Module:
     """mlp_dropout with a different last layer (5 classes) and one extra layer: a transfer target."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5),
-                         nn.Linear(5, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5), nn.Linear(5, 10)
+    )
 
 
 class _Signalled(nn.Module):
@@ -207,8 +208,11 @@ def final_state(trainer: Trainer) -> dict:
         "model": {k: v.clone() for k, v in trainer.module.state_dict().items()},
         "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.items()},
         "rng": capture_rng_state(),
-        "state": {**trainer.state.state_dict(), "epoch": trainer.loader.epoch,
-                  "step_in_epoch": trainer.loader.step_in_epoch},
+        "state": {
+            **trainer.state.state_dict(),
+            "epoch": trainer.loader.epoch,
+            "step_in_epoch": trainer.loader.step_in_epoch,
+        },
     }
 
 
@@ -220,13 +224,15 @@ def assert_bit_equal(a: dict, b: dict, what: str = "") -> None:
     assert a["optimizer"].keys() == b["optimizer"].keys()
     for index in a["optimizer"]:
         for key in a["optimizer"][index]:
-            assert torch.equal(a["optimizer"][index][key], b["optimizer"][index][key]), \
+            assert torch.equal(a["optimizer"][index][key], b["optimizer"][index][key]), (
                 f"{what}: optimizer state {index}.{key} differs"
+            )
     ra, rb = a["rng"], b["rng"]
     assert torch.equal(ra["torch"], rb["torch"]), f"{what}: torch RNG differs"
     assert ra["python"] == rb["python"], f"{what}: Python RNG differs"
-    assert torch.equal(ra["numpy"]["keys"], rb["numpy"]["keys"]) and ra["numpy"]["pos"] == rb["numpy"]["pos"], \
+    assert torch.equal(ra["numpy"]["keys"], rb["numpy"]["keys"]) and ra["numpy"]["pos"] == rb["numpy"]["pos"], (
         f"{what}: NumPy RNG differs"
+    )
     for key in ("global_step", "samples_seen", "epoch", "step_in_epoch"):
         assert a["state"][key] == b["state"][key], f"{what}: {key} differs"
 
@@ -261,9 +267,18 @@ class LogRecords(logging.Handler):
 # -- whole jobs through the ddpkit command -----------------------------------------
 
 CLI_WORDS = [
-    "nproc=2", "model=tests.train.checkpoint_helpers:signalled", "dataset=synthetic", "synthetic_samples=256",
-    "batch_size=16", "epochs=2", "allreduce=builtin", "threads=1", "progress=false",
-    "checkpoint.every_steps=4", "checkpoint.keep=100", "checkpoint.sync_seconds=0.001",
+    "nproc=2",
+    "model=tests.train.checkpoint_helpers:signalled",
+    "dataset=synthetic",
+    "synthetic_samples=256",
+    "batch_size=16",
+    "epochs=2",
+    "allreduce=builtin",
+    "threads=1",
+    "progress=false",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep=100",
+    "checkpoint.sync_seconds=0.001",
 ]
 """A 2-worker job of 2 x 16 steps; agreement on signals after every step, every checkpoint kept."""
 CLI_TOTAL_STEPS = 32
@@ -273,8 +288,7 @@ def run_job(output_dir, *words: str, env: dict[str, str] | None = None, timeout:
     """``ddpkit train CLI_WORDS... output_dir=...`` as a user runs it, in a process of its own."""
     from tests.cli_runner import run_ddpkit
 
-    return run_ddpkit("train", *CLI_WORDS, f"output_dir={output_dir}", *words, cwd=output_dir, env=env,
-                      timeout=timeout)
+    return run_ddpkit("train", *CLI_WORDS, f"output_dir={output_dir}", *words, cwd=output_dir, env=env, timeout=timeout)
 
 
 def run_job_here(commands: Commands, output_dir, *words: str, env: dict[str, str] | None = None):

@@ -25,8 +25,9 @@ from tests.train.checkpoint_helpers import train
 
 def _write(root, step, mode=0o600, **meta):
     objects = {"model.pt": {"w": torch.full((4,), float(step))}, "train.pt": {"step": step}}
-    return write_checkpoint(root, checkpoint_name(step), objects, {"config.yaml": "a: 1\n"},
-                            {"global_step": step, **meta}, mode)
+    return write_checkpoint(
+        root, checkpoint_name(step), objects, {"config.yaml": "a: 1\n"}, {"global_step": step, **meta}, mode
+    )
 
 
 class Payload:
@@ -148,9 +149,21 @@ def test_best_survives_pruning_of_its_step(tmp_path):
 
 
 def test_cadence_retention_and_metrics_lines_during_training(tmp_path):
-    train(0, 1, ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8",
-                 "epochs=2", f"output_dir={tmp_path}", "checkpoint.every_steps=5", "checkpoint.every_seconds=0.000001",
-                 "checkpoint.sync_seconds=0.000001", "checkpoint.keep=3"])
+    train(
+        0,
+        1,
+        [
+            "model=tests.train.checkpoint_helpers:mlp_dropout",
+            "synthetic_samples=90",
+            "batch_size=8",
+            "epochs=2",
+            f"output_dir={tmp_path}",
+            "checkpoint.every_steps=5",
+            "checkpoint.every_seconds=0.000001",
+            "checkpoint.sync_seconds=0.000001",
+            "checkpoint.keep=3",
+        ],
+    )
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     saved = [(line["global_step"], line["reason"]) for line in lines if line["event"] == "checkpoint"]
     # Every step is an agreement (sync_seconds tiny) and a timed save is always due; epoch ends save too,

@@ -12,8 +12,17 @@ from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, verify_checkpoin
 from ddpkit.cli import main
 from tests.cli_runner import PYTHONPATH
 
-WORDS = ["train", "nproc=1", "model=tests.train.checkpoint_helpers:killed_mid_save", "dataset=synthetic",
-         "synthetic_samples=256", "batch_size=16", "epochs=3", "threads=1", "progress=false"]
+WORDS = [
+    "train",
+    "nproc=1",
+    "model=tests.train.checkpoint_helpers:killed_mid_save",
+    "dataset=synthetic",
+    "synthetic_samples=256",
+    "batch_size=16",
+    "epochs=3",
+    "threads=1",
+    "progress=false",
+]
 
 
 @pytest.mark.slow
@@ -21,9 +30,15 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_resumable(tmp_path, mon
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     root = tmp_path / "runs" / "latest" / "checkpoints"
     # The model SIGKILLs the job from inside torch.save of the epoch-2 checkpoint (global step 32).
-    first = subprocess.run([sys.executable, "-m", "ddpkit", *WORDS], cwd=tmp_path,
-                           env={**env, "DDPKIT_TEST_KILL_SAVE_STEP": "32"}, capture_output=True, text=True,
-                           timeout=240, start_new_session=True)
+    first = subprocess.run(
+        [sys.executable, "-m", "ddpkit", *WORDS],
+        cwd=tmp_path,
+        env={**env, "DDPKIT_TEST_KILL_SAVE_STEP": "32"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        start_new_session=True,
+    )
     assert first.returncode == -signal.SIGKILL, first.stderr
     seen = os.listdir(root / checkpoint_name(32))
     assert any(name.startswith(".model.pt.tmp-") for name in seen) and MANIFEST not in seen, seen

@@ -54,8 +54,15 @@ def _train(folder, *words: str, env: dict[str, str] | None = None) -> subprocess
     """``ddpkit train`` in a session of its own (as a terminal's foreground job is), never past 240 s."""
     environ = {**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})}
     command = [sys.executable, "-m", "ddpkit", "train", *CLI_WORDS, "allreduce=shm", *words]
-    process = subprocess.Popen(command, cwd=folder, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=folder,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=240)
     finally:
@@ -92,8 +99,15 @@ def test_ctrl_c_checkpoints_at_the_step_exits_130_and_resume_auto_ends_bit_equal
         shm_before = _shm_segments()
         # During step 6, rank 1 sends SIGINT to the launcher's process group, as the terminal does on Ctrl-C:
         # that launcher is a command of its own, in a session of its own.
-        out = _train(tmp_path, env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGINT",
-                                    "DDPKIT_TEST_SIGNAL_TARGET": "group", "DDPKIT_TEST_STEP_SLEEP": "0.05"})
+        out = _train(
+            tmp_path,
+            env={
+                "DDPKIT_TEST_SIGNAL_STEP": "6",
+                "DDPKIT_TEST_SIGNAL": "SIGINT",
+                "DDPKIT_TEST_SIGNAL_TARGET": "group",
+                "DDPKIT_TEST_STEP_SLEEP": "0.05",
+            },
+        )
 
         assert out.returncode == EXIT_INTERRUPTED, out.stderr
         assert "Traceback" not in out.stderr, out.stderr

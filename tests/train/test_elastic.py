@@ -24,8 +24,12 @@ def test_sigkill_of_one_worker_at_a_random_step_restarts_and_ends_bit_equal(tmp_
     print(f"SIGKILL to rank 1 at global step {step}")
     with Commands() as commands:
         reference = reference_weights(commands)
-        out = run_job_here(commands, tmp_path, "max_restarts=1",
-                           env={"DDPKIT_TEST_SIGNAL_STEP": str(step), "DDPKIT_TEST_SIGNAL": "SIGKILL"})
+        out = run_job_here(
+            commands,
+            tmp_path,
+            "max_restarts=1",
+            env={"DDPKIT_TEST_SIGNAL_STEP": str(step), "DDPKIT_TEST_SIGNAL": "SIGKILL"},
+        )
     assert out.returncode == 0, f"seed {seed}: killed at step {step}:\n{out.stderr}"
     if step > 4:  # a checkpoint existed when rank 1 died
         assert "restart 1: resuming from the newest checkpoint" in out.stderr, out.stderr
@@ -37,8 +41,13 @@ def test_sigkill_of_one_worker_at_a_random_step_restarts_and_ends_bit_equal(tmp_
 def test_always_failing_worker_gives_up_after_exactly_max_restarts(tmp_path):
     attempts = tmp_path / "attempts"
     with Commands() as commands:
-        out = run_job_here(commands, tmp_path, "max_restarts=2", "model=tests.train.checkpoint_helpers:always_fails",
-                           env={"DDPKIT_TEST_ATTEMPTS": str(attempts)})
+        out = run_job_here(
+            commands,
+            tmp_path,
+            "max_restarts=2",
+            "model=tests.train.checkpoint_helpers:always_fails",
+            env={"DDPKIT_TEST_ATTEMPTS": str(attempts)},
+        )
     assert out.returncode == 1, out.stderr
     assert attempts.read_text().split() == ["0", "1", "2"]  # the first run and exactly 2 restarts
     assert "error: the job failed after 2 restart(s) (max_restarts=2)" in out.stderr, out.stderr

@@ -33,7 +33,10 @@ def test_export_then_init_from_reports_the_changed_layer(trained, tmp_path, caps
     assert main(["export", str(root / checkpoint_name(5)), str(tmp_path / "exported")]) == 0
     assert "exported" in capsys.readouterr().out
     info = json.loads((tmp_path / "exported" / "model.json").read_text())
-    assert info["model"]["name"] == "tests.train.checkpoint_helpers:mlp_dropout" and info["model"]["task"] == "classification"
+    assert (
+        info["model"]["name"] == "tests.train.checkpoint_helpers:mlp_dropout"
+        and info["model"]["task"] == "classification"
+    )
     assert info["source"]["global_step"] == 5
     assert stat.S_IMODE((tmp_path / "exported" / "model.pt").stat().st_mode) == 0o600
 
@@ -43,9 +46,17 @@ def test_export_then_init_from_reports_the_changed_layer(trained, tmp_path, caps
         assert torch.equal(tensor, trained_weights[name])
 
     with LogRecords() as logs:
-        new = make_trainer(0, 1, ["model=tests.train.checkpoint_helpers:mlp_dropout_new_head", "epochs=1",
-                                  "synthetic_samples=90", f"init_from={tmp_path / 'exported'}",
-                                  f"output_dir={tmp_path}/new"])
+        new = make_trainer(
+            0,
+            1,
+            [
+                "model=tests.train.checkpoint_helpers:mlp_dropout_new_head",
+                "epochs=1",
+                "synthetic_samples=90",
+                f"init_from={tmp_path / 'exported'}",
+                f"output_dir={tmp_path}/new",
+            ],
+        )
     close(new)
     report = "\n".join(message for _, message in logs.messages)
     assert "loaded 2 tensor(s)" in report, report

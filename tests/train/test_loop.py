@@ -41,8 +41,14 @@ WORDS = {"model": "mlp", "synthetic_samples": 101, "batch_size": 6, "epochs": 2,
 
 # W2 and W3 (and cnn_bn, whose BatchNorm trains without sync_batchnorm on CPU ranks) for a few steps.
 MODELS = {
-    "cnn": {"model": "cnn", "batch_size": 8, "batch_scope": "per_worker", "optimizer": "sgd", "lr": 0.01,
-            "momentum": 0.5},
+    "cnn": {
+        "model": "cnn",
+        "batch_size": 8,
+        "batch_scope": "per_worker",
+        "optimizer": "sgd",
+        "lr": 0.01,
+        "momentum": 0.5,
+    },
     "cnn_bn": {"model": "cnn_bn", "batch_size": 8},
     "autoencoder": {"model": "autoencoder", "batch_size": 16, "precision": "bf16"},
     "mlp-bf16-scale_lr": {"model": "mlp", "batch_size": 16, "precision": "bf16", "scale_lr": True},
@@ -65,9 +71,13 @@ def jobs(tmp_path_factory):
     :class:`Outcome` of 2: ``_train_each`` of TWO_RANK_RUNS (output folders root/name), 3: ``_train`` of WORDS
     (output folder root/3); and "root"."""
     root = tmp_path_factory.mktemp("two-ranks")
-    outcomes = run_side_by_side({2: (_train_each, 2, (TWO_RANK_RUNS, str(root)), {"timeout": 300}),
-                                 3: (_train, 3, (WORDS, str(root / "3")), {})},
-                                DYNAMO)  # every rank builds optimizers: torch._dynamo imported once, in the server
+    outcomes = run_side_by_side(
+        {
+            2: (_train_each, 2, (TWO_RANK_RUNS, str(root)), {"timeout": 300}),
+            3: (_train, 3, (WORDS, str(root / "3")), {}),
+        },
+        DYNAMO,
+    )  # every rank builds optimizers: torch._dynamo imported once, in the server
     return {**outcomes, "root": root}
 
 
@@ -85,9 +95,11 @@ def _assert_close(params, reference):
 @pytest.mark.slow
 def test_same_weights_and_metrics_for_1_2_3_workers(tmp_path, jobs):
     # One worker needs no process group of ours: it trains here, as `ddpkit train nproc=1` does, without a spawn.
-    results = {1: [_train(0, 1, WORDS, str(tmp_path / "1"))],
-               2: [by_name["auto"] for by_name in jobs[2].get()],
-               3: jobs[3].get()}
+    results = {
+        1: [_train(0, 1, WORDS, str(tmp_path / "1"))],
+        2: [by_name["auto"] for by_name in jobs[2].get()],
+        3: jobs[3].get(),
+    }
     reference_summary, reference_params, _ = results[1][0]
     for n in (2, 3):
         for summary, params, _ in results[n]:

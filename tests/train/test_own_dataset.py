@@ -149,10 +149,25 @@ def _checkpoints(folder: Path, prefix: str = "step-") -> list[str]:
     return sorted(path.name for path in folders if (path / "manifest.json").is_file())
 
 
-IMAGE_WORDS = ("dataset=mymod:build_images", "model=mymod:image_net", "task=classification", "nproc=2", "epochs=3",
-               "batch_size=8", "optimizer=sgd", "lr=0.5")
-TABLE_WORDS = ("dataset=mymod:build_table", "model=mymod:table_net", "task=regression", "nproc=1", "batch_size=16",
-               "optimizer=sgd", "lr=0.1")
+IMAGE_WORDS = (
+    "dataset=mymod:build_images",
+    "model=mymod:image_net",
+    "task=classification",
+    "nproc=2",
+    "epochs=3",
+    "batch_size=8",
+    "optimizer=sgd",
+    "lr=0.5",
+)
+TABLE_WORDS = (
+    "dataset=mymod:build_table",
+    "model=mymod:table_net",
+    "task=regression",
+    "nproc=1",
+    "batch_size=16",
+    "optimizer=sgd",
+    "lr=0.1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +196,10 @@ def runs(tmp_path_factory) -> dict:
     (table / "mymod.py").write_text(MYMOD)
 
     results = {"images": {"folder": images}, "table": {"folder": table, "variance": variance}}
-    commands_of = {"images": (IMAGE_WORDS, (*IMAGE_WORDS, "resume=auto")),
-                   "table": ((*TABLE_WORDS, "epochs=2"), (*TABLE_WORDS, "epochs=4", "resume=auto"))}
+    commands_of = {
+        "images": (IMAGE_WORDS, (*IMAGE_WORDS, "resume=auto")),
+        "table": ((*TABLE_WORDS, "epochs=2"), (*TABLE_WORDS, "epochs=4", "resume=auto")),
+    }
     with Commands() as commands:
         for name, (first, second) in commands_of.items():
             result, folder = results[name], results[name]["folder"]
@@ -212,8 +229,12 @@ def table_run(runs):
 
 def test_png_folder_classification_trains_and_writes_checkpoints(image_run):
     summary = image_run["summary"]
-    assert (summary["task"], summary["world_size"], summary["epochs"], summary["global_steps"]) == \
-        ("classification", 2, 3, 15)
+    assert (summary["task"], summary["world_size"], summary["epochs"], summary["global_steps"]) == (
+        "classification",
+        2,
+        3,
+        15,
+    )
     assert summary["test"]["accuracy"] > 0.75  # chance is 0.5
     steps, best = image_run["checkpoints"]
     assert steps == ["step-000000010", "step-000000015"]  # keep=2, one per epoch
@@ -223,8 +244,9 @@ def test_png_folder_classification_trains_and_writes_checkpoints(image_run):
 def test_resume_auto_on_a_finished_run_continues_fine(image_run):
     again = image_run["again"]
     assert again.returncode == 0, again.stdout + again.stderr
-    assert re.search(r"resumed from \S+step-000000015 \(global step 15: 3 epoch\(s\) complete\)",
-                     again.stderr), again.stderr
+    assert re.search(r"resumed from \S+step-000000015 \(global step 15: 3 epoch\(s\) complete\)", again.stderr), (
+        again.stderr
+    )
     assert "this run is finished: all 3 epochs are complete; nothing to train" in again.stderr, again.stderr
     summary = image_run["summary_again"]
     assert summary["global_steps"] == 15 and summary["epochs"] == 3
@@ -240,7 +262,9 @@ def test_csv_regression_trains_and_resumes_with_more_epochs(table_run):
 
     more = table_run["again"]
     assert more.returncode == 0, more.stdout + more.stderr
-    assert re.search(r"resumed from \S+step-000000020 \(global step 20: 2 epoch\(s\) complete\)", more.stderr), more.stderr
+    assert re.search(r"resumed from \S+step-000000020 \(global step 20: 2 epoch\(s\) complete\)", more.stderr), (
+        more.stderr
+    )
     continued = table_run["summary_again"]
     assert (continued["global_steps"], continued["epochs"]) == (40, 4)
     assert continued["test"]["mse"] < 0.05 * variance

@@ -14,8 +14,17 @@ from ddpkit.cli import main
 from ddpkit.train.plot import label_runs, read_run
 from tests.cli_runner import REPO
 
-RUN = ["train", "nproc=1", "dataset=synthetic", "synthetic_samples=768", "epochs=2", "log_every=4",
-       "progress=false", "checkpoint.enabled=false", "device=cpu"]
+RUN = [
+    "train",
+    "nproc=1",
+    "dataset=synthetic",
+    "synthetic_samples=768",
+    "epochs=2",
+    "log_every=4",
+    "progress=false",
+    "checkpoint.enabled=false",
+    "device=cpu",
+]
 DPI, PANEL_INCHES = 110, (5.0, 4.0)
 RUN_COLORS = ((31, 119, 180), (255, 127, 14))  # matplotlib's C0 and C1: the first and second run
 
@@ -74,23 +83,28 @@ def test_one_run_through_latest_link_and_epoch_axis(two_runs, tmp_path):
 
 
 def test_resumed_run_counts_the_later_line(tmp_path):
-    rows = [{"event": "train", "epoch": 0, "global_step": step, "loss": loss, "samples_per_s": 1.0, "lr": 0.1}
-            for step, loss in ((1, 3.0), (2, 2.0), (2, 1.5), (3, 1.0))]  # resumed at step 1: step 2 again
+    rows = [
+        {"event": "train", "epoch": 0, "global_step": step, "loss": loss, "samples_per_s": 1.0, "lr": 0.1}
+        for step, loss in ((1, 3.0), (2, 2.0), (2, 1.5), (3, 1.0))
+    ]  # resumed at step 1: step 2 again
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"event": "tr')
     run = read_run(tmp_path)  # the cut last line of a killed run is left out
     assert [(line["global_step"], line["loss"]) for line in run.train] == [(1, 3.0), (2, 1.5), (3, 1.0)]
     assert run.settings == {} and label_runs([run])[0].label == tmp_path.name
 
 
-@pytest.mark.parametrize("make,words,message", [
-    (None, ["nowhere"], "error: nowhere does not exist; pass a run folder"),
-    ("folder", ["run"], "error: run holds no metrics.jsonl (ddpkit train writes one into its output_dir)"),
-    ("empty", ["run"], "error: run/metrics.jsonl is empty: the run has not written a line yet"),
-    ("garbled", ["run"], "error: line 1 of run/metrics.jsonl is not JSON"),
-    ("empty", [], "error: ddpkit plot needs a run folder"),
-    ("empty", ["run", "x=time"], "error: x='time' is not valid; choose one of: step, epoch"),
-    ("empty", ["run", "panels=loss,acc"], "error: panels='acc' is not valid; choose one of: loss, test,"),
-])
+@pytest.mark.parametrize(
+    "make,words,message",
+    [
+        (None, ["nowhere"], "error: nowhere does not exist; pass a run folder"),
+        ("folder", ["run"], "error: run holds no metrics.jsonl (ddpkit train writes one into its output_dir)"),
+        ("empty", ["run"], "error: run/metrics.jsonl is empty: the run has not written a line yet"),
+        ("garbled", ["run"], "error: line 1 of run/metrics.jsonl is not JSON"),
+        ("empty", [], "error: ddpkit plot needs a run folder"),
+        ("empty", ["run", "x=time"], "error: x='time' is not valid; choose one of: step, epoch"),
+        ("empty", ["run", "panels=loss,acc"], "error: panels='acc' is not valid; choose one of: loss, test,"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, make, words, message):
     monkeypatch.chdir(tmp_path)
     if make:
@@ -107,11 +121,20 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, make, words, messa
 
 def test_without_matplotlib_names_the_extra(two_runs, tmp_path):
     # A Python where `import matplotlib` fails, as without the plot extra.
-    code = ("import sys; sys.modules['matplotlib'] = None; from ddpkit.cli import main; "
-            f"sys.exit(main(['plot', {str(two_runs[0])!r}, 'output=out.png']))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from ddpkit.cli import main; "
+        f"sys.exit(main(['plot', {str(two_runs[0])!r}, 'output=out.png']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
     assert out.returncode == 2
-    assert out.stderr == ("error: ddpkit plot needs matplotlib, which is not installed; "
-                          "pip install 'ddpkit[plot]'\n"), out.stderr
+    assert out.stderr == (
+        "error: ddpkit plot needs matplotlib, which is not installed; pip install 'ddpkit[plot]'\n"
+    ), out.stderr
     assert not (tmp_path / "out.png").exists()

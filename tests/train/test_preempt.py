@@ -77,12 +77,27 @@ def jobs(tmp_path_factory) -> dict:
     with Commands() as commands:
         reference_weights(commands)
         folder = tmp_path_factory.mktemp("one-worker")
-        results["one_worker"] = (folder, run_job_here(
-            commands, folder, "max_restarts=1", "checkpoint.async_save=true", env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGUSR1"}))
+        results["one_worker"] = (
+            folder,
+            run_job_here(
+                commands,
+                folder,
+                "max_restarts=1",
+                "checkpoint.async_save=true",
+                env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGUSR1"},
+            ),
+        )
 
         folder = tmp_path_factory.mktemp("launcher")
-        out = run_job(folder, env={"DDPKIT_TEST_SIGNAL_STEP": "6", "DDPKIT_TEST_SIGNAL": "SIGTERM",
-                                   "DDPKIT_TEST_SIGNAL_TARGET": "parent", "DDPKIT_TEST_STEP_SLEEP": "0.05"})
+        out = run_job(
+            folder,
+            env={
+                "DDPKIT_TEST_SIGNAL_STEP": "6",
+                "DDPKIT_TEST_SIGNAL": "SIGTERM",
+                "DDPKIT_TEST_SIGNAL_TARGET": "parent",
+                "DDPKIT_TEST_STEP_SLEEP": "0.05",
+            },
+        )
         saved = manifests(folder)
         again = run_job_here(commands, folder, "resume=auto") if out.returncode == EXIT_PREEMPTED else None
         results["launcher"] = (folder, out, saved, again)

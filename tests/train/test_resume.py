@@ -11,8 +11,13 @@ from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, close, 
 from tests.train.test_checkpoint import plant_payload
 
 # 90 samples, global batch 8: 12 steps per epoch, the last one of 2 samples (split 1 + 1 on 2 ranks).
-WORDS = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8", "epochs=2",
-         "checkpoint.every_steps=5"]
+WORDS = [
+    "model=tests.train.checkpoint_helpers:mlp_dropout",
+    "synthetic_samples=90",
+    "batch_size=8",
+    "epochs=2",
+    "checkpoint.every_steps=5",
+]
 STEPS_PER_EPOCH = 12
 
 
@@ -135,10 +140,10 @@ def test_other_world_size_sees_every_sample_once(tmp_path):
     words = ["model=tests.train.checkpoint_helpers:mlp_dropout", "synthetic_samples=90", "batch_size=8", "epochs=1"]
     a, b = f"output_dir={tmp_path}/a", f"output_dir={tmp_path}/b"
     # One worker needs no process group: those phases run here; the two-worker ones in worker processes.
-    (one_first, no_warnings), = _phases(0, 1, [[*words, b, "max_steps=7"]])
+    ((one_first, no_warnings),) = _phases(0, 1, [[*words, b, "max_steps=7"]])
     with warm_workers(DYNAMO):  # the ranks build optimizers: torch._dynamo imported once, in the server
         two = run_on_ranks(_phases, 2, [[*words, b, "resume=auto"], [*words, a, "max_steps=5"]])
-    (one_then, warnings_2_to_1), = _phases(0, 1, [[*words, a, "resume=auto"]])
+    ((one_then, warnings_2_to_1),) = _phases(0, 1, [[*words, a, "resume=auto"]])
 
     samples_1_to_2 = one_first + two[0][0][0] + two[1][0][0]
     assert sorted(samples_1_to_2) == list(range(90))
@@ -151,8 +156,10 @@ def test_other_world_size_sees_every_sample_once(tmp_path):
 
 def test_changed_global_batch_is_refused(tmp_path):
     _checkpointed_run(tmp_path)
-    with pytest.raises(CheckpointError, match="its loader does not fit .* saved with global_batch_size=8 but this "
-                                              "sampler has global_batch_size=16"):
+    with pytest.raises(
+        CheckpointError,
+        match="its loader does not fit .* saved with global_batch_size=8 but this sampler has global_batch_size=16",
+    ):
         train(0, 1, [*WORDS, f"output_dir={tmp_path}", "resume=auto", "batch_size=16"])
 
 
@@ -165,8 +172,17 @@ def test_resume_restores_the_optimizer_state_on_the_parameters_device_and_dtype(
     """
     root = _checkpointed_run(tmp_path)
     saved = load_file(root / checkpoint_name(7) / "optimizer.pt")["state"]
-    trainer, _ = train(0, 1, [*WORDS, f"output_dir={tmp_path}", f"resume={root / checkpoint_name(7)}", "max_steps=7",
-                              "checkpoint.enabled=false"])
+    trainer, _ = train(
+        0,
+        1,
+        [
+            *WORDS,
+            f"output_dir={tmp_path}",
+            f"resume={root / checkpoint_name(7)}",
+            "max_steps=7",
+            "checkpoint.enabled=false",
+        ],
+    )
     assert trainer.state.global_step == 7  # resumed at its step, nothing trained since
     restored = trainer.optimizer.state_dict()["state"]
     params = list(trainer.module.parameters())

@@ -37,8 +37,7 @@ def test_a_fresh_run_gets_a_new_folder_named_by_model_dataset_and_time(here):
 def test_a_slurm_job_s_ranks_and_its_requeued_runs_share_one_folder(here):
     environ = {"SLURM_JOB_ID": "4242"}
     assert plan_run_folder(cfg(), environ).as_posix() == "runs/mlp-synthetic/slurm-4242"
-    assert plan_run_folder(cfg(), {**environ, "SLURM_RESTART_COUNT": "1"}).as_posix() == \
-        "runs/mlp-synthetic/slurm-4242"
+    assert plan_run_folder(cfg(), {**environ, "SLURM_RESTART_COUNT": "1"}).as_posix() == "runs/mlp-synthetic/slurm-4242"
 
 
 def test_resume_auto_and_restarts_continue_the_newest_run_of_the_same_model_and_dataset(here):
@@ -74,8 +73,10 @@ def test_train_twice_in_one_folder_then_resume_auto_continues_the_latest(here, c
 
     assert main(["train", *TINY, "epochs=2", "resume=auto"]) == 0
     err = capsys.readouterr().err
-    assert f"resumed from runs/mlp-synthetic/{second.name}/checkpoints/step-000000008 (global step 8: " \
-           "1 epoch(s) complete)" in err, err
+    assert (
+        f"resumed from runs/mlp-synthetic/{second.name}/checkpoints/step-000000008 (global step 8: "
+        "1 epoch(s) complete)" in err
+    ), err
     assert LATEST.resolve() == second
     summary = json.loads((second / "summary.json").read_text())
     assert (summary["epochs"], summary["global_steps"]) == (2, 16)

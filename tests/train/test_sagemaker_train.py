@@ -31,8 +31,14 @@ if __name__ == "__main__":  # the workers ddpkit starts import this file again
     ddpkit.cli.run()
 """
 """The entry_point script of the README's estimator."""
-HYPERPARAMETERS = {"model": "mlp", "dataset": "synthetic", "synthetic_samples": 256, "batch_size": 64,
-                   "epochs": 1, "progress": False}
+HYPERPARAMETERS = {
+    "model": "mlp",
+    "dataset": "synthetic",
+    "synthetic_samples": 256,
+    "batch_size": 64,
+    "epochs": 1,
+    "progress": False,
+}
 STEPS_PER_EPOCH = 256 // 64
 
 pytestmark = pytest.mark.slow  # each test starts ddpkit (and torch) in fresh processes
@@ -43,9 +49,14 @@ def start_entry_point(base: Path, environ: dict[str, str], args: list[str]) -> s
     code = base / "code"
     code.mkdir(exist_ok=True)
     (code / "train.py").write_text(ENTRY_POINT)
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=code, text=True,
-                            env={**environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=code,
+        text=True,
+        env={**environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def run_entry_point(base: Path, environ: dict[str, str], args: list[str]) -> str:
@@ -68,7 +79,9 @@ def test_trains_into_sagemakers_folders_and_resumes_from_the_checkpoints(tmp_pat
     checkpoints = sorted(p.name for p in (base / "checkpoints").iterdir())
     assert checkpoints, output  # /opt/ml/checkpoints: what SageMaker syncs to checkpoint_s3_uri
     summary = json.loads((base / "output/data/summary.json").read_text())
-    assert summary["global_steps"] == STEPS_PER_EPOCH and summary["config"]["data_dir"] == str(base / "input/data/training")
+    assert summary["global_steps"] == STEPS_PER_EPOCH and summary["config"]["data_dir"] == str(
+        base / "input/data/training"
+    )
     assert (base / "output/data/metrics.jsonl").is_file()
     model, info = load_exported(base / "model")  # SM_MODEL_DIR, uploaded as model.tar.gz
     assert info["source"]["global_step"] == STEPS_PER_EPOCH and info["model"]["name"] == "mlp"
@@ -132,14 +145,20 @@ def test_under_the_toolkits_torchrun(tmp_path):
     base = write_job(tmp_path, ["algo-1"], "algo-1", HYPERPARAMETERS)
     environ, _ = toolkit_environment(base)  # its import made the code folder
     (base / "code" / "train.py").write_text(ENTRY_POINT)
-    made = subprocess.run([sys.executable, "-c", _TOOLKIT_TORCHRUN], env=environ, capture_output=True, text=True,
-                          timeout=120)
+    made = subprocess.run(
+        [sys.executable, "-c", _TOOLKIT_TORCHRUN], env=environ, capture_output=True, text=True, timeout=120
+    )
     assert made.returncode == 0, made.stderr
     command = json.loads(made.stdout.strip().splitlines()[-1])
     assert command[:5] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
-    environ = {**environ, "SM_NUM_GPUS": "2", "PET_MASTER_PORT": str(free_port()),
-               "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    environ = {
+        **environ,
+        "SM_NUM_GPUS": "2",
+        "PET_MASTER_PORT": str(free_port()),
+        "PYTHONPATH": PYTHONPATH,
+        "OMP_NUM_THREADS": "1",
+    }
     done = subprocess.run(torchrun, cwd=base / "code", env=environ, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "torchrun: world_size 2" in done.stdout + done.stderr

@@ -20,8 +20,9 @@ ONE_MIB = 1 << 20  # what the segment of 2 workers (4 MiB) does not fit in
 
 def train_in_small_shm(tmp_path, *words: str) -> subprocess.CompletedProcess:
     argv = with_shm_of(ONE_MIB, [sys.executable, "-m", "ddpkit", "train", "nproc=2", *TINY, *words])
-    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    return subprocess.run(
+        argv, cwd=tmp_path, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": PYTHONPATH}
+    )
 
 
 def test_allreduce_auto_falls_back_to_gloo_with_one_line_naming_the_fix(tmp_path):

@@ -13,8 +13,16 @@ from ddpkit.cli import main, parse_train_config
 from ddpkit.config import ConfigError
 from tests.helpers.launch_in_process import Commands
 
-RUN = ["dataset=synthetic", "synthetic_samples=768", "epochs=2", "log_every=4", "progress=false",
-       "checkpoint.enabled=false", "device=cpu", "logger=tensorboard"]
+RUN = [
+    "dataset=synthetic",
+    "synthetic_samples=768",
+    "epochs=2",
+    "log_every=4",
+    "progress=false",
+    "checkpoint.enabled=false",
+    "device=cpu",
+    "logger=tensorboard",
+]
 
 
 def _lines(run: Path) -> list[dict]:
@@ -78,8 +86,11 @@ def test_two_workers_rank_zero_writes_once(tmp_path):
 
 
 def test_unknown_logger_is_refused():
-    with pytest.raises(ConfigError, match=r"^logger='neptune' is not valid; choose one of: jsonl, csv, mlflow, "
-                                          r"tensorboard, wandb$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^logger='neptune' is not valid; choose one of: jsonl, csv, mlflow, "
+        r"tensorboard, wandb$",
+    ):
         parse_train_config(["logger=neptune"])
 
 
@@ -91,6 +102,8 @@ def test_without_tensorboard_fails_before_any_worker(tmp_path, monkeypatch, caps
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.chdir(tmp_path)
     assert main(["train", "nproc=2", *RUN, "output_dir=run"]) == 2
-    assert capsys.readouterr().err == ("error: logger=tensorboard needs the tensorboard package, which is not "
-                                       "installed; pip install 'ddpkit[tensorboard]', or use logger=jsonl\n")
+    assert capsys.readouterr().err == (
+        "error: logger=tensorboard needs the tensorboard package, which is not "
+        "installed; pip install 'ddpkit[tensorboard]', or use logger=jsonl\n"
+    )
     assert not (tmp_path / "run").exists()  # no worker started, nothing written

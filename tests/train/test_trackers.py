@@ -31,8 +31,14 @@ def jobs(tmp_path_factory):
     with Commands() as commands:
         for kind in KINDS:
             folder = tmp_path_factory.mktemp(kind)
-            out = run_job_here(commands, folder, "max_restarts=1", "log_every=2", f"logger={kind}",
-                               env={"DDPKIT_TEST_SIGNAL_STEP": "23", "DDPKIT_TEST_SIGNAL": "SIGKILL"})
+            out = run_job_here(
+                commands,
+                folder,
+                "max_restarts=1",
+                "log_every=2",
+                f"logger={kind}",
+                env={"DDPKIT_TEST_SIGNAL_STEP": "23", "DDPKIT_TEST_SIGNAL": "SIGKILL"},
+            )
             results[kind] = (folder, out)
     return results
 

@@ -58,8 +58,13 @@ class StallConfig:
 
 def _model(cfg: StallConfig) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(cfg.io, cfg.width), nn.ReLU(), nn.Linear(cfg.width, cfg.width), nn.ReLU(),
-                         nn.Linear(cfg.width, cfg.io))
+    return nn.Sequential(
+        nn.Linear(cfg.io, cfg.width),
+        nn.ReLU(),
+        nn.Linear(cfg.width, cfg.width),
+        nn.ReLU(),
+        nn.Linear(cfg.width, cfg.io),
+    )
 
 
 def _window(cfg: StallConfig, model: nn.Module, optimizer: Any, batch: Any, ckpt: Checkpointer | None) -> float:
@@ -81,8 +86,14 @@ def _same_files(model: nn.Module, optimizer: Any, folder: Path) -> bool:
     """One sync and one async save of the same state: every file identical (the manifest but its time)."""
     paths = []
     for mode in ("sync", "async"):
-        ckpt = Checkpointer(folder / f"same-{mode}", model=model, optimizer=optimizer, on_epoch_end=False,
-                            preempt_signals=(), async_save=mode == "async")
+        ckpt = Checkpointer(
+            folder / f"same-{mode}",
+            model=model,
+            optimizer=optimizer,
+            on_epoch_end=False,
+            preempt_signals=(),
+            async_save=mode == "async",
+        )
         paths.append(ckpt.save())
         ckpt.close()
     names = sorted(p.name for p in paths[0].iterdir())
@@ -100,15 +111,27 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     batch = torch.randn(cfg.batch_size, cfg.io), torch.randn(cfg.batch_size, cfg.io)
     windows: dict[str, list[float]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="ddpkit-stall-", dir=cfg.folder or None) as tmp:
-        ckpts = {mode: Checkpointer(Path(tmp) / mode, model=model, optimizer=optimizer, on_epoch_end=False, keep=1,
-                                    preempt_signals=(), async_save=mode == "async") for mode in ("sync", "async")}
+        ckpts = {
+            mode: Checkpointer(
+                Path(tmp) / mode,
+                model=model,
+                optimizer=optimizer,
+                on_epoch_end=False,
+                keep=1,
+                preempt_signals=(),
+                async_save=mode == "async",
+            )
+            for mode in ("sync", "async")
+        }
         for mode in MODES:  # warm-up: first allocations, first writes
             _window(cfg, model, optimizer, batch, ckpts.get(mode))
         for round_index in range(cfg.rounds):
             for mode in MODES:
                 windows[mode].append(_window(cfg, model, optimizer, batch, ckpts.get(mode)))
-            print(f"T10 round {round_index + 1}: " + ", ".join(f"{m} {windows[m][-1]:.2f}s" for m in MODES),
-                  file=sys.stderr)
+            print(
+                f"T10 round {round_index + 1}: " + ", ".join(f"{m} {windows[m][-1]:.2f}s" for m in MODES),
+                file=sys.stderr,
+            )
         for ckpt in ckpts.values():
             ckpt.close()
         identical = _same_files(model, optimizer, Path(tmp))
@@ -116,9 +139,14 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     median = {mode: statistics.median(windows[mode]) for mode in MODES}
     lost = {mode: median[mode] - median["none"] for mode in ("sync", "async")}
     return {
-        "config": dataclasses.asdict(cfg), "parameters": sum(p.numel() for p in model.parameters()),
-        "checkpoint_bytes": state_bytes, "windows_s": windows, "window_s_median": median, "lost_per_save_s": lost,
-        "async_lost_over_sync_lost": lost["async"] / lost["sync"], "files_identical": identical,
+        "config": dataclasses.asdict(cfg),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "checkpoint_bytes": state_bytes,
+        "windows_s": windows,
+        "window_s_median": median,
+        "lost_per_save_s": lost,
+        "async_lost_over_sync_lost": lost["async"] / lost["sync"],
+        "files_identical": identical,
     }
 
 

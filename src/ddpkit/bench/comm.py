@@ -191,8 +191,10 @@ class CommBenchConfig:
             raise ConfigError(f"ops is empty; name at least one of: {', '.join((*BENCHMARKED_COLLECTIVES, PINGPONG))}")
         for op in self.ops:
             if op not in (*BENCHMARKED_COLLECTIVES, PINGPONG):
-                raise ConfigError(f"ops: {op!r} is not an op this benchmark runs; choose among: "
-                                  f"{', '.join((*BENCHMARKED_COLLECTIVES, PINGPONG))}")
+                raise ConfigError(
+                    f"ops: {op!r} is not an op this benchmark runs; choose among: "
+                    f"{', '.join((*BENCHMARKED_COLLECTIVES, PINGPONG))}"
+                )
         if len(set(self.ops)) != len(self.ops):
             raise ConfigError(f"ops={self.ops} names an op twice; name each once")
         if "/" in self.tag or self.tag.startswith("."):
@@ -377,8 +379,16 @@ def _slowest_rank(samples: list[float]) -> tuple[list[float], list[float]]:
     return slowest, [statistics.median(t.tolist()) for t in every]
 
 
-def _collective_row(op: str, algorithm: str, count: int, element_size: int, world_size: int, iterations: int,
-                    slowest: list[float], rank_medians: list[float]) -> dict[str, Any]:
+def _collective_row(
+    op: str,
+    algorithm: str,
+    count: int,
+    element_size: int,
+    world_size: int,
+    iterations: int,
+    slowest: list[float],
+    rank_medians: list[float],
+) -> dict[str, Any]:
     num_bytes = count * element_size
     time_us = summarize([s * 1e6 for s in slowest])
     seconds = time_us["median"] / 1e6
@@ -397,8 +407,9 @@ def _collective_row(op: str, algorithm: str, count: int, element_size: int, worl
     }
 
 
-def _sweep_collective(op: str, algorithms: list[str], cfg: CommBenchConfig, rank: int, world_size: int,
-                      table: TerminalTable) -> list[dict[str, Any]]:
+def _sweep_collective(
+    op: str, algorithms: list[str], cfg: CommBenchConfig, rank: int, world_size: int, table: TerminalTable
+) -> list[dict[str, Any]]:
     """Measure ``op`` with each algorithm at each size; every rank calls this in the same order."""
     import torch
 
@@ -424,8 +435,9 @@ def _sweep_collective(op: str, algorithms: list[str], cfg: CommBenchConfig, rank
         size_rows = []
         for name in calls:
             slowest, rank_medians = _slowest_rank(samples[name])
-            size_rows.append(_collective_row(op, name, count, element_size, world_size, iterations[name],
-                                             slowest, rank_medians))
+            size_rows.append(
+                _collective_row(op, name, count, element_size, world_size, iterations[name], slowest, rank_medians)
+            )
         _add_ratios(size_rows)
         for row in size_rows:
             table.collective_row(row)
@@ -465,8 +477,11 @@ def _pingpong_point(peer: int, rank: int, count: int, dtype: Any, cfg: CommBench
         _synchronize(cfg)
         times.append(time.perf_counter() - start)
     # Rank 0 times the round trips, so it chooses the batch size and tells the peer.
-    agreed = torch.tensor([cfg.iterations or iterations_for(statistics.median(times), cfg.target_seconds, cfg.repeats)],
-                          dtype=torch.int64, device=control_device())
+    agreed = torch.tensor(
+        [cfg.iterations or iterations_for(statistics.median(times), cfg.target_seconds, cfg.repeats)],
+        dtype=torch.int64,
+        device=control_device(),
+    )
     if rank == 0:
         dist.send(agreed, other)
     else:
@@ -489,8 +504,9 @@ def _message_device(cfg: CommBenchConfig) -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
 
 
-def _sweep_pingpong(cfg: CommBenchConfig, rank: int, world_size: int, nodes: list[dict[str, Any]],
-                    table: TerminalTable) -> list[dict[str, Any]]:
+def _sweep_pingpong(
+    cfg: CommBenchConfig, rank: int, world_size: int, nodes: list[dict[str, Any]], table: TerminalTable
+) -> list[dict[str, Any]]:
     """Ping-pong between rank 0 and each other rank in turn; every rank calls this."""
     import torch
     import torch.distributed as dist
@@ -553,23 +569,28 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
     known = {name for op in collectives for name in COLLECTIVES[op]}
     for name in cfg.algorithms:
         if name not in known:
-            raise UserError(f"algorithms: {name!r} is not an algorithm of {', '.join(collectives) or 'any op'}; "
-                             f"choose among: {', '.join(sorted(known))}")
+            raise UserError(
+                f"algorithms: {name!r} is not an algorithm of {', '.join(collectives) or 'any op'}; "
+                f"choose among: {', '.join(sorted(known))}"
+            )
     plan, skipped = {}, {}
     for op in collectives:
         names = [n for n in COLLECTIVES[op] if not cfg.algorithms or n in cfg.algorithms]
         if cfg.device != "cpu":
             for name in [n for n in names if n in CPU_ONLY_ALGORITHMS]:
                 if cfg.algorithms:
-                    raise UserError(f"algorithms: {name} takes CPU tensors but device={cfg.device}; leave {name} out "
-                                     "or use device=cpu")
+                    raise UserError(
+                        f"algorithms: {name} takes CPU tensors but device={cfg.device}; leave {name} out "
+                        "or use device=cpu"
+                    )
                 names.remove(name)
                 skipped[f"{op}/{name}"] = f"takes CPU tensors (device={cfg.device})"
         if "shm" in names:
             if num_nodes > 1:
                 if cfg.algorithms:
-                    raise UserError(f"algorithms: shm needs every rank on one node, but this job spans {num_nodes}; "
-                                     "leave shm out")
+                    raise UserError(
+                        f"algorithms: shm needs every rank on one node, but this job spans {num_nodes}; leave shm out"
+                    )
                 names.remove("shm")
                 skipped[f"{op}/shm"] = f"the job spans {num_nodes} nodes"
             elif "shm" not in available_allreduce_algorithms():
@@ -578,8 +599,10 @@ def plan_algorithms(cfg: CommBenchConfig, num_nodes: int) -> tuple[dict[str, lis
                 names.remove("shm")
                 skipped[f"{op}/shm"] = _shm_reason()
         if not names:
-            raise UserError(f"algorithms={cfg.algorithms} names none of {op}'s algorithms "
-                             f"({', '.join(COLLECTIVES[op])}); add one or drop {op} from ops")
+            raise UserError(
+                f"algorithms={cfg.algorithms} names none of {op}'s algorithms "
+                f"({', '.join(COLLECTIVES[op])}); add one or drop {op} from ops"
+            )
         plan[op] = sorted(names, key=lambda n: n != BUILTIN)
     return plan, skipped
 
@@ -625,9 +648,11 @@ def run_worker(cfg: CommBenchConfig, words: Sequence[str] = (), launcher: str = 
         dist.all_gather_object(nodes, {"host": socket.gethostname(), "node_rank": ctx.node_rank})
         num_nodes = len({node["node_rank"] for node in nodes})
         plan, skipped = plan_algorithms(cfg, num_nodes)
-        log.info(f"{ctx.env.source}: world_size {ctx.world_size} on {num_nodes} node(s); "
-                 + "; ".join(f"{op}: {', '.join(names)}" for op, names in plan.items())
-                 + "".join(f"; skipped {key} ({reason})" for key, reason in skipped.items()))
+        log.info(
+            f"{ctx.env.source}: world_size {ctx.world_size} on {num_nodes} node(s); "
+            + "; ".join(f"{op}: {', '.join(names)}" for op, names in plan.items())
+            + "".join(f"; skipped {key} ({reason})" for key, reason in skipped.items())
+        )
         log.info("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
         table = TerminalTable(cfg, enabled=ctx.rank == 0)
         start = time.perf_counter()
@@ -650,8 +675,10 @@ def run_worker(cfg: CommBenchConfig, words: Sequence[str] = (), launcher: str = 
             "num_nodes": num_nodes,
             "nodes": nodes,
             "dtype": cfg.dtype,
-            "timing": ("slowest rank per batch of back-to-back calls (a barrier before each batch), "
-                       "per call; median/min/max over the batches"),
+            "timing": (
+                "slowest rank per batch of back-to-back calls (a barrier before each batch), "
+                "per call; median/min/max over the batches"
+            ),
             "algorithms": plan,
             "skipped": skipped,
             "collectives": collectives,

@@ -32,28 +32,39 @@ class TerminalTable:
             print(line, flush=True)
 
     def header(self, op: str, world_size: int) -> None:
-        self._print(f"\n# {op}, {self.cfg.dtype}, {world_size} ranks; time per call of the slowest rank, "
-                    f"median (min, max) over {self.cfg.repeats} batches")
-        self._print(f"#{'size(B)':>11} {'count':>10}  {'algorithm':<10} {'time(us)':>10} {'min':>10} {'max':>10} "
-                    f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'vs builtin':>10}")
+        self._print(
+            f"\n# {op}, {self.cfg.dtype}, {world_size} ranks; time per call of the slowest rank, "
+            f"median (min, max) over {self.cfg.repeats} batches"
+        )
+        self._print(
+            f"#{'size(B)':>11} {'count':>10}  {'algorithm':<10} {'time(us)':>10} {'min':>10} {'max':>10} "
+            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'vs builtin':>10}"
+        )
 
     def collective_row(self, row: dict[str, Any]) -> None:
         t = row["time_us"]
         ratio = f"{row['vs_builtin']:.2f}x" if row["vs_builtin"] is not None else "-"
-        self._print(f"{row['bytes']:>12} {row['count']:>10}  {row['algorithm']:<10} {t['median']:>10.1f} "
-                    f"{t['min']:>10.1f} {t['max']:>10.1f} {row['algbw_gbps']:>12.3f} {row['busbw_gbps']:>12.3f} "
-                    f"{ratio:>10}")
+        self._print(
+            f"{row['bytes']:>12} {row['count']:>10}  {row['algorithm']:<10} {t['median']:>10.1f} "
+            f"{t['min']:>10.1f} {t['max']:>10.1f} {row['algbw_gbps']:>12.3f} {row['busbw_gbps']:>12.3f} "
+            f"{ratio:>10}"
+        )
 
     def pingpong_header(self) -> None:
-        self._print(f"\n# pingpong, {self.cfg.dtype}, rank 0 with each peer; latency = half the round trip, "
-                    f"median (min, max) over {self.cfg.repeats} batches")
-        self._print(f"#{'size(B)':>11} {'count':>10}  {'peer':<28} {'lat(us)':>10} {'min':>10} {'max':>10} "
-                    f"{'bw(GB/s)':>12}")
+        self._print(
+            f"\n# pingpong, {self.cfg.dtype}, rank 0 with each peer; latency = half the round trip, "
+            f"median (min, max) over {self.cfg.repeats} batches"
+        )
+        self._print(
+            f"#{'size(B)':>11} {'count':>10}  {'peer':<28} {'lat(us)':>10} {'min':>10} {'max':>10} {'bw(GB/s)':>12}"
+        )
 
     def pingpong_row(self, row: dict[str, Any]) -> None:
         t = row["latency_us"]
-        self._print(f"{row['bytes']:>12} {row['count']:>10}  {_peer_label(row):<28} {t['median']:>10.1f} "
-                    f"{t['min']:>10.1f} {t['max']:>10.1f} {row['bandwidth_gbps']:>12.3f}")
+        self._print(
+            f"{row['bytes']:>12} {row['count']:>10}  {_peer_label(row):<28} {t['median']:>10.1f} "
+            f"{t['min']:>10.1f} {t['max']:>10.1f} {row['bandwidth_gbps']:>12.3f}"
+        )
 
 
 def _target_line(name: str, target: dict[str, Any]) -> str:
@@ -64,8 +75,10 @@ def _target_line(name: str, target: dict[str, Any]) -> str:
     verdict = "met" if target["met"] else "NOT met"
     span = f"{format_bytes(target['sizes'][0])}..{format_bytes(target['sizes'][1])}"
     coverage = "" if target.get("covers_range", True) else " (the run does not cover the whole range)"
-    return (f"{name}: {target['what']}: worst {target['worst']:.2f} at {format_bytes(target['worst_bytes'])} "
-            f"over {span}, target {target['target']}: {verdict}{coverage}")
+    return (
+        f"{name}: {target['what']}: worst {target['worst']:.2f} at {format_bytes(target['worst_bytes'])} "
+        f"over {span}, target {target['target']}: {verdict}{coverage}"
+    )
 
 
 def render_targets(report: dict[str, Any]) -> str:
@@ -119,8 +132,10 @@ def _markdown_targets(report: dict[str, Any]) -> list[str]:
             continue
         other = median_times(report["collectives"], "all_reduce", target["algorithm"])
         lines += ["", f"| size | builtin (us) | {target['algorithm']} (us) | {name}: {label} |", "|---|---|---|---|"]
-        lines += [f"| {format_bytes(int(s))} | {builtin[int(s)]:.1f} | {other[int(s)]:.1f} | {v:.2f} |"
-                  for s, v in per_size.items()]
+        lines += [
+            f"| {format_bytes(int(s))} | {builtin[int(s)]:.1f} | {other[int(s)]:.1f} | {v:.2f} |"
+            for s, v in per_size.items()
+        ]
     return lines
 
 
@@ -128,8 +143,15 @@ def _markdown_op(op: str, algorithms: list[str], rows: list[dict[str, Any]]) -> 
     by_size: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_size.setdefault(r["bytes"], {})[r["algorithm"]] = r
-    lines = ["", f"## {op}", "", "Median time per call in us, (time / builtin's); bus bandwidth of the fastest.", "",
-             "| size | " + " | ".join(algorithms) + " | best busbw (GB/s) |", "|---" * (len(algorithms) + 2) + "|"]
+    lines = [
+        "",
+        f"## {op}",
+        "",
+        "Median time per call in us, (time / builtin's); bus bandwidth of the fastest.",
+        "",
+        "| size | " + " | ".join(algorithms) + " | best busbw (GB/s) |",
+        "|---" * (len(algorithms) + 2) + "|",
+    ]
     for size, cells in sorted(by_size.items()):
         texts = []
         for name in algorithms:
@@ -157,12 +179,20 @@ def _markdown_pingpong(rows: list[dict[str, Any]]) -> list[str]:
     by_size: dict[int, dict[int, dict[str, Any]]] = {}
     for r in rows:
         by_size.setdefault(r["bytes"], {})[r["peer"]] = r
-    lines = ["", "## pingpong", "",
-             "Rank 0 with each peer: latency (half the round trip, median, us) / bandwidth (GB/s).", "",
-             "| size | " + " | ".join(peers.values()) + " |", "|---" * (len(peers) + 1) + "|"]
+    lines = [
+        "",
+        "## pingpong",
+        "",
+        "Rank 0 with each peer: latency (half the round trip, median, us) / bandwidth (GB/s).",
+        "",
+        "| size | " + " | ".join(peers.values()) + " |",
+        "|---" * (len(peers) + 1) + "|",
+    ]
     for size, cells in sorted(by_size.items()):
-        texts = [f"{cells[p]['latency_us']['median']:.1f} / {cells[p]['bandwidth_gbps']:.3f}" if p in cells else "-"
-                 for p in peers]
+        texts = [
+            f"{cells[p]['latency_us']['median']:.1f} / {cells[p]['bandwidth_gbps']:.3f}" if p in cells else "-"
+            for p in peers
+        ]
         lines.append(f"| {format_bytes(size)} | " + " | ".join(texts) + " |")
     return lines
 
@@ -180,8 +210,11 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
     if made is None:
         return None
     figure, axes = made
-    figure.suptitle(f"ddpkit bench comm: {report['world_size']} ranks, {report['dtype']}, "
-                    f"{report['machine']['cpu_model']}, {report['machine']['date'][:10]}", fontsize=11)
+    figure.suptitle(
+        f"ddpkit bench comm: {report['world_size']} ranks, {report['dtype']}, "
+        f"{report['machine']['cpu_model']}, {report['machine']['date'][:10]}",
+        fontsize=11,
+    )
     panel = iter(axes)
     for op in ops:
         ax = next(panel)
@@ -201,8 +234,12 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
         ax = next(panel)
         for peer in sorted({r["peer"] for r in report["pingpong"]}):
             rows = [r for r in report["pingpong"] if r["peer"] == peer]
-            ax.plot([r["bytes"] for r in rows], [r["latency_us"]["median"] for r in rows], marker=".",
-                    label=f"rank 0 <-> {_peer_label(rows[0])}")
+            ax.plot(
+                [r["bytes"] for r in rows],
+                [r["latency_us"]["median"] for r in rows],
+                marker=".",
+                label=f"rank 0 <-> {_peer_label(rows[0])}",
+            )
         _style_panel(ax, "ping-pong: latency (half round trip)", "latency (us)")
     return save_figure(figure, path)
 
@@ -216,4 +253,3 @@ def _style_panel(ax: Any, title: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)
-

@@ -110,5 +110,7 @@ def two_hosts(addresses: tuple[str, str] = ADDRESSES) -> Iterator[TwoHosts]:
 def _ip(*args: str) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"'ip {' '.join(args)}' failed (exit {result.returncode}): {result.stderr.strip()}; "
-                           "emulated nodes need root and iproute2, or run with nodes=[1]")
+        raise RuntimeError(
+            f"'ip {' '.join(args)}' failed (exit {result.returncode}): {result.stderr.strip()}; "
+            "emulated nodes need root and iproute2, or run with nodes=[1]"
+        )

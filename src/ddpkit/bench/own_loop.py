@@ -85,11 +85,22 @@ def _loaders(cfg: OwnLoopConfig, ctx: Any, data: Any) -> tuple[Any, Any]:
         return ddpkit.DataLoader(train, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed), test_loader
     dataset = PerSampleImages(train_x, train_y)
     if cfg.loader == "samples":
-        return ddpkit.DataLoader(dataset, global_batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed,
-                                 num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0), test_loader
+        return ddpkit.DataLoader(
+            dataset,
+            global_batch_size=cfg.batch_size,
+            shuffle=True,
+            seed=cfg.seed,
+            num_workers=cfg.num_workers,
+            persistent_workers=cfg.num_workers > 0,
+        ), test_loader
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size // ctx.world_size, sampler=sampler,
-                                         num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=cfg.batch_size // ctx.world_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+    )
     return loader, test_loader
 
 
@@ -116,8 +127,13 @@ def own_loop(cfg: OwnLoopConfig) -> dict[str, Any] | None:
     loader, test_loader = _loaders(cfg, ctx, data)
     samples = 0
     with tempfile.TemporaryDirectory(prefix="ddpkit-own-loop-") as folder:
-        ckpt = ddpkit.Checkpointer(folder, model=model, optimizer=optimizer, preempt_signals=(),
-                                   loader=loader if cfg.loader != "torch" else None)
+        ckpt = ddpkit.Checkpointer(
+            folder,
+            model=model,
+            optimizer=optimizer,
+            preempt_signals=(),
+            loader=loader if cfg.loader != "torch" else None,
+        )
         start = time.perf_counter()
         for epoch in range(cfg.epochs):
             loader.sampler.set_epoch(epoch) if cfg.loader == "torch" else loader.set_epoch(epoch)
@@ -135,8 +151,13 @@ def own_loop(cfg: OwnLoopConfig) -> dict[str, Any] | None:
     total = ddpkit.reduce_sums({"samples": samples})["samples"]
     if ctx.rank != 0:
         return None
-    return {"loader": cfg.loader, "world_size": ctx.world_size, "train_time_s": round(train_time, 4),
-            "samples_per_s": round(total / train_time, 1), "test_accuracy": accuracy}
+    return {
+        "loader": cfg.loader,
+        "world_size": ctx.world_size,
+        "train_time_s": round(train_time, 4),
+        "samples_per_s": round(total / train_time, 1),
+        "test_accuracy": accuracy,
+    }
 
 
 if __name__ == "__main__":

@@ -150,8 +150,16 @@ class ScalingBenchConfig:
         from ddpkit.comm.registry import ALLREDUCE_ALGORITHMS
 
         check_positive("threads", self.threads, allow_zero=True)
-        for name in ("warmup", "steps", "block_steps", "comm_iterations", "comm_repeats", "repeats", "max_nodes",
-                     "timeout"):
+        for name in (
+            "warmup",
+            "steps",
+            "block_steps",
+            "comm_iterations",
+            "comm_repeats",
+            "repeats",
+            "max_nodes",
+            "timeout",
+        ):
             check_positive(name, getattr(self, name))
         if not self.workers or any(n < 1 for n in self.workers):
             raise ConfigError(f"workers={self.workers} is not valid; give worker counts >= 1, e.g. workers=[1,2]")
@@ -159,8 +167,10 @@ class ScalingBenchConfig:
             raise ConfigError(f"nodes={self.nodes} is not valid; emulated node counts are 1 and 2, e.g. nodes=[1,2]")
         for name in self.allreduce:
             if name not in ALLREDUCE_ALGORITHMS:
-                raise ConfigError(f"allreduce: {name!r} is not an all_reduce algorithm; "
-                                  f"choose among: {', '.join(ALLREDUCE_ALGORITHMS)}")
+                raise ConfigError(
+                    f"allreduce: {name!r} is not an all_reduce algorithm; "
+                    f"choose among: {', '.join(ALLREDUCE_ALGORITHMS)}"
+                )
         if not self.allreduce and any(n > 1 for n in self.workers):
             raise ConfigError("allreduce is empty; name at least one algorithm, e.g. allreduce=[builtin]")
         if "/" in self.tag or self.tag.startswith("."):
@@ -220,8 +230,15 @@ def configurations(cfg: ScalingBenchConfig) -> list[RunSpec]:
 
 
 def _train_words(cfg: ScalingBenchConfig, allreduce: str, output_dir: str, threads: int) -> list[str]:
-    words = [f"model={cfg.model}", f"dataset={cfg.dataset}", "progress=false", f"output_dir={output_dir}",
-             f"threads={threads}", "eval_every_epoch=false", "checkpoint.enabled=false"]
+    words = [
+        f"model={cfg.model}",
+        f"dataset={cfg.dataset}",
+        "progress=false",
+        f"output_dir={output_dir}",
+        f"threads={threads}",
+        "eval_every_epoch=false",
+        "checkpoint.enabled=false",
+    ]
     if cfg.smoke:
         words += ["dataset=synthetic", f"synthetic_samples={SMOKE_SAMPLES}"]
     words += list(cfg.train)
@@ -502,11 +519,35 @@ def _run_on_two_hosts(job: dict[str, Any], workers: int, timeout: float) -> None
     with netns.two_hosts() as (a, b):
         procs = []
         for node_rank, host in enumerate((a, b)):
-            argv = host.command([torchrun, "--nnodes", "2", "--nproc-per-node", str(workers // 2),
-                                 "--node-rank", str(node_rank), "--master-addr", a.address,
-                                 "--master-port", str(port), "-m", "ddpkit.bench.scaling", "worker", str(job_path)])
-            procs.append(subprocess.Popen(argv, env=_worker_environment(), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+            argv = host.command(
+                [
+                    torchrun,
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    str(workers // 2),
+                    "--node-rank",
+                    str(node_rank),
+                    "--master-addr",
+                    a.address,
+                    "--master-port",
+                    str(port),
+                    "-m",
+                    "ddpkit.bench.scaling",
+                    "worker",
+                    str(job_path),
+                ]
+            )
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=_worker_environment(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         outputs = []
         try:
             for proc in procs:
@@ -531,8 +572,12 @@ def measure(cfg: ScalingBenchConfig, run: RunSpec) -> dict[str, Any]:
     from ddpkit.launch.local import LaunchSpec, launch_local
 
     with tempfile.TemporaryDirectory(prefix="ddpkit-scaling-") as scratch:
-        job = {"bench": dataclasses.asdict(cfg), "allreduce": run.allreduce, "scratch_dir": scratch,
-               "result_path": str(Path(scratch) / "result.json")}
+        job = {
+            "bench": dataclasses.asdict(cfg),
+            "allreduce": run.allreduce,
+            "scratch_dir": scratch,
+            "result_path": str(Path(scratch) / "result.json"),
+        }
         if run.nodes == 1:
             launch_local(LaunchSpec(run.workers), run_configuration, job)
         else:
@@ -597,16 +642,28 @@ def analyse_row(run: RunSpec, measured: dict[str, Any], baseline_rate: float | N
     breakdown["exposed_comm"] = max(0.0, step - compute)
     rate = measured["global_batch"] / step
     row: dict[str, Any] = {
-        "name": run.name, "workers": run.workers, "nodes": run.nodes, "allreduce": measured["allreduce"],
-        "grad_sync": measured.get("grad_sync", "ddp"), "threads_per_worker": measured["threads"], "batch_per_worker": measured["batch_per_worker"],
-        "global_batch": measured["global_batch"], "gradient_bytes": measured["gradient_bytes"],
-        "step_s": {"median": step, "min": s["step_min"], "max": s["step_max"],
-                   "by_round": measured.get("step_by_round", [step])},
-        "compute_s": compute, "breakdown_s": breakdown, "samples_per_s": rate,
+        "name": run.name,
+        "workers": run.workers,
+        "nodes": run.nodes,
+        "allreduce": measured["allreduce"],
+        "grad_sync": measured.get("grad_sync", "ddp"),
+        "threads_per_worker": measured["threads"],
+        "batch_per_worker": measured["batch_per_worker"],
+        "global_batch": measured["global_batch"],
+        "gradient_bytes": measured["gradient_bytes"],
+        "step_s": {
+            "median": step,
+            "min": s["step_min"],
+            "max": s["step_max"],
+            "by_round": measured.get("step_by_round", [step]),
+        },
+        "compute_s": compute,
+        "breakdown_s": breakdown,
+        "samples_per_s": rate,
         "speedup": rate / baseline_rate if baseline_rate else None,
     }
     row["efficiency"] = row["speedup"] / run.workers if row["speedup"] is not None else None
-    ladder = {int(k[len("compute_b"):]): v for k, v in s.items() if k.startswith("compute_b")}
+    ladder = {int(k[len("compute_b") :]): v for k, v in s.items() if k.startswith("compute_b")}
     if ladder:
         row["compute_by_batch_s"] = {b: ladder[b] for b in sorted(ladder)}
     comm_pred = 0.0
@@ -614,12 +671,19 @@ def analyse_row(run: RunSpec, measured: dict[str, Any], baseline_rate: float | N
         fit = perfmodel.fit_line(measured["comm_sizes"], measured["comm_s"])
         comm_pred = fit(measured["gradient_bytes"])
         isolated = perfmodel.fit_line(measured["comm_sizes"], measured["comm_isolated_s"])
-        row["comm_fit"] = {"sizes": measured["comm_sizes"], "seconds": measured["comm_s"],
-                           "alpha_s": fit.intercept, "beta_s_per_byte": fit.slope,
-                           "allreduce_gradient_s": comm_pred,
-                           "isolated": {"seconds": measured["comm_isolated_s"], "alpha_s": isolated.intercept,
-                                        "beta_s_per_byte": isolated.slope,
-                                        "allreduce_gradient_s": isolated(measured["gradient_bytes"])}}
+        row["comm_fit"] = {
+            "sizes": measured["comm_sizes"],
+            "seconds": measured["comm_s"],
+            "alpha_s": fit.intercept,
+            "beta_s_per_byte": fit.slope,
+            "allreduce_gradient_s": comm_pred,
+            "isolated": {
+                "seconds": measured["comm_isolated_s"],
+                "alpha_s": isolated.intercept,
+                "beta_s_per_byte": isolated.slope,
+                "allreduce_gradient_s": isolated(measured["gradient_bytes"]),
+            },
+        }
     row["sync_overhead_s"] = sync_overhead(measured)
     # Each round's prediction from that round's own measurements (same load on the machine), then
     # the median over rounds, as for the measured step.
@@ -645,29 +709,34 @@ def bottleneck(row: dict[str, Any], cores: int) -> str:
         kind = ""
         if fit:
             latency_share = fit["alpha_s"] / max(fit["allreduce_gradient_s"], 1e-12)
-            kind = (f"; the all_reduce of {format_bytes(row['gradient_bytes'])} is latency-bound "
-                    f"(alpha {fit['alpha_s'] * 1e6:.0f} us is {100 * latency_share:.0f}% of it)"
-                    if latency_share >= 0.5 else
-                    f"; the all_reduce of {format_bytes(row['gradient_bytes'])} is bandwidth-bound "
-                    f"({1 / max(fit['beta_s_per_byte'], 1e-15) / 1e9:.2f} GB/s)")
+            kind = (
+                f"; the all_reduce of {format_bytes(row['gradient_bytes'])} is latency-bound "
+                f"(alpha {fit['alpha_s'] * 1e6:.0f} us is {100 * latency_share:.0f}% of it)"
+                if latency_share >= 0.5
+                else f"; the all_reduce of {format_bytes(row['gradient_bytes'])} is bandwidth-bound "
+                f"({1 / max(fit['beta_s_per_byte'], 1e-15) / 1e9:.2f} GB/s)"
+            )
         if row["allreduce"] == "shm":
-            where = ("through shared memory (the emulated hosts share this machine's memory)"
-                     if row["nodes"] > 1 else "through shared memory")
+            where = (
+                "through shared memory (the emulated hosts share this machine's memory)"
+                if row["nodes"] > 1
+                else "through shared memory"
+            )
         else:
             where = "between emulated hosts (veth, TCP)" if row["nodes"] > 1 else "over TCP loopback"
-        text = (f"communication: {100 * share['exposed_comm']:.0f}% of the step is all_reduce ({row['allreduce']}) "
-                f"{where} not hidden by backward{kind}")
+        text = (
+            f"communication: {100 * share['exposed_comm']:.0f}% of the step is all_reduce ({row['allreduce']}) "
+            f"{where} not hidden by backward{kind}"
+        )
     else:
         compute_share = sum(share[p] for p in PARTS[:-1])
-        text = (f"compute: {100 * compute_share:.0f}% of the step, most of it {largest} "
-                f"({100 * share[largest]:.0f}%)")
+        text = f"compute: {100 * compute_share:.0f}% of the step, most of it {largest} ({100 * share[largest]:.0f}%)"
         if row["workers"] > 1:
             text += f"; communication adds {100 * share['exposed_comm']:.0f}%"
     return text + ("; " + "; ".join(notes) if notes else "")
 
 
-def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int,
-               max_nodes: int) -> dict[str, Any]:
+def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int, max_nodes: int) -> dict[str, Any]:
     """Projected speedup and efficiency on the default networks, one worker per node, up to ``max_nodes``.
 
     Compute per step is fitted linearly against the per-worker batch: on the 1-worker row's batch ladder
@@ -684,11 +753,21 @@ def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int
     for network in perfmodel.NETWORKS:
         points = perfmodel.project(workload, network, sizes)
         limit = perfmodel.scaling_limit(points)
-        networks.append({**dataclasses.asdict(network), "points": [dataclasses.asdict(p) for p in points],
-                         "limit": dataclasses.asdict(limit)})
-    return {"compute_fit": {"c0_s": fit.intercept, "c1_s_per_sample": fit.slope},
-            "batch_size": batch_size, "per_worker": per_worker, "gradient_bytes": workload.gradient_bytes,
-            "max_world_size": min(max_nodes, workload.max_workers()), "networks": networks}
+        networks.append(
+            {
+                **dataclasses.asdict(network),
+                "points": [dataclasses.asdict(p) for p in points],
+                "limit": dataclasses.asdict(limit),
+            }
+        )
+    return {
+        "compute_fit": {"c0_s": fit.intercept, "c1_s_per_sample": fit.slope},
+        "batch_size": batch_size,
+        "per_worker": per_worker,
+        "gradient_bytes": workload.gradient_bytes,
+        "max_world_size": min(max_nodes, workload.max_workers()),
+        "networks": networks,
+    }
 
 
 def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) -> dict[str, Any]:
@@ -709,8 +788,11 @@ def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) ->
                 t0 = time.perf_counter()
                 results.append(measure(cfg, run))
                 step = results[-1]["slowest_rank"]["step"]
-                print(f"round {round_index + 1}: {run.name:<32} step {step * 1e3:8.3f} ms  "
-                      f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+                print(
+                    f"round {round_index + 1}: {run.name:<32} step {step * 1e3:8.3f} ms  "
+                    f"({time.perf_counter() - t0:.0f}s)",
+                    file=sys.stderr,
+                )
     measured = [merge_rounds(results) for results in rounds]
     baseline = next((m for r, m in zip(runs, measured) if r.workers == 1), None)
     baseline_rate = baseline["global_batch"] / baseline["slowest_rank"]["step"] if baseline else None
@@ -722,20 +804,25 @@ def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) ->
         "machine": machine_info(),
         "config": dataclasses.asdict(cfg),
         "command_words": list(words),
-        "workload": {"id": cfg.workload, "model": cfg.model, "dataset": "synthetic" if cfg.smoke else cfg.dataset,
-                     "batch_size": train_cfg.batch_size, "batch_scope": train_cfg.batch_scope,
-                     "optimizer": train_cfg.optimizer},
+        "workload": {
+            "id": cfg.workload,
+            "model": cfg.model,
+            "dataset": "synthetic" if cfg.smoke else cfg.dataset,
+            "batch_size": train_cfg.batch_size,
+            "batch_scope": train_cfg.batch_scope,
+            "optimizer": train_cfg.optimizer,
+        },
         "method": {
             "breakdown": "compute-only pass (unwrapped copy of the model) for data/forward/backward/optimizer; "
-                         "exposed_comm = real step - compute-only step; median over steps, max over ranks",
+            "exposed_comm = real step - compute-only step; median over steps, max over ranks",
             "comm_fit": "one all_reduce call with the run's algorithm after each compute-only step, sizes in turn, "
-                        "interleaved with the other passes; t(n) = alpha + beta n by least squares; slowest rank "
-                        "(isolated: back-to-back calls after a barrier, before training, for reference)",
+            "interleaved with the other passes; t(n) = alpha + beta n by least squares; slowest rank "
+            "(isolated: back-to-back calls after a barrier, before training, for reference)",
             "prediction": "compute-only step + sync overhead (the run's gradient sync with a no-op all_reduce - compute-only) "
-                          "+ t(gradient bytes), no overlap credit; made for each round from its own measurements, "
-                          "median over rounds (as the measured step)",
+            "+ t(gradient bytes), no overlap credit; made for each round from its own measurements, "
+            "median over rounds (as the measured step)",
             "projection": "compute fitted against per-worker batch; ring all_reduce 2(p-1) alpha + 2(p-1)/p n / bw; "
-                          "one worker per node",
+            "one worker per node",
         },
         "rows": rows,
         "projection": projection(rows, train_cfg.batch_scope == "per_worker", train_cfg.batch_size, cfg.max_nodes),

@@ -29,17 +29,24 @@ def _num(value: float | None, fmt: str = ".2f") -> str:
 
 def render_table(report: dict[str, Any]) -> str:
     """The terminal table: one line per configuration, times in milliseconds."""
-    head = (f"{'configuration':<28} {'data':>6} {'fwd':>6} {'bwd':>6} {'optim':>6} {'comm':>6} {'step':>7} "
-            f"{'pred':>7} {'err':>5} {'samples/s':>10} {'speedup':>7} {'eff':>5}")
-    lines = [f"scaling: {report['workload']['id']} ({report['workload']['model']}), times in ms per step", head,
-             "-" * len(head)]
+    head = (
+        f"{'configuration':<28} {'data':>6} {'fwd':>6} {'bwd':>6} {'optim':>6} {'comm':>6} {'step':>7} "
+        f"{'pred':>7} {'err':>5} {'samples/s':>10} {'speedup':>7} {'eff':>5}"
+    )
+    lines = [
+        f"scaling: {report['workload']['id']} ({report['workload']['model']}), times in ms per step",
+        head,
+        "-" * len(head),
+    ]
     for r in report["rows"]:
         b = r["breakdown_s"]
         lines.append(
-            f"{r['name']:<28} " + " ".join(f"{b[p] * 1e3:6.3f}" for p in PARTS)
+            f"{r['name']:<28} "
+            + " ".join(f"{b[p] * 1e3:6.3f}" for p in PARTS)
             + f" {r['step_s']['median'] * 1e3:7.3f} {r['predicted_step_s'] * 1e3:7.3f} "
             f"{100 * r['prediction_error']:+4.0f}% {r['samples_per_s']:10,.0f} {_num(r['speedup']):>7} "
-            f"{_pct(r['efficiency']):>5}")
+            f"{_pct(r['efficiency']):>5}"
+        )
     return "\n".join(lines)
 
 
@@ -66,9 +73,12 @@ def render_markdown(report: dict[str, Any], png_name: str | None = None) -> str:
     ]
     for r in rows:
         b, s = r["breakdown_s"], r["step_s"]
-        lines.append(f"| {r['name']} | " + " | ".join(f"{b[p] * 1e3:.3f}" for p in PARTS)
-                     + f" | {s['median'] * 1e3:.3f} ({s['min'] * 1e3:.3f}-{s['max'] * 1e3:.3f}) "
-                     f"| {r['samples_per_s']:,.0f} | {_num(r['speedup'])} | {_pct(r['efficiency'])} |")
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(f"{b[p] * 1e3:.3f}" for p in PARTS)
+            + f" | {s['median'] * 1e3:.3f} ({s['min'] * 1e3:.3f}-{s['max'] * 1e3:.3f}) "
+            f"| {r['samples_per_s']:,.0f} | {_num(r['speedup'])} | {_pct(r['efficiency'])} |"
+        )
     within = sum(abs(r["prediction_error"]) <= TOLERANCE for r in rows)
     lines += [
         "",
@@ -87,7 +97,8 @@ def render_markdown(report: dict[str, Any], png_name: str | None = None) -> str:
             f"| {_num(f and f['isolated']['allreduce_gradient_s'] * 1e3, '.3f')} | {r['compute_s'] * 1e3:.3f} "
             f"| {r['sync_overhead_s'] * 1e3:.3f} "
             f"| {r['predicted_step_s'] * 1e3:.3f} | {r['step_s']['median'] * 1e3:.3f} "
-            f"| {100 * r['prediction_error']:+.1f}% |")
+            f"| {100 * r['prediction_error']:+.1f}% |"
+        )
     lines += ["", "## Bottleneck of each configuration", ""]
     lines += [f"- **{r['name']}**: {r['bottleneck']}." for r in rows]
     p = report["projection"]
@@ -109,9 +120,11 @@ def render_markdown(report: dict[str, Any], png_name: str | None = None) -> str:
         at = " / ".join(_num(by_size[s]["speedup"]) if s in by_size else "-" for s in (2, 8, 64))
         limit = n["limit"]
         half = limit["half_efficiency_world_size"]
-        lines.append(f"| {n['name']} | {n['latency_s'] * 1e6:.0f} | {n['bandwidth_bytes_per_s'] * 8 / 1e9:.0f} "
-                     f"| {at} | {limit['best_speedup']:.2f} ({limit['best_world_size']}) "
-                     f"| {half if half else 'never'} nodes |")
+        lines.append(
+            f"| {n['name']} | {n['latency_s'] * 1e6:.0f} | {n['bandwidth_bytes_per_s'] * 8 / 1e9:.0f} "
+            f"| {at} | {limit['best_speedup']:.2f} ({limit['best_world_size']}) "
+            f"| {half if half else 'never'} nodes |"
+        )
     lines += ["", render_projection_sentence(report)]
     if png_name:
         lines += ["", f"![scaling plots]({png_name})"]
@@ -125,18 +138,28 @@ def render_projection_sentence(report: dict[str, Any]) -> str:
     for n in p["networks"]:
         limit = n["limit"]
         half = limit["half_efficiency_world_size"]
-        words.append(f"on {n['name']} it stops scaling at about {limit['best_world_size']} nodes "
-                     f"(speedup {limit['best_speedup']:.1f})"
-                     + (f" and falls below 50% efficiency from {half} nodes" if half else ""))
-    cap = "" if p["per_worker"] else (f" With a global batch of {p['batch_size']}, more than {p['batch_size']} "
-                                      "nodes would have workers without a sample.")
+        words.append(
+            f"on {n['name']} it stops scaling at about {limit['best_world_size']} nodes "
+            f"(speedup {limit['best_speedup']:.1f})"
+            + (f" and falls below 50% efficiency from {half} nodes" if half else "")
+        )
+    cap = (
+        ""
+        if p["per_worker"]
+        else (
+            f" With a global batch of {p['batch_size']}, more than {p['batch_size']} "
+            "nodes would have workers without a sample."
+        )
+    )
     c0, c1 = p["compute_fit"]["c0_s"], p["compute_fit"]["c1_s_per_sample"]
     if not p["per_worker"] and c0 > 0:
         # Even a free network cannot shrink the per-step cost that does not depend on the batch.
         ceiling = (c0 + c1 * p["batch_size"]) / (c0 + c1)
-        cap += (f" Whatever the network, the per-step compute that does not shrink with the batch "
-                f"({c0 * 1e3:.3f} ms of {(c0 + c1 * p['batch_size']) * 1e3:.3f} ms) caps the speedup at "
-                f"{ceiling:.1f}.")
+        cap += (
+            f" Whatever the network, the per-step compute that does not shrink with the batch "
+            f"({c0 * 1e3:.3f} ms of {(c0 + c1 * p['batch_size']) * 1e3:.3f} ms) caps the speedup at "
+            f"{ceiling:.1f}."
+        )
     return "In words: " + "; ".join(words) + "." + cap
 
 
@@ -161,8 +184,10 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
             ax_eff.plot([r["workers"] for r in points], [r["efficiency"] for r in points], marker="o", label=label)
     ax_speed.plot([1, max_workers], [1, max_workers], "k:", label="ideal")
     ax_eff.axhline(1.0, color="k", linestyle=":")
-    for ax, title, ylabel in ((ax_speed, "speedup vs 1 worker", "speedup"),
-                              (ax_eff, "efficiency (speedup / workers)", "efficiency")):
+    for ax, title, ylabel in (
+        (ax_speed, "speedup vs 1 worker", "speedup"),
+        (ax_eff, "efficiency (speedup / workers)", "efficiency"),
+    ):
         ax.set_title(title)
         ax.set_xlabel("workers")
         ax.set_ylabel(ylabel)
@@ -186,8 +211,9 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
         ax_pred.annotate(r["name"], (x, y), fontsize=6)
     top = max(measured + predicted) * 1.15
     ax_pred.plot([0, top], [0, top], "k:", label="exact")
-    ax_pred.fill_between([0, top], [0, top * (1 - TOLERANCE)], [0, top * (1 + TOLERANCE)], alpha=0.15,
-                         label=f"±{100 * TOLERANCE:.0f}%")
+    ax_pred.fill_between(
+        [0, top], [0, top * (1 - TOLERANCE)], [0, top * (1 + TOLERANCE)], alpha=0.15, label=f"±{100 * TOLERANCE:.0f}%"
+    )
     ax_pred.set_xlim(0, top)
     ax_pred.set_ylim(0, top)
     ax_pred.set_title("model vs measured step")
@@ -204,4 +230,3 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
     ax_proj.grid(True, alpha=0.3, which="both")
     ax_proj.legend(fontsize=7)
     return save_figure(figure, path)
-

@@ -38,7 +38,7 @@ from ddpkit.bench.system import check_run, machine_info, machine_tag, summarize
 from ddpkit.config import parse
 from ddpkit.env.ports import free_port
 
-BARE_SCRIPT = '''\
+BARE_SCRIPT = """\
 import torch
 import torch.distributed as dist
 
@@ -47,7 +47,7 @@ tensor = torch.ones(1)
 dist.all_reduce(tensor)
 assert tensor.item() == dist.get_world_size()
 dist.destroy_process_group()
-'''
+"""
 """What every worker of torchrun's bare launch runs."""
 
 DDPKIT_1 = "ddpkit train nproc=1"
@@ -102,8 +102,16 @@ def _run_ddpkit(nproc: int, words: list[str], timeout: float) -> dict[str, float
 
 def _run_torchrun(script: Path, timeout: float) -> dict[str, float]:
     # torchrun's default (static) rendezvous, on a free port rather than 29500: the machine is shared.
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port("127.0.0.1")), str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port("127.0.0.1")),
+        str(script),
+    ]
     start = time.time()
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=script.parent)
     wall = time.time() - start
@@ -121,7 +129,7 @@ def run_startup_benchmark(cfg: StartupBenchConfig) -> dict[str, Any]:
         script = Path(tmp) / "bare.py"
         script.write_text(BARE_SCRIPT)
         for round_index in range(1 if cfg.smoke else cfg.repeats):
-            order = names[round_index % 3:] + names[:round_index % 3]
+            order = names[round_index % 3 :] + names[: round_index % 3]
             for name in order:
                 if name == TORCHRUN:
                     result = _run_torchrun(script, cfg.timeout)
@@ -137,10 +145,17 @@ def run_startup_benchmark(cfg: StartupBenchConfig) -> dict[str, Any]:
             if key in samples[name][0]:
                 row[key] = summarize([s[key] for s in samples[name]])
         results.append(row)
-    return {"benchmark": "startup", "machine": machine_info(), "config": dataclasses.asdict(cfg),
-            "train_words": words, "bare_script": BARE_SCRIPT, "results": results, "ratios": _ratios(results),
-            # A busy shared machine slows the 2-thread single worker most: say how busy it was.
-            "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]}}
+    return {
+        "benchmark": "startup",
+        "machine": machine_info(),
+        "config": dataclasses.asdict(cfg),
+        "train_words": words,
+        "bare_script": BARE_SCRIPT,
+        "results": results,
+        "ratios": _ratios(results),
+        # A busy shared machine slows the 2-thread single worker most: say how busy it was.
+        "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+    }
 
 
 def _ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -149,8 +164,9 @@ def _ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         T8: by_name[DDPKIT_2]["first_step_s"]["median"] / by_name[TORCHRUN]["wall_s"]["median"],
         T9: by_name[DDPKIT_2]["wall_s"]["median"] / by_name[DDPKIT_1]["wall_s"]["median"],
     }
-    return {name: {"value": value, "target": TARGETS[name], "met": value <= TARGETS[name]}
-            for name, value in values.items()}
+    return {
+        name: {"value": value, "target": TARGETS[name], "met": value <= TARGETS[name]} for name, value in values.items()
+    }
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -160,8 +176,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# Start-up benchmark: ddpkit train (W1) and torchrun's bare 2-worker launch",
         "",
         f"{m['date']} · torch {m['torch']} · {m['cpu_model']} · {m['cores']} cores"
-        + (f" · load average (1 min) {load['before']:.1f} before, {load['after']:.1f} after"
-           if (load := report.get("load_average_1min")) else ""),
+        + (
+            f" · load average (1 min) {load['before']:.1f} before, {load['after']:.1f} after"
+            if (load := report.get("load_average_1min"))
+            else ""
+        ),
         "",
         f"Command: `ddpkit bench startup {' '.join(report.get('command_words', []))}`",
         f"Train words (besides nproc and output_dir): `{' '.join(report['train_words'])}`",
@@ -172,12 +191,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        cells = [_cells(r.get("first_step_s")), _cells(r["wall_s"]),
-                 f"{r['train_time_s']['median']:.2f}" if "train_time_s" in r else "-"]
+        cells = [
+            _cells(r.get("first_step_s")),
+            _cells(r["wall_s"]),
+            f"{r['train_time_s']['median']:.2f}" if "train_time_s" in r else "-",
+        ]
         lines.append(f"| {r['name']} | {' | '.join(cells)} |")
     lines += ["", "| ratio (medians, same run) | value | target | met |", "|---|---|---|---|"]
-    lines += [f"| {k} | {v['value']:.3f} | <= {v['target']:.2f} | {'met' if v['met'] else 'not met'} |"
-              for k, v in report["ratios"].items()]
+    lines += [
+        f"| {k} | {v['value']:.3f} | <= {v['target']:.2f} | {'met' if v['met'] else 'not met'} |"
+        for k, v in report["ratios"].items()
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -153,8 +153,11 @@ def _own_loop_words(cfg: TrainBenchConfig, loader: str) -> list[str]:
 def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str, Any]:
     if run["kind"] == "own":
         module = ["-m", "ddpkit.bench.own_loop", *words]
-        command = [sys.executable, *module] if run["workers"] == 1 else \
-            [sys.executable, "-m", "ddpkit", "run", f"nproc={run['workers']}", *module]
+        command = (
+            [sys.executable, *module]
+            if run["workers"] == 1
+            else [sys.executable, "-m", "ddpkit", "run", f"nproc={run['workers']}", *module]
+        )
         return _last_json_line(command, timeout, run["name"])
     if run["kind"] == "bare":
         return _last_json_line([sys.executable, "-m", "ddpkit.bench.bare_loop", *words], timeout, run["name"])
@@ -162,8 +165,12 @@ def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str
     if run["workers"] > 1:
         extra += [f"allreduce={run['allreduce']}", f"grad_sync={run['grad_sync']}"]
     summary = _ddpkit_summary([*words, *extra], timeout, run["name"])
-    return {"train_time_s": summary["train_time_s"], "test_accuracy": summary["test"].get("accuracy"),
-            "allreduce": summary["allreduce"], "grad_sync": summary.get("grad_sync")}
+    return {
+        "train_time_s": summary["train_time_s"],
+        "test_accuracy": summary["test"].get("accuracy"),
+        "allreduce": summary["allreduce"],
+        "grad_sync": summary.get("grad_sync"),
+    }
 
 
 def run_train_benchmark(cfg: TrainBenchConfig) -> dict[str, Any]:
@@ -176,17 +183,32 @@ def run_train_benchmark(cfg: TrainBenchConfig) -> dict[str, Any]:
             run_words = _own_loop_words(cfg, run["loader"]) if run["kind"] == "own" else words
             result = _run_once(run, run_words, cfg.timeout)
             samples[run["name"]].append(result)
-            print(f"round {round_index + 1}: {run['name']:<55} {result['train_time_s']:7.2f}s  "
-                  f"accuracy {100 * (result['test_accuracy'] or 0):.2f}%", file=sys.stderr)
+            print(
+                f"round {round_index + 1}: {run['name']:<55} {result['train_time_s']:7.2f}s  "
+                f"accuracy {100 * (result['test_accuracy'] or 0):.2f}%",
+                file=sys.stderr,
+            )
     results = []
     for run in runs:
         times = [s["train_time_s"] for s in samples[run["name"]]]
         accuracies = [s["test_accuracy"] for s in samples[run["name"]]]
-        results.append({**run, "train_time_s": summarize(times), "test_accuracy": summarize(accuracies),
-                        "resolved_allreduce": samples[run["name"]][-1].get("allreduce"),
-                        "resolved_grad_sync": samples[run["name"]][-1].get("grad_sync")})
-    return {"benchmark": "train", "machine": machine_info(), "config": dataclasses.asdict(cfg),
-            "train_words": words, "results": results, "ratios": _ratios(results)}
+        results.append(
+            {
+                **run,
+                "train_time_s": summarize(times),
+                "test_accuracy": summarize(accuracies),
+                "resolved_allreduce": samples[run["name"]][-1].get("allreduce"),
+                "resolved_grad_sync": samples[run["name"]][-1].get("grad_sync"),
+            }
+        )
+    return {
+        "benchmark": "train",
+        "machine": machine_info(),
+        "config": dataclasses.asdict(cfg),
+        "train_words": words,
+        "results": results,
+        "ratios": _ratios(results),
+    }
 
 
 def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
@@ -201,8 +223,9 @@ def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     if OWN_TENSORS in by_name and "bare loop" in by_name:
         ratios["T6 own loop (public API, tensors) / bare loop"] = by_name[OWN_TENSORS] / by_name["bare loop"]
     if OWN_SAMPLES in by_name and OWN_TORCH in by_name:
-        ratios["T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"] = \
+        ratios["T7 ddpkit.DataLoader / torch DataLoader + DistributedSampler (2 workers, num_workers=2)"] = (
             by_name[OWN_SAMPLES] / by_name[OWN_TORCH]
+        )
     return ratios
 
 
@@ -214,8 +237,16 @@ T5_GAP = "T5 W1 largest distance of a ddpkit mean from the bare loop's mean (poi
 T9_W2 = "T9 W2 (model=cnn epochs=1): ddpkit train nproc=2 / nproc=1, whole process"
 T9_W1 = "T9 W1: ddpkit train nproc=2 / nproc=1, whole process"
 T10 = "T10 loop time lost per save: async_save=True / synchronous (~25M parameters + Adam, files identical)"
-TARGETS = {T2_W2: (">=", 0.85), T2_W1: ("<=", 1.15), T5_ONE: (">=", 85.7), T5_TWO: (">=", 85.7), T5_GAP: ("<=", 0.2),
-           T9_W2: ("<=", 0.85), T9_W1: ("<=", 1.05), T10: ("<=", 0.25)}
+TARGETS = {
+    T2_W2: (">=", 0.85),
+    T2_W1: ("<=", 1.15),
+    T5_ONE: (">=", 85.7),
+    T5_TWO: (">=", 85.7),
+    T5_GAP: ("<=", 0.2),
+    T9_W2: ("<=", 0.85),
+    T9_W1: ("<=", 1.05),
+    T10: ("<=", 0.25),
+}
 """The restated targets: comparison and bound."""
 
 
@@ -234,8 +265,12 @@ def _last_json_line(command: list[str], timeout: float, name: str) -> dict[str, 
 def _ddpkit_summary(words: list[str], timeout: float, name: str = "") -> dict[str, Any]:
     """``ddpkit train WORDS`` in a fresh process, into a temporary folder; its summary.json."""
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
-        out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
-                             capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         check_run(out, name or "ddpkit train " + " ".join(words))
         return json.loads((Path(tmp) / "summary.json").read_text())
 
@@ -258,8 +293,20 @@ def _data_words(cfg: TrainBenchConfig) -> list[str]:
 
 def run_t2(cfg: TrainBenchConfig) -> dict[str, Any]:
     """T2's runs, ``cfg.repeats`` rounds (one when smoke): each 2-worker run, then its two independent processes."""
-    w2 = [*_data_words(cfg), "model=cnn", "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
-    w1 = [*_data_words(cfg), "model=mlp", "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
+    w2 = [
+        *_data_words(cfg),
+        "model=cnn",
+        "progress=false",
+        "eval_every_epoch=false",
+        *(["epochs=1"] if cfg.smoke else []),
+    ]
+    w1 = [
+        *_data_words(cfg),
+        "model=mlp",
+        "progress=false",
+        "eval_every_epoch=false",
+        *(["epochs=1"] if cfg.smoke else []),
+    ]
     rounds: dict[str, list[float]] = {"w2_ddpkit": [], "w2_ceiling": [], "w1_ddpkit_step": [], "w1_ceiling_step": []}
     for round_index in range(1 if cfg.smoke else cfg.repeats):
         run = _ddpkit_summary([*w2, "nproc=2"], cfg.timeout)
@@ -272,9 +319,11 @@ def run_t2(cfg: TrainBenchConfig) -> dict[str, Any]:
         alone = _bare_loops_at_once([*w1, "threads=1", "batch_size=32", f"max_steps={steps}"], 2, cfg.timeout)
         rounds["w1_ddpkit_step"].append(run["train_time_s"] / steps)
         rounds["w1_ceiling_step"].append(statistics.mean(r["train_time_s"] / r["steps"] for r in alone))
-        print(f"T2 round {round_index + 1}: W2 {rounds['w2_ddpkit'][-1]:,.0f} vs {rounds['w2_ceiling'][-1]:,.0f} "
-              f"samples/s; W1 step {1e3 * rounds['w1_ddpkit_step'][-1]:.3f} vs {1e3 * rounds['w1_ceiling_step'][-1]:.3f} ms",
-              file=sys.stderr)
+        print(
+            f"T2 round {round_index + 1}: W2 {rounds['w2_ddpkit'][-1]:,.0f} vs {rounds['w2_ceiling'][-1]:,.0f} "
+            f"samples/s; W1 step {1e3 * rounds['w1_ddpkit_step'][-1]:.3f} vs {1e3 * rounds['w1_ceiling_step'][-1]:.3f} ms",
+            file=sys.stderr,
+        )
     stats = {key: summarize(values) for key, values in rounds.items()}
     targets = {
         T2_W2: _target(T2_W2, stats["w2_ddpkit"]["median"] / stats["w2_ceiling"]["median"]),
@@ -285,7 +334,13 @@ def run_t2(cfg: TrainBenchConfig) -> dict[str, Any]:
 
 def run_t5(cfg: TrainBenchConfig) -> dict[str, Any]:
     """T5's runs: for every seed, W1 with 1 worker, with 2, and the bare loop."""
-    words = [*_data_words(cfg), "model=mlp", "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
+    words = [
+        *_data_words(cfg),
+        "model=mlp",
+        "progress=false",
+        "eval_every_epoch=false",
+        *(["epochs=1"] if cfg.smoke else []),
+    ]
     accuracy: dict[str, list[float]] = {"ddpkit 1 worker": [], "ddpkit 2 workers": [], "bare loop": []}
     for seed in cfg.t5_seeds:
         seeded = [*words, f"seed={seed}"]
@@ -301,15 +356,26 @@ def run_t5(cfg: TrainBenchConfig) -> dict[str, Any]:
         T5_TWO: _target(T5_TWO, means["ddpkit 2 workers"]),
         T5_GAP: _target(T5_GAP, gap),
     }
-    return {"words": words, "seeds": list(cfg.t5_seeds), "accuracy": accuracy, "mean_percent": means, "targets": targets}
+    return {
+        "words": words,
+        "seeds": list(cfg.t5_seeds),
+        "accuracy": accuracy,
+        "mean_percent": means,
+        "targets": targets,
+    }
 
 
 def _whole_process(words: list[str], timeout: float) -> float:
     """Wall seconds of ``ddpkit train WORDS`` in a fresh process, from the command to its exit."""
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-t9-") as tmp:
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
-                             capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp,
+        )
         wall = time.perf_counter() - start
         check_run(out, "ddpkit train " + " ".join(words))
     return wall
@@ -318,15 +384,21 @@ def _whole_process(words: list[str], timeout: float) -> float:
 def run_t9(cfg: TrainBenchConfig) -> dict[str, Any]:
     """T9's pairs: for W2 and W1 (W1 only when smoke), nproc=1 and nproc=2 in alternating order."""
     common = [*_data_words(cfg), "progress=false", "eval_every_epoch=false", *(["epochs=1"] if cfg.smoke else [])]
-    workloads = {T9_W1: [*common, "model=mlp"]} if cfg.smoke else \
-        {T9_W2: [*common, "model=cnn", "epochs=1"], T9_W1: [*common, "model=mlp"]}
+    workloads = (
+        {T9_W1: [*common, "model=mlp"]}
+        if cfg.smoke
+        else {T9_W2: [*common, "model=cnn", "epochs=1"], T9_W1: [*common, "model=mlp"]}
+    )
     walls: dict[str, dict[str, list[float]]] = {name: {"nproc=1": [], "nproc=2": []} for name in workloads}
     for name, words in workloads.items():
         for pair in range(1 if cfg.smoke else cfg.t9_pairs):
-            for nproc in ((1, 2) if pair % 2 == 0 else (2, 1)):
+            for nproc in (1, 2) if pair % 2 == 0 else (2, 1):
                 walls[name][f"nproc={nproc}"].append(_whole_process([*words, f"nproc={nproc}"], cfg.timeout))
-            print(f"T9 {name.split(':')[0]} pair {pair + 1}: nproc=1 {walls[name]['nproc=1'][-1]:.2f}s, "
-                  f"nproc=2 {walls[name]['nproc=2'][-1]:.2f}s", file=sys.stderr)
+            print(
+                f"T9 {name.split(':')[0]} pair {pair + 1}: nproc=1 {walls[name]['nproc=1'][-1]:.2f}s, "
+                f"nproc=2 {walls[name]['nproc=2'][-1]:.2f}s",
+                file=sys.stderr,
+            )
     stats = {name: {key: summarize(values) for key, values in runs.items()} for name, runs in walls.items()}
     targets = {name: _target(name, s["nproc=2"]["median"] / s["nproc=1"]["median"]) for name, s in stats.items()}
     return {"words": workloads, "walls_s": walls, "stats": stats, "targets": targets}
@@ -353,65 +425,102 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Train words: `{' '.join(report['train_words'])}`",
     ]
     if report["results"]:  # (none with matrix=false)
-        lines += ["", "| configuration | train time median (s) | min | max | test accuracy (median) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| configuration | train time median (s) | min | max | test accuracy (median) |",
+            "|---|---|---|---|---|",
+        ]
     for r in report["results"]:
         t, a = r["train_time_s"], r["test_accuracy"]
-        lines.append(f"| {r['name']} | {t['median']:.2f} | {t['min']:.2f} | {t['max']:.2f} | {100 * a['median']:.2f}% |")
+        lines.append(
+            f"| {r['name']} | {t['median']:.2f} | {t['min']:.2f} | {t['max']:.2f} | {100 * a['median']:.2f}% |"
+        )
     if report["ratios"]:
         lines += ["", "| ratio (medians, same run) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
     if "t2" in report:
         t2 = report["t2"]["stats"]
-        lines += ["", "## T2: against two independent single-thread processes at the same time", "",
-                  f"W2 words: `{' '.join(report['t2']['w2_words'])}`; W1 words: `{' '.join(report['t2']['w1_words'])}`", "",
-                  "| measure | median | min | max |", "|---|---|---|---|"]
-        for key, label, scale in (("w2_ddpkit", "W2 ddpkit 2 workers, samples/s", 1),
-                                  ("w2_ceiling", "W2 2 independent processes, summed samples/s", 1),
-                                  ("w1_ddpkit_step", "W1 ddpkit 2 workers, step (ms)", 1e3),
-                                  ("w1_ceiling_step", "W1 independent process at batch 32, step (ms)", 1e3)):
-            lines.append(f"| {label} | {scale * t2[key]['median']:,.3f} | {scale * t2[key]['min']:,.3f} | "
-                         f"{scale * t2[key]['max']:,.3f} |")
+        lines += [
+            "",
+            "## T2: against two independent single-thread processes at the same time",
+            "",
+            f"W2 words: `{' '.join(report['t2']['w2_words'])}`; W1 words: `{' '.join(report['t2']['w1_words'])}`",
+            "",
+            "| measure | median | min | max |",
+            "|---|---|---|---|",
+        ]
+        for key, label, scale in (
+            ("w2_ddpkit", "W2 ddpkit 2 workers, samples/s", 1),
+            ("w2_ceiling", "W2 2 independent processes, summed samples/s", 1),
+            ("w1_ddpkit_step", "W1 ddpkit 2 workers, step (ms)", 1e3),
+            ("w1_ceiling_step", "W1 independent process at batch 32, step (ms)", 1e3),
+        ):
+            lines.append(
+                f"| {label} | {scale * t2[key]['median']:,.3f} | {scale * t2[key]['min']:,.3f} | "
+                f"{scale * t2[key]['max']:,.3f} |"
+            )
     if "t5" in report:
         t5 = report["t5"]
-        lines += ["", f"## T5: W1 test accuracy over seeds {', '.join(map(str, t5['seeds']))}", "",
-                  "| run | " + " | ".join(f"seed {s}" for s in t5["seeds"]) + " | mean |",
-                  "|---|" + "---|" * (len(t5["seeds"]) + 1)]
+        lines += [
+            "",
+            f"## T5: W1 test accuracy over seeds {', '.join(map(str, t5['seeds']))}",
+            "",
+            "| run | " + " | ".join(f"seed {s}" for s in t5["seeds"]) + " | mean |",
+            "|---|" + "---|" * (len(t5["seeds"]) + 1),
+        ]
         for name, values in t5["accuracy"].items():
-            lines.append(f"| {name} | " + " | ".join(f"{100 * v:.2f}%" for v in values) +
-                         f" | {t5['mean_percent'][name]:.2f}% |")
+            lines.append(
+                f"| {name} | " + " | ".join(f"{100 * v:.2f}%" for v in values) + f" | {t5['mean_percent'][name]:.2f}% |"
+            )
     lines += _t9_t10_lines(report)
-    targets = {key: value for part in ("t2", "t5", "t9", "t10") for key, value in report.get(part, {}).get("targets", {}).items()}
+    targets = {
+        key: value
+        for part in ("t2", "t5", "t9", "t10")
+        for key, value in report.get(part, {}).get("targets", {}).items()
+    }
     if targets:
         lines += ["", "| restated target (same run) | value | target | met |", "|---|---|---|---|"]
-        lines += [f"| {k} | {v['value']:.3f} | {v['target']} | {'met' if v['met'] else 'not met'} |"
-                  for k, v in targets.items()]
+        lines += [
+            f"| {k} | {v['value']:.3f} | {v['target']} | {'met' if v['met'] else 'not met'} |"
+            for k, v in targets.items()
+        ]
     return "\n".join(lines) + "\n"
 
 
 def _t9_t10_lines(report: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "t9" in report:
-        lines += ["", "## T9: whole ddpkit train processes, nproc=2 against nproc=1 (alternated pairs)", "",
-                  "| workload | words | nproc=1 wall median (min-max) s | nproc=2 wall median (min-max) s |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "## T9: whole ddpkit train processes, nproc=2 against nproc=1 (alternated pairs)",
+            "",
+            "| workload | words | nproc=1 wall median (min-max) s | nproc=2 wall median (min-max) s |",
+            "|---|---|---|---|",
+        ]
         for name, stats in report["t9"]["stats"].items():
             one, two = stats["nproc=1"], stats["nproc=2"]
-            lines.append(f"| {name.split(':')[0]} | `{' '.join(report['t9']['words'][name])}` | "
-                         f"{one['median']:.2f} ({one['min']:.2f}-{one['max']:.2f}) | "
-                         f"{two['median']:.2f} ({two['min']:.2f}-{two['max']:.2f}) |")
+            lines.append(
+                f"| {name.split(':')[0]} | `{' '.join(report['t9']['words'][name])}` | "
+                f"{one['median']:.2f} ({one['min']:.2f}-{one['max']:.2f}) | "
+                f"{two['median']:.2f} ({two['min']:.2f}-{two['max']:.2f}) |"
+            )
     if "t10" in report:
         t10 = report["t10"]
         median, lost = t10["window_s_median"], t10["lost_per_save_s"]
-        lines += ["", f"## T10: a checkpoint every {t10['config']['every_steps']} steps, synchronous against "
-                  "async_save=True", "",
-                  f"{t10['parameters']:,} parameters, {t10['checkpoint_bytes'] / 1e6:.0f} MB of .pt files a checkpoint; "
-                  f"windows of {t10['config']['every_steps']} steps, {t10['config']['rounds']} of each kind; "
-                  f"files identical: {'yes' if t10['files_identical'] else 'NO'}", "",
-                  "| window | median (s) | lost per save (s) |", "|---|---|---|",
-                  f"| no save | {median['none']:.3f} | |",
-                  f"| synchronous save | {median['sync']:.3f} | {lost['sync']:.3f} |",
-                  f"| async_save=True | {median['async']:.3f} | {lost['async']:.3f} |"]
+        lines += [
+            "",
+            f"## T10: a checkpoint every {t10['config']['every_steps']} steps, synchronous against async_save=True",
+            "",
+            f"{t10['parameters']:,} parameters, {t10['checkpoint_bytes'] / 1e6:.0f} MB of .pt files a checkpoint; "
+            f"windows of {t10['config']['every_steps']} steps, {t10['config']['rounds']} of each kind; "
+            f"files identical: {'yes' if t10['files_identical'] else 'NO'}",
+            "",
+            "| window | median (s) | lost per save (s) |",
+            "|---|---|---|",
+            f"| no save | {median['none']:.3f} | |",
+            f"| synchronous save | {median['sync']:.3f} | {lost['sync']:.3f} |",
+            f"| async_save=True | {median['async']:.3f} | {lost['async']:.3f} |",
+        ]
     return lines
 
 

@@ -93,8 +93,11 @@ class _Copier:
 
     def _holds_cuda(self, value: Any) -> bool:
         items = value.values() if isinstance(value, dict) else value
-        return any((isinstance(item, torch.Tensor) and item.device.type != "cpu")
-                   or (isinstance(item, (dict, list, tuple)) and self._holds_cuda(item)) for item in items)
+        return any(
+            (isinstance(item, torch.Tensor) and item.device.type != "cpu")
+            or (isinstance(item, (dict, list, tuple)) and self._holds_cuda(item))
+            for item in items
+        )
 
     def _buffer(self, nbytes: int, pin: bool) -> Any:
         """The next storage of ``nbytes``: the earlier copy's at this place when it fits, else a new one."""
@@ -125,8 +128,9 @@ class _Copier:
             copied.copy_(storage, non_blocking=pin)
             self.from_cuda = self.from_cuda or not on_cpu
             self.storages[storage._cdata] = copied
-        result = torch.empty(0, dtype=tensor.dtype).set_(copied, tensor.storage_offset(), tensor.size(),
-                                                            tensor.stride())
+        result = torch.empty(0, dtype=tensor.dtype).set_(
+            copied, tensor.storage_offset(), tensor.size(), tensor.stride()
+        )
         return result.requires_grad_() if tensor.requires_grad else result
 
 

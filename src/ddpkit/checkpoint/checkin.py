@@ -81,8 +81,16 @@ class LoopProgress:
         self._stop.set()
 
 
-def check_in(store: Any, prefix: str, rank: int, world_size: int, global_step: int, timeout: float,
-             progress: LoopProgress | None, stopping: Callable[[], bool] = lambda: False) -> None:
+def check_in(
+    store: Any,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    global_step: int,
+    timeout: float,
+    progress: LoopProgress | None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> None:
     """Announce this rank at the save ``prefix`` and wait until every rank has.
 
     ``stopping`` tells that a stop signal reached this process (a Ctrl-C, a
@@ -140,8 +148,9 @@ class _Beats:
         return gone
 
 
-def _fail_if_absent(keys: list[str], absent: list[int], here: int, progress: LoopProgress | None, gone: list[int],
-                    timeout: float | None) -> None:
+def _fail_if_absent(
+    keys: list[str], absent: list[int], here: int, progress: LoopProgress | None, gone: list[int], timeout: float | None
+) -> None:
     """Raise if an absent rank went on past the save, is gone after a stop signal, or (``timeout`` given) is late."""
     present = [r for r in range(len(keys)) if r not in absent]
     went_on = [r for r in absent if progress is not None and progress.read(r)[0] > here]

@@ -113,7 +113,9 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     expected = info["files"][WEIGHTS]
     data = (folder / WEIGHTS).read_bytes()
     if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise CheckpointError(f"{folder / WEIGHTS} is damaged (size or SHA-256 differs from {EXPORT_INFO}); export it again")
+        raise CheckpointError(
+            f"{folder / WEIGHTS} is damaged (size or SHA-256 differs from {EXPORT_INFO}); export it again"
+        )
     return info, load_file(folder / WEIGHTS, data=data)
 
 

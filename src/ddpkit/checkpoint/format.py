@@ -200,8 +200,9 @@ def write_checkpoint(
     return final
 
 
-def _write_folder(folder: Path, name: str, objects: Mapping[str, Any], texts: Mapping[str, str],
-                  meta: Mapping[str, Any], mode: int) -> None:
+def _write_folder(
+    folder: Path, name: str, objects: Mapping[str, Any], texts: Mapping[str, str], meta: Mapping[str, Any], mode: int
+) -> None:
     """Write the files of ``folder`` (created) for checkpoint ``name``, then its manifest; see
     :func:`write_checkpoint`."""
     os.chmod(folder, folder_mode(mode))
@@ -249,8 +250,12 @@ def library_versions() -> dict[str, str]:
 
     from ddpkit import __version__
 
-    return {"ddpkit": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
-            "python": platform.python_version()}
+    return {
+        "ddpkit": __version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def mark_best(root: str | Path, checkpoint: str | Path, mode: int = 0o600) -> Path:
@@ -329,11 +334,17 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{folder} is not a complete checkpoint: it has no {MANIFEST} "
-                              "(its write never finished); use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"{folder} is not a complete checkpoint: it has no {MANIFEST} "
+            "(its write never finished); use an earlier checkpoint"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is damaged ({e}); use an earlier checkpoint") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointError(f"{path} is not a {FORMAT} manifest; use a checkpoint written by this ddpkit version")
     return manifest
 
@@ -421,13 +432,17 @@ def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
         if size is None:
             raise CheckpointError(f"{path} is missing; the checkpoint is incomplete; use an earlier checkpoint")
         if size != expected["bytes"]:
-            raise CheckpointError(f"{path} is truncated or damaged: {size} bytes on disk, "
-                                  f"{expected['bytes']} in the manifest; use an earlier checkpoint")
+            raise CheckpointError(
+                f"{path} is truncated or damaged: {size} bytes on disk, "
+                f"{expected['bytes']} in the manifest; use an earlier checkpoint"
+            )
         # .pt files are read once: the bytes checksummed are the bytes loaded.
         data = path.read_bytes() if load and name.endswith(".pt") else None
         digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(path)
         if digest != expected["sha256"]:
-            raise CheckpointError(f"{path} is damaged: its SHA-256 does not match the manifest; use an earlier checkpoint")
+            raise CheckpointError(
+                f"{path} is damaged: its SHA-256 does not match the manifest; use an earlier checkpoint"
+            )
         if data is not None:
             loaded[name] = load_file(path, data=data)
     return loaded

@@ -208,8 +208,9 @@ class Checkpointer:
         self.loader = loader
         _check_options(every_steps, every_seconds, keep, best_mode, readable_by, sync_seconds, timeout, preempt_signals)
         if on_write_error not in ON_WRITE_ERROR:
-            raise UserError(f"on_write_error={on_write_error!r} is not valid; choose one of: "
-                            f"{', '.join(ON_WRITE_ERROR)}")
+            raise UserError(
+                f"on_write_error={on_write_error!r} is not valid; choose one of: {', '.join(ON_WRITE_ERROR)}"
+            )
         self.on_write_error = on_write_error
         self.every_steps, self.every_seconds, self.on_epoch_end = every_steps, every_seconds, on_epoch_end
         self.keep, self.mode, self.requeue, self.timeout = keep, READABLE_BY[readable_by], requeue, timeout
@@ -394,8 +395,12 @@ class Checkpointer:
         if step >= self.agreement.next_step:
             signum, time_due = self.agreement.agree(step, self.signals.received)
         # The checkpoint is named by its most telling reason: a preemption, an epoch's end, then the cadences.
-        due = {"preempted": bool(signum), "epoch_end": self._epoch_ended(), "every_seconds": time_due,
-               "every_steps": bool(self.every_steps) and step % self.every_steps == 0}
+        due = {
+            "preempted": bool(signum),
+            "epoch_end": self._epoch_ended(),
+            "every_seconds": time_due,
+            "every_steps": bool(self.every_steps) and step % self.every_steps == 0,
+        }
         reasons = [reason for reason, is_due in due.items() if is_due]
         self._schedule()
         self._due, self._due_signal = (reasons[0] if reasons else ""), signum
@@ -503,8 +508,10 @@ class Checkpointer:
         if self.rank == 0:
             log = get_logger()
             what = "interrupted (Ctrl-C)" if name == "SIGINT" else f"preempted by {name}"
-            log.warning(f"{what} after global step {self.global_step}: checkpoint {self.last_path} is complete; "
-                        f"exiting with status {exit_status(name)}; {self.continue_hint}")
+            log.warning(
+                f"{what} after global step {self.global_step}: checkpoint {self.last_path} is complete; "
+                f"exiting with status {exit_status(name)}; {self.continue_hint}"
+            )
             if self.requeue:
                 log.warning(requeue_slurm_job(self.environ))
         self.close()
@@ -512,7 +519,9 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------
 
-    def save(self, reason: str = "manual", metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
+    def save(
+        self, reason: str = "manual", metrics: Mapping[str, float] | None = None, best: bool = False
+    ) -> Path | None:
         """Write a checkpoint of the current state (a collective: every rank calls it; rank 0 writes).
 
         A checkpoint already written at this global step (an epoch end, a
@@ -545,15 +554,19 @@ class Checkpointer:
         self._check_in()
         # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
         # is asked on every rank; rank 0 writes what it returned.
-        collective = {name: obj.state_dict() for name, obj in self.objects.items()
-                      if getattr(obj, "state_dict_is_collective", False)}
+        collective = {
+            name: obj.state_dict()
+            for name, obj in self.objects.items()
+            if getattr(obj, "state_dict_is_collective", False)
+        }
         rng = capture_rng_state()
         gathered: list[Any] | None = [rng]
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
         path = self._on_rank_zero(
-            lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best, collective))
+            lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best, collective)
+        )
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
             return None
         self.last_path, self._last_step = path, self.global_step
@@ -563,16 +576,24 @@ class Checkpointer:
         self.save_seconds += time.perf_counter() - start
         return path
 
-    def _write_on_rank_zero(self, reason: str, rng_states: list[Any] | None, metrics: dict[str, float],
-                            best: bool, collective: dict[str, Any]) -> Path | None:
+    def _write_on_rank_zero(
+        self,
+        reason: str,
+        rng_states: list[Any] | None,
+        metrics: dict[str, float],
+        best: bool,
+        collective: dict[str, Any],
+    ) -> Path | None:
         """Rank 0: write the checkpoint folder, mark best, prune."""
         self._collect_writes()  # at most one save in flight
         if not self._resume_checked:
             self._resume_checked = True
             select.check_resume(self.root, "never")
         epoch, step = self._position()
-        objects = {f"{name}.pt": collective[name] if name in collective else obj.state_dict()
-                   for name, obj in self.objects.items()}
+        objects = {
+            f"{name}.pt": collective[name] if name in collective else obj.state_dict()
+            for name, obj in self.objects.items()
+        }
         objects[TRAIN_FILE] = {"global_step": self.global_step, "completed_epochs": self.completed_epochs}
         objects[RNG_FILE] = {"world_size": self.world_size, "ranks": rng_states}
         meta = {
@@ -593,8 +614,9 @@ class Checkpointer:
         # Off the training path when async: copies the loop may change at once; either way CUDA tensors
         # are on the CPU, so that both modes write the same bytes.
         background = self._writer is not None
-        objects = copy_state(objects, copy_cpu=background, pin_memory=True,
-                             buffers=self._buffers if background else None)
+        objects = copy_state(
+            objects, copy_cpu=background, pin_memory=True, buffers=self._buffers if background else None
+        )
         note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
         name = checkpoint_name(self.global_step)
 
@@ -608,8 +630,16 @@ class Checkpointer:
         self._writer.submit(write, on_done=lambda path: self._saved(path, reason))
         return self.root / name
 
-    def _write_files(self, name: str, objects: dict[str, Any], texts: dict[str, str], meta: dict[str, Any],
-                     best: bool, reason: str, why: str) -> Path | None:
+    def _write_files(
+        self,
+        name: str,
+        objects: dict[str, Any],
+        texts: dict[str, str],
+        meta: dict[str, Any],
+        best: bool,
+        reason: str,
+        why: str,
+    ) -> Path | None:
         """Rank 0 (on the writer's thread when async): the checkpoint folder, the best mark, pruning."""
         try:
             path = write_checkpoint(self.root, name, objects, texts, meta, self.mode)
@@ -662,8 +692,16 @@ class Checkpointer:
             return
         _SAVES += 1
         restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        check_in(_default_store(), f"ddpkit/save/{restart}/{_SAVES}", self.rank, self.world_size, self.global_step,
-                 self.timeout, self._progress, lambda: bool(self.signals.received))
+        check_in(
+            _default_store(),
+            f"ddpkit/save/{restart}/{_SAVES}",
+            self.rank,
+            self.world_size,
+            self.global_step,
+            self.timeout,
+            self._progress,
+            lambda: bool(self.signals.received),
+        )
 
     def _write_at_close(self) -> None:
         if self._due:
@@ -713,20 +751,30 @@ _SAVES = 0
 """Saves started by this process: the ranks' check-in keys in the store (ranks count alike)."""
 
 
-def _collect_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, loader: Any,
-                     extra: Mapping[str, Any]) -> dict[str, Any]:
-    named = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-             "loader": loader}
+def _collect_objects(
+    model: Any, optimizer: Any, scheduler: Any, scaler: Any, loader: Any, extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    named = {
+        "model": _unwrap(model),
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "loader": loader,
+    }
     objects = {name: obj for name, obj in named.items() if obj is not None}
     for name, obj in extra.items():
         if not _NAME.match(name) or name in _RESERVED or name in named:
-            raise UserError(f"extra object name {name!r} is not usable; use an identifier other than "
-                             f"{', '.join(sorted(_RESERVED | set(named)))}")
+            raise UserError(
+                f"extra object name {name!r} is not usable; use an identifier other than "
+                f"{', '.join(sorted(_RESERVED | set(named)))}"
+            )
         objects[name] = obj
     for name, obj in objects.items():
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise UserError(f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
-                             "pass objects with both (a model, optimizer, scheduler, ...) or wrap it in one that has")
+            raise UserError(
+                f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
+                "pass objects with both (a model, optimizer, scheduler, ...) or wrap it in one that has"
+            )
     return objects
 
 
@@ -741,8 +789,16 @@ def _default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _check_options(every_steps: int, every_seconds: float, keep: int, best_mode: str, readable_by: str,
-                   sync_seconds: float, timeout: float, preempt_signals: Sequence[str]) -> None:
+def _check_options(
+    every_steps: int,
+    every_seconds: float,
+    keep: int,
+    best_mode: str,
+    readable_by: str,
+    sync_seconds: float,
+    timeout: float,
+    preempt_signals: Sequence[str],
+) -> None:
     if every_steps < 0 or every_seconds < 0:
         raise UserError("every_steps and every_seconds must be >= 0 (0: off)")
     if keep < 1:
@@ -770,8 +826,10 @@ def _mismatch(path: Path, saved: set[str], given: set[str]) -> str:
         parts.append(f"it holds {', '.join(sorted(saved - given))} that this run does not pass")
     if given - saved:
         parts.append(f"this run passes {', '.join(sorted(given - saved))} that it does not hold")
-    return (f"checkpoint {path} does not match the objects given to the Checkpointer ({'; '.join(parts)}); "
-            "pass the same objects it was written with, or start a new run in another folder")
+    return (
+        f"checkpoint {path} does not match the objects given to the Checkpointer ({'; '.join(parts)}); "
+        "pass the same objects it was written with, or start a new run in another folder"
+    )
 
 
 def _yaml(config: Mapping[str, Any]) -> str:

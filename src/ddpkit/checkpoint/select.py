@@ -120,8 +120,9 @@ def _newest_good(root: Path, infos: list[CheckpointInfo]) -> tuple[Path | None, 
             bad.append(info)
             continue
         if bad:
-            log.warning(f"resume=auto: newest checkpoint {bad[0].path} is corrupt; using the previous good one, "
-                        f"{info.path}")
+            log.warning(
+                f"resume=auto: newest checkpoint {bad[0].path} is corrupt; using the previous good one, {info.path}"
+            )
             for info_bad in bad:
                 log.warning(f"set aside as {set_aside(info_bad.path)}")
         remove_incomplete([i for i in infos if i.global_step > info.global_step])

@@ -110,24 +110,34 @@ def explain_write_error(root: Path, name: str, error: OSError, needed: int) -> s
     reason = error.strerror or str(error)
     free = free_bytes(root)
     complete = [info for info in list_checkpoints(root) if info.manifest is not None]
-    newest = (f"the newest complete checkpoint {complete[-1].path} is untouched" if complete
-              else "no complete checkpoint exists yet")
-    return (f"cannot write checkpoint {root / name}: {reason} ({format_bytes(free)} free on the file system of "
-            f"{root}, a checkpoint needs about {format_bytes(needed)}); the incomplete {name} was removed; "
-            f"{newest}; {_fix(root, error, max(needed - free, 0))}")
+    newest = (
+        f"the newest complete checkpoint {complete[-1].path} is untouched"
+        if complete
+        else "no complete checkpoint exists yet"
+    )
+    return (
+        f"cannot write checkpoint {root / name}: {reason} ({format_bytes(free)} free on the file system of "
+        f"{root}, a checkpoint needs about {format_bytes(needed)}); the incomplete {name} was removed; "
+        f"{newest}; {_fix(root, error, max(needed - free, 0))}"
+    )
 
 
 def _fix(root: Path, error: OSError, short: int) -> str:
     then = "then continue with resume=auto"
     if error.errno in _NO_ROOM:
-        return (f"free at least {format_bytes(short)} there, keep fewer checkpoints (keep / checkpoint.keep) or write "
-                f"them to another folder (dir / checkpoint.dir), {then}")
+        return (
+            f"free at least {format_bytes(short)} there, keep fewer checkpoints (keep / checkpoint.keep) or write "
+            f"them to another folder (dir / checkpoint.dir), {then}"
+        )
     if error.errno in _NOT_WRITABLE:
-        return (f"make {root} writable by this user or write checkpoints to another folder "
-                f"(dir / checkpoint.dir), {then}")
+        return (
+            f"make {root} writable by this user or write checkpoints to another folder (dir / checkpoint.dir), {then}"
+        )
     if error.errno == errno.ENOENT:
-        return f"{root} vanished (removed or unmounted): restore it or write checkpoints to another folder " \
-               f"(dir / checkpoint.dir), {then}"
+        return (
+            f"{root} vanished (removed or unmounted): restore it or write checkpoints to another folder "
+            f"(dir / checkpoint.dir), {then}"
+        )
     return f"check the storage of {root} (errno {error.errno}), {then}"
 
 
@@ -141,7 +151,9 @@ def room_warning(root: Path, keep: int, needed: int) -> str:
     wanted = (keep + 1) * needed
     if free + existing >= wanted:
         return ""
-    return (f"checkpoint folder {root} has {format_bytes(free)} free (plus {format_bytes(existing)} of checkpoints), "
-            f"but keeping {keep} checkpoint(s) of about {format_bytes(needed)} while writing the next needs "
-            f"{format_bytes(wanted)}: a save will fail for lack of space; free space there, keep fewer checkpoints "
-            "(keep / checkpoint.keep) or write them to another folder (dir / checkpoint.dir)")
+    return (
+        f"checkpoint folder {root} has {format_bytes(free)} free (plus {format_bytes(existing)} of checkpoints), "
+        f"but keeping {keep} checkpoint(s) of about {format_bytes(needed)} while writing the next needs "
+        f"{format_bytes(wanted)}: a save will fail for lack of space; free space there, keep fewer checkpoints "
+        "(keep / checkpoint.keep) or write them to another folder (dir / checkpoint.dir)"
+    )

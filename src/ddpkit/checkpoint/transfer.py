@@ -68,8 +68,10 @@ class TransferReport:
             if self.unexpected:
                 out.append("  unexpected (ignored): " + ", ".join(self.unexpected))
             for name, source_shape, model_shape in self.mismatched:
-                out.append(f"  shape mismatch (not loaded): {name}: {tuple(source_shape)} in the source, "
-                           f"{tuple(model_shape)} in the model")
+                out.append(
+                    f"  shape mismatch (not loaded): {name}: {tuple(source_shape)} in the source, "
+                    f"{tuple(model_shape)} in the model"
+                )
         if self.frozen:
             out.append("frozen (not trained): " + ", ".join(self.frozen))
         return out
@@ -98,8 +100,10 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         raise CheckpointError(f"init_from={path} does not exist; pass a checkpoint, an export or a .pt file")
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path} holds no state_dict (a mapping of names to tensors); "
-                              "pass a checkpoint, an export or a file saved with torch.save(model.state_dict())")
+        raise CheckpointError(
+            f"{path} holds no state_dict (a mapping of names to tensors); "
+            "pass a checkpoint, an export or a file saved with torch.save(model.state_dict())"
+        )
     return dict(state)
 
 
@@ -153,8 +157,9 @@ def freeze_parameters(model: nn.Module, prefixes: str) -> tuple[str, ...]:
     for prefix in wanted:
         matches = [name for name in names if name == prefix or name.startswith(prefix + ".")]
         if not matches:
-            raise UserError(f"freeze={prefix!r} matches no parameter of the model; "
-                             f"its parameters are: {', '.join(names)}")
+            raise UserError(
+                f"freeze={prefix!r} matches no parameter of the model; its parameters are: {', '.join(names)}"
+            )
         frozen += [name for name in matches if name not in frozen]
     parameters = dict(model.named_parameters())
     for name in frozen:

@@ -100,9 +100,7 @@ def _butterfly(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.
         size = hi - lo
         # The partner owns the neighbouring range of the same size.
         other = (lo + size, hi + size) if not virtual & distance else (lo - size, hi - size)
-        p2p.exchange(
-            flat[bounds[lo] : bounds[hi]], partner, flat[bounds[other[0]] : bounds[other[1]]], partner, group
-        )
+        p2p.exchange(flat[bounds[lo] : bounds[hi]], partner, flat[bounds[other[0]] : bounds[other[1]]], partner, group)
         lo, hi = min(lo, other[0]), max(hi, other[1])
         distance *= 2
 

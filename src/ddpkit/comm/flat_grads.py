@@ -46,7 +46,10 @@ class FlatGradients:
     """
 
     def __init__(
-        self, model: nn.Module, all_reduce_fn: Callable[..., None], group: dist.ProcessGroup | None = None,
+        self,
+        model: nn.Module,
+        all_reduce_fn: Callable[..., None],
+        group: dist.ProcessGroup | None = None,
         averaging: bool = False,
     ) -> None:
         self.all_reduce_fn = all_reduce_fn

@@ -217,8 +217,10 @@ class GradientSync:
         """One line for the start-up log."""
         if self.mode == "none":
             return "single worker: no gradient synchronisation"
-        return (f"gradients: {self.mode} of {self.nbytes / 1024:.0f} KiB with all_reduce={self.allreduce} "
-                f"over {self.ctx.backend}")
+        return (
+            f"gradients: {self.mode} of {self.nbytes / 1024:.0f} KiB with all_reduce={self.allreduce} "
+            f"over {self.ctx.backend}"
+        )
 
     # -- flat and manual: hooks and the end-of-backward callback --------------------
 

@@ -101,8 +101,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     """
     global _instance
     if not tensor.is_cpu:  # before the first call's collective setup: the shared-memory phases take CPU memory
-        raise ValueError(f"ddpkit.comm.hierarchical.all_reduce takes CPU tensors, got one on {tensor.device}; "
-                         "use allreduce=builtin (the backend's own, nccl) for CUDA tensors")
+        raise ValueError(
+            f"ddpkit.comm.hierarchical.all_reduce takes CPU tensors, got one on {tensor.device}; "
+            "use allreduce=builtin (the backend's own, nccl) for CUDA tensors"
+        )
     if group is not None and group != dist.group.WORLD:
         raise ValueError("the hierarchical all_reduce runs on the world group only; pass group=None")
     if _instance is None:

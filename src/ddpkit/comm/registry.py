@@ -154,7 +154,9 @@ def resolve_allreduce(name: str) -> AllReduce:
         reason = _shm_unavailable_reason()
         if reason is not None:
             available = ", ".join(available_allreduce_algorithms())
-            raise UserError(f"all_reduce algorithm {name!r} is not available here ({reason}); choose one of {available}")
+            raise UserError(
+                f"all_reduce algorithm {name!r} is not available here ({reason}); choose one of {available}"
+            )
     return ALLREDUCE_ALGORITHMS[name]
 
 

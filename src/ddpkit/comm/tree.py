@@ -40,9 +40,7 @@ def _neighbours(rank: int, root: int, n: int) -> tuple[int | None, list[int]]:
     return parent, children
 
 
-def reduce(
-    tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None
-) -> None:
+def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` from all ranks into ``tensor`` of rank ``dst``, up a binary tree.
 
     On other ranks ``tensor`` is left holding a partial result (unspecified, as

@@ -73,9 +73,11 @@ def global_batch(batch_size: int | None, global_batch_size: int | None, world_si
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size={batch_size!r}: pass a positive int, the samples per rank and step")
-    line = (f"ddpkit.DataLoader: batch_size={batch_size} is per rank (as in torch), so {world_size} rank(s) make "
-            f"global batches of {batch_size * world_size} and the batches change with the world size; "
-            f"global_batch_size={batch_size * world_size} keeps them the same at any world size")
+    line = (
+        f"ddpkit.DataLoader: batch_size={batch_size} is per rank (as in torch), so {world_size} rank(s) make "
+        f"global batches of {batch_size * world_size} and the batches change with the world size; "
+        f"global_batch_size={batch_size * world_size} keeps them the same at any world size"
+    )
     if rank == 0 and line not in _SAID:
         _SAID.add(line)
         get_logger().info(line)
@@ -95,8 +97,9 @@ def loader_seed(seed: int | None, generator: torch.Generator | None) -> int:
     return generator.initial_seed()
 
 
-def read_sampler(sampler: Any, shuffle: bool | None, seed: int, num_samples: int,
-                 rank: int, world_size: int) -> tuple[bool, int, SamplerOrder | None]:
+def read_sampler(
+    sampler: Any, shuffle: bool | None, seed: int, num_samples: int, rank: int, world_size: int
+) -> tuple[bool, int, SamplerOrder | None]:
     """(shuffle, seed, order) of the global order that ``shuffle`` and ``sampler`` describe.
 
     Raises:
@@ -107,8 +110,10 @@ def read_sampler(sampler: Any, shuffle: bool | None, seed: int, num_samples: int
     if sampler is None:
         return bool(shuffle), seed, None
     if shuffle:
-        raise UserError("sampler option is mutually exclusive with shuffle (as in torch); the sampler defines the "
-                        "order: drop shuffle=True, or drop sampler= for ddpkit's shuffled order")
+        raise UserError(
+            "sampler option is mutually exclusive with shuffle (as in torch); the sampler defines the "
+            "order: drop shuffle=True, or drop sampler= for ddpkit's shuffled order"
+        )
     if isinstance(sampler, DistributedSampler):
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
             raise UserError(
@@ -135,12 +140,18 @@ def refuse_batch_sampler(batch_sampler: Any) -> None:
 def refuse_for_streaming(shuffle: bool | None, sampler: Any, persistent_workers: bool, num_workers: int) -> None:
     """torch's refusals for an IterableDataset, and persistent workers, which would not see a new epoch."""
     if sampler is not None:
-        raise UserError(f"DataLoader with IterableDataset: expected unspecified sampler option, but got "
-                        f"sampler={sampler} (as in torch); the stream's own order is used: drop sampler=")
+        raise UserError(
+            f"DataLoader with IterableDataset: expected unspecified sampler option, but got "
+            f"sampler={sampler} (as in torch); the stream's own order is used: drop sampler="
+        )
     if shuffle:
-        raise UserError(f"DataLoader with IterableDataset: expected unspecified shuffle option, but got "
-                        f"shuffle={shuffle} (as in torch); shuffle the stream itself (an HF dataset's "
-                        ".shuffle(seed=..., buffer_size=...))")
+        raise UserError(
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got "
+            f"shuffle={shuffle} (as in torch); shuffle the stream itself (an HF dataset's "
+            ".shuffle(seed=..., buffer_size=...))"
+        )
     if persistent_workers and num_workers > 0:
-        raise UserError("persistent_workers=True with an IterableDataset: workers kept across epochs would not see "
-                        "the next epoch or a resumed position; pass persistent_workers=False")
+        raise UserError(
+            "persistent_workers=True with an IterableDataset: workers kept across epochs would not see "
+            "the next epoch or a resumed position; pass persistent_workers=False"
+        )

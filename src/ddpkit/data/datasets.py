@@ -165,14 +165,18 @@ def dataset_function(name: str) -> Callable[[], Splits]:
         ValueError: not module:function, or it cannot be imported.
     """
     if ":" not in name:
-        raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}, "
-                         "or give module:function returning (train, test) Datasets")
+        raise UserError(
+            f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}, "
+            "or give module:function returning (train, test) Datasets"
+        )
     module_name, _, attr = name.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise UserError(f"dataset {name!r} cannot be imported ({e}); check the module:function path "
-                         "(the current folder is importable)") from None
+        raise UserError(
+            f"dataset {name!r} cannot be imported ({e}); check the module:function path "
+            "(the current folder is importable)"
+        ) from None
 
 
 def _checked(name: str, splits: object) -> Splits:
@@ -180,8 +184,10 @@ def _checked(name: str, splits: object) -> Splits:
         raise UserError(f"dataset {name!r} returned {type(splits).__name__}; return a pair (train, test) of Datasets")
     for split, data in zip(("train", "test"), splits):
         if isinstance(data, IterableDataset) or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-            raise UserError(f"dataset {name!r}: the {split} split is a {type(data).__name__}, not a map-style "
-                             "Dataset (__getitem__ and __len__); ddpkit shards by index so that resumes are exact")
+            raise UserError(
+                f"dataset {name!r}: the {split} split is a {type(data).__name__}, not a map-style "
+                "Dataset (__getitem__ and __len__); ddpkit shards by index so that resumes are exact"
+            )
     return splits[0], splits[1]
 
 
@@ -232,6 +238,4 @@ def load_synthetic(options: DataOptions, environ: Mapping[str, str]) -> ImageDat
     images = torch.randint(0, 256, (num_train + num_test, 1, 28, 28), dtype=torch.uint8, generator=generator)
     projection = torch.randn(28 * 28, 10, generator=generator)
     labels = (images.flatten(1).float() @ projection).argmax(1)
-    return ImageData(
-        "synthetic", images[:num_train], labels[:num_train], images[num_train:], labels[num_train:]
-    )
+    return ImageData("synthetic", images[:num_train], labels[:num_train], images[num_train:], labels[num_train:])

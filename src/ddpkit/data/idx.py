@@ -86,7 +86,7 @@ def map_idx(path: str | Path, cache_dir: str | Path) -> np.ndarray:
         return _mapped(path)
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    stem = path.name[:-len(".gz")]
+    stem = path.name[: -len(".gz")]
     copy = Path(cache_dir) / f"{stem}-{key}"
     if not copy.is_file():
         array = read_idx(path)  # checked before it is cached
@@ -117,7 +117,7 @@ def map_pixels(path: str | Path, cache_dir: str | Path) -> np.ndarray:
     path = Path(path)
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:f32".encode()).hexdigest()[:16]
-    stem = path.name[:-len(".gz")] if path.name.endswith(".gz") else path.name
+    stem = path.name[: -len(".gz")] if path.name.endswith(".gz") else path.name
     copy = Path(cache_dir) / f"{stem}-pixels-{key}.npy"
     if not copy.is_file():
         pixels = np.divide(images, np.float32(255.0), dtype=np.float32)

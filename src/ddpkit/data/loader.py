@@ -93,6 +93,7 @@ except ImportError:  # numpy is optional for torch, and so here
 
 __all__ = ["ArrowBatchDataset", "BatchReadDataset", "DataLoader", "SeededDataset"]
 
+
 class _Collate:
     """The user's collate_fn, and zero-row batches for empty shares."""
 
@@ -186,8 +187,7 @@ class ArrowBatchDataset(BatchReadDataset):
 def _arrow_in_torch_format(dataset: Any) -> bool:
     """An HF ``datasets.Dataset`` formatted as torch tensors (without importing ``datasets``)."""
     module = sys.modules.get("datasets")
-    return (module is not None and isinstance(dataset, module.Dataset)
-            and (dataset.format or {}).get("type") == "torch")
+    return module is not None and isinstance(dataset, module.Dataset) and (dataset.format or {}).get("type") == "torch"
 
 
 def _reads_batches(dataset: Any) -> bool:
@@ -478,12 +478,18 @@ class DataLoader(torch.utils.data.DataLoader):
         global_batch_size = global_batch(batch_size, global_batch_size, world_size, rank)
         seed = loader_seed(seed, generator)
         torch_arguments = dict(
-            num_workers=num_workers, pin_memory=pin_memory, timeout=timeout,
-            worker_init_fn=_WorkerInit(worker_init_fn), multiprocessing_context=multiprocessing_context,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=_WorkerInit(worker_init_fn),
+            multiprocessing_context=multiprocessing_context,
             # Drawing the workers' base seed from its own generator, never from torch's global one:
             # a resumed run draws the same dropout masks as an uninterrupted one.
-            generator=torch.Generator().manual_seed(seed), prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, in_order=in_order,
+            generator=torch.Generator().manual_seed(seed),
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
         )
         self._sampler: GlobalBatchSampler | None = None
         self._stream: Stream | None = None
@@ -493,8 +499,19 @@ class DataLoader(torch.utils.data.DataLoader):
             refuse_for_streaming(shuffle, sampler, persistent_workers, num_workers)
             self._init_stream(dataset, global_batch_size, rank, world_size, drop_last, collate_fn, torch_arguments)
         else:
-            self._init_map_style(dataset, global_batch_size, rank, world_size, drop_last, collate_fn, torch_arguments,
-                                 shuffle=shuffle, sampler=sampler, seed=seed, seed_per_sample=seed_per_sample)
+            self._init_map_style(
+                dataset,
+                global_batch_size,
+                rank,
+                world_size,
+                drop_last,
+                collate_fn,
+                torch_arguments,
+                shuffle=shuffle,
+                sampler=sampler,
+                seed=seed,
+                seed_per_sample=seed_per_sample,
+            )
         # torch's attributes, read by tools that inspect loaders; torch forbids setting them once built.
         object.__setattr__(self, "sampler", _LoaderSampler(self, sampler))
         object.__setattr__(self, "batch_size", global_batch_size // world_size)
@@ -514,40 +531,67 @@ class DataLoader(torch.utils.data.DataLoader):
         the points where the loop's body is complete (the Checkpointer writes its checkpoints there)."""
         self._sample_bytes: int | None = None  # of one sample, read before the workers first start
 
-    def _init_map_style(self, dataset: Dataset, global_batch_size: int, rank: int, world_size: int,
-                        drop_last: bool, collate_fn: Callable[[list[Any]], Any] | None,
-                        torch_arguments: dict[str, Any], *, shuffle: bool | None, sampler: Any, seed: int,
-                        seed_per_sample: bool) -> None:
+    def _init_map_style(
+        self,
+        dataset: Dataset,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        torch_arguments: dict[str, Any],
+        *,
+        shuffle: bool | None,
+        sampler: Any,
+        seed: int,
+        seed_per_sample: bool,
+    ) -> None:
         if not hasattr(dataset, "__len__"):
             raise UserError(
                 f"ddpkit.DataLoader needs a map-style Dataset (__getitem__ and __len__) or an IterableDataset; "
                 f"{type(dataset).__name__} is neither: give it __len__, or make it a torch IterableDataset"
             )
         shuffle, seed, order = read_sampler(sampler, shuffle, seed, len(dataset), rank, world_size)
-        self._sampler = GlobalBatchSampler(len(dataset), global_batch_size, rank, world_size, seed, shuffle,
-                                           drop_last=drop_last, order=order)
+        self._sampler = GlobalBatchSampler(
+            len(dataset), global_batch_size, rank, world_size, seed, shuffle, drop_last=drop_last, order=order
+        )
         num_workers = torch_arguments["num_workers"]
         # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
         self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
         if not self._tensor_fast_path:
             reader = SeededDataset
             if _reads_batches(dataset):
-                reader = ArrowBatchDataset if collate_fn is None and _arrow_in_torch_format(dataset) \
-                    else BatchReadDataset
+                reader = (
+                    ArrowBatchDataset if collate_fn is None and _arrow_in_torch_format(dataset) else BatchReadDataset
+                )
             dataset = reader(dataset, seed, seed_per_sample)
         torch_arguments["pin_memory"] = torch_arguments["pin_memory"] and not self._tensor_fast_path
-        super().__init__(dataset, batch_sampler=_KeyBatchSampler(self._sampler),
-                         collate_fn=_Collate(collate_fn or default_collate), **torch_arguments)
+        super().__init__(
+            dataset,
+            batch_sampler=_KeyBatchSampler(self._sampler),
+            collate_fn=_Collate(collate_fn or default_collate),
+            **torch_arguments,
+        )
 
-    def _init_stream(self, dataset: IterableDataset, global_batch_size: int, rank: int, world_size: int,
-                     drop_last: bool, collate_fn: Callable[[list[Any]], Any] | None,
-                     torch_arguments: dict[str, Any]) -> None:
+    def _init_stream(
+        self,
+        dataset: IterableDataset,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        torch_arguments: dict[str, Any],
+    ) -> None:
         if global_batch_size % world_size:
-            raise UserError(f"global batch size {global_batch_size} does not divide among {world_size} workers; "
-                            f"use a global_batch_size that is a multiple of {world_size}")
+            raise UserError(
+                f"global batch size {global_batch_size} does not divide among {world_size} workers; "
+                f"use a global_batch_size that is a multiple of {world_size}"
+            )
         self._tensor_fast_path = False
-        shard = StreamShard(dataset, rank, world_size, global_batch_size // world_size, drop_last,
-                            collate_fn or default_collate)
+        shard = StreamShard(
+            dataset, rank, world_size, global_batch_size // world_size, drop_last, collate_fn or default_collate
+        )
         self._stream = Stream(shard, torch_arguments["num_workers"])
         super().__init__(shard, batch_size=None, collate_fn=passed_on, **torch_arguments)
 
@@ -699,12 +743,17 @@ class DataLoader(torch.utils.data.DataLoader):
             where = f"in epoch {resumed} at step {self._start_step} of {self.steps_per_epoch}"
         else:
             where = f"at the start of epoch {resumed}"
-        effect = f"epoch {epoch} would be trained again" if epoch < resumed else \
-            f"the rest of epoch {resumed} would be skipped"
-        return (f"the loader resumed {where} (epochs numbered as the loop passed them to set_epoch), but the "
-                f"loop now calls set_epoch({epoch}): {effect}; start the loop at the epoch resume() returns: "
-                f"for epoch in range(start.epoch, epochs) (epochs numbered from 1: resume(..., first_epoch=1) "
-                f"and range(start.epoch, epochs + 1))")
+        effect = (
+            f"epoch {epoch} would be trained again"
+            if epoch < resumed
+            else f"the rest of epoch {resumed} would be skipped"
+        )
+        return (
+            f"the loader resumed {where} (epochs numbered as the loop passed them to set_epoch), but the "
+            f"loop now calls set_epoch({epoch}): {effect}; start the loop at the epoch resume() returns: "
+            f"for epoch in range(start.epoch, epochs) (epochs numbered from 1: resume(..., first_epoch=1) "
+            f"and range(start.epoch, epochs + 1))"
+        )
 
     @property
     def streaming(self) -> bool:
@@ -746,8 +795,10 @@ class DataLoader(torch.utils.data.DataLoader):
         if (self._stream is None) == ("stream" in state):
             kinds = ("an IterableDataset", "a map-style dataset")
             saved, here = kinds if "stream" in state else kinds[::-1]
-            raise UserError(f"the loader state was saved by a loader over {saved} and this loader reads {here}; "
-                            "resume with the dataset it was saved with")
+            raise UserError(
+                f"the loader state was saved by a loader over {saved} and this loader reads {here}; "
+                "resume with the dataset it was saved with"
+            )
         epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
         if self._stream is not None:
             done = bool(state["epoch_done"])

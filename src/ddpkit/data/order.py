@@ -85,8 +85,12 @@ class SamplerOrder:
         sampler, seed = self.sampler, epoch_seed(self.seed, epoch)
         own = getattr(sampler, "generator", None)
         own = own if isinstance(own, torch.Generator) else None
-        saved = (torch.random.get_rng_state(), random.getstate(), np and np.random.get_state(),
-                 own.get_state() if own is not None else None)
+        saved = (
+            torch.random.get_rng_state(),
+            random.getstate(),
+            np and np.random.get_state(),
+            own.get_state() if own is not None else None,
+        )
         try:
             torch.random.default_generator.manual_seed(seed)
             random.seed(seed)

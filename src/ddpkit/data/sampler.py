@@ -218,8 +218,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
             first, stop = self._share(step)
             yield order[first:stop]
 
-    def tensor_shares(self, epoch: int, start_step: int = 0,
-                      device: torch.device | str | None = None) -> Iterator[torch.Tensor]:
+    def tensor_shares(
+        self, epoch: int, start_step: int = 0, device: torch.device | str | None = None
+    ) -> Iterator[torch.Tensor]:
         """As :meth:`shares`, each share an int64 tensor on ``device`` (the epoch order is moved there once)."""
         order = self.epoch_order(epoch).to(device)
         # The full global batches as rows, this rank's columns, cut into views by one C call:

@@ -53,8 +53,9 @@ def sample_bytes(sample: Any) -> int:
 def need_bytes(loader: torch.utils.data.DataLoader, one_sample_bytes: int, batch_size: int) -> tuple[int, int]:
     """(bytes of /dev/shm the loaders like ``loader`` of this node hold, training processes on this node)."""
     _, local_world_size = distributed.local_ranks()
-    per_process = shared_memory.loader_bytes(one_sample_bytes * batch_size, loader.num_workers,
-                                             loader.prefetch_factor or 2, len(loader))
+    per_process = shared_memory.loader_bytes(
+        one_sample_bytes * batch_size, loader.num_workers, loader.prefetch_factor or 2, len(loader)
+    )
     return per_process * local_world_size, local_world_size
 
 
@@ -70,12 +71,14 @@ def warn_if_too_small(loader: torch.utils.data.DataLoader, sample: Any, batch_si
     need, processes = need_bytes(loader, sample_bytes(sample), batch_size)
     if space is None or space.fits(need) or distributed.local_ranks()[0] != 0:
         return
-    get_logger().warning(shared_memory.too_small(_what(loader, processes), need, space)
-                         + "; or lower num_workers or prefetch_factor")
+    get_logger().warning(
+        shared_memory.too_small(_what(loader, processes), need, space) + "; or lower num_workers or prefetch_factor"
+    )
 
 
-def translate(error: RuntimeError, loader: torch.utils.data.DataLoader, one_sample_bytes: int,
-              batch_size: int) -> Exception:
+def translate(
+    error: RuntimeError, loader: torch.utils.data.DataLoader, one_sample_bytes: int, batch_size: int
+) -> Exception:
     """The error to raise for ``error`` from ``loader``'s iteration: one line when /dev/shm ran out, else itself."""
     space = shared_memory.measure()
     if space is None or not any(marker in str(error) for marker in _OUT_OF_SHM_MARKERS):
@@ -87,5 +90,7 @@ def translate(error: RuntimeError, loader: torch.utils.data.DataLoader, one_samp
 
 def _what(loader: torch.utils.data.DataLoader, processes: int) -> str:
     ahead = loader.num_workers * (loader.prefetch_factor or 2)
-    return (f"a DataLoader with {loader.num_workers} worker processes ({ahead} batches ahead) in each of "
-            f"{processes} training processes of this node")
+    return (
+        f"a DataLoader with {loader.num_workers} worker processes ({ahead} batches ahead) in each of "
+        f"{processes} training processes of this node"
+    )

@@ -121,7 +121,9 @@ def fetch(source: DatasetSource, target: Path, mirrors: Sequence[str]) -> Path:
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataNotFoundError(f"cannot create {target} for {source.name} ({e.strerror}); set data_dir to a writable folder") from None
+        raise DataNotFoundError(
+            f"cannot create {target} for {source.name} ({e.strerror}); set data_dir to a writable folder"
+        ) from None
     with FileLock(str(target / ".download.lock")):
         for file in source.files:
             if not (target / file.name).is_file():
@@ -164,4 +166,3 @@ def _download_to(url: str, file: RemoteFile, target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-

@@ -97,8 +97,15 @@ class StreamShard(IterableDataset):
         collate_fn: makes a batch of a list of samples.
     """
 
-    def __init__(self, dataset: IterableDataset, rank: int, world_size: int, batch_size: int, drop_last: bool,
-                 collate_fn: Callable[[list[Any]], Any]):
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any],
+    ):
         self.round_robin = not _hf_iterable(dataset)
         if not self.round_robin:
             from datasets.distributed import split_dataset_by_node
@@ -165,8 +172,9 @@ class Stream:
         """True when the ranks agree through torch.distributed (else each rank ends at its own end)."""
         return self.shard.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def agreed(self, batches: Iterator[tuple[Any, int, dict[str, Any]]], epoch: int, step: int
-               ) -> Iterator[tuple[Any, int, dict[str, Any], int, bool]]:
+    def agreed(
+        self, batches: Iterator[tuple[Any, int, dict[str, Any]]], epoch: int, step: int
+    ) -> Iterator[tuple[Any, int, dict[str, Any], int, bool]]:
         """``(batch, worker, position, global rows, last)`` while every rank has a batch.
 
         One batch is read ahead, so that the last batch is known as such when

@@ -87,8 +87,13 @@ def open_store(env: ClusterEnvironment, environ: Mapping[str, str], timeout: flo
     host = not uses_agent_store(environ) and env.rank == 0
     try:
         store = dist.TCPStore(
-            env.master_addr, env.master_port, None, host, timedelta(seconds=timeout),
-            wait_for_workers=False, multi_tenant=True,
+            env.master_addr,
+            env.master_port,
+            None,
+            host,
+            timedelta(seconds=timeout),
+            wait_for_workers=False,
+            multi_tenant=True,
         )
     except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -99,8 +104,8 @@ def open_store(env: ClusterEnvironment, environ: Mapping[str, str], timeout: flo
                 "set MASTER_PORT to a free port (the same on every worker)",
             ) from None
         raise DoctorProblem(
-            "rendezvous store", f"rank {env.rank}/{env.world_size} cannot open the store at "
-            f"{env.master_addr}:{env.master_port}: {text}",
+            "rendezvous store",
+            f"rank {env.rank}/{env.world_size} cannot open the store at {env.master_addr}:{env.master_port}: {text}",
         ) from None
     prefix = _PREFIX
     if uses_agent_store(environ):
@@ -133,7 +138,8 @@ def roll_call(store, me: WorkerInfo, env: ClusterEnvironment, timeout: float) ->
             store.wait(["roll"], timedelta(seconds=timeout + 10))  # rank 0 waits timeout itself first
         except (RuntimeError, TimeoutError) as e:
             raise DoctorProblem(
-                "roll call", f"rank {env.rank}/{env.world_size} reached the store but rank 0 did not report the "
+                "roll call",
+                f"rank {env.rank}/{env.world_size} reached the store but rank 0 did not report the "
                 f"roll call within {timeout + 10:g}s ({str(e).splitlines()[0]}); check rank 0's output",
             ) from None
         outcome = json.loads(store.get("roll"))
@@ -228,7 +234,8 @@ def sanity_all_reduce(ctx, timeout: float) -> Check:
         dist.all_reduce(value)
     except (RuntimeError, dist.DistError) as e:
         raise DoctorProblem(
-            "all_reduce", f"rank {ctx.rank}/{n}: all_reduce failed within {timeout:g}s: "
+            "all_reduce",
+            f"rank {ctx.rank}/{n}: all_reduce failed within {timeout:g}s: "
             f"{str(e).splitlines()[0]}; a worker stopped or its network broke: check the other workers' output",
         ) from None
     got = value.item()

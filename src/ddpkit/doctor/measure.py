@@ -30,10 +30,17 @@ def measure_peers(ctx, cfg: DoctorConfig) -> list[PeerLink]:
             latency = [t / 2 * 1e6 for t in _round_trips(small, peer, cfg.latency_iterations, sync)]
             trips = _round_trips(large, peer, cfg.bandwidth_iterations, sync)
             bandwidth = [large.nbytes / (t / 2) / 1e9 for t in trips]
-            links.append(PeerLink(
-                peer, statistics.median(latency), min(latency), max(latency),
-                statistics.median(bandwidth), min(bandwidth), max(bandwidth),
-            ))
+            links.append(
+                PeerLink(
+                    peer,
+                    statistics.median(latency),
+                    min(latency),
+                    max(latency),
+                    statistics.median(bandwidth),
+                    min(bandwidth),
+                    max(bandwidth),
+                )
+            )
         elif ctx.rank == peer:
             _echo(small, cfg.latency_iterations)
             _echo(large, cfg.bandwidth_iterations)

@@ -41,8 +41,10 @@ def format_report(report: Report) -> str:
             workers, latency = len(report.workers), report.allreduce_latency_us
             lines.append(f"  all_reduce of 4 bytes over {workers} workers: {latency:.0f} us (median)")
     if report.hints:
-        lines.append("This process runs alone: nothing to check between workers. To check a job, run the doctor "
-                     "as every worker of it:")
+        lines.append(
+            "This process runs alone: nothing to check between workers. To check a job, run the doctor "
+            "as every worker of it:"
+        )
         lines += [f"  {h}" for h in report.hints]
     lines.append(f"problem: {report.problem}" if report.problem else "result: OK")
     return "\n".join(lines)
@@ -67,5 +69,8 @@ def print_report(report: Report, as_json: bool) -> None:
     if report.environment.rank == 0:
         print(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report), flush=True)
     elif not report.ok:
-        print(f"[rank {report.environment.rank}/{report.environment.world_size}] problem: {report.problem}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {report.environment.rank}/{report.environment.world_size}] problem: {report.problem}",
+            file=sys.stderr,
+            flush=True,
+        )

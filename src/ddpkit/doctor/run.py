@@ -32,8 +32,16 @@ def examine(cfg: DoctorConfig, environ: MutableMapping[str, str]) -> Report:
     env = detect_environment(environ)
     network = choose_network(environ, env.master_addr)
     report = Report(env, socket.gethostname(), network, resolved_backend(cfg, env.local_rank), describe_devices())
-    me = WorkerInfo(env.rank, env.node_rank, env.local_rank, report.host, network.interface, network.address,
-                    network_stack_id(), os.getpid())
+    me = WorkerInfo(
+        env.rank,
+        env.node_rank,
+        env.local_rank,
+        report.host,
+        network.interface,
+        network.address,
+        network_stack_id(),
+        os.getpid(),
+    )
     if env.world_size == 1:
         report.workers = [me]
         if env.source == "local":
@@ -53,8 +61,9 @@ def examine(cfg: DoctorConfig, environ: MutableMapping[str, str]) -> Report:
     return report
 
 
-def _run_checks(cfg: DoctorConfig, env: ClusterEnvironment, environ: MutableMapping[str, str], report: Report,
-                me: WorkerInfo) -> None:
+def _run_checks(
+    cfg: DoctorConfig, env: ClusterEnvironment, environ: MutableMapping[str, str], report: Report, me: WorkerInfo
+) -> None:
     store = None
     if env.world_size > 1:
         if env.rank == 0 and not uses_agent_store(environ):

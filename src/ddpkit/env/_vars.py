@@ -82,7 +82,7 @@ def checked_environment(
     check_below(*rank, *world_size, fix)
     check_below(*local_rank, *local_world_size, fix)
     check_below(*node_rank, *num_nodes, fix)
-    for (name, value) in (local_world_size, num_nodes):
+    for name, value in (local_world_size, num_nodes):
         if value > world_size[1]:
             raise InconsistentEnvironment(f"{name}={value} exceeds {world_size[0]}={world_size[1]}; {fix}")
     return ClusterEnvironment(

@@ -322,8 +322,9 @@ def _from_variables(environ: Mapping[str, str]) -> SageMakerJob:
         current_host=environ["SM_CURRENT_HOST"],
         num_gpus=_int(environ, "SM_NUM_GPUS"),
         num_cpus=_int(environ, "SM_NUM_CPUS"),
-        channels={name: environ.get(f"SM_CHANNEL_{name.upper()}", str(base / "input" / "data" / name))
-                  for name in names},
+        channels={
+            name: environ.get(f"SM_CHANNEL_{name.upper()}", str(base / "input" / "data" / name)) for name in names
+        },
         model_dir=environ.get("SM_MODEL_DIR", str(base / "model")),
         output_data_dir=environ.get("SM_OUTPUT_DATA_DIR", str(base / "output" / "data")),
         hyperparameters=_user_hyperparameters(_json(environ.get("SM_HPS", "{}"), "SM_HPS")),

@@ -87,9 +87,7 @@ class SlurmEnvironment:
         num_nodes = parse_int(environ, nodes_var, _FIX, minimum=1)
         check_below("SLURM_NODEID", node_rank, nodes_var, num_nodes, _FIX)
 
-        tasks_var = first_set(
-            environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"
-        )
+        tasks_var = first_set(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
         if tasks_var is None:
             if num_nodes > 1:
                 raise InconsistentEnvironment(
@@ -138,9 +136,7 @@ def parse_tasks_per_node(value: str, name: str = "SLURM_TASKS_PER_NODE") -> list
     for item in value.split(","):
         match = _TASKS_PER_NODE_ITEM.fullmatch(item)
         if match is None:
-            raise InconsistentEnvironment(
-                f"{name}={value!r} is not a tasks-per-node list such as '2(x3),1'; {_FIX}"
-            )
+            raise InconsistentEnvironment(f"{name}={value!r} is not a tasks-per-node list such as '2(x3),1'; {_FIX}")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
 

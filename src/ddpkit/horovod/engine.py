@@ -63,16 +63,33 @@ Rows = list[list[int]]
 """The exchanged headers, one row per rank."""
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, BARRIER = 1, 2, 3, 4, 5
-KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
-              BARRIER: "barrier"}
+KIND_NAMES = {
+    ALLREDUCE: "allreduce",
+    ALLGATHER: "allgather",
+    BROADCAST: "broadcast",
+    ALLTOALL: "alltoall",
+    BARRIER: "barrier",
+}
 # Header columns; then world_size splits, FUSION_LIMIT running sizes and FUSION_LIMIT running keys.
 ACTIVE, KIND, DTYPE, OP, ROOT, DIM0, ROW_NUMEL, SHAPE_KEY, NAME_KEY, QUEUED, SPLITS = range(11)
 _MUST_AGREE = (KIND, DTYPE, OP, ROOT, ROW_NUMEL, SHAPE_KEY, NAME_KEY)  # DIM0 may differ: allgather, alltoall
 FUSION_LIMIT = 64
 """Most allreduces fused into one all_reduce."""
 
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 REDUCE_OPS = (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
 _all_gather_into_tensor = COLLECTIVES["all_gather_into_tensor"]["builtin"]
@@ -99,8 +116,10 @@ class Call:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"ddpkit.horovod cannot reduce or move {self.dtype} tensors; use one of "
-                             f"{', '.join(str(d) for d in DTYPES)}")
+            raise ValueError(
+                f"ddpkit.horovod cannot reduce or move {self.dtype} tensors; use one of "
+                f"{', '.join(str(d) for d in DTYPES)}"
+            )
 
     @property
     def key(self) -> int:
@@ -140,8 +159,14 @@ class Engine:
         all_reduce: ``fn(tensor, op=ReduceOp.SUM, group=None)``, in place.
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, header_device: torch.device,
-                 all_reduce: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        header_device: torch.device,
+        all_reduce: Callable[..., None],
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -161,8 +186,9 @@ class Engine:
         """Queue ``call``: on the worker thread, exchange headers, check them, then ``run(rows)``."""
         return self._put(_Item(call, Future(), run=run))
 
-    def submit_allreduce(self, call: Call, prepare: Callable[[], torch.Tensor],
-                         finish: Callable[[torch.Tensor], T], device: torch.device) -> Future[T]:
+    def submit_allreduce(
+        self, call: Call, prepare: Callable[[], torch.Tensor], finish: Callable[[torch.Tensor], T], device: torch.device
+    ) -> Future[T]:
         """Queue an allreduce that may travel fused with the allreduces queued right after it."""
         return self._put(_Item(call, Future(), prepare=prepare, finish=finish, device=device))
 
@@ -217,8 +243,12 @@ class Engine:
         """The allreduces queued right behind ``head`` that can share its buffer (the lock is held)."""
         followers = []
         for item in self._queue:
-            if (len(followers) == FUSION_LIMIT - 1 or item is _STOP or item.prepare is None
-                    or (item.call.dtype, item.call.op, item.device) != (head.call.dtype, head.call.op, head.device)):
+            if (
+                len(followers) == FUSION_LIMIT - 1
+                or item is _STOP
+                or item.prepare is None
+                or (item.call.dtype, item.call.op, item.device) != (head.call.dtype, head.call.op, head.device)
+            ):
                 break
             followers.append(item)
         return followers
@@ -244,9 +274,19 @@ class Engine:
         """This rank's header row announcing ``calls`` (several only for fusable allreduces)."""
         first = calls[0]
         header = [0] * self._header_length
-        header[:SPLITS] = [1, first.kind, DTYPES.index(first.dtype), first.op, first.root, first.dim0,
-                           first.row_numel, first.key, first.name_key, len(calls) if first.kind == ALLREDUCE else 0]
-        header[SPLITS:SPLITS + len(first.splits)] = list(first.splits)
+        header[:SPLITS] = [
+            1,
+            first.kind,
+            DTYPES.index(first.dtype),
+            first.op,
+            first.root,
+            first.dim0,
+            first.row_numel,
+            first.key,
+            first.name_key,
+            len(calls) if first.kind == ALLREDUCE else 0,
+        ]
+        header[SPLITS : SPLITS + len(first.splits)] = list(first.splits)
         numel, key = 0, 0
         for i, call in enumerate(calls if first.kind == ALLREDUCE else []):
             numel += call.row_numel
@@ -338,8 +378,10 @@ class Engine:
         call = _announced(rows)
         root = call[ROOT]
         if not rows[root][ACTIVE]:
-            raise RuntimeError(f"broadcast from root rank {root}, which has already called hvd.join(); "
-                               f"broadcast from a rank that has not joined")
+            raise RuntimeError(
+                f"broadcast from root rank {root}, which has already called hvd.join(); "
+                f"broadcast from a rank that has not joined"
+            )
         if flat is None:
             flat = torch.empty(call[ROW_NUMEL], dtype=DTYPES[call[DTYPE]], device=self.device)
         dist.broadcast(flat, src=root)
@@ -348,7 +390,7 @@ class Engine:
         """Send ``splits[d]`` rows to each rank d; return what arrived and the rows from each rank."""
         call = _announced(rows)
         row_numel = call[ROW_NUMEL]
-        sent = rows[self.rank][SPLITS:SPLITS + self.world_size]  # a joined rank's row is all zeros: it sends nothing
+        sent = rows[self.rank][SPLITS : SPLITS + self.world_size]  # a joined rank's row is all zeros: it sends nothing
         received = [row[SPLITS + self.rank] for row in rows]
         device = flat.device if flat is not None else self.device
         if flat is None:

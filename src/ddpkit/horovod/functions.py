@@ -23,8 +23,9 @@ from ddpkit.horovod.ops import allgather, broadcast_, broadcast_async_, synchron
 from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
 
 
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,
-                         process_set: object = global_process_set) -> None:
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int, process_set: object = global_process_set
+) -> None:
     """Overwrite every rank's tensors with rank ``root_rank``'s, in place.
 
     Args:
@@ -43,8 +44,9 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         synchronize(handle)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
-                              process_set: object = global_process_set) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, process_set: object = global_process_set
+) -> None:
     """Give every rank rank ``root_rank``'s optimizer state and hyperparameters (lr, momentum buffers, Adam moments).
 
     The root's ``state_dict()`` travels pickled and every other rank loads it,
@@ -58,14 +60,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         optimizer.load_state_dict(state)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: object = global_process_set) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: object = global_process_set
+) -> Any:
     """Rank ``root_rank``'s ``obj`` (picklable), returned on every rank."""
     check_process_set(process_set)
     device = control_device()  # nccl moves CUDA tensors only
     payload = _to_bytes(obj).to(device) if _rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64, device=device), root_rank,
-                        name=f"{name}.length" if name else None)
+    length = broadcast_(
+        torch.tensor([payload.numel()], dtype=torch.int64, device=device),
+        root_rank,
+        name=f"{name}.length" if name else None,
+    )
     if _rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     broadcast_(payload, root_rank, name=name)
@@ -77,8 +83,9 @@ def allgather_object(obj: Any, name: str | None = None, process_set: object = gl
     check_process_set(process_set)
     device = control_device()
     payload = _to_bytes(obj).to(device)
-    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=device),
-                        name=f"{name}.lengths" if name else None)
+    lengths = allgather(
+        torch.tensor([payload.numel()], dtype=torch.int64, device=device), name=f"{name}.lengths" if name else None
+    )
     gathered = allgather(payload, name=name)
     return [_from_bytes(part) for part in torch.split(gathered, lengths.tolist())]
 

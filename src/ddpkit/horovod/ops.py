@@ -89,8 +89,9 @@ def _future(handle: int) -> Future:
     try:
         return _futures[handle]
     except KeyError:
-        raise ValueError(f"handle {handle} is unknown or was already synchronized; "
-                         f"synchronize each handle once") from None
+        raise ValueError(
+            f"handle {handle} is unknown or was already synchronized; synchronize each handle once"
+        ) from None
 
 
 def _handle(future: Future) -> int:
@@ -102,25 +103,44 @@ def _handle(future: Future) -> int:
 # -- allreduce ------------------------------------------------------------------------------
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: object = global_process_set) -> int:
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
     """Queue an allreduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
-    return _handle(_allreduce(tensor, tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
-                              process_set))
+    return _handle(
+        _allreduce(tensor, tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: object = global_process_set) -> int:
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
     """Queue an allreduce of ``tensor`` in place; ``synchronize`` returns ``tensor``."""
     return _handle(_allreduce(tensor, tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: object = global_process_set) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> torch.Tensor:
     """The reduction (Average by default) of ``tensor`` over every rank, as a new tensor; differentiable.
 
     Args:
@@ -142,43 +162,76 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return compression.decompress(reduced, ctx)
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: object = global_process_set) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> torch.Tensor:
     """Reduce ``tensor`` in place over every rank (Average by default) and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: object = global_process_set) -> int:
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
     """Queue one allreduce of all ``tensors`` (same dtype) in place; ``synchronize`` returns the list."""
-    return _handle(_grouped(list(tensors), list(tensors), average, name, op, prescale_factor, postscale_factor,
-                            process_set))
+    return _handle(
+        _grouped(list(tensors), list(tensors), average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: object = global_process_set) -> int:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
     """Queue one allreduce of all ``tensors`` into new tensors; ``synchronize`` returns them."""
     outputs = [t.detach().clone() for t in tensors]
     return _handle(_grouped(list(tensors), outputs, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: object = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> list[torch.Tensor]:
     """The reductions of ``tensors``, moved as one collective, as new tensors."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                               process_set))
+    return synchronize(
+        grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: object = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> list[torch.Tensor]:
     """Reduce ``tensors`` in place, as one collective, and return them."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 def _reduce_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
@@ -192,14 +245,30 @@ def _reduce_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     return op
 
 
-def _allreduce(tensor: torch.Tensor, output: torch.Tensor, average: bool | None, name: str | None,
-               op: ReduceOp | None, prescale: float, postscale: float, process_set: object) -> Future:
+def _allreduce(
+    tensor: torch.Tensor,
+    output: torch.Tensor,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale: float,
+    postscale: float,
+    process_set: object,
+) -> Future:
     return _grouped([tensor], [output], average, name, op, prescale, postscale, process_set, single=True)
 
 
-def _grouped(tensors: list[torch.Tensor], outputs: list[torch.Tensor], average: bool | None, name: str | None,
-             op: ReduceOp | None, prescale: float, postscale: float, process_set: object,
-             single: bool = False) -> Future:
+def _grouped(
+    tensors: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale: float,
+    postscale: float,
+    process_set: object,
+    single: bool = False,
+) -> Future:
     check_process_set(process_set)
     op = _reduce_op(average, op)
     if len({t.dtype for t in tensors}) > 1:
@@ -252,17 +321,31 @@ class _Allreduce(torch.autograd.Function):
     """allreduce with a gradient: the same allreduce of the incoming gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, name: str | None,
-                process_set: object) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        name: str | None,
+        process_set: object,
+    ) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(_handle(_allreduce(tensor, tensor.detach().clone(), None, name, op, prescale, postscale,
-                                              process_set)))
+        return synchronize(
+            _handle(_allreduce(tensor, tensor.detach().clone(), None, name, op, prescale, postscale, process_set))
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         op, prescale, postscale, process_set = ctx.args
-        return allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                         process_set=process_set), None, None, None, None, None
+        return (
+            allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 # -- allgather ------------------------------------------------------------------------------
@@ -286,8 +369,9 @@ def _allgather(tensor: torch.Tensor, name: str | None, process_set: object, with
     rows_shape = tuple(tensor.shape) if tensor.dim() else (1,)
     trailing = rows_shape[1:]
     source = tensor.detach().reshape(-1)
-    call = Call(ALLGATHER, dtype=tensor.dtype, dim0=rows_shape[0], row_numel=math.prod(trailing), shape=trailing,
-                name=name)
+    call = Call(
+        ALLGATHER, dtype=tensor.dtype, dim0=rows_shape[0], row_numel=math.prod(trailing), shape=trailing, name=name
+    )
     eng = engine.current()
 
     def run(rows: Rows) -> Any:
@@ -317,26 +401,30 @@ class _Allgather(torch.autograd.Function):
 # -- broadcast ------------------------------------------------------------------------------
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: object = global_process_set) -> int:
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
+) -> int:
     """Queue a broadcast from ``root_rank`` into a new tensor; ``synchronize`` returns it."""
     return _handle(_broadcast(tensor.detach().clone(), root_rank, name, process_set))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: object = global_process_set) -> int:
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
+) -> int:
     """Queue a broadcast from ``root_rank`` into ``tensor`` itself; ``synchronize`` returns it."""
     return _handle(_broadcast(tensor, root_rank, name, process_set))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: object = global_process_set) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
+) -> torch.Tensor:
     """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: object = global_process_set) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
+) -> torch.Tensor:
     """Overwrite ``tensor`` with rank ``root_rank``'s and return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
@@ -345,11 +433,13 @@ def _broadcast(output: torch.Tensor, root_rank: int, name: str | None, process_s
     check_process_set(process_set)
     eng = engine.current()
     if not 0 <= root_rank < eng.world_size:
-        raise ValueError(f"root_rank={root_rank} is not a rank of this job of {eng.world_size}; "
-                         f"pass 0..{eng.world_size - 1}")
+        raise ValueError(
+            f"root_rank={root_rank} is not a rank of this job of {eng.world_size}; pass 0..{eng.world_size - 1}"
+        )
     result, output = output, output.detach()
-    call = Call(BROADCAST, dtype=output.dtype, root=root_rank, row_numel=output.numel(), shape=tuple(output.shape),
-                name=name)
+    call = Call(
+        BROADCAST, dtype=output.dtype, root=root_rank, row_numel=output.numel(), shape=tuple(output.shape), name=name
+    )
 
     def run(rows: Rows) -> torch.Tensor:
         flat = output.view(-1) if output.is_contiguous() else output.reshape(-1).clone()
@@ -380,8 +470,12 @@ class _Broadcast(torch.autograd.Function):
 # -- alltoall, join, barrier ------------------------------------------------------------------
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-                   process_set: object = global_process_set) -> int:
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> int:
     """Queue an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     check_process_set(process_set)
     eng = engine.current()
@@ -389,16 +483,21 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     dim0, trailing = rows_shape[0], rows_shape[1:]
     if splits is None:
         if dim0 % eng.world_size:
-            raise ValueError(f"alltoall without splits divides the first dimension ({dim0}) evenly over "
-                             f"{eng.world_size} ranks; pass splits= (rows for each rank)")
+            raise ValueError(
+                f"alltoall without splits divides the first dimension ({dim0}) evenly over "
+                f"{eng.world_size} ranks; pass splits= (rows for each rank)"
+            )
         splits = [dim0 // eng.world_size] * eng.world_size
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(splits) != eng.world_size or sum(splits) != dim0 or min(splits) < 0:
-        raise ValueError(f"alltoall splits {splits} must be {eng.world_size} non-negative row counts adding up to "
-                         f"the first dimension, {dim0}")
+        raise ValueError(
+            f"alltoall splits {splits} must be {eng.world_size} non-negative row counts adding up to "
+            f"the first dimension, {dim0}"
+        )
     source = tensor.detach().reshape(-1).contiguous()
-    call = Call(ALLTOALL, dtype=tensor.dtype, dim0=dim0, row_numel=math.prod(trailing), shape=trailing, name=name,
-                splits=splits)
+    call = Call(
+        ALLTOALL, dtype=tensor.dtype, dim0=dim0, row_numel=math.prod(trailing), shape=trailing, name=name, splits=splits
+    )
 
     def run(rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = eng.all_to_all(rows, source)
@@ -407,8 +506,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     return _handle(eng.submit(call, run))
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-             process_set: object = global_process_set) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` (in order) to each rank r; receive the rows sent here.
 
     Without ``splits`` the first dimension is divided evenly over the ranks.

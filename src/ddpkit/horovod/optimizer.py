@@ -90,8 +90,14 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks, no re-initialisation
-    wrapped._setup(named_parameters, compression, backward_passes_per_step, ReduceOp(op),
-                   gradient_predivide_factor, groups if groups is not None else (num_groups or None))
+    wrapped._setup(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        ReduceOp(op),
+        gradient_predivide_factor,
+        groups if groups is not None else (num_groups or None),
+    )
     return wrapped
 
 
@@ -100,9 +106,15 @@ class _DistributedOptimizer:
 
     param_groups: list[dict[str, Any]]
 
-    def _setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
-               backward_passes_per_step: int, op: ReduceOp, predivide: float,
-               groups: int | list[list[torch.Tensor]] | None) -> None:
+    def _setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        predivide: float,
+        groups: int | list[list[torch.Tensor]] | None,
+    ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         self._names = _parameter_names(params, named_parameters)
         self._compression = compression
@@ -160,9 +172,12 @@ class _DistributedOptimizer:
         """Synchronize (unless inside ``skip_synchronize()``), then the wrapped optimizer's step."""
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
-                              "optimizer.synchronize(); wrap step() in skip_synchronize() to avoid a second "
-                              "synchronization", stacklevel=2)
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() after "
+                    "optimizer.synchronize(); wrap step() in skip_synchronize() to avoid a second "
+                    "synchronization",
+                    stacklevel=2,
+                )
             self.synchronize()
         self._synchronized = False
         return super().step(closure)  # type: ignore[misc]
@@ -170,16 +185,20 @@ class _DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's zero_grad; refused between backward and step (reductions still write .grad)."""
         if self._pending:
-            raise ValueError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
-                             "or optimizer.synchronize(); call it before backward or after step")
+            raise ValueError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize(); call it before backward or after step"
+            )
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     # -- hooks and reductions ---------------------------------------------------------------
 
     def _hook(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
-            raise ValueError("gradients were computed more than backward_passes_per_step times before "
-                             "optimizer.step(); raise backward_passes_per_step to accumulate locally")
+            raise ValueError(
+                "gradients were computed more than backward_passes_per_step times before "
+                "optimizer.step(); raise backward_passes_per_step to accumulate locally"
+            )
         self._pending = True
         self._delay[p] -= 1
         if self._delay[p] > 0:
@@ -195,15 +214,21 @@ class _DistributedOptimizer:
     def _allreduce_one(self, p: torch.Tensor) -> tuple[int, Any]:
         compressed, ctx = self._compression.compress(_dense_grad(p))
         prescale, postscale = self._scale
-        handle = allreduce_async_(compressed, name=self._names[p], op=self.op, prescale_factor=prescale,
-                                  postscale_factor=postscale)
+        handle = allreduce_async_(
+            compressed, name=self._names[p], op=self.op, prescale_factor=prescale, postscale_factor=postscale
+        )
         return handle, ctx
 
     def _allreduce_group(self, group: int) -> tuple[int, Any]:
         compressed = [self._compression.compress(_dense_grad(p)) for p in self._groups[group]]
         prescale, postscale = self._scale
-        handle = grouped_allreduce_async_([t for t, _ in compressed], name=f"group.{group}", op=self.op,
-                                          prescale_factor=prescale, postscale_factor=postscale)
+        handle = grouped_allreduce_async_(
+            [t for t, _ in compressed],
+            name=f"group.{group}",
+            op=self.op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+        )
         return handle, [ctx for _, ctx in compressed]
 
 
@@ -216,8 +241,9 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def _parameter_names(params: list[torch.Tensor],
-                     named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[torch.Tensor, str]:
+def _parameter_names(
+    params: list[torch.Tensor], named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> dict[torch.Tensor, str]:
     if named_parameters is None:
         return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
     named = list(named_parameters)
@@ -229,13 +255,16 @@ def _parameter_names(params: list[torch.Tensor],
     by_param = {p: name for name, p in named}
     unnamed = sum(p not in by_param for p in params)
     if unnamed:
-        raise ValueError(f"named_parameters does not name {unnamed} of the optimizer's parameters; pass "
-                         f"model.named_parameters() of the model whose parameters the optimizer holds")
+        raise ValueError(
+            f"named_parameters does not name {unnamed} of the optimizer's parameters; pass "
+            f"model.named_parameters() of the model whose parameters the optimizer holds"
+        )
     return by_param
 
 
-def _split_groups(params: list[torch.Tensor],
-                  groups: int | list[list[torch.Tensor]] | None) -> list[list[torch.Tensor]]:
+def _split_groups(
+    params: list[torch.Tensor], groups: int | list[list[torch.Tensor]] | None
+) -> list[list[torch.Tensor]]:
     """Horovod's ``groups``: a count splits the parameters into that many consecutive groups."""
     if groups is None:
         return []

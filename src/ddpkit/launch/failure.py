@@ -178,5 +178,7 @@ def _describe(rank: int, failure: Any) -> WorkerFailure:
         message = message.get("message", "")
     if not failure.error_file_data or not message or "To enable traceback" in str(message):
         signal = failure.signal_name()
-        message = f"killed by {signal}" if failure.exitcode < 0 else "exited without an error message (see its output above)"
+        message = (
+            f"killed by {signal}" if failure.exitcode < 0 else "exited without an error message (see its output above)"
+        )
     return WorkerFailure(rank, failure.exitcode, str(message), stack)

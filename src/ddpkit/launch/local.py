@@ -93,8 +93,13 @@ AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"
 EXIT_BARRIER_GRACE_S = 30.0
 """The longest node 0's agent waits, past the exit barrier, for the other agents to leave it."""
 
-WORKER_PRELOAD = ("ddpkit.launch.local", "torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing",
-                  "ddpkit.train.run")
+WORKER_PRELOAD = (
+    "ddpkit.launch.local",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing",
+    "ddpkit.train.run",
+)
 """Modules the worker server imports once, in this order, so that no forked worker imports them again.
 This module comes first: in the server it turns garbage collection off before torch is imported."""
 
@@ -154,7 +159,9 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
         try:
             sock.bind((host, port))
         except OSError:
-            raise UserError(f"master_port={port} is already in use on {host}; choose another port or master_port=0") from None
+            raise UserError(
+                f"master_port={port} is already in use on {host}; choose another port or master_port=0"
+            ) from None
 
 
 def _quiet_elastic_logs() -> None:
@@ -275,9 +282,12 @@ def _announce_restarts() -> None:
 
     def restart(self: LocalElasticAgent, worker_group: Any) -> None:
         limit = worker_group.spec.max_restarts
-        print(f"ddpkit: {_first_failure(getattr(self, 'ddpkit_failures', {}))}; restarting the workers "
-              f"(restart {limit - self._remaining_restarts} of {limit}); they resume from the newest checkpoint",
-              file=sys.stderr, flush=True)
+        print(
+            f"ddpkit: {_first_failure(getattr(self, 'ddpkit_failures', {}))}; restarting the workers "
+            f"(restart {limit - self._remaining_restarts} of {limit}); they resume from the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         torch_restart(self, worker_group)
 
     restart.ddpkit_announces = True
@@ -394,8 +404,12 @@ class _CtrlC:
         self.count += 1
         if self.count == 1:
             open(os.path.join(self.failure_dir, INTERRUPTED_MARKER), "w").close()
-            print("\nddpkit: Ctrl-C: the workers finish their step, write a checkpoint and stop "
-                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            print(
+                "\nddpkit: Ctrl-C: the workers finish their step, write a checkpoint and stop "
+                "(Ctrl-C again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         elif self.count == 2:
             print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
         for child in multiprocessing.active_children():  # the agent's workers
@@ -423,8 +437,13 @@ def _launch_config(spec: LaunchSpec) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     rendezvous = _static_rendezvous(spec) if spec.nnodes > 1 else _loopback_rendezvous(spec)
-    return LaunchConfig(nproc_per_node=spec.nproc, max_restarts=spec.max_restarts,
-                        monitor_interval=spec.monitor_interval, start_method="forkserver", **rendezvous)
+    return LaunchConfig(
+        nproc_per_node=spec.nproc,
+        max_restarts=spec.max_restarts,
+        monitor_interval=spec.monitor_interval,
+        start_method="forkserver",
+        **rendezvous,
+    )
 
 
 def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
@@ -435,18 +454,28 @@ def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
         check_port_free(spec.master_port)
     port = spec.master_port or free_port(LOOPBACK)
     loopback.register()
-    return dict(min_nodes=1, max_nodes=1, run_id=f"ddpkit-{uuid.uuid4().hex[:12]}", rdzv_backend=loopback.BACKEND,
-                rdzv_endpoint=f"{LOOPBACK}:{port}", local_addr=LOOPBACK)
+    return dict(
+        min_nodes=1,
+        max_nodes=1,
+        run_id=f"ddpkit-{uuid.uuid4().hex[:12]}",
+        rdzv_backend=loopback.BACKEND,
+        rdzv_endpoint=f"{LOOPBACK}:{port}",
+        local_addr=LOOPBACK,
+    )
 
 
 def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     """This machine's part in a job of ``spec.nnodes``: torch's static rendezvous at node 0's address."""
     if spec.node_rank == 0:  # the store listens on every address of node 0
         check_port_free(spec.master_port, "0.0.0.0")
-    return dict(min_nodes=spec.nnodes, max_nodes=spec.nnodes,
-                run_id=f"ddpkit-{spec.master_addr}-{spec.master_port}",  # the same on every node
-                rdzv_backend="static", rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
-                rdzv_configs={"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)})
+    return dict(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        run_id=f"ddpkit-{spec.master_addr}-{spec.master_port}",  # the same on every node
+        rdzv_backend="static",
+        rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
+        rdzv_configs={"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)},
+    )
 
 
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
@@ -476,8 +505,13 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _host_outlives_the_exit_barrier()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
-            with worker_server(), _environ_restored(), _fresh_store_per_restart(), \
-                    _environ(FAILURE_DIR_VARIABLE, failure_dir), _ctrl_c_passed_on(failure_dir) as ctrl_c:
+            with (
+                worker_server(),
+                _environ_restored(),
+                _fresh_store_per_restart(),
+                _environ(FAILURE_DIR_VARIABLE, failure_dir),
+                _ctrl_c_passed_on(failure_dir) as ctrl_c,
+            ):
                 return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)

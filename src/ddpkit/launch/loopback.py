@@ -63,8 +63,15 @@ class LoopbackStore:
         """The port it listens on."""
         # The server owns the socket from here on and closes it when it stops.
         self.store: TCPStore | None = TCPStore(
-            LOOPBACK, self.port, is_master=True, master_listen_fd=listening.detach(), wait_for_workers=False,
-            multi_tenant=False, use_libuv=True, timeout=timeout)
+            LOOPBACK,
+            self.port,
+            is_master=True,
+            master_listen_fd=listening.detach(),
+            wait_for_workers=False,
+            multi_tenant=False,
+            use_libuv=True,
+            timeout=timeout,
+        )
         """The server's own client; None once closed."""
 
     def close(self) -> None:
@@ -86,8 +93,9 @@ class LoopbackRendezvousHandler(RendezvousHandler):
         info = self._inner.next_rendezvous()
         self._close_round_store()  # the workers of the round before are stopped: none reads it again
         self._round_store = LoopbackStore(0, self._timeout)
-        return RendezvousInfo(info.store, info.rank, info.world_size,
-                              RendezvousStoreInfo(LOOPBACK, self._round_store.port))
+        return RendezvousInfo(
+            info.store, info.rank, info.world_size, RendezvousStoreInfo(LOOPBACK, self._round_store.port)
+        )
 
     @property
     def use_agent_store(self) -> bool:

@@ -266,8 +266,7 @@ def _staging(spec: SbatchSpec) -> list[str]:
         "# Copy the data set to node-local storage, once per node, before training.",
         f'STAGED_DATA="{spec.stage_data_to}"',
         f"srun --nodes={spec.nodes} --ntasks={spec.nodes} --ntasks-per-node=1 \\",
-        "    bash -c 'mkdir -p \"$1\" && cp -a \"$2/.\" \"$1/\"' stage "
-        f'"$STAGED_DATA" {shlex.quote(spec.stage_data_from)}',
+        f'    bash -c \'mkdir -p "$1" && cp -a "$2/." "$1/"\' stage "$STAGED_DATA" {shlex.quote(spec.stage_data_from)}',
     ]
 
 
@@ -309,7 +308,7 @@ def _launcher(spec: SbatchSpec) -> list[str]:
     if spec.launch_mode == "torchrun":
         # torchrun ignores the preemption signal (see the module docstring).
         sig = spec.preempt_signal
-        ignore = f"bash -c 'trap \"\" {sig}; exec \"$@\"' ignore-{sig} " if sig else ""
+        ignore = f'bash -c \'trap "" {sig}; exec "$@"\' ignore-{sig} ' if sig else ""
         if spec.command:
             worker = "--no-python " + _worker_command(spec)
         else:
@@ -406,9 +405,7 @@ def _validate(spec: SbatchSpec) -> None:
         for name in ("stage_data_from", "stage_data_to"):
             value = getattr(spec, name)
             if not (_SHELL_PATH.fullmatch(value) and value.startswith(("/", "$"))):
-                raise UserError(
-                    f"{name}={value!r} must be an absolute path without spaces or quotes ($VAR allowed)"
-                )
+                raise UserError(f"{name}={value!r} must be an absolute path without spaces or quotes ($VAR allowed)")
         if spec.stage_data_key and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", spec.stage_data_key):
             raise UserError(f"stage_data_key={spec.stage_data_key!r} is not a config key such as data_dir")
     _validate_preemption(spec)
@@ -422,9 +419,7 @@ def _validate(spec: SbatchSpec) -> None:
 
 def _validate_environment(spec: SbatchSpec) -> None:
     if spec.env_mode == "venv" and not spec.venv:
-        raise UserError(
-            "env_mode='venv' needs venv, the virtual environment directory; or choose modules or apptainer"
-        )
+        raise UserError("env_mode='venv' needs venv, the virtual environment directory; or choose modules or apptainer")
     if spec.env_mode == "modules" and not spec.modules:
         raise UserError("env_mode='modules' needs at least one module to load; or choose venv or apptainer")
     if spec.env_mode == "apptainer":
@@ -480,4 +475,3 @@ def _time_limit_seconds(value: str) -> int:
     if seconds == 0:
         raise UserError(f"time={value!r} is zero; give a positive time limit, or none for the partition's")
     return seconds
-

@@ -48,8 +48,10 @@ from dataclasses import dataclass
 
 from ddpkit.config import ConfigError, check_nodes, check_positive, parse
 
-USAGE = ("usage: ddpkit run [nproc=N] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
-         "SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]")
+USAGE = (
+    "usage: ddpkit run [nproc=N] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
+    "SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
+)
 
 
 @dataclass
@@ -101,11 +103,15 @@ def parse_run_command(words: Sequence[str]) -> tuple[RunConfig, ScriptTarget]:
     config = parse(RunConfig, options)
     if target.path and not os.path.isfile(target.path):
         what = "is a folder, not a Python file" if os.path.isdir(target.path) else "does not exist"
-        raise ConfigError(f"script {target.path!r} {what}; give the path of a .py file "
-                          f"(relative paths start from the current folder {os.getcwd()})")
+        raise ConfigError(
+            f"script {target.path!r} {what}; give the path of a .py file "
+            f"(relative paths start from the current folder {os.getcwd()})"
+        )
     if target.module and not _module_exists(target.module.partition(".")[0]):
-        raise ConfigError(f"no module named {target.module.partition('.')[0]!r} in the current folder or on "
-                          f"sys.path; check the name after -m, or run the command from the folder that holds it")
+        raise ConfigError(
+            f"no module named {target.module.partition('.')[0]!r} in the current folder or on "
+            f"sys.path; check the name after -m, or run the command from the folder that holds it"
+        )
     return config, target
 
 
@@ -127,10 +133,10 @@ def _split(words: Sequence[str]) -> tuple[list[str], ScriptTarget]:
             module = word[2:] or (words[i + 1] if i + 1 < len(words) else "")
             if not module:
                 raise ConfigError(f"-m needs a module name; {USAGE}")
-            rest = words[i + 1:] if word[2:] else words[i + 2:]
+            rest = words[i + 1 :] if word[2:] else words[i + 2 :]
             return list(words[:i]), ScriptTarget(module=module, args=tuple(rest))
         if word.endswith(".py"):
-            return list(words[:i]), ScriptTarget(path=word, args=tuple(words[i + 1:]))
+            return list(words[:i]), ScriptTarget(path=word, args=tuple(words[i + 1 :]))
     raise ConfigError(f"no script to run (a path ending in .py, or -m MODULE); {USAGE}")
 
 

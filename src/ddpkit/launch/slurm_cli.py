@@ -116,14 +116,16 @@ class SlurmConfig:
 SLURM_HELP = CommandHelp(
     usage="ddpkit slurm [key=value ...] [training key=value ...] [-- words for command=]",
     summary="Write, print or submit an sbatch script that trains with ddpkit: #SBATCH resources, the "
-            "environment (venv, modules or Apptainer), the rendezvous, and the launch (srun, torchrun or "
-            "mpirun). Key=value words that are not the options below are training options, checked against "
-            "ddpkit train's (ddpkit train --help); train.KEY=VALUE says so explicitly. Each job trains into its "
-            "own folder runs/<model>-<dataset>/slurm-<job id>.",
+    "environment (venv, modules or Apptainer), the rendezvous, and the launch (srun, torchrun or "
+    "mpirun). Key=value words that are not the options below are training options, checked against "
+    "ddpkit train's (ddpkit train --help); train.KEY=VALUE says so explicitly. Each job trains into its "
+    "own folder runs/<model>-<dataset>/slurm-<job id>.",
     schema="ddpkit.launch.slurm_cli:SlurmConfig",
-    examples=("ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
-              "ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command=\"python train.py\" submit=true",
-              "ddpkit slurm launch=torchrun preempt_signal=USR1 output_script=train.sbatch"),
+    examples=(
+        "ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
+        'ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command="python train.py" submit=true',
+        "ddpkit slurm launch=torchrun preempt_signal=USR1 output_script=train.sbatch",
+    ),
 )
 """What ``ddpkit slurm --help`` shows."""
 
@@ -152,9 +154,19 @@ def split_words(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
 
 def _new_spelling(flag: str, following: str) -> str:
     """The error for a former ``--flag [value]``: the key=value word to write instead."""
-    aliases = {"N": "nodes", "c": "cpus_per_task", "p": "partition", "A": "account", "t": "time", "J": "job_name",
-               "o": "output", "e": "error", "ntasks-per-node": "tasks_per_node", "module": "modules",
-               "no-requeue": "requeue"}
+    aliases = {
+        "N": "nodes",
+        "c": "cpus_per_task",
+        "p": "partition",
+        "A": "account",
+        "t": "time",
+        "J": "job_name",
+        "o": "output",
+        "e": "error",
+        "ntasks-per-node": "tasks_per_node",
+        "module": "modules",
+        "no-requeue": "requeue",
+    }
     name, _, inline = flag.lstrip("-").partition("=")
     key = aliases.get(name, name.replace("-", "_"))
     switches = {"submit": "true", "requeue": "true", "no-requeue": "false"}
@@ -180,18 +192,34 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
     signal_name = config.preempt_signal.upper().removeprefix("SIG")
     requeue = str(config.requeue).lower()
     return SbatchSpec(
-        job_name=config.job_name, nodes=config.nodes, tasks_per_node=config.tasks_per_node,
-        gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task, partition=config.partition,
-        account=config.account, qos=config.qos, time=str(config.time), output=config.output, error=config.error,
-        launch_mode=config.launch, env_mode=env_mode, venv=_absolute(venv),
+        job_name=config.job_name,
+        nodes=config.nodes,
+        tasks_per_node=config.tasks_per_node,
+        gpus_per_node=config.gpus_per_node,
+        cpus_per_task=config.cpus_per_task,
+        partition=config.partition,
+        account=config.account,
+        qos=config.qos,
+        time=str(config.time),
+        output=config.output,
+        error=config.error,
+        launch_mode=config.launch,
+        env_mode=env_mode,
+        venv=_absolute(venv),
         modules=tuple(m.strip() for m in config.modules.split(",") if m.strip()),
-        apptainer_image=_absolute(config.apptainer), project_root=_absolute(config.project_root or os.getcwd()),
-        nccl_debug=config.nccl_debug.upper(), nccl_debug_subsys=config.nccl_debug_subsys,
-        stage_data_from=_absolute(config.stage_data), stage_data_to=config.stage_data_to,
-        stage_data_key=config.stage_data_key, preempt_signal=signal_name,
+        apptainer_image=_absolute(config.apptainer),
+        project_root=_absolute(config.project_root or os.getcwd()),
+        nccl_debug=config.nccl_debug.upper(),
+        nccl_debug_subsys=config.nccl_debug_subsys,
+        stage_data_from=_absolute(config.stage_data),
+        stage_data_to=config.stage_data_to,
+        stage_data_key=config.stage_data_key,
+        preempt_signal=signal_name,
         preempt_grace_seconds=config.preempt_grace,
         requeue=bool(signal_name) if requeue == "auto" else requeue == "true",
-        train_args=(*train_args, *unread), python=config.python, command=tuple(shlex.split(config.command)),
+        train_args=(*train_args, *unread),
+        python=config.python,
+        command=tuple(shlex.split(config.command)),
     )
 
 
@@ -206,11 +234,17 @@ def _check_train_words(words: Sequence[str]) -> None:
 
 def node_local_warnings(spec: SbatchSpec) -> list[str]:
     """Warnings for paths the job needs on every node that are on one node's own disk."""
-    paths = {"project_root (the job's --chdir)": spec.project_root, "venv": spec.venv,
-             "apptainer": spec.apptainer_image}
-    return [f"warning: {name} {path} is node-local on most clusters: the other nodes (and this one, "
-            "in a later job) may not see it; use a folder on shared storage"
-            for name, path in paths.items() if path and (path + "/").startswith(NODE_LOCAL_PREFIXES)]
+    paths = {
+        "project_root (the job's --chdir)": spec.project_root,
+        "venv": spec.venv,
+        "apptainer": spec.apptainer_image,
+    }
+    return [
+        f"warning: {name} {path} is node-local on most clusters: the other nodes (and this one, "
+        "in a later job) may not see it; use a folder on shared storage"
+        for name, path in paths.items()
+        if path and (path + "/").startswith(NODE_LOCAL_PREFIXES)
+    ]
 
 
 def main(argv: Sequence[str]) -> int:

@@ -29,7 +29,12 @@ class Normalize(nn.Module):
 
 
 CNN_RECIPE = {
-    "optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "batch_size": 16, "batch_scope": "per_worker", "epochs": 1,
+    "optimizer": "sgd",
+    "lr": 0.01,
+    "momentum": 0.5,
+    "batch_size": 16,
+    "batch_scope": "per_worker",
+    "epochs": 1,
 }
 """The training recipe of PyTorch's MNIST example, shared by cnn and cnn_bn."""
 

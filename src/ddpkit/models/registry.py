@@ -73,9 +73,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if ":" in name and name not in MODELS:
         return _import_model(name)
     if name not in MODELS:
-        raise UserError(
-            f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))}, or give module:function"
-        )
+        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))}, or give module:function")
     return MODELS[name]
 
 

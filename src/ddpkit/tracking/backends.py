@@ -24,8 +24,9 @@ class BackendSpec:
 BACKENDS = {
     "csv": BackendSpec("ddpkit.tracking.csv_log", "CsvLog", (), ""),
     "mlflow": BackendSpec("ddpkit.tracking.mlflow_run", "MlflowRun", ("mlflow", "sqlalchemy", "alembic"), "mlflow"),
-    "tensorboard": BackendSpec("ddpkit.tracking.tensorboard_events", "TensorBoardEvents", ("tensorboard",),
-                               "tensorboard"),
+    "tensorboard": BackendSpec(
+        "ddpkit.tracking.tensorboard_events", "TensorBoardEvents", ("tensorboard",), "tensorboard"
+    ),
     "wandb": BackendSpec("ddpkit.tracking.wandb_run", "WandbRun", ("wandb",), "wandb"),
 }
 """Every tracking backend, by the name ``Tracker(kind)`` and ``ddpkit train logger=`` take."""

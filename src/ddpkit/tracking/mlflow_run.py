@@ -48,8 +48,11 @@ class MlflowRun(Backend):
         from mlflow import MlflowClient  # (its import sets up its loggers: before _quiet holds them back)
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.uri = self.options.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or (
-            f"sqlite:///{(self.dir / 'mlflow.db').resolve()}")
+        self.uri = (
+            self.options.get("tracking_uri")
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or (f"sqlite:///{(self.dir / 'mlflow.db').resolve()}")
+        )
         with _quiet():
             self.client = MlflowClient(tracking_uri=self.uri)
             if run_id is None:
@@ -67,7 +70,7 @@ class MlflowRun(Backend):
         run_id = self.client.create_run(experiment_id, run_name=self.run_name or None).info.run_id
         params = [Param(key, str(value)) for key, value in flatten(config or {}).items()]
         for start in range(0, len(params), _PARAMS_PER_BATCH):
-            self.client.log_batch(run_id, params=params[start:start + _PARAMS_PER_BATCH])
+            self.client.log_batch(run_id, params=params[start : start + _PARAMS_PER_BATCH])
         return run_id
 
     def _continue(self, drop_from: int | None) -> None:
@@ -78,7 +81,8 @@ class MlflowRun(Backend):
                 get_logger().warning(
                     f"tracking: MLflow at {self.uri} has no way to delete metric values: steps >= {drop_from} that "
                     "the stopped run logged after the checkpoint show beside this run's (use a database tracking "
-                    "URI, e.g. sqlite:///mlflow.db, for an exact resume)")
+                    "URI, e.g. sqlite:///mlflow.db, for an exact resume)"
+                )
         if self.client.get_run(self.run_id).info.status != "RUNNING":
             self.client.update_run(self.run_id, status="RUNNING")
 
@@ -88,7 +92,9 @@ class MlflowRun(Backend):
 
         now = int(wall_time * 1000)
         with _quiet():
-            self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
+            self.client.log_batch(
+                self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()]
+            )
 
     def close(self, summary: Mapping[str, Any] | None) -> None:
         """Tag the summary's scalars and mark the run FINISHED."""
@@ -115,8 +121,17 @@ def delete_from_step(uri: str, run_id: str, step: int) -> None:
             for row in rows:  # MLflow's order: the highest step, then the newest, then the largest value
                 if row.key not in latest or _rank(row) > _rank(latest[row.key]):
                     latest[row.key] = row
-            session.add_all(SqlLatestMetric(key=row.key, value=row.value, timestamp=row.timestamp, step=row.step,
-                                            is_nan=row.is_nan, run_uuid=run_id) for row in latest.values())
+            session.add_all(
+                SqlLatestMetric(
+                    key=row.key,
+                    value=row.value,
+                    timestamp=row.timestamp,
+                    step=row.step,
+                    is_nan=row.is_nan,
+                    run_uuid=run_id,
+                )
+                for row in latest.values()
+            )
     finally:
         engine.dispose()
 

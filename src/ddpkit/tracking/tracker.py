@@ -73,8 +73,16 @@ class Tracker:
             (the message names the ``pip install 'ddpkit[...]'`` that adds it).
     """
 
-    def __init__(self, kind: str, dir: str | os.PathLike[str] = ".", *, project: str = "ddpkit", run_name: str = "",
-                 config: Mapping[str, Any] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        kind: str,
+        dir: str | os.PathLike[str] = ".",
+        *,
+        project: str = "ddpkit",
+        run_name: str = "",
+        config: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
         check_kind(kind, "Tracker")
         self.kind = kind
         self.config = dict(config) if config is not None else None
@@ -131,11 +139,14 @@ class Tracker:
         try:
             step = operator.index(step)
         except TypeError:
-            raise UserError(f"Tracker.log: step={step!r} is not an integer; pass the step number (e.g. the "
-                            "global step)") from None
+            raise UserError(
+                f"Tracker.log: step={step!r} is not an integer; pass the step number (e.g. the global step)"
+            ) from None
         if step < 0 or (self.step is not None and step < self.step):
-            raise UserError(f"Tracker.log: step {step} is below the last step logged ({self.step}); log "
-                            "steps in increasing order (one step may take several calls)")
+            raise UserError(
+                f"Tracker.log: step {step} is below the last step logged ({self.step}); log "
+                "steps in increasing order (one step may take several calls)"
+            )
         return step
 
     def _write(self, values: dict[str, float], step: int, wall_time: float) -> None:
@@ -161,8 +172,10 @@ class Tracker:
         except Exception as error:  # any failure of the backend: tracking must never stop training
             self._failed = True
             detail = (str(error).strip().splitlines() or [""])[0][:300]
-            get_logger().warning(f"tracking: {self.kind} failed ({type(error).__name__}: {detail}); tracking is "
-                                 "off for the rest of this run; training and its checkpoints go on")
+            get_logger().warning(
+                f"tracking: {self.kind} failed ({type(error).__name__}: {detail}); tracking is "
+                "off for the rest of this run; training and its checkpoints go on"
+            )
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -181,14 +194,17 @@ class Tracker:
             UserError: called after values were logged.
         """
         if self.step is not None or self._opened:
-            raise UserError("Tracker.load_state_dict after log(): resume the checkpoint (Checkpointer.resume) "
-                            "before logging")
+            raise UserError(
+                "Tracker.load_state_dict after log(): resume the checkpoint (Checkpointer.resume) before logging"
+            )
         if state.get("run_id") is None:
             return
         if state.get("kind") != self.kind:
             if self.rank == 0:
-                get_logger().warning(f"tracking: the checkpoint continues {state.get('kind')} run "
-                                     f"{state.get('run_id')}; this run tracks with {self.kind}: a new run starts")
+                get_logger().warning(
+                    f"tracking: the checkpoint continues {state.get('kind')} run "
+                    f"{state.get('run_id')}; this run tracks with {self.kind}: a new run starts"
+                )
             return
         self.run_id, self.step, self._resumed = state["run_id"], state.get("step"), True
 
@@ -232,8 +248,10 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
                 raise TypeError
             values[str(name)] = float(value.detach() if hasattr(value, "detach") else value)
         except (TypeError, ValueError, RuntimeError):
-            raise UserError(f"Tracker.log: metrics[{name!r}] is a {type(value).__name__}; log numbers (an int, a "
-                            "float or a one-element tensor)") from None
+            raise UserError(
+                f"Tracker.log: metrics[{name!r}] is a {type(value).__name__}; log numbers (an int, a "
+                "float or a one-element tensor)"
+            ) from None
     return values
 
 

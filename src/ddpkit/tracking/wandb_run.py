@@ -76,8 +76,15 @@ class WandbRun(Backend):
             settings["x_transaction_log_flush_interval"] = float(self.options.get("flush_seconds", FLUSH_SECONDS))
         mode = self.options.get("mode") or (None if os.environ.get("WANDB_MODE") else "offline")
         named = {key: self.options[key] for key in ("entity", "group", "tags") if key in self.options}
-        run = wandb.init(project=self.project, dir=str(self.dir), name=self.run_name or None, mode=mode,
-                         settings=wandb.Settings(**settings), **named, **how)
+        run = wandb.init(
+            project=self.project,
+            dir=str(self.dir),
+            name=self.run_name or None,
+            mode=mode,
+            settings=wandb.Settings(**settings),
+            **named,
+            **how,
+        )
         run.define_metric(STEP_METRIC)
         run.define_metric("*", step_metric=STEP_METRIC)
         return run
@@ -89,8 +96,10 @@ class WandbRun(Backend):
         self.calls = self.calls + 1 if step == self.last_step else 0
         self.last_step = step
         if self.calls >= ROWS_PER_STEP:
-            raise ValueError(f"more than {ROWS_PER_STEP} log calls at step {step}; W&B rows of a step run out: "
-                             "log a step's metrics in fewer calls")
+            raise ValueError(
+                f"more than {ROWS_PER_STEP} log calls at step {step}; W&B rows of a step run out: "
+                "log a step's metrics in fewer calls"
+            )
         self.run.log({**metrics, STEP_METRIC: step}, step=step * ROWS_PER_STEP + self.calls)
 
     def flush(self) -> None:

@@ -152,7 +152,11 @@ class Trainer:
                 if self.checkpointer is not None:
                     clock.update()  # a checkpoint written now holds the train time up to this step
                     self.checkpointer.step()
-                if cfg.max_steps and state.global_step >= cfg.max_steps and loader.step_in_epoch < loader.steps_per_epoch:
+                if (
+                    cfg.max_steps
+                    and state.global_step >= cfg.max_steps
+                    and loader.step_in_epoch < loader.steps_per_epoch
+                ):
                     raise StopTraining(f"max_steps={cfg.max_steps} reached")
         finally:  # also when training stops mid-epoch
             clock.update()
@@ -165,9 +169,14 @@ class Trainer:
             # Rank 0's mean loss over the window's steps: a cheap estimate of the global loss.
             loss = running.item() / self.cfg.log_every
             rate = window_samples / max(now - window_start, 1e-9)
-            self.metrics.write("train", epoch=self.loader.epoch, global_step=self.state.global_step,
-                               loss=round(loss, 6), samples_per_s=round(rate, 1),
-                               lr=self.optimizer.param_groups[0]["lr"])
+            self.metrics.write(
+                "train",
+                epoch=self.loader.epoch,
+                global_step=self.state.global_step,
+                loss=round(loss, 6),
+                samples_per_s=round(rate, 1),
+                lr=self.optimizer.param_groups[0]["lr"],
+            )
             if bar is not None:
                 bar.update(self.cfg.log_every)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
@@ -176,9 +185,14 @@ class Trainer:
     def _progress_bar(self):
         if not (self.ctx.is_main_process and self.cfg.progress and sys.stderr.isatty()):
             return None
-        return tqdm(total=self.loader.steps_per_epoch, initial=self.loader.step_in_epoch,
-                    desc=f"epoch {self.loader.epoch + 1}/{self.cfg.epochs}", unit="step", leave=False,
-                    file=sys.stderr)
+        return tqdm(
+            total=self.loader.steps_per_epoch,
+            initial=self.loader.step_in_epoch,
+            desc=f"epoch {self.loader.epoch + 1}/{self.cfg.epochs}",
+            unit="step",
+            leave=False,
+            file=sys.stderr,
+        )
 
     # -- evaluation -----------------------------------------------------------
 
@@ -206,8 +220,10 @@ class Trainer:
         test: dict[str, float] = {}
         tested_at = -1
         if self.loader.epoch >= cfg.epochs:
-            log.info(f"this run is finished: all {cfg.epochs} epochs are complete; nothing to train "
-                     "(raise epochs=... to train on, or start a new run without resume)")
+            log.info(
+                f"this run is finished: all {cfg.epochs} epochs are complete; nothing to train "
+                "(raise epochs=... to train on, or start a new run without resume)"
+            )
         try:
             for epoch in range(self.loader.epoch, cfg.epochs):
                 if cfg.max_steps and self.state.global_step >= cfg.max_steps:
@@ -218,13 +234,19 @@ class Trainer:
                 if cfg.eval_every_epoch or epoch + 1 == cfg.epochs:
                     test = evaluated = self.evaluate(self.test_loader)
                     tested_at = self.state.global_step
-                    self.metrics.write("eval", epoch=epoch + 1, global_step=self.state.global_step, split="test", **test)
-                    log.info(f"epoch {epoch + 1}/{cfg.epochs}: test {_format(test)} (train time {self.state.train_time:.2f}s)")
+                    self.metrics.write(
+                        "eval", epoch=epoch + 1, global_step=self.state.global_step, split="test", **test
+                    )
+                    log.info(
+                        f"epoch {epoch + 1}/{cfg.epochs}: test {_format(test)} (train time {self.state.train_time:.2f}s)"
+                    )
                 if self.checkpointer is not None:
                     self.checkpointer.epoch_end(evaluated)
         except StopTraining as stop:
-            log.info(f"stopped after global step {self.state.global_step} (epoch {self.loader.epoch + 1}, "
-                     f"step {self.loader.step_in_epoch}): {stop}")
+            log.info(
+                f"stopped after global step {self.state.global_step} (epoch {self.loader.epoch + 1}, "
+                f"step {self.loader.step_in_epoch}): {stop}"
+            )
             if self.checkpointer is not None and cfg.checkpoint.enabled:
                 self.checkpointer.save("max_steps")
         if tested_at != self.state.global_step:  # stopped mid-epoch, or resumed with nothing left to train

@@ -50,9 +50,13 @@ def tracked_scalars(line: dict[str, Any]) -> dict[str, float]:
         prefix = line.get("split", "eval")
     else:
         return {}
-    return {f"{prefix}/{key}": value for key, value in line.items()
-            if key not in ("event", "time", "global_step") and isinstance(value, (int, float))
-            and not isinstance(value, bool)}
+    return {
+        f"{prefix}/{key}": value
+        for key, value in line.items()
+        if key not in ("event", "time", "global_step")
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    }
 
 
 class MetricsWriter:

@@ -130,20 +130,26 @@ def read_run(path: Path) -> Run:
     """
     metrics = path if path.is_file() else path / "metrics.jsonl"
     if not path.exists():
-        raise PlotError(f"{path} does not exist; pass a run folder (the output_dir of ddpkit train) "
-                        "or its metrics.jsonl")
+        raise PlotError(
+            f"{path} does not exist; pass a run folder (the output_dir of ddpkit train) or its metrics.jsonl"
+        )
     if not metrics.is_file():
-        raise PlotError(f"{path} holds no metrics.jsonl (ddpkit train writes one into its output_dir); "
-                        f"pass the folder of a run{_runs_inside(path)}")
+        raise PlotError(
+            f"{path} holds no metrics.jsonl (ddpkit train writes one into its output_dir); "
+            f"pass the folder of a run{_runs_inside(path)}"
+        )
     lines = _read_lines(metrics)
     if not lines:
-        raise PlotError(f"{metrics} is empty: the run has not written a line yet "
-                        "(ddpkit train writes one every log_every steps)")
+        raise PlotError(
+            f"{metrics} is empty: the run has not written a line yet (ddpkit train writes one every log_every steps)"
+        )
     train = _last_per_step(line for line in lines if line.get("event") == "train")
     test = _last_per_step(line for line in lines if line.get("event") == "eval" and line.get("split") == "test")
     if not train and not test:
-        raise PlotError(f"{metrics} holds no train or eval line to plot "
-                        "(ddpkit train writes them every log_every steps and at each epoch end)")
+        raise PlotError(
+            f"{metrics} holds no train or eval line to plot "
+            "(ddpkit train writes them every log_every steps and at each epoch end)"
+        )
     summary = next((line for line in reversed(lines) if line.get("event") == "summary"), None)
     if summary is None and (metrics.parent / "summary.json").is_file():
         summary = json.loads((metrics.parent / "summary.json").read_text())
@@ -169,8 +175,9 @@ def _read_lines(metrics: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             if number == len(rows) and not text.endswith("\n"):
                 break  # the last line of a run killed while writing it
-            raise PlotError(f"line {number} of {metrics} is not JSON ({e.msg}); "
-                            "is it a metrics.jsonl written by ddpkit train?") from None
+            raise PlotError(
+                f"line {number} of {metrics} is not JSON ({e.msg}); is it a metrics.jsonl written by ddpkit train?"
+            ) from None
     return lines
 
 
@@ -244,8 +251,12 @@ def draw(runs: Sequence[Run], cfg: PlotConfig, output: Path) -> Path:
     # Epochs on a top axis only where one step means the same epoch in every run.
     epoch_axis = cfg.x == "step" and steps is not None and all(run.steps_per_epoch() == steps for run in runs)
     # Every panel spans the same steps, also one with a single evaluation.
-    right = max(_x_value(line, event, cfg.x, run) for run in runs
-                for event, lines in (("train", run.train), ("eval", run.test)) for line in lines)
+    right = max(
+        _x_value(line, event, cfg.x, run)
+        for run in runs
+        for event, lines in (("train", run.train), ("eval", run.test))
+        for line in lines
+    )
     for ax, name in zip(axes, names):
         _draw_panel(ax, name, runs, cfg.x)
         ax.set_xlim(0, right * 1.02)

@@ -21,8 +21,9 @@ from ddpkit.train.task import resolve_task
 
 _FILE_DATASETS = {"fashion-mnist": FASHION_MNIST, "mnist": MNIST}
 
-SYNC_BATCHNORM_NEEDS_CUDA = ("sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm supports CUDA only); "
-                             "drop it on CPU")
+SYNC_BATCHNORM_NEEDS_CUDA = (
+    "sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm supports CUDA only); drop it on CPU"
+)
 
 
 def check_before_launch(cfg: TrainConfig, world_size: int) -> None:

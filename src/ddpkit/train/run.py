@@ -42,9 +42,24 @@ EVAL_BATCH_PER_WORKER = 2000
 """Evaluation samples per worker and forward pass."""
 
 EXACTNESS_KEYS = (
-    "model", "dataset", "task", "synthetic_samples", "batch_size", "batch_scope", "optimizer", "lr", "momentum",
-    "lr_schedule", "warmup_steps", "weight_decay", "scale_lr", "grad_accum_steps", "precision", "grad_sync",
-    "allreduce", "sync_batchnorm",
+    "model",
+    "dataset",
+    "task",
+    "synthetic_samples",
+    "batch_size",
+    "batch_scope",
+    "optimizer",
+    "lr",
+    "momentum",
+    "lr_schedule",
+    "warmup_steps",
+    "weight_decay",
+    "scale_lr",
+    "grad_accum_steps",
+    "precision",
+    "grad_sync",
+    "allreduce",
+    "sync_batchnorm",
 )
 """Config keys whose change on resume is worth a warning (the run no longer continues the same computation)."""
 
@@ -65,7 +80,9 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
 
 
-def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, train_set: Any, test_set: Any) -> Trainer:
+def build_trainer(
+    cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, train_set: Any, test_set: Any
+) -> Trainer:
     """Every part of a run from the public API, resumed as ``cfg.resume`` asks."""
     seed_everything(cfg.seed)
     model = spec.build()
@@ -76,20 +93,45 @@ def build_trainer(cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, t
     model = prepare_model(model, allreduce=cfg.allreduce, grad_sync=cfg.grad_sync, sync_batchnorm=cfg.sync_batchnorm)
     optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
     batch = global_batch_size(cfg, ctx.world_size)
-    loader = DataLoader(train_set, global_batch_size=batch, shuffle=True, seed=cfg.seed, num_workers=cfg.num_workers,
-                        persistent_workers=cfg.num_workers > 0)
+    loader = DataLoader(
+        train_set,
+        global_batch_size=batch,
+        shuffle=True,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+    )
     eval_batch = EVAL_BATCH_PER_WORKER * ctx.world_size
     test_loader = DataLoader(test_set, global_batch_size=eval_batch, shuffle=False, num_workers=cfg.num_workers)
     steps = cfg.epochs * loader.steps_per_epoch
-    scheduler = build_scheduler(cfg.lr_schedule, optimizer, min(steps, cfg.max_steps or steps), loader.steps_per_epoch,
-                                cfg.warmup_steps, cfg.lr_step_epochs, cfg.lr_gamma)
+    scheduler = build_scheduler(
+        cfg.lr_schedule,
+        optimizer,
+        min(steps, cfg.max_steps or steps),
+        loader.steps_per_epoch,
+        cfg.warmup_steps,
+        cfg.lr_step_epochs,
+        cfg.lr_gamma,
+    )
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16" and ctx.device.type == "cuda")
     task = resolve_task(cfg.task, spec.task, cfg.loss)
-    trainer = Trainer(cfg, ctx, model, optimizer, loader, test_loader, task, scheduler, scaler,
-                      dataset_name=cfg.dataset, state=TrainState(tracker=build_tracker(cfg)))
+    trainer = Trainer(
+        cfg,
+        ctx,
+        model,
+        optimizer,
+        loader,
+        test_loader,
+        task,
+        scheduler,
+        scaler,
+        dataset_name=cfg.dataset,
+        state=TrainState(tracker=build_tracker(cfg)),
+    )
     if cfg.eval_train:
-        trainer.train_loader_for_eval = DataLoader(train_set, global_batch_size=eval_batch, shuffle=False,
-                                                   num_workers=cfg.num_workers)
+        trainer.train_loader_for_eval = DataLoader(
+            train_set, global_batch_size=eval_batch, shuffle=False, num_workers=cfg.num_workers
+        )
     trainer.checkpointer = _checkpointer(cfg, trainer)
     if trainer.checkpointer is not None:
         try:
@@ -112,8 +154,13 @@ def build_tracker(cfg: TrainConfig) -> Tracker | None:
         return None
     folder = Path(cfg.output_dir)
     project = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{cfg.model}-{cfg.dataset}")
-    return Tracker(cfg.logger, folder / "tensorboard" if cfg.logger == "tensorboard" else folder, project=project,
-                   run_name=folder.name, config=to_dict(cfg))
+    return Tracker(
+        cfg.logger,
+        folder / "tensorboard" if cfg.logger == "tensorboard" else folder,
+        project=project,
+        run_name=folder.name,
+        config=to_dict(cfg),
+    )
 
 
 def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
@@ -125,31 +172,47 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
     mode = ckpt.best_mode if ckpt.best_mode != "auto" else ("max" if metric == "accuracy" else "min")
     checkpointer = Checkpointer(
         checkpoint_root(cfg),
-        model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
-        loader=trainer.loader, extra={"train_state": trainer.state},
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        scaler=trainer.scaler,
+        loader=trainer.loader,
+        extra={"train_state": trainer.state},
         every_steps=ckpt.every_steps if ckpt.enabled else 0,
         every_seconds=ckpt.every_seconds if ckpt.enabled else 0.0,
-        on_epoch_end=ckpt.on_epoch_end and ckpt.enabled, keep=ckpt.keep,
-        best_metric=metric if ckpt.enabled else "", best_mode=mode,
-        preempt_signals=ckpt.signal_names() if ckpt.enabled else (), requeue=ckpt.requeue,
-        readable_by=ckpt.readable_by, sync_seconds=ckpt.sync_seconds, config=to_dict(cfg),
-        meta={"model": {"name": cfg.model, "task": trainer.task.name}}, timeout=cfg.timeout,
+        on_epoch_end=ckpt.on_epoch_end and ckpt.enabled,
+        keep=ckpt.keep,
+        best_metric=metric if ckpt.enabled else "",
+        best_mode=mode,
+        preempt_signals=ckpt.signal_names() if ckpt.enabled else (),
+        requeue=ckpt.requeue,
+        readable_by=ckpt.readable_by,
+        sync_seconds=ckpt.sync_seconds,
+        config=to_dict(cfg),
+        meta={"model": {"name": cfg.model, "task": trainer.task.name}},
+        timeout=cfg.timeout,
         on_write_error=ckpt.on_write_error,
         async_save=ckpt.async_save,
     )
     checkpointer.continue_hint = "continue with resume=auto"
     checkpointer.on_save = lambda path, reason: trainer.metrics.write(
-        "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path))
+        "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path)
+    )
     return checkpointer
 
 
 def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:
     saved = start.manifest.get("config", {})
-    changed = [f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}" for k in EXACTNESS_KEYS
-               if k in saved and saved[k] != getattr(cfg, k)]
+    changed = [
+        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
+        for k in EXACTNESS_KEYS
+        if k in saved and saved[k] != getattr(cfg, k)
+    ]
     if changed and start.resumed:
-        get_logger().warning(f"resuming {start.path.name} with changed settings ({'; '.join(changed)}): "
-                             "training continues, but not as the original run would have")
+        get_logger().warning(
+            f"resuming {start.path.name} with changed settings ({'; '.join(changed)}): "
+            "training continues, but not as the original run would have"
+        )
 
 
 def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:

@@ -18,8 +18,13 @@ WARMUP_START_FACTOR = 0.01
 
 
 def build_scheduler(
-    name: str, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int,
-    warmup_steps: int = 0, step_epochs: int = 1, gamma: float = 0.1,
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_steps: int = 0,
+    step_epochs: int = 1,
+    gamma: float = 0.1,
 ) -> lr_scheduler.LRScheduler | None:
     """The scheduler for ``lr_schedule=name``, or None for a constant rate.
 
@@ -34,8 +39,12 @@ def build_scheduler(
     """
     if name == "onecycle":
         pct = warmup_steps / total_steps if warmup_steps else 0.3
-        return lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
-                                       total_steps=max(total_steps, 1), pct_start=min(pct, 0.99))
+        return lr_scheduler.OneCycleLR(
+            optimizer,
+            max_lr=[g["lr"] for g in optimizer.param_groups],
+            total_steps=max(total_steps, 1),
+            pct_start=min(pct, 0.99),
+        )
     main = _main_schedule(name, optimizer, total_steps - warmup_steps, steps_per_epoch * step_epochs, gamma)
     if not warmup_steps:
         return main
@@ -45,8 +54,9 @@ def build_scheduler(
     return lr_scheduler.SequentialLR(optimizer, [warmup, main], milestones=[warmup_steps])
 
 
-def _main_schedule(name: str, optimizer: torch.optim.Optimizer, steps: int, step_size: int,
-                   gamma: float) -> lr_scheduler.LRScheduler | None:
+def _main_schedule(
+    name: str, optimizer: torch.optim.Optimizer, steps: int, step_size: int, gamma: float
+) -> lr_scheduler.LRScheduler | None:
     if name == "step":
         return lr_scheduler.StepLR(optimizer, step_size=max(step_size, 1), gamma=gamma)
     if name == "cosine":

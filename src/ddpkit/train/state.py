@@ -26,8 +26,11 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """The counters as a plain dict (and the tracker's state under ``tracker``)."""
-        state: dict[str, Any] = {"global_step": self.global_step, "samples_seen": self.samples_seen,
-                                 "train_time": self.train_time}
+        state: dict[str, Any] = {
+            "global_step": self.global_step,
+            "samples_seen": self.samples_seen,
+            "train_time": self.train_time,
+        }
         if self.tracker is not None:
             state["tracker"] = self.tracker.state_dict()
         return state

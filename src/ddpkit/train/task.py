@@ -51,8 +51,10 @@ class Task:
         if self.name == "reconstruction":
             return inputs
         if target is None:
-            raise UserError(f"task={self.name} needs (input, target) samples, but the dataset yields inputs only; "
-                             "return (input, target) pairs or use task=reconstruction")
+            raise UserError(
+                f"task={self.name} needs (input, target) samples, but the dataset yields inputs only; "
+                "return (input, target) pairs or use task=reconstruction"
+            )
         return target
 
     def loss_sum(self, output: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
@@ -111,5 +113,7 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return batch, None
     if isinstance(batch, (list, tuple)) and batch:
         return batch[0], (batch[1] if len(batch) > 1 else None)
-    raise UserError(f"a batch of type {type(batch).__name__} is neither a tensor nor (input, target); "
-                     "make the dataset return (input, target) pairs of tensors")
+    raise UserError(
+        f"a batch of type {type(batch).__name__} is neither a tensor nor (input, target); "
+        "make the dataset return (input, target) pairs of tensors"
+    )

@@ -63,8 +63,11 @@ class Numbers(IterableDataset):
 def hf_stream():
     import datasets
 
-    rows = {"x": [[float(i)] for i in range(HF_ROWS)], "y": [[i % 3 - 1.0] for i in range(HF_ROWS)],
-            "id": list(range(HF_ROWS))}
+    rows = {
+        "x": [[float(i)] for i in range(HF_ROWS)],
+        "y": [[i % 3 - 1.0] for i in range(HF_ROWS)],
+        "id": list(range(HF_ROWS)),
+    }
     return datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=4).with_format("torch")
 
 
@@ -74,8 +77,9 @@ def loader_and_model(data: str):
     if data == "uneven":
         return ddpkit.DataLoader(Numbers(), batch_size=2), nn.Linear(1, 1)
     # global_batch_size: the same global batches at any world size, so a resume at another one is exact.
-    loader = ddpkit.DataLoader(Indexed(), global_batch_size=8, sampler=weighted_sampler(), drop_last=True,
-                               seed=WEIGHTED_SEED)
+    loader = ddpkit.DataLoader(
+        Indexed(), global_batch_size=8, sampler=weighted_sampler(), drop_last=True, seed=WEIGHTED_SEED
+    )
     return loader, nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
 
 

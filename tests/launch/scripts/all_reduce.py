@@ -15,7 +15,10 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 value = torch.tensor([rank + 1.0])
 dist.all_reduce(value)
 variables = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
-print(f"rank {rank}/{world_size} sum={value.item():g} argv={sys.argv[1:]} name={__name__} "
-      f"path0={sys.path[0]} env={','.join(v for v in variables if v in os.environ)}", flush=True)
+print(
+    f"rank {rank}/{world_size} sum={value.item():g} argv={sys.argv[1:]} name={__name__} "
+    f"path0={sys.path[0]} env={','.join(v for v in variables if v in os.environ)}",
+    flush=True,
+)
 dist.destroy_process_group()
 raise SystemExit  # code None: success, as for python

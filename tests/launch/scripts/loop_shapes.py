@@ -51,8 +51,9 @@ def data(num: int, seed: int) -> TensorDataset:
 
 def network(shape: str) -> nn.Module:
     width = 640 if shape == "big" else 32  # 640 * 640 float32 weights: 1.6 MB of gradients
-    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 4))
+    return nn.Sequential(
+        nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4)
+    )
 
 
 class Killer:
@@ -90,10 +91,17 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cpu", enabled=shape == "eval")
         self.train_data = ddpkit.DataLoader(data(NUM_TRAIN, 1), global_batch_size=GLOBAL_BATCH, shuffle=True, seed=3)
         self.test_data = ddpkit.DataLoader(data(NUM_TEST, 2), global_batch_size=GLOBAL_BATCH, shuffle=False)
-        self.ckpt = ddpkit.Checkpointer(args.out, model=self.model, optimizer=self.optimizer,
-                                        scheduler=self.scheduler, scaler=self.scaler if shape == "eval" else None,
-                                        loader=self.train_data, every_steps=args.every_steps, sync_seconds=0.005,
-                                        best_metric="accuracy" if shape == "eval" else "")
+        self.ckpt = ddpkit.Checkpointer(
+            args.out,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler if shape == "eval" else None,
+            loader=self.train_data,
+            every_steps=args.every_steps,
+            sync_seconds=0.005,
+            best_metric="accuracy" if shape == "eval" else "",
+        )
         self.start = self.ckpt.resume("auto", first_epoch=1 if shape == "from1" else 0)
         self.killer = Killer(ctx.rank, self.start.resumed)
 
@@ -173,8 +181,11 @@ def main() -> None:
     args = parser.parse_args()
     ctx = ddpkit.init()
     trainer = Trainer(args, ctx)
-    print(f"rank {ctx.rank}: start epoch={trainer.start.epoch} step_in_epoch={trainer.start.step_in_epoch} "
-          f"global_step={trainer.start.global_step} resumed={trainer.start.resumed}", flush=True)
+    print(
+        f"rank {ctx.rank}: start epoch={trainer.start.epoch} step_in_epoch={trainer.start.step_in_epoch} "
+        f"global_step={trainer.start.global_step} resumed={trainer.start.resumed}",
+        flush=True,
+    )
     trainer.train(args.epochs)
     if ctx.is_main_process:
         weights = ddpkit.unwrap_model(trainer.model).state_dict()

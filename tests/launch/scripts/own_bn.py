@@ -56,8 +56,17 @@ class Noisy(Dataset):
 
 
 def network() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(8 * 5 * 5, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 5 * 5, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    )
 
 
 def main() -> None:
@@ -75,16 +84,19 @@ def main() -> None:
     model = ddpkit.prepare_model(network())
     steps_per_epoch = NUM_TRAIN // GLOBAL_BATCH_SIZE // MICRO_BATCHES
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01,
-                                                    total_steps=args.epochs * steps_per_epoch)
-    loader = ddpkit.DataLoader(Noisy(NUM_TRAIN), global_batch_size=GLOBAL_BATCH_SIZE, shuffle=True, seed=5,
-                               num_workers=args.num_workers)
-    ckpt = ddpkit.Checkpointer(args.out, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                               every_steps=1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=args.epochs * steps_per_epoch)
+    loader = ddpkit.DataLoader(
+        Noisy(NUM_TRAIN), global_batch_size=GLOBAL_BATCH_SIZE, shuffle=True, seed=5, num_workers=args.num_workers
+    )
+    ckpt = ddpkit.Checkpointer(
+        args.out, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, every_steps=1
+    )
     start = ckpt.resume("auto")
     first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not start.resumed
-    print(f"rank {ctx.rank}: start epoch={start.epoch} global_step={start.global_step} resumed={start.resumed}",
-          flush=True)
+    print(
+        f"rank {ctx.rank}: start epoch={start.epoch} global_step={start.global_step} resumed={start.resumed}",
+        flush=True,
+    )
 
     for epoch in range(start.epoch, args.epochs):
         loader.set_epoch(epoch)

@@ -83,8 +83,15 @@ class Augmented(Dataset):
 
 def cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
-        nn.Flatten(), nn.Linear(8 * 13 * 13, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 10),
+        nn.Conv2d(1, 8, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.Linear(8 * 13 * 13, 32),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(32, 10),
     )
 
 
@@ -111,16 +118,31 @@ def main() -> None:
     model = ddpkit.prepare_model(cnn())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
-    loader = ddpkit.DataLoader(Augmented(*synthetic_images()), global_batch_size=GLOBAL_BATCH_SIZE, shuffle=True,
-                               seed=LOADER_SEED, num_workers=args.num_workers,
-                               persistent_workers=args.num_workers > 0)
+    loader = ddpkit.DataLoader(
+        Augmented(*synthetic_images()),
+        global_batch_size=GLOBAL_BATCH_SIZE,
+        shuffle=True,
+        seed=LOADER_SEED,
+        num_workers=args.num_workers,
+        persistent_workers=args.num_workers > 0,
+    )
     # sync_seconds: agree on signals every step or two, so that a SIGTERM is acted on within this short run.
-    ckpt = ddpkit.Checkpointer(args.out, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                               every_steps=args.every_steps, sync_seconds=0.005)
+    ckpt = ddpkit.Checkpointer(
+        args.out,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        every_steps=args.every_steps,
+        sync_seconds=0.005,
+    )
     start = ckpt.resume("auto")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and not start.resumed
-    print(f"rank {ctx.rank}: start epoch={start.epoch} step_in_epoch={start.step_in_epoch} "
-          f"global_step={start.global_step} resumed={start.resumed}", flush=True)
+    print(
+        f"rank {ctx.rank}: start epoch={start.epoch} step_in_epoch={start.step_in_epoch} "
+        f"global_step={start.global_step} resumed={start.resumed}",
+        flush=True,
+    )
     records = open(f"{record}.{ctx.rank}", "a") if record else None
 
     for epoch in range(start.epoch, args.epochs):

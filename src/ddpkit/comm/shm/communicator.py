@@ -159,8 +159,14 @@ class ShmCommunicator:
     def _open(self, name: str) -> str | None:
         slot = slot_bytes(self.world_size)
         rc = self._lib.ddpkit_shm_open(
-            name.encode(), self.rank, self.world_size, slot, min(ONE_SHOT_MAX_BYTES, slot),
-            self.timeout, SPIN_SECONDS, ctypes.byref(self._handle),
+            name.encode(),
+            self.rank,
+            self.world_size,
+            slot,
+            min(ONE_SHOT_MAX_BYTES, slot),
+            self.timeout,
+            SPIN_SECONDS,
+            ctypes.byref(self._handle),
         )
         if rc == _lib.RC_OK:
             return None
@@ -173,8 +179,9 @@ class ShmCommunicator:
         if -rc == errno.ENOSPC:
             space = shared_memory.measure()
             assert space is not None  # shm_open has just worked there
-            return shared_memory.too_small(f"its segment for {self.world_size} ranks",
-                                           segment_bytes(self.world_size), space)
+            return shared_memory.too_small(
+                f"its segment for {self.world_size} ranks", segment_bytes(self.world_size), space
+            )
         return os.strerror(-rc)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> None:
