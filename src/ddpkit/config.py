@@ -203,11 +203,16 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name}={value} is not valid; it must be {bound}")
 
 
+def check_port(master_port: int) -> None:
+    """Raise ConfigError unless ``master_port`` is a TCP port or 0 (a free one)."""
+    if not 0 <= master_port <= 65535:
+        raise ConfigError(f"master_port={master_port} is not a TCP port; use 1-65535, or 0 for a free one")
+
+
 def check_nodes(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
     """Raise ConfigError unless the options of a launch on ``nnodes`` machines fit together."""
     check_positive("nnodes", nnodes)
-    if not 0 <= master_port <= 65535:
-        raise ConfigError(f"master_port={master_port} is not a TCP port; use 1-65535, or 0 for a free one")
+    check_port(master_port)
     if not 0 <= node_rank < nnodes:
         raise ConfigError(
             f"node_rank={node_rank} is not valid for nnodes={nnodes}; use 0 to {nnodes - 1}, 0 on the master"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpkit.config import ConfigError, check_positive
+from ddpkit.config import check_port, check_positive
 
 
 @dataclass
@@ -33,5 +33,4 @@ class DoctorConfig:
     def __post_init__(self) -> None:
         for name in ("nproc", "timeout", "latency_iterations", "bandwidth_mib", "bandwidth_iterations"):
             check_positive(name, getattr(self, name))
-        if not 0 <= self.master_port <= 65535:
-            raise ConfigError(f"master_port={self.master_port} is not a TCP port; use 1-65535, or 0 for a free one")
+        check_port(self.master_port)
