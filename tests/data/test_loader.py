@@ -10,24 +10,12 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 from ddpkit.data.loader import DataLoader, SeededDataset
 from ddpkit.data.sample_seeds import _mix
 from ddpkit.data.sampler import epoch_permutation
-
-
-class IndexDataset(Dataset):
-    """Sample i is i: the batches show which samples were read."""
-
-    def __init__(self, num_samples):
-        self.num_samples = num_samples
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, index):
-        return index
+from tests.data.helpers import IndexDataset
 
 
 class NoisyDataset(IndexDataset):

@@ -14,30 +14,17 @@ import importlib.util
 import os
 import random
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, Sampler, WeightedRandomSampler
+from torch.utils.data import Sampler, WeightedRandomSampler
 
 from ddpkit.data.loader import DataLoader
 from ddpkit.data.order import epoch_seed
 from ddpkit.errors import UserError
+from tests.data.helpers import OWN_DATA_SCRIPT, IndexDataset, read_records
 from tests.helpers.launch_in_process import Commands
-
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "own_data.py"
-
-
-class IndexDataset(Dataset):
-    def __init__(self, num_samples):
-        self.num_samples = num_samples
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, index):
-        return index
 
 
 def _draw(sampler, seed, epoch):
@@ -144,19 +131,10 @@ def test_a_users_sampler_on_torchs_generator_is_reproducible():
 
 
 def _own_data():
-    spec = importlib.util.spec_from_file_location("own_data_for_sampler_test", SCRIPT)
+    spec = importlib.util.spec_from_file_location("own_data_for_sampler_test", OWN_DATA_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _records(prefix: Path) -> list[tuple[int, int]]:
-    lines = [
-        line.split()
-        for path in sorted(prefix.parent.glob(prefix.name + ".*"))
-        for line in path.read_text().splitlines()
-    ]
-    return [(int(epoch), int(sample)) for epoch, sample in lines]
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +155,7 @@ def launched(tmp_path_factory):
             out = commands.run(
                 "run",
                 nproc,
-                str(SCRIPT),
+                str(OWN_DATA_SCRIPT),
                 "--data",
                 "weighted",
                 "--out",
@@ -188,7 +166,7 @@ def launched(tmp_path_factory):
             assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
             if name == "stopped":
                 shutil.copytree(folder / "ckpt-a", folder / "ckpt-b")
-            results[name] = (out, _records(folder / name))
+            results[name] = (out, read_records(folder / name))
     return results, stop
 
 

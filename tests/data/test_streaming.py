@@ -15,7 +15,6 @@ import collections
 import os
 import random
 import shutil
-from pathlib import Path
 
 import datasets
 import pytest
@@ -25,9 +24,8 @@ from torch.utils.data import IterableDataset
 from ddpkit.data.arrow import arrow_batch_reader
 from ddpkit.data.loader import DataLoader
 from ddpkit.errors import UserError
+from tests.data.helpers import OWN_DATA_SCRIPT, read_records
 from tests.helpers.launch_in_process import Commands
-
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "own_data.py"
 
 
 class Numbers(IterableDataset):
@@ -213,15 +211,6 @@ def test_an_hf_dataset_is_read_a_batch_per_call_with_reproducible_transforms():
 # -- two real ranks -----------------------------------------------------------------------------------------
 
 
-def _records(prefix: Path) -> list[tuple[int, int]]:
-    lines = [
-        line.split()
-        for path in sorted(prefix.parent.glob(prefix.name + ".*"))
-        for line in path.read_text().splitlines()
-    ]
-    return [(int(epoch), int(sample)) for epoch, sample in lines]
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Every launch of this module, on one warm worker server: {name: (completed process, records)}."""
@@ -243,12 +232,20 @@ def launched(tmp_path_factory):
                 shutil.copytree(folder / "ckpt-b-at-stop", folder / "ckpt-c")
             env = {"RECORD": str(folder / f"{name}"), "STOP_AT_STEP": str(stop_at)}
             out = commands.run(
-                "run", nproc, str(SCRIPT), "--data", data, "--out", str(folder / f"ckpt-{run}"), cwd=folder, env=env
+                "run",
+                nproc,
+                str(OWN_DATA_SCRIPT),
+                "--data",
+                data,
+                "--out",
+                str(folder / f"ckpt-{run}"),
+                cwd=folder,
+                env=env,
             )
             assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
             if name == "stopped":
                 shutil.copytree(folder / "ckpt-b", folder / "ckpt-b-at-stop")
-            results[name] = (out, _records(folder / name))
+            results[name] = (out, read_records(folder / name))
     return results, stop
 
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import (
     BatchSampler,
-    Dataset,
     DistributedSampler,
     SequentialSampler,
     SubsetRandomSampler,
@@ -25,20 +24,10 @@ from torch.utils.data import (
 from ddpkit.data.loader import DataLoader
 from ddpkit.data.sampler import epoch_permutation
 from ddpkit.errors import UserError
+from tests.data.helpers import IndexDataset
 
 WORKER_MARK = 0
 """Set by worker_init_fn in a loader worker (forked), read by MarkedDataset there."""
-
-
-class IndexDataset(Dataset):
-    def __init__(self, num_samples):
-        self.num_samples = num_samples
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, index):
-        return index
 
 
 class MarkedDataset(IndexDataset):
