@@ -51,7 +51,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing.util
 import os
-import random
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -66,7 +65,6 @@ from torch.utils.data import (
     Sampler,
     TensorDataset,
     default_collate,
-    get_worker_info,
 )
 
 from ddpkit.data import shm_budget
@@ -128,37 +126,21 @@ class BatchReadDataset(SeededDataset):
     call, so with ``seed_per_sample`` the generators are seeded once per
     batch from (seed, epoch, the batch's first index): draws are reproducible,
     and a resume at the same world size exact, but they depend on how the
-    global batch is split among ranks. Only ``__getitems__`` differs from
-    :class:`SeededDataset`.
+    global batch is split among ranks. Only how a batch is read and seeded
+    differs from :class:`SeededDataset`, which saves and restores the
+    generators around it in the training process.
     """
 
-    def __getitems__(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
+    def _unseeded(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
         """The samples of one batch's keys, from one ``dataset.__getitems__`` call."""
-        indices = [index for _, index, _ in keys]
-        if not self.seed_per_sample:
-            samples = self._read_batch(indices)
-        elif get_worker_info() is not None:
-            samples = self._seeded_batch(keys[0][0], indices)
-        else:
-            states = torch.default_generator.get_state(), random.getstate(), np and np.random.get_state()
-            try:
-                samples = self._seeded_batch(keys[0][0], indices)
-            finally:
-                torch.default_generator.set_state(states[0])
-                random.setstate(states[1])
-                if np is not None:
-                    np.random.set_state(states[2])
-        if keys[0][2]:
-            return [_Template(samples[0])]
-        return samples
+        return self._read_batch([index for _, index, _ in keys])
 
-    def _seeded_batch(self, epoch: int, indices: list[int]) -> list[Any]:
-        seed = _mix(_mix(_mix(self.seed) + epoch) + indices[0])
-        torch.default_generator.manual_seed(seed)
-        random.seed(seed)
-        if np is not None:
-            np.random.seed(seed >> 32)
-        return self._read_batch(indices)
+    def _read(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
+        """The batch, every generator seeded once from (seed, epoch, the batch's first index)."""
+        seed = _mix(_mix(_mix(self.seed) + keys[0][0]) + keys[0][1])
+        for generator in self._process_generators():
+            generator.seed(seed)
+        return self._unseeded(keys)
 
     def _read_batch(self, indices: list[int]) -> list[Any]:
         return self.dataset.__getitems__(indices)

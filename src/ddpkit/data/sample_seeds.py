@@ -226,7 +226,7 @@ class SeededDataset(Dataset):
     def __getitems__(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
         """The samples of one batch's keys (torch's fetcher calls this once per batch)."""
         if not self.seed_per_sample:
-            samples = [self.dataset[index] for _, index, _ in keys]
+            samples = self._unseeded(keys)
         elif get_worker_info() is not None:
             samples = self._read(keys)
         else:
@@ -240,6 +240,10 @@ class SeededDataset(Dataset):
         if keys[0][2]:
             return [_Template(samples[0])]
         return samples
+
+    def _unseeded(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
+        """The samples, read without touching any generator."""
+        return [self.dataset[index] for _, index, _ in keys]
 
     def _process_generators(self) -> list[Any]:
         if self._generators is None:
