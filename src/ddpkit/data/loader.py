@@ -285,6 +285,7 @@ class _WorkerInit:
     def __init__(self, user_init: Callable[[int], None] | None):
         self.user_init = user_init
         self.parent = os.getpid()  # the training process (the loader starts its workers from it)
+        _prctl()  # resolved here: a forked worker must not dlopen (another thread may hold the loader's lock)
 
     def __call__(self, worker_id: int) -> None:
         import signal
@@ -296,15 +297,28 @@ class _WorkerInit:
             self.user_init(worker_id)
 
 
+_PRCTL: list[Any] = []
+"""libc's prctl, resolved once in the training process (Linux), inherited by its forked workers."""
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (None off Linux), resolved on first use."""
+    if not _PRCTL:
+        import ctypes
+
+        _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None)
+    return _PRCTL[0]
+
+
 def _die_with_parent(parent: int) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies; elsewhere nothing."""
-    import ctypes
     import signal
 
-    if not sys.platform.startswith("linux"):
+    prctl = _prctl()
+    if prctl is None:
         return
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before the request: nobody would kill this process now
         os._exit(0)
 
