@@ -618,6 +618,9 @@ class Checkpointer:
             objects, copy_cpu=background, pin_memory=True, buffers=self._buffers if background else None
         )
         note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
+        if self.global_step == self._last_step and self.last_path is not None:
+            # E.g. an epoch's end, again once the code after its batch loop ran: say so, or it reads as a double save.
+            note += "; replaces this step's earlier checkpoint with the state as it is now"
         name = checkpoint_name(self.global_step)
 
         def write() -> Path | None:
