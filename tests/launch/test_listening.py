@@ -136,3 +136,11 @@ def test_node_0_of_several_serves_the_store_on_the_address_it_reaches_the_master
 def test_a_master_addr_node_0_cannot_resolve_is_one_line_naming_the_fix():
     with pytest.raises(UserError, match=r"^master_addr=no-such-host\.invalid does not resolve on node 0 .*; pass "):
         static.listen_address("no-such-host.invalid")
+
+
+def test_node_0_warns_in_one_line_when_its_store_would_listen_on_loopback_only():
+    warning = static.loopback_warning("node0", "127.0.1.1")  # Debian's /etc/hosts entry for the host's own name
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("ddpkit: warning: master_addr=node0 is 127.0.1.1 on node 0, a loopback address")
+    assert "pass node 0's network address as master_addr" in warning
+    assert static.loopback_warning("node0", "10.77.0.1") is None

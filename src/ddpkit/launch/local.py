@@ -475,6 +475,9 @@ def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     if spec.node_rank == 0:  # the store listens on the address node 0 reaches master_addr from, only
         configs["listen_address"] = static.listen_address(spec.master_addr)
         check_port_free(spec.master_port, configs["listen_address"])
+        warning = static.loopback_warning(spec.master_addr, configs["listen_address"])
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     static.register()
     return dict(
         min_nodes=spec.nnodes,

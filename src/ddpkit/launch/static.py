@@ -24,6 +24,7 @@ port before starting (:func:`listen_address`).
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -57,6 +58,21 @@ def listen_address(master_addr: str) -> str:
             "pass node 0's host name or address, as the other nodes reach it"
         )
     return address
+
+
+def loopback_warning(master_addr: str, address: str) -> str | None:
+    """One line for node 0 when its store would listen on a loopback ``address``, else None.
+
+    A host name that node 0's /etc/hosts maps to 127.0.1.1 (Debian's default) resolves to loopback
+    there, and other hosts cannot reach the store; nodes that all run on one host can.
+    """
+    if not ipaddress.ip_address(address).is_loopback:
+        return None
+    return (
+        f"ddpkit: warning: master_addr={master_addr} is {address} on node 0, a loopback address: the rendezvous "
+        "store listens there only, which other hosts cannot reach; pass node 0's network address as master_addr "
+        "unless every node runs on this host"
+    )
 
 
 class StaticRendezvousHandler(RendezvousHandler):
