@@ -162,9 +162,9 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
         try:
             sock.bind((host, port))
         except OSError:
-            raise UserError(
-                f"master_port={port} is already in use on {host}; choose another port or master_port=0"
-            ) from None
+            # One node may ask the OS for a port; several must agree on one beforehand.
+            fix = "choose another port or master_port=0" if host == LOOPBACK else "choose another port on every node"
+            raise UserError(f"master_port={port} is already in use on {host}; {fix}") from None
 
 
 def _quiet_elastic_logs() -> None:
