@@ -13,6 +13,12 @@ holds a Python traceback although the launcher exited 0.
 Run from the repository root, with the venv's python::
 
     python benchmarks/restarts.py --rounds 10 --name restarts-2core-epyc-2026-11-25
+    python benchmarks/restarts.py --launchers ddpkit-run --rounds 10 --name ...
+    python benchmarks/restarts.py --launchers srun-torchrun --rounds 10 --name ...   # as root: starts Slurm
+
+``srun-torchrun`` (torchrun inside an srun step, as ``ddpkit slurm
+launch=torchrun`` writes it) runs on a one-node Slurm cluster that the
+benchmark starts and stops (tests/helpers/slurm.py: root, Slurm and munge).
 
 It writes benchmarks/NAME.json (every round) and benchmarks/NAME.md (counts).
 """
@@ -29,6 +35,7 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +43,8 @@ sys.path[:0] = [str(REPO / "src"), str(REPO)]
 
 import torch  # noqa: E402
 
-from tests.helpers.restarts import LAUNCHERS, STEPS, command, launch  # noqa: E402
+from tests.helpers.restarts import LAUNCHERS, SLURM_LAUNCHERS, STEPS, command, launch  # noqa: E402
+from tests.helpers.slurm import start_slurm_cluster  # noqa: E402
 
 _TELLING = ("connectFullMesh", "Connection refused", "restart", "Error", "error")
 """Words of the line that best says why a round failed, most telling first."""
@@ -51,9 +59,11 @@ def _why(output: str) -> str:
     return lines[-1][:240] if lines else ""
 
 
-def _round(launcher: str, folder: Path, kill_at: int, kill_rank: int, reference: dict, timeout: float) -> dict:
+def _round(
+    launcher: str, folder: Path, kill_at: int, kill_rank: int, reference: dict, timeout: float, environ: dict | None
+) -> dict:
     started = time.monotonic()
-    outcome = launch(launcher, folder, kill_at, kill_rank, timeout)
+    outcome = launch(launcher, folder, kill_at, kill_rank, timeout, environ if launcher in SLURM_LAUNCHERS else None)
     wall = round(time.monotonic() - started, 1)
     if outcome.returncode is None:
         result = "hung"
@@ -90,22 +100,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=26)
     parser.add_argument("--timeout", type=float, default=120, help="seconds before a round counts as hung")
-    parser.add_argument("--launchers", default=",".join(LAUNCHERS))
+    parser.add_argument(
+        "--launchers",
+        default=",".join(LAUNCHERS),
+        help=f"comma-separated, of {', '.join(LAUNCHERS + SLURM_LAUNCHERS)} (default: the local ones)",
+    )
     parser.add_argument("--name", required=True, help="file name of the results under benchmarks/, without suffix")
     args = parser.parse_args()
     launchers = args.launchers.split(",")
+    unknown = sorted(set(launchers) - set(LAUNCHERS + SLURM_LAUNCHERS))
+    if unknown:
+        parser.error(f"unknown launcher {', '.join(unknown)}; choose among {', '.join(LAUNCHERS + SLURM_LAUNCHERS)}")
     rng = random.Random(args.seed)
     kills = [(rng.randint(2, STEPS - 1), rng.randint(0, 1)) for _ in range(args.rounds)]
     load_before = os.getloadavg()[0]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="ddpkit-restarts-") as tmp:
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpkit-restarts-"))
+        slurm = set(launchers) & set(SLURM_LAUNCHERS)
+        environ = dict(stack.enter_context(start_slurm_cluster(cpus=8, first_job_id=5001)).env) if slurm else None
         reference = launch("ddpkit-run", Path(tmp) / "reference")
         assert reference.returncode == 0 and reference.weights is not None, reference.output
         for index, (kill_at, kill_rank) in enumerate(kills):
             for launcher in launchers:
-                row = _round(
-                    launcher, Path(tmp) / f"{launcher}-{index}", kill_at, kill_rank, reference.weights, args.timeout
-                )
+                folder = Path(tmp) / f"{launcher}-{index}"
+                row = _round(launcher, folder, kill_at, kill_rank, reference.weights, args.timeout, environ)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     _write(args, launchers, rows, load_before)
@@ -141,6 +160,7 @@ def _write(args: argparse.Namespace, launchers: list[str], rows: list[dict], loa
         shown = " ".join("python" if word == sys.executable else word for word in command(launcher))
         shown = shown.replace(str(REPO) + "/", "")
         shown = re.sub(r"--master-port \d+", "--master-port PORT", shown)
+        shown = re.sub(r"--rdzv-endpoint=\S+", "--rdzv-endpoint=HOST:PORT", shown)
         tracebacks = sum(row["traceback_after_success"] for row in mine)
         lines.append(f"| {launcher} | `{shown}` | {' | '.join(map(str, counts))} | {tracebacks} |")
     whys = [

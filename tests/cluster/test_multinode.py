@@ -23,7 +23,9 @@ nodes have several addresses:
 
 The static form (``--master-addr 10.77.0.1 --master-port P --node-rank R``)
 needs neither: node rank 0 hosts the store, on every address, and the
-workers get --master-addr as MASTER_ADDR.
+workers get --master-addr as MASTER_ADDR. ``ddpkit run``/``ddpkit train``
+with ``nnodes=2`` use that form, with node 0's store on 10.77.0.1 only: a
+test lists every listening socket of both hosts while they run.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ddpkit.env.ports import free_port
@@ -53,6 +58,18 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # worker per host would run one torch thread per core, twice the cores in all, and
 # oversubscribed threads spin-wait on each other (one epoch of W1: ~200 s instead of ~5 s).
 SHARED_CORES = ("threads=1",)
+
+LOOPBACK = {"127.0.0.1", "::1"}
+WATCHED_SCRIPT = """
+import time
+import torch, torch.distributed as dist
+import ddpkit
+ctx = ddpkit.init()
+value = torch.ones(1)
+dist.all_reduce(value)
+time.sleep(2)  # long enough for the test to see every socket
+print(f"rank {ctx.rank} sum {value.item():g}", flush=True)
+"""
 
 
 @dataclass(frozen=True)
@@ -289,3 +306,93 @@ def test_doctor_explains_c10d_rendezvous_without_local_addr(netns_hosts: TwoHost
     assert "MASTER_ADDR=localhost is a loopback address, but the job spans 2 nodes" in problem
     assert "pass --local-addr <this node's address> on every node" in problem
     assert "problem: rank 1 of 2 did not arrive at localhost:" in a.stdout + b.stdout
+
+
+def watch_both(
+    hosts: TwoHosts, argvs: Sequence[Sequence[str]], cwd: Path, *, timeout: float, env: dict[str, str]
+) -> tuple[tuple[NodeResult, NodeResult], tuple[set, set]]:
+    """Like :func:`run_both`; also the (address, port) of every listening TCP socket each host's process tree opened.
+
+    psutil reads sockets from the namespace of the process that asks: each process's own
+    /proc/PID/net/tcp and tcp6 are read instead, which show its namespace's.
+    """
+    procs, outputs = [], []
+    for index, (host, argv) in enumerate(zip((hosts.a, hosts.b), argvs)):
+        # Files, not pipes: nobody reads a pipe while the test polls, and a full one would stop the job.
+        out, err = (open(cwd / f"node{index}.{name}", "w+") for name in ("out", "err"))
+        outputs.append((out, err))
+        procs.append(
+            subprocess.Popen(
+                host.command(list(argv)), cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+            )
+        )
+    listening: tuple[set, set] = (set(), set())
+    deadline = time.monotonic() + timeout
+    try:
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            for proc, found in zip(procs, listening):
+                for pid in _tree(proc.pid):
+                    found |= _listening_in_namespace(pid)
+            time.sleep(0.02)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    results = []
+    for proc, (out, err) in zip(procs, outputs):
+        out.seek(0), err.seek(0)
+        results.append(NodeResult(proc.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    return (results[0], results[1]), listening
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _listening_in_namespace(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the listening TCP sockets process ``pid`` holds, read in its own network namespace."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        found = set()
+        for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            with open(f"/proc/{pid}/net/{name}") as table:
+                for line in table.read().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and f"socket:[{fields[9]}]" in inodes:  # 0A: TCP_LISTEN
+                        address, port = fields[1].split(":")
+                        found.add((_kernel_address(address, family), int(port, 16)))
+        return found
+    except OSError:  # the process ended meanwhile
+        return set()
+
+
+def _kernel_address(text: str, family: int) -> str:
+    """An address as /proc/net/tcp* prints it: 32-bit words in hex, each in the host's byte order."""
+    words = [bytes.fromhex(text[i : i + 8]) for i in range(0, len(text), 8)]
+    return socket.inet_ntop(family, b"".join(word[::-1] if sys.byteorder == "little" else word for word in words))
+
+
+@pytest.mark.timeout(300)
+def test_a_two_node_run_listens_on_the_chosen_interface_or_loopback_only(netns_hosts: TwoHosts, tmp_path):
+    # `ddpkit run nnodes=2` on each host, two workers each, a script that joins the group through ddpkit.init.
+    (tmp_path / "script.py").write_text(WATCHED_SCRIPT)
+    port = free_port()
+    argvs = [
+        [sys.executable, "-m", "ddpkit", "run", "nproc=2", "nnodes=2", f"node_rank={node_rank}"]
+        + [f"master_addr={netns_hosts.a.address}", f"master_port={port}", "script.py"]
+        for node_rank in (0, 1)
+    ]
+    (a, b), listening = watch_both(netns_hosts, argvs, tmp_path, timeout=240, env=worker_environment())
+
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
+    assert sorted(re.findall(r"rank \d sum 4", a.stdout + b.stdout)) == [f"rank {r} sum 4" for r in range(4)]
+    assert (netns_hosts.a.address, port) in listening[0], listening  # node 0's store
+    for host, found in zip(netns_hosts, listening):
+        addresses = {address for address, _ in found}
+        assert len(found) >= 2, found  # at least each worker's gloo pair
+        assert addresses <= {host.address, *LOOPBACK}, f"{host.netns} listens beyond {host.address}: {found}"

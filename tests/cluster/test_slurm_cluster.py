@@ -3,11 +3,14 @@
 The workers here are a small script (``--command``) that reports what each
 one sees: its rank from its launcher, its arguments, the rendezvous address,
 and how it handles the preemption signal. The training itself under each
-launch mode is tested with the training code.
+launch mode is tested with the training code. One test kills a rank of a
+user's own loop under torchrun inside srun, with a restart allowed
+(tests.helpers.restarts).
 """
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 import sys
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.launch.sbatch import LAUNCH_MODES, SbatchSpec, render_sbatch
+from tests.helpers.restarts import STEPS, launch
 from tests.helpers.slurm import JobResult, SlurmCluster, SlurmError, derived_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -48,6 +52,9 @@ WORKER = textwrap.dedent(
         sys.stdout.write(f"rank {rank} run {run}: signals {signals}: checkpoint\\n")
     """
 )
+
+RESTART_SEED = 2026
+"""Draws where the SIGKILL falls in the restart test, as tests/launch/test_restarts.py does."""
 
 # mpirun refuses root without these; sbatch passes them on to the job.
 MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -219,3 +226,23 @@ def listening_on(port: int) -> Iterator[None]:
         sock.bind(("", port))
         sock.listen()
         yield
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_inside_srun_restarts_a_killed_rank_and_the_run_ends_bit_equal(slurm_cluster: SlurmCluster, tmp_path):
+    # tests/launch/test_restarts.py's kill, under the launch `ddpkit slurm launch=torchrun` writes: torchrun with
+    # --max-restarts 1 as the one task of an srun step. The restart happens inside the step: Slurm sees one task
+    # that ran to its end.
+    rng = random.Random(RESTART_SEED)
+    kill_at, kill_rank = rng.randint(2, STEPS - 1), rng.randint(0, 1)
+    reference = launch("ddpkit-run", tmp_path / "reference")
+    assert reference.returncode == 0 and reference.weights is not None, reference.output
+
+    out = launch("srun-torchrun", tmp_path / "srun", kill_at, kill_rank, timeout=240, environ=slurm_cluster.env)
+
+    assert out.returncode == 0, out.output
+    assert f"rank {kill_rank}: sending myself SIGKILL after step {kill_at}" in out.output
+    for rank in (0, 1):
+        assert f"rank {rank}: start epoch={(kill_at - 1) // 6} global_step={kill_at - 1} resumed=True" in out.output
+    assert "connectFullMesh" not in out.output
+    assert not out.differing(reference.weights), f"final weights differ in {out.differing(reference.weights)}"

@@ -270,6 +270,16 @@ def parse_scontrol(text: str) -> dict[str, str]:
     return dict(pairs)
 
 
+def unavailable_reason() -> str | None:
+    """Why the test cluster cannot start here (not root, a program missing), or None when it can."""
+    if os.geteuid() != 0:
+        return f"the test cluster runs its daemons as root and munge; run the tests as root ({SETUP_HINT})"
+    missing = [p for p in REQUIRED_PROGRAMS if shutil.which(p) is None and not Path("/usr/sbin", p).exists()]
+    if missing:
+        return f"missing {', '.join(missing)}: {SETUP_HINT}"
+    return None
+
+
 @contextmanager
 def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0, first_job_id: int = 1) -> Iterator[SlurmCluster]:
     """Start munged, slurmctld and slurmd for one node; stop them all on exit.
@@ -289,11 +299,9 @@ def start_slurm_cluster(cpus: int = 2, start_timeout: float = 30.0, first_job_id
         SlurmError: not root, a program is missing, or the node did not
             become idle in time (the message has the daemons' logs).
     """
-    if os.geteuid() != 0:
-        raise SlurmError(f"the test cluster runs its daemons as root and munge; run the tests as root ({SETUP_HINT})")
-    missing = [p for p in REQUIRED_PROGRAMS if shutil.which(p) is None and not Path("/usr/sbin", p).exists()]
-    if missing:
-        raise SlurmError(f"missing {', '.join(missing)}: {SETUP_HINT}")
+    reason = unavailable_reason()
+    if reason:
+        raise SlurmError(reason)
     root = Path(tempfile.mkdtemp(prefix="ddpkit-slurm-"))
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, root, ignore_errors=True)

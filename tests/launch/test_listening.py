@@ -2,7 +2,8 @@
 
 Each job runs as a user runs it, in a process of its own; the test watches
 the job's whole process tree (launcher, worker server, workers) with psutil
-while it runs, and lists every listening TCP socket it opens.
+while it runs, and lists every listening TCP socket it opens. The address a
+job of several nodes listens on is chosen here too (:mod:`ddpkit.launch.static`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
+from ddpkit.errors import UserError
+from ddpkit.launch import static
 from tests.cli_runner import PYTHONPATH
 
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -121,3 +125,22 @@ def test_ddpkit_run_restart_of_a_plain_torch_script_listens_on_loopback_only(tmp
     assert "Traceback" not in out.stdout + out.stderr, out.stderr
     assert len(listening) >= 3, listening
     assert {address for address, _ in listening} <= LOOPBACK, f"listening beyond loopback: {listening}"
+
+
+def test_node_0_of_several_serves_the_store_on_the_address_it_reaches_the_master_from():
+    # On several nodes (tests/cluster/test_multinode.py runs two), node 0's store listens on that address only.
+    assert static.listen_address("127.0.0.1") == "127.0.0.1"
+    assert static.listen_address("localhost") in LOOPBACK
+
+
+def test_a_master_addr_node_0_cannot_resolve_is_one_line_naming_the_fix():
+    with pytest.raises(UserError, match=r"^master_addr=no-such-host\.invalid does not resolve on node 0 .*; pass "):
+        static.listen_address("no-such-host.invalid")
+
+
+def test_node_0_warns_in_one_line_when_its_store_would_listen_on_loopback_only():
+    warning = static.loopback_warning("node0", "127.0.1.1")  # Debian's /etc/hosts entry for the host's own name
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("ddpkit: warning: master_addr=node0 is 127.0.1.1 on node 0, a loopback address")
+    assert "pass node 0's network address as master_addr" in warning
+    assert static.loopback_warning("node0", "10.77.0.1") is None

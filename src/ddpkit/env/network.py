@@ -39,6 +39,24 @@ def interface_for(address: str) -> str | None:
         by lo), or None when address is not a valid host name, does not
         resolve, or no route leads to it.
     """
+    source = source_address_for(address)
+    if source is None:
+        return None
+    source_ip = ipaddress.ip_address(source)
+    return next((name for name, ip in interface_addresses() if ip == source_ip), None)
+
+
+def source_address_for(address: str) -> str | None:
+    """The address of this host the kernel sends from to reach address (address itself when it is this host's).
+
+    Args:
+        address: Host name or IP address of the peer, e.g. MASTER_ADDR.
+
+    Returns:
+        The local IP address, without an IPv6 scope ("10.0.0.5", "fe80::1"),
+        or None when address is not a valid host name, does not resolve, or
+        no route leads to it.
+    """
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(address, _PROBE_PORT, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as sock:
@@ -48,8 +66,7 @@ def interface_for(address: str) -> str | None:
     # names that are not even syntactically host names ("a..b").
     except (OSError, UnicodeError):
         return None
-    source_ip = ipaddress.ip_address(source.split("%")[0])  # drop an IPv6 scope "%eth0"
-    return next((name for name, ip in interface_addresses() if ip == source_ip), None)
+    return source.split("%")[0]  # drop an IPv6 scope "%eth0"
 
 
 def gloo_interface_environ(environ: Mapping[str, str], master_addr: str) -> dict[str, str]:

@@ -5,16 +5,19 @@ function: torch's elastic agent starts the workers, supervises them, stops
 them all when one fails, and restarts the group up to ``max_restarts`` times.
 A job of several machines (or containers) runs it on each, as ``torchrun
 --nnodes N --node-rank R --master-addr HOST --master-port P`` does: torch's
-static rendezvous, whose store node 0's agent hosts on every address of node
-0 at ``master_port``; the agents agree on the run by that address and port
-alone, so the same command on every node, with its own ``node_rank``, makes
-the job. ddpkit adds what the command lacks:
+static rendezvous, whose store node 0's agent hosts at ``master_port``; the
+agents agree on the run by that address and port alone, so the same command
+on every node, with its own ``node_rank``, makes the job. ddpkit adds what
+the command lacks:
 
 - on one node, a rendezvous on loopback (``127.0.0.1``) at a free port asked
   from the OS (or the one given, checked first), and a fresh loopback store
   for each round of workers (:mod:`ddpkit.launch.loopback`), so nothing
   listens on the network and a restarted round never reads the keys of the
   one before;
+- on several nodes, node 0's store served on the address it reaches
+  ``master_addr`` from only, not on every interface
+  (:mod:`ddpkit.launch.static`);
 - one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below);
@@ -154,14 +157,14 @@ class LaunchSpec:
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
-    """Raise ValueError if ``port`` cannot be bound on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """Raise ValueError if ``port`` cannot be bound on ``host`` (an IPv4 or IPv6 address)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
         except OSError:
-            raise UserError(
-                f"master_port={port} is already in use on {host}; choose another port or master_port=0"
-            ) from None
+            # One node may ask the OS for a port; several must agree on one beforehand.
+            fix = "choose another port or master_port=0" if host == LOOPBACK else "choose another port on every node"
+            raise UserError(f"master_port={port} is already in use on {host}; {fix}") from None
 
 
 def _quiet_elastic_logs() -> None:
@@ -465,16 +468,24 @@ def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 
 
 def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
-    """This machine's part in a job of ``spec.nnodes``: torch's static rendezvous at node 0's address."""
-    if spec.node_rank == 0:  # the store listens on every address of node 0
-        check_port_free(spec.master_port, "0.0.0.0")
+    """This machine's part in a job of ``spec.nnodes``: a static rendezvous, node 0's store on one address."""
+    from ddpkit.launch import static
+
+    configs: dict[str, Any] = {"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)}
+    if spec.node_rank == 0:  # the store listens on the address node 0 reaches master_addr from, only
+        configs["listen_address"] = static.listen_address(spec.master_addr)
+        check_port_free(spec.master_port, configs["listen_address"])
+        warning = static.loopback_warning(spec.master_addr, configs["listen_address"])
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    static.register()
     return dict(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         run_id=f"ddpkit-{spec.master_addr}-{spec.master_port}",  # the same on every node
-        rdzv_backend="static",
+        rdzv_backend=static.BACKEND,
         rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
-        rdzv_configs={"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)},
+        rdzv_configs=configs,
     )
 
 

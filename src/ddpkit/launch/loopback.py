@@ -10,7 +10,8 @@ reach either store, so this backend (:data:`BACKEND`, registered with
 torch's rendezvous registry) listens on ``127.0.0.1`` only:
 
 - the rendezvous store is a TCPStore served from a socket ddpkit bound to
-  ``127.0.0.1`` (``master_listen_fd``), kept by the launcher;
+  ``127.0.0.1`` (``master_listen_fd``: :mod:`ddpkit.launch.served_store`),
+  kept by the launcher;
 - each round of workers (the first, and each restart) gets a new TCPStore,
   also on ``127.0.0.1`` and kept by the launcher, as ``MASTER_ADDR`` and
   ``MASTER_PORT``; the workers are its clients (``TORCHELASTIC_USE_AGENT_STORE``).
@@ -31,10 +32,9 @@ for a single-node job ddpkit.init gives it loopback.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -46,53 +46,27 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ddpkit.launch.served_store import ServedStore
+
 BACKEND = "ddpkit-loopback"
 """The rendezvous backend name to pass as ``rdzv_backend`` (its endpoint: ``127.0.0.1:PORT``)."""
 LOOPBACK = "127.0.0.1"
 
 
-class LoopbackStore:
-    """A TCPStore served on ``127.0.0.1:port`` only (port 0: a free one)."""
-
-    def __init__(self, port: int, timeout: timedelta):
-        listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listening.bind((LOOPBACK, port))
-        listening.listen(socket.SOMAXCONN)
-        self.port: int = listening.getsockname()[1]
-        """The port it listens on."""
-        # The server owns the socket from here on and closes it when it stops.
-        self.store: TCPStore | None = TCPStore(
-            LOOPBACK,
-            self.port,
-            is_master=True,
-            master_listen_fd=listening.detach(),
-            wait_for_workers=False,
-            multi_tenant=False,
-            use_libuv=True,
-            timeout=timeout,
-        )
-        """The server's own client; None once closed."""
-
-    def close(self) -> None:
-        """Stop serving (the server stops with its last reference, here when no handler holds it)."""
-        self.store = None
-
-
 class LoopbackRendezvousHandler(RendezvousHandler):
     """torch's dynamic rendezvous over a loopback store; each round's workers get a fresh loopback store."""
 
-    def __init__(self, inner: RendezvousHandler, rendezvous_store: LoopbackStore, timeout: timedelta):
+    def __init__(self, inner: RendezvousHandler, rendezvous_store: ServedStore, timeout: timedelta):
         self._inner = inner
         self._rendezvous_store = rendezvous_store
         self._timeout = timeout
-        self._round_store: LoopbackStore | None = None
+        self._round_store: ServedStore | None = None
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round (torch's handler), then open this round's store for the workers."""
         info = self._inner.next_rendezvous()
         self._close_round_store()  # the workers of the round before are stopped: none reads it again
-        self._round_store = LoopbackStore(0, self._timeout)
+        self._round_store = ServedStore(LOOPBACK, 0, self._timeout)
         return RendezvousInfo(
             info.store, info.rank, info.world_size, RendezvousStoreInfo(LOOPBACK, self._round_store.port)
         )
@@ -139,7 +113,7 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if host != LOOPBACK:
         raise ValueError(f"the {BACKEND} rendezvous serves {LOOPBACK} only, not {host!r}")
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
-    rendezvous_store = LoopbackStore(port, timeout)
+    rendezvous_store = ServedStore(LOOPBACK, port, timeout)
     store: Store = rendezvous_store.store
     assert store is not None
     inner = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
