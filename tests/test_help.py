@@ -59,7 +59,8 @@ def test_a_field_in_no_group_is_still_listed(capsys):
         )
     )
     assert "\ncadence:\n  every_steps=<int>" in text
-    assert "\nother options:\n  enabled=<bool>" in text and "  requeue=<bool>" in text
+    assert "\nother options:\n  on_epoch_end=<bool>" in text and "  requeue=<bool>" in text
+    assert "  enabled=<bool>" in text  # a field the trainer's CheckpointConfig adds to the Checkpointer's
 
 
 @pytest.mark.parametrize(

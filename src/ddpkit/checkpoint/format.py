@@ -64,9 +64,6 @@ CORRUPT_SUFFIX = ".corrupt"
 _NAME = re.compile(r"^(step|best)-(\d{9,})$")
 _CHUNK = 1 << 20
 
-READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
-"""File modes of checkpoint files for each ``checkpoint.readable_by`` value."""
-
 
 class CheckpointError(UserError):
     """A checkpoint is missing, incomplete, corrupt or refused; the message names the file and the fix."""

@@ -165,11 +165,8 @@ def build_tracker(cfg: TrainConfig) -> Tracker | None:
 
 def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
     """The run's Checkpointer, or None when checkpoints are off and nothing is to be resumed."""
-    ckpt = cfg.checkpoint
-    if not ckpt.enabled and cfg.resume == "never":
+    if not cfg.checkpoint.enabled and cfg.resume == "never":
         return None
-    metric = ckpt.best_metric if ckpt.best_metric != "auto" else trainer.task.quality_metric
-    mode = ckpt.best_mode if ckpt.best_mode != "auto" else ("max" if metric == "accuracy" else "min")
     checkpointer = Checkpointer(
         checkpoint_root(cfg),
         model=trainer.model,
@@ -178,21 +175,10 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         scaler=trainer.scaler,
         loader=trainer.loader,
         extra={"train_state": trainer.state},
-        every_steps=ckpt.every_steps if ckpt.enabled else 0,
-        every_seconds=ckpt.every_seconds if ckpt.enabled else 0.0,
-        on_epoch_end=ckpt.on_epoch_end and ckpt.enabled,
-        keep=ckpt.keep,
-        best_metric=metric if ckpt.enabled else "",
-        best_mode=mode,
-        preempt_signals=ckpt.signal_names() if ckpt.enabled else (),
-        requeue=ckpt.requeue,
-        readable_by=ckpt.readable_by,
-        sync_seconds=ckpt.sync_seconds,
+        options=cfg.checkpoint.for_run(trainer.task.quality_metric),
         config=to_dict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}},
         timeout=cfg.timeout,
-        on_write_error=ckpt.on_write_error,
-        async_save=ckpt.async_save,
     )
     checkpointer.continue_hint = "continue with resume=auto"
     checkpointer.on_save = lambda path, reason: trainer.metrics.write(
