@@ -269,9 +269,12 @@ class Checkpointer:
             return str(path) if path else ""
 
         chosen = self._on_rank_zero(choose)
-        path, loaded = (Path(chosen) if chosen else None), found.get("loaded")
+        path = Path(chosen) if chosen else None
+        loaded: dict[str, Any] = {}
         if path is not None:
-            if loaded is None:  # rank 0 verified the files moments ago; the others read them
+            if found.get("loaded") is not None:
+                loaded = found["loaded"]
+            else:  # rank 0 verified the files moments ago; the others read them
                 manifest = read_manifest(path)
                 loaded = {name: load_file(path / name) for name in self._files(manifest)}
                 loaded["manifest"] = manifest
@@ -403,7 +406,7 @@ class Checkpointer:
         taken, loader = self._between_epochs, self.loader
         if taken is None or taken[0] != self.global_step:
             return False
-        return loader.epoch_done or (loader.epoch != taken[1] and loader.step_in_epoch == 0)
+        return bool(loader.epoch_done or (loader.epoch != taken[1] and loader.step_in_epoch == 0))
 
     def _taken_between_epochs(self) -> tuple[int, int] | None:
         """(global step, epoch) when the loader has handed out an epoch's last batch but not yet run out.
@@ -547,7 +550,7 @@ class Checkpointer:
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
-        path = self._on_rank_zero(
+        path: Path | None = self._on_rank_zero(
             lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best, collective)
         )
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
@@ -629,7 +632,8 @@ class Checkpointer:
         try:
             path = write_checkpoint(self.root, name, objects, texts, meta, self.mode)
         except OSError as e:
-            return self._write_failed(name, reason, e)
+            self._write_failed(name, reason, e)  # a warning (on_write_error="warn"), or it raises
+            return None
         if best:
             mark_best(self.root, path, self.mode)
         prune(self.root, self.options.keep, protect=path)
@@ -809,7 +813,8 @@ def _mismatch(path: Path, saved: set[str], given: set[str]) -> str:
 def _yaml(config: Mapping[str, Any]) -> str:
     import yaml
 
-    return yaml.safe_dump(dict(config), sort_keys=False)
+    text: str = yaml.safe_dump(dict(config), sort_keys=False)
+    return text
 
 
 __all__ = ["Checkpointer", "CheckpointOptions", "ResumePoint", "CheckpointError", "MANIFEST", "list_checkpoints"]
