@@ -48,7 +48,7 @@ def test_model_recipe_is_default_and_overridable():
         (
             ["checkpoint=5"],
             "checkpoint is a group of options, not a value ('checkpoint=5'); set one of its keys as "
-            "checkpoint.KEY=VALUE, e.g. checkpoint.enabled=true",
+            "checkpoint.KEY=VALUE, e.g. checkpoint.every_steps=0",
         ),
         (["task='"], 'cannot read "task=\'" (while scanning a quoted scalar); the value is read as YAML'),
     ],
@@ -74,3 +74,36 @@ def test_unknown_model_lists_choices():
         match="unknown model 'resnet'; choose one of: autoencoder, cnn, cnn_bn, mlp, or give module:function",
     ):
         parse_train_config(["model=resnet"])
+
+
+def test_checkpoint_group_is_the_checkpointers_options_plus_the_trainers():
+    from ddpkit.checkpoint.options import CheckpointOptions
+
+    cfg = parse(TrainConfig, ["checkpoint.keep=3", "checkpoint.preempt_signals=USR1"])
+    options = cfg.checkpoint.for_run("accuracy")
+    assert type(options) is CheckpointOptions
+    assert (options.keep, options.best_metric, options.best_mode, options.signal_names()) == (
+        3,
+        "accuracy",
+        "max",
+        ("SIGUSR1",),
+    )
+    assert (parse(TrainConfig, []).checkpoint.for_run("mse").best_mode) == "min"
+    off = parse(TrainConfig, ["checkpoint.enabled=false", "checkpoint.every_steps=5"]).checkpoint.for_run("mse")
+    assert (off.every_steps, off.on_epoch_end, off.best_metric, off.signal_names()) == (0, False, "", ())
+
+
+@pytest.mark.parametrize(
+    "word,message",
+    [
+        ("checkpoint.keep=0", "checkpoint.keep=0 is not valid; it must be > 0"),
+        ("checkpoint.best_mode=up", "checkpoint.best_mode='up' is not valid; choose one of: auto, max, min"),
+        ("checkpoint.best_metric=f1", "checkpoint.best_metric='f1' is not valid; choose one of: , auto, accuracy,"),
+        ("checkpoint.preempt_signals=SIGKILL", "checkpoint.preempt_signals='SIGKILL' is not valid; choose one of:"),
+        ("checkpoint.on_write_error=skip", "checkpoint.on_write_error='skip' is not valid; choose one of: stop, warn"),
+    ],
+)
+def test_a_bad_checkpoint_option_names_its_dotted_key(word, message):
+    with pytest.raises(ConfigError) as info:
+        parse(TrainConfig, [word])
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)

@@ -127,9 +127,9 @@ def _patch_control_device(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
 def _gloo_context() -> Any:
     """A worker's context on the CPU over gloo: rank 0 of 2 on one node."""
     from ddpkit.distributed import Context
-    from ddpkit.env.base import ClusterEnvironment
+    from ddpkit.env.base import JobEnvironment
 
-    env = ClusterEnvironment("local", 0, 0, 2, 2, 0, 1, "127.0.0.1", 29500)
+    env = JobEnvironment("local", 0, 0, 2, 2, 0, 1, "127.0.0.1", 29500)
     return Context(env, torch.device("cpu"), "gloo")
 
 

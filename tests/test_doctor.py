@@ -30,16 +30,16 @@ from ddpkit.doctor import (
     network_stack_id,
     reach_master,
 )
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 from ddpkit.env.ports import free_port
 from tests.helpers.launch_in_process import Commands
 
 
 def environment(
     rank: int = 0, world_size: int = 2, num_nodes: int = 1, master_addr: str = "10.0.0.1", master_port: int = 29500
-) -> ClusterEnvironment:
+) -> JobEnvironment:
     per_node = world_size // num_nodes
-    return ClusterEnvironment(
+    return JobEnvironment(
         "torchrun", rank, rank % per_node, world_size, per_node, rank // per_node, num_nodes, master_addr, master_port
     )
 

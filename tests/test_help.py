@@ -59,7 +59,8 @@ def test_a_field_in_no_group_is_still_listed(capsys):
         )
     )
     assert "\ncadence:\n  every_steps=<int>" in text
-    assert "\nother options:\n  enabled=<bool>" in text and "  requeue=<bool>" in text
+    assert "\nother options:\n  on_epoch_end=<bool>" in text and "  requeue=<bool>" in text
+    assert "  enabled=<bool>" in text  # a field the trainer's CheckpointConfig adds to the Checkpointer's
 
 
 @pytest.mark.parametrize(
@@ -112,3 +113,12 @@ def test_unknown_command_suggests_the_close_one(capsys):
     assert main(["trian"]) == 2
     _, err = capsys.readouterr()
     assert err.startswith("error: unknown command 'trian' (did you mean 'train'?); choose one of: train, run,")
+
+
+@pytest.mark.parametrize("words", [["--help"], *[[name, "--help"] for name in COMMANDS if name != "bench"]])
+def test_users_help_never_names_the_benchmarks_workload_labels(capsys, words):
+    """W1, W2, W3 are the benchmarks' names of workloads; a user's help names the models (model=mlp)."""
+    import re
+
+    text = help_text(capsys, *words)
+    assert re.findall(r"\bW[0-9]+\b", text) == [], f"ddpkit {' '.join(words)}"

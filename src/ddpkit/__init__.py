@@ -45,11 +45,17 @@ _PUBLIC = {
     "GlobalBatchSampler": "ddpkit.data.sampler",
     # checkpoints
     "Checkpointer": "ddpkit.checkpoint.manager",
+    "CheckpointOptions": "ddpkit.checkpoint.options",
     "ResumePoint": "ddpkit.checkpoint.manager",
     "CheckpointError": "ddpkit.checkpoint.format",
     "Preempted": "ddpkit.checkpoint.preemption",
     "list_checkpoints": "ddpkit.checkpoint.format",
     "CheckpointInfo": "ddpkit.checkpoint.format",
+    # repeatable runs, trained weights in and out
+    "seed_everything": "ddpkit.checkpoint.rng",
+    "export_checkpoint": "ddpkit.checkpoint.export",
+    "apply_transfer": "ddpkit.checkpoint.transfer",
+    "TransferReport": "ddpkit.checkpoint.transfer",
     # exit statuses a launcher or a job script tests for
     "EXIT_PREEMPTED": "ddpkit.names",
     "EXIT_INTERRUPTED": "ddpkit.names",
@@ -67,9 +73,13 @@ __all__ = [*_PUBLIC, "__version__"]
 if TYPE_CHECKING:
     # What editors and type checkers read (the lazy loading below is invisible to them); a test checks
     # that these imports and _PUBLIC name the same objects.
+    from ddpkit.checkpoint.export import export_checkpoint
     from ddpkit.checkpoint.format import CheckpointError, CheckpointInfo, list_checkpoints
     from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
+    from ddpkit.checkpoint.options import CheckpointOptions
     from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.checkpoint.rng import seed_everything
+    from ddpkit.checkpoint.transfer import TransferReport, apply_transfer
     from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.data.loader import DataLoader
     from ddpkit.data.sampler import GlobalBatchSampler

@@ -64,9 +64,21 @@ def wants_help(words: Sequence[str]) -> bool:
 
 
 def field_docs(schema: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source; {} without source."""
+    """The docstring under each field of a dataclass and of the dataclasses it extends, read from their source.
+
+    A field a subclass declares again (a new default) takes the subclass's docstring. {} without source.
+    """
+    docs: dict[str, str] = {}
+    for cls in reversed(schema.__mro__):
+        if dataclasses.is_dataclass(cls):
+            docs.update(_own_field_docs(cls))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under the fields that the body of ``cls`` itself declares."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # no source (e.g. a frozen executable)
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]

@@ -15,14 +15,16 @@ import os
 import re
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from ddpkit import errors
+from ddpkit.checkpoint.options import CheckpointOptions
 from ddpkit.errors import UserError
-from ddpkit.names import DEFAULT_PREEMPT_SIGNALS, GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
+from ddpkit.names import GRAD_SYNC_MODES, TASKS
 from ddpkit.tracking.backends import BACKENDS
 
 T = TypeVar("T")
@@ -64,6 +66,10 @@ def parse(
         return OmegaConf.to_object(merged)  # resolves interpolations (${oc.env:NAME}), then validates
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e, schema, "")) from None
+    except UserError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e)) from None  # the check of a group the core declares (CheckpointOptions)
 
 
 def peek(args: Sequence[str], key: str) -> str | None:
@@ -192,15 +198,12 @@ LOGGERS = ("jsonl", *sorted(BACKENDS))
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
     """Raise ConfigError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+    errors.check_choice(name, value, choices, ConfigError)
 
 
 def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     """Raise ConfigError unless ``value`` > 0 (or >= 0 with ``allow_zero``)."""
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name}={value} is not valid; it must be {bound}")
+    errors.check_positive(name, value, allow_zero, ConfigError)
 
 
 def check_port(master_port: int) -> None:
@@ -229,58 +232,47 @@ def check_nodes(nnodes: int, node_rank: int, master_addr: str, master_port: int)
         )
 
 
-@dataclasses.dataclass
-class CheckpointConfig:
-    """When and where checkpoints are written; set as checkpoint.KEY=VALUE."""
+BEST_METRICS = ("", "auto", "accuracy", "loss", "mse")
+"""Values of checkpoint.best_metric: the test metrics ``ddpkit train`` reports (auto: by task; empty: off)."""
 
-    enabled: bool = True
-    """Write checkpoints (and handle preemption signals); false turns both off."""
-    dir: str = ""
-    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it."""
-    every_steps: int = 0
-    """Also write one every this many optimizer steps (0: off)."""
-    every_seconds: float = 0.0
-    """Also write one when this many seconds have passed since the last (0: off)."""
-    on_epoch_end: bool = True
-    """Write one at the end of every epoch."""
-    keep: int = 2
-    """Complete checkpoints kept (the newest ones); older ones are deleted once a newer one is complete."""
-    readable_by: str = "user"
-    """Who may read checkpoint files: user (mode 0600), group (0640) or all (0644)."""
+
+@dataclasses.dataclass
+class CheckpointConfig(CheckpointOptions):
+    """When and where checkpoints are written; set as checkpoint.KEY=VALUE.
+
+    The Checkpointer's own options (:class:`ddpkit.checkpoint.options.CheckpointOptions`: their types,
+    defaults, docstrings and checks) plus what only the trainer decides: whether to checkpoint at all,
+    the folder's default, and ``auto`` for the best checkpoint. :meth:`for_run` turns it into the
+    options the run's Checkpointer is built with.
+    """
+
+    key_prefix: ClassVar[str] = "checkpoint."
+    best_modes: ClassVar[tuple[str, ...]] = ("auto", "max", "min")
+
     best_metric: str = "auto"
     """Test metric that picks the best checkpoint (accuracy, loss, mse; auto: accuracy or mse by task; empty: off)."""
     best_mode: str = "auto"
     """max or min of best_metric (auto: max for accuracy, min otherwise)."""
-    preempt_signals: str = ",".join(DEFAULT_PREEMPT_SIGNALS)
-    """Signals that make every worker finish its step, write a checkpoint and exit with status 75 (130 for
-    SIGINT: Ctrl-C keeps the work; a second Ctrl-C stops at once)."""
-    requeue: bool = False
-    """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
-    sync_seconds: float = 1.0
-    """Target seconds between the ranks' agreements on preemption and on every_seconds (one tiny all_reduce each)."""
-    on_write_error: str = "stop"
-    """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
-    exit status 74) or warn (training goes on without it)."""
-    async_save: bool = False
-    """Write checkpoints in the background: a save copies the state in memory and training goes on while rank 0
-    writes (off by default: the copy is a second one of the state in memory; worth it for large models)."""
+    enabled: bool = True
+    """Write checkpoints (and handle preemption signals); false turns both off."""
+    dir: str = ""
+    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it."""
 
-    def __post_init__(self) -> None:
-        check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
-        check_positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
-        check_positive("checkpoint.keep", self.keep)
-        check_positive("checkpoint.sync_seconds", self.sync_seconds)
-        check_choice("checkpoint.readable_by", self.readable_by, ("user", "group", "all"))
-        check_choice("checkpoint.best_mode", self.best_mode, ("auto", "max", "min"))
-        check_choice("checkpoint.best_metric", self.best_metric, ("", "auto", "accuracy", "loss", "mse"))
-        check_choice("checkpoint.on_write_error", self.on_write_error, ("stop", "warn"))
-        for name in self.signal_names():
-            check_choice("checkpoint.preempt_signals", name, PREEMPTION_SIGNALS)
+    def check(self) -> None:
+        """The Checkpointer's checks, and best_metric among the metrics the trainer reports."""
+        super().check()
+        check_choice("checkpoint.best_metric", self.best_metric, BEST_METRICS)
 
-    def signal_names(self) -> tuple[str, ...]:
-        """The preemption signals as names, e.g. ("SIGTERM", "SIGUSR1"); USR1 is accepted for SIGUSR1."""
-        names = [word.strip().upper() for word in self.preempt_signals.split(",") if word.strip()]
-        return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
+    def for_run(self, quality_metric: str) -> CheckpointOptions:
+        """The options of the run's Checkpointer: ``auto`` resolved for a task whose quality metric is
+        ``quality_metric``; with ``enabled=false`` nothing is written unless asked (a resume, an export)."""
+        metric = self.best_metric if self.best_metric != "auto" else quality_metric
+        mode = self.best_mode if self.best_mode != "auto" else ("max" if metric == "accuracy" else "min")
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(CheckpointOptions)}
+        values.update(best_metric=metric, best_mode=mode)
+        if not self.enabled:
+            values.update(every_steps=0, every_seconds=0.0, on_epoch_end=False, best_metric="", preempt_signals="")
+        return CheckpointOptions(**values)
 
 
 TRAIN_OPTION_GROUPS = (

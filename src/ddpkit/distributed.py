@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import round_store, stacks
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
 from ddpkit.env.network import gloo_interface_environ
 from ddpkit.errors import UserError
@@ -54,7 +54,7 @@ BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 class Context:
     """What a worker needs to know after joining the job."""
 
-    env: ClusterEnvironment
+    env: JobEnvironment
     """The resolved environment: ranks, sizes, master."""
     device: torch.device
     """The device this worker trains on (its local GPU, or the CPU)."""
@@ -286,7 +286,7 @@ _joined_multiprocess_job = False
 _owns_group = True  # False while the context belongs to a group that init adopted
 
 
-def _environment_of_existing_group(env: ClusterEnvironment) -> ClusterEnvironment:
+def _environment_of_existing_group(env: JobEnvironment) -> JobEnvironment:
     """``env`` checked against the default group that already exists, or built from it without a launcher."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if (env.rank, env.world_size) == (rank, world_size):
@@ -302,7 +302,7 @@ def _environment_of_existing_group(env: ClusterEnvironment) -> ClusterEnvironmen
     dist.all_gather_object(hosts, socket.gethostname())
     nodes = list(dict.fromkeys(hosts))
     host = hosts[rank]
-    return ClusterEnvironment(
+    return JobEnvironment(
         source="torch.distributed",
         rank=rank,
         local_rank=hosts[:rank].count(host),
@@ -323,9 +323,7 @@ def _existing_backend(requested: str) -> str:
     return backend
 
 
-def _init_process_group(
-    env: ClusterEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]
-) -> None:
+def _init_process_group(env: JobEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:
     if env.world_size == 1:
         # One worker needs no network: a store in memory keeps collectives callable.
         store = dist.HashStore()  # type: ignore[attr-defined]  # public in torch, missing from its __all__
@@ -354,7 +352,7 @@ def _init_process_group(
         raise RuntimeError(_explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
 
 
-def _explain_init_failure(env: ClusterEnvironment, waited: float, timeout: float, error: Exception) -> str:
+def _explain_init_failure(env: JobEnvironment, waited: float, timeout: float, error: Exception) -> str:
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = f"{env.master_addr}:{env.master_port}"
     after = f"after {waited:.0f}s (timeout={timeout:g}s)"  # a refused connection may end long before the timeout

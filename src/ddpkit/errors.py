@@ -8,11 +8,28 @@ a ``ValueError`` from torch or from the user's own model included, is a bug
 somewhere and is reported with its traceback and rank.
 
 It derives from ``ValueError`` so that code catching ``ValueError`` around
-ddpkit calls keeps working.
+ddpkit calls keeps working. :func:`check_choice` and :func:`check_positive`
+word the two commonest checks of an option once, for the core's options
+(the Checkpointer's) and the commands' (``ddpkit.config``) alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class UserError(ValueError):
     """Bad input from the user; the message names the problem and the fix in one line."""
+
+
+def check_choice(name: str, value: str, choices: Sequence[str], error: type[UserError] = UserError) -> None:
+    """Raise ``error`` unless ``value`` is one of ``choices``: "name='value' is not valid; choose one of: ..."."""
+    if value not in choices:
+        raise error(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False, error: type[UserError] = UserError) -> None:
+    """Raise ``error`` unless ``value`` > 0 (or >= 0 with ``allow_zero``): "name=value is not valid; it must be > 0"."""
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise error(f"{name}={value} is not valid; it must be {bound}")

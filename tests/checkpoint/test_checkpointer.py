@@ -153,6 +153,38 @@ def test_an_object_without_state_dict_is_refused(tmp_path, checkpointers):
 
 
 @pytest.mark.parametrize(
+    "options,expected",
+    [
+        ({"keep": 0}, "keep=0 is not valid; it must be > 0"),
+        ({"every_steps": -1}, "every_steps=-1 is not valid; it must be >= 0"),
+        ({"best_mode": "auto"}, "best_mode='auto' is not valid; choose one of: max, min"),
+        ({"readable_by": "world"}, "readable_by='world' is not valid; choose one of: user, group, all"),
+        ({"preempt_signals": ("SIGKILL",)}, "preempt_signals='SIGKILL' is not valid; choose one of: SIGTERM,"),
+        ({"on_write_error": "ignore"}, "on_write_error='ignore' is not valid; choose one of: stop, warn"),
+        ({"timeout": 0}, "timeout=0 is not valid; it must be > 0"),
+    ],
+)
+def test_a_bad_option_is_one_line_naming_the_keyword(tmp_path, checkpointers, options, expected):
+    with pytest.raises(ddpkit.UserError) as error:
+        checkpointers(tmp_path, model=nn.Linear(2, 2), **options)
+    assert _one_line(error).startswith(expected)
+
+
+def test_options_come_from_one_dataclass_as_keywords_or_ready_made(tmp_path, checkpointers):
+    from ddpkit.checkpoint.options import CheckpointOptions
+
+    given = CheckpointOptions(every_steps=5, keep=3, preempt_signals="")
+    assert checkpointers(tmp_path / "a", model=nn.Linear(2, 2), options=given).options == given
+    keywords = checkpointers(tmp_path / "b", model=nn.Linear(2, 2), every_steps=5, keep=3)
+    assert keywords.options == given
+    # Keywords go over a ready-made instance; a sequence of signal names is the comma-separated field.
+    over = checkpointers(tmp_path / "c", model=nn.Linear(2, 2), options=given, keep=4, preempt_signals=("USR1",))
+    assert (over.options.keep, over.options.every_steps, over.options.signal_names()) == (4, 5, ("SIGUSR1",))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'every_step'; its options are: every_steps,"):
+        checkpointers(tmp_path / "d", model=nn.Linear(2, 2), every_step=5)
+
+
+@pytest.mark.parametrize(
     "make,expected",
     [
         # tests/data/test_loader.py checks the start of these messages; here: one line, and the fix.

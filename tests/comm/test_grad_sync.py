@@ -5,7 +5,7 @@ from torch import nn
 
 from ddpkit.comm.grad_sync import choose_allreduce, choose_grad_sync
 from ddpkit.distributed import Context
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 from tests.helpers.workers import run_on_ranks
 
 
@@ -14,7 +14,7 @@ def _choices(rank: int, world_size: int) -> list[str]:
     choices = []
     for num_nodes in (1, 2, 4):
         per_node = world_size // num_nodes
-        env = ClusterEnvironment(
+        env = JobEnvironment(
             "test", rank, rank % per_node, world_size, per_node, rank // per_node, num_nodes, "127.0.0.1", 1
         )
         choices.append(choose_allreduce("auto", Context(env, torch.device("cpu"), "gloo")))

@@ -10,7 +10,7 @@ from ddpkit.data.sampler import GlobalBatchSampler, epoch_permutation, shard_ran
 
 def _global_batches(num_samples, batch, world_size, epoch=0, start=0):
     per_rank = [
-        list(GlobalBatchSampler(num_samples, batch, r, world_size, seed=7).epoch(epoch, start))
+        list(GlobalBatchSampler(num_samples, batch, r, world_size, seed=7).tensor_shares(epoch, start))
         for r in range(world_size)
     ]
     return [torch.cat([per_rank[r][s] for r in range(world_size)]).tolist() for s in range(len(per_rank[0]))]
@@ -42,7 +42,7 @@ def test_order_is_the_original_one():
                 torch.tensor_split(order[s * batch : (s + 1) * batch], world_size)[rank].tolist() for s in range(9)
             ]
             sampler = GlobalBatchSampler(num_samples, batch, rank, world_size, seed)
-            assert [t.tolist() for t in sampler.epoch(3)] == expected
+            assert [t.tolist() for t in sampler.tensor_shares(3)] == expected
             sampler.set_epoch(3)
             assert list(sampler) == expected
             sampler.set_epoch(3)
@@ -115,23 +115,23 @@ def test_in_a_plain_torch_dataloader():
     assert len(loader) == 7
     sampler.set_epoch(0)
     first = [batch.tolist() for batch in loader]
-    assert first == [t.tolist() for t in sampler.epoch(0)]
+    assert first == [t.tolist() for t in sampler.tensor_shares(0)]
     sampler.set_epoch(1)
     second = [batch.tolist() for batch in loader]
-    assert second == [t.tolist() for t in sampler.epoch(1)] and second != first
+    assert second == [t.tolist() for t in sampler.tensor_shares(1)] and second != first
 
 
 def test_set_epoch_and_passes():
     sampler = GlobalBatchSampler(20, 4, 0, 1, seed=1)
     sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "step_in_epoch": 3})
     sampler.set_epoch(2)  # the epoch just restored keeps its step
-    assert list(sampler) == [t.tolist() for t in sampler.epoch(2, 3)]
+    assert list(sampler) == [t.tolist() for t in sampler.tensor_shares(2, 3)]
     assert sampler.state_dict()["step_in_epoch"] == 5
     assert len(list(sampler)) == 5  # a second pass over the same epoch starts at 0
     sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "step_in_epoch": 3})
     sampler.set_epoch(4)  # another epoch starts at 0
     assert sampler.state_dict()["step_in_epoch"] == 0
-    assert list(sampler) == [t.tolist() for t in sampler.epoch(4)]
+    assert list(sampler) == [t.tolist() for t in sampler.tensor_shares(4)]
 
 
 def test_state_counts_yielded_batches_and_resumes_at_another_world_size():
@@ -167,7 +167,7 @@ def test_state_of_a_complete_epoch_resumes_at_the_next():
     resumed.load_state_dict(state)
     assert (resumed.current_epoch, resumed.start_step) == (1, 0)
     assert resumed.state_dict()["step_in_epoch"] == 0
-    assert list(resumed) == [t.tolist() for t in resumed.epoch(1)]
+    assert list(resumed) == [t.tolist() for t in resumed.tensor_shares(1)]
 
 
 @pytest.mark.parametrize(
@@ -184,3 +184,10 @@ def test_shards_cover_once(num_samples, world_size):
     ranges = [shard_range(num_samples, r, world_size) for r in range(world_size)]
     covered = [i for start, stop in ranges for i in range(start, stop)]
     assert covered == list(range(num_samples))
+
+
+def test_the_old_name_epoch_still_yields_the_shares_with_a_deprecation_warning():
+    sampler = GlobalBatchSampler(101, 12, rank=1, world_size=3, seed=7)
+    with pytest.warns(DeprecationWarning, match=r"epoch\(epoch, start_step\) is now tensor_shares"):
+        old = [t.tolist() for t in sampler.epoch(2, 3)]
+    assert old == [t.tolist() for t in sampler.tensor_shares(2, 3)]

@@ -6,8 +6,8 @@ import pytest
 
 from ddpkit.env.base import InconsistentEnvironment
 from ddpkit.env.detect import SOURCES, detect_environment
-from ddpkit.env.local import LocalEnvironment
-from ddpkit.env.torchrun import TorchrunEnvironment
+from ddpkit.env.local import LocalVariables
+from ddpkit.env.torchrun import TorchrunVariables
 from tests.env._recorded import recorded
 
 TORCHRUN = {
@@ -24,7 +24,7 @@ TORCHRUN = {
 
 def test_sources_order():
     assert [source.name for source in SOURCES] == ["torchrun", "openmpi", "mpich", "slurm", "sagemaker", "local"]
-    assert SOURCES[0] is TorchrunEnvironment and SOURCES[-1] is LocalEnvironment
+    assert SOURCES[0] is TorchrunVariables and SOURCES[-1] is LocalVariables
 
 
 @pytest.mark.parametrize(
@@ -79,3 +79,28 @@ def test_errors_are_one_line_and_name_the_fix(environ, message):
         detect_environment(environ)
     assert "\n" not in str(raised.value)
     assert isinstance(raised.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "module,old,new",
+    [
+        ("ddpkit.env", "ClusterEnvironment", "JobEnvironment"),
+        ("ddpkit.env.base", "ClusterEnvironment", "JobEnvironment"),
+        ("ddpkit.env.slurm", "SlurmEnvironment", "SlurmVariables"),
+        ("ddpkit.env.torchrun", "TorchrunEnvironment", "TorchrunVariables"),
+        ("ddpkit.env.mpi", "OpenMPIEnvironment", "OpenMPIVariables"),
+        ("ddpkit.env.mpi", "MPICHEnvironment", "MPICHVariables"),
+        ("ddpkit.env.sagemaker", "SageMakerEnvironment", "SageMakerVariables"),
+        ("ddpkit.env.local", "LocalEnvironment", "LocalVariables"),
+    ],
+)
+def test_the_names_before_the_rename_still_work_with_a_deprecation_warning(module, old, new):
+    import importlib
+
+    imported = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{module}.{old} is now {new}; the old name will be removed"):
+        assert getattr(imported, old) is getattr(imported, new)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from {module} import {old}", {})
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        imported.Nothing  # noqa: B018

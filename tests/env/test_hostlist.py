@@ -13,7 +13,7 @@ import pytest
 
 from ddpkit.env.base import InconsistentEnvironment
 from ddpkit.env.hostlist import MAX_NAMES_PER_RANGE, count_hosts, expand_hostlist, first_host, iter_hosts
-from ddpkit.env.slurm import SlurmEnvironment
+from ddpkit.env.slurm import SlurmVariables
 
 
 @pytest.mark.parametrize(
@@ -188,9 +188,9 @@ def _one_task_step(nodelist: str) -> dict[str, str]:
 def test_slurm_master_address_of_huge_node_lists_without_expanding():
     tracemalloc.start()
     try:
-        assert SlurmEnvironment.from_env(_one_task_step("n[0-65535]x[0-65535]")).master_addr == "n0x0"
+        assert SlurmVariables.from_env(_one_task_step("n[0-65535]x[0-65535]")).master_addr == "n0x0"
         with pytest.raises(InconsistentEnvironment) as raised:
-            SlurmEnvironment.from_env(_one_task_step("n[0-9999999]"))
+            SlurmVariables.from_env(_one_task_step("n[0-9999999]"))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -6,13 +6,13 @@ import socket
 
 import pytest
 
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
-from ddpkit.env.local import LocalEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
+from ddpkit.env.local import LocalVariables
 
 
 def test_defaults_to_loopback_and_a_free_port():
-    resolved = LocalEnvironment.from_env({})
-    assert resolved == ClusterEnvironment(
+    resolved = LocalVariables.from_env({})
+    assert resolved == JobEnvironment(
         source="local",
         rank=0,
         local_rank=0,
@@ -28,14 +28,14 @@ def test_defaults_to_loopback_and_a_free_port():
 
 
 def test_master_addr_and_port_from_the_environment():
-    resolved = LocalEnvironment.from_env({"MASTER_ADDR": "localhost", "MASTER_PORT": "29501"})
+    resolved = LocalVariables.from_env({"MASTER_ADDR": "localhost", "MASTER_PORT": "29501"})
     assert (resolved.master_addr, resolved.master_port) == ("localhost", 29501)
 
 
 def test_foreign_master_addr_raises():
     with pytest.raises(InconsistentEnvironment, match="^MASTER_ADDR='192.0.2.123' is not an address of this host"):
-        LocalEnvironment.from_env({"MASTER_ADDR": "192.0.2.123"})
+        LocalVariables.from_env({"MASTER_ADDR": "192.0.2.123"})
 
 
 def test_detects_anything():
-    assert LocalEnvironment.detect({})
+    assert LocalVariables.detect({})

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
-from ddpkit.env.mpi import MPICHEnvironment, OpenMPIEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
+from ddpkit.env.mpi import MPICHVariables, OpenMPIVariables
 from ddpkit.env.ports import port_from_job_id
 from tests.env._recorded import recorded
 
@@ -36,7 +36,7 @@ def openmpi_env(**overrides: str) -> dict[str, str]:
 def test_recorded_openmpi_ranks_resolve_consistently():
     for rank in (0, 1):
         env = recorded(f"openmpi_rank{rank}")
-        assert OpenMPIEnvironment.from_env(env) == ClusterEnvironment(
+        assert OpenMPIVariables.from_env(env) == JobEnvironment(
             source="openmpi",
             rank=rank,
             local_rank=rank,
@@ -50,7 +50,7 @@ def test_recorded_openmpi_ranks_resolve_consistently():
 
 
 def test_multi_node_openmpi_with_master_addr():
-    assert OpenMPIEnvironment.from_env(openmpi_env()) == ClusterEnvironment(
+    assert OpenMPIVariables.from_env(openmpi_env()) == JobEnvironment(
         source="openmpi",
         rank=5,
         local_rank=1,
@@ -65,12 +65,12 @@ def test_multi_node_openmpi_with_master_addr():
 
 def test_job_id_fallback_and_master_port_override():
     env = openmpi_env(PMIX_NAMESPACE="<unset>", OMPI_MCA_ess_base_jobid="77")
-    assert OpenMPIEnvironment.from_env(env).master_port == port_from_job_id("77")
-    assert OpenMPIEnvironment.from_env(openmpi_env(MASTER_PORT="4242")).master_port == 4242
+    assert OpenMPIVariables.from_env(env).master_port == port_from_job_id("77")
+    assert OpenMPIVariables.from_env(openmpi_env(MASTER_PORT="4242")).master_port == 4242
 
 
 def test_without_num_nodes_variable_nodes_are_assumed_even():
-    resolved = OpenMPIEnvironment.from_env(openmpi_env(OMPI_MCA_orte_num_nodes="<unset>"))
+    resolved = OpenMPIVariables.from_env(openmpi_env(OMPI_MCA_orte_num_nodes="<unset>"))
     assert (resolved.node_rank, resolved.num_nodes) == (1, 2)
 
 
@@ -122,19 +122,19 @@ def test_without_num_nodes_variable_nodes_are_assumed_even():
 )
 def test_inconsistent_openmpi_variables_name_the_variable_and_the_fix(overrides, message):
     with pytest.raises(InconsistentEnvironment, match=message):
-        OpenMPIEnvironment.from_env(openmpi_env(**overrides))
+        OpenMPIVariables.from_env(openmpi_env(**overrides))
 
 
 def test_recorded_mpich_needs_master_port():
     env = recorded("mpich_rank1")
-    assert MPICHEnvironment.detect(env)
+    assert MPICHVariables.detect(env)
     with pytest.raises(
         InconsistentEnvironment,
         match="^MASTER_PORT is unset and mpich exports no job id to derive it from; "
         "pass it to every rank: mpiexec -genv MASTER_PORT 29500$",
     ):
-        MPICHEnvironment.from_env(env)
-    assert MPICHEnvironment.from_env({**env, "MASTER_PORT": "29500"}) == ClusterEnvironment(
+        MPICHVariables.from_env(env)
+    assert MPICHVariables.from_env({**env, "MASTER_PORT": "29500"}) == JobEnvironment(
         source="mpich",
         rank=1,
         local_rank=1,
@@ -151,16 +151,16 @@ def test_multi_node_mpich_needs_master_addr():
     env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "MASTER_PORT": "1"}
     message = "pass it to every rank: mpiexec -genv MASTER_ADDR <host of rank 0>$"
     with pytest.raises(InconsistentEnvironment, match=message):
-        MPICHEnvironment.from_env(env)
-    resolved = MPICHEnvironment.from_env({**env, "MASTER_ADDR": "n1"})
+        MPICHVariables.from_env(env)
+    resolved = MPICHVariables.from_env({**env, "MASTER_ADDR": "n1"})
     assert (resolved.node_rank, resolved.num_nodes, resolved.master_addr) == (1, 2, "n1")
 
 
 def test_srun_pmi2_is_not_mpich():
     # srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's MPI_LOCALRANKID.
-    assert not MPICHEnvironment.detect({"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "5"})
-    assert not OpenMPIEnvironment.detect(recorded("mpich_rank0"))
-    assert not MPICHEnvironment.detect(recorded("openmpi_rank0"))
+    assert not MPICHVariables.detect({"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "5"})
+    assert not OpenMPIVariables.detect(recorded("mpich_rank0"))
+    assert not MPICHVariables.detect(recorded("openmpi_rank0"))
 
 
 # One write per rank (os.write of the whole line, atomic on a pipe): print() may write the text and

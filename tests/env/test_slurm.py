@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
-from ddpkit.env.slurm import SlurmEnvironment, parse_tasks_per_node
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
+from ddpkit.env.slurm import SlurmVariables, parse_tasks_per_node
 from tests.env._recorded import recorded
 
 
@@ -33,9 +33,9 @@ def step_env(**overrides: str) -> dict[str, str]:
 
 
 def test_recorded_srun_tasks_resolve_consistently():
-    ranks = [SlurmEnvironment.from_env(recorded(f"slurm_srun_rank{r}")) for r in (0, 1)]
+    ranks = [SlurmVariables.from_env(recorded(f"slurm_srun_rank{r}")) for r in (0, 1)]
     for rank, resolved in enumerate(ranks):
-        assert resolved == ClusterEnvironment(
+        assert resolved == JobEnvironment(
             source="slurm",
             rank=rank,
             local_rank=rank,
@@ -61,11 +61,11 @@ def test_recorded_srun_tasks_resolve_consistently():
     ],
 )
 def test_detect_only_srun_tasks(name, is_task):
-    assert SlurmEnvironment.detect(recorded(name)) is is_task
+    assert SlurmVariables.detect(recorded(name)) is is_task
 
 
 def test_multi_node_step():
-    assert SlurmEnvironment.from_env(step_env()) == ClusterEnvironment(
+    assert SlurmVariables.from_env(step_env()) == JobEnvironment(
         source="slurm",
         rank=6,
         local_rank=0,
@@ -95,7 +95,7 @@ def test_step_values_win_over_the_jobs():
         "SLURM_JOB_NODELIST": "n[1-2]",
         "SLURM_STEP_NODELIST": "n2",
     }
-    resolved = SlurmEnvironment.from_env(env)
+    resolved = SlurmVariables.from_env(env)
     assert (resolved.world_size, resolved.local_world_size, resolved.num_nodes) == (1, 1, 1)
     assert resolved.master_addr == "n2"
 
@@ -109,18 +109,18 @@ def test_ntasks_per_node_alone_gives_every_node_the_same_count():
         SLURM_PROCID="7",
         SLURM_LOCALID="1",
     )
-    resolved = SlurmEnvironment.from_env(env)
+    resolved = SlurmVariables.from_env(env)
     assert (resolved.local_world_size, resolved.node_rank, resolved.num_nodes) == (2, 3, 4)
 
 
 def test_nodelist_fallbacks():
     env = step_env(SLURM_STEP_NODELIST="<unset>", SLURM_NODELIST="<unset>", SLURM_JOB_NODELIST="a[3-6]")
-    assert SlurmEnvironment.from_env(env).master_addr == "a3"
+    assert SlurmVariables.from_env(env).master_addr == "a3"
 
 
 def test_master_addr_and_port_overrides():
     env = step_env(MASTER_ADDR="10.1.2.3", MASTER_PORT="4242", SLURM_JOB_ID="<unset>")
-    resolved = SlurmEnvironment.from_env(env)
+    resolved = SlurmVariables.from_env(env)
     assert (resolved.master_addr, resolved.master_port) == ("10.1.2.3", 4242)
 
 
@@ -135,7 +135,7 @@ def test_single_node_without_tasks_per_node():
         "SLURM_NNODES": "1",
         "SLURM_NODELIST": "solo",
     }
-    assert SlurmEnvironment.from_env(env).local_world_size == 3
+    assert SlurmVariables.from_env(env).local_world_size == 3
 
 
 @pytest.mark.parametrize(
@@ -184,5 +184,5 @@ def test_parse_tasks_per_node_rejects(value):
 )
 def test_inconsistent_variables_name_the_variable_and_the_fix(overrides, message):
     with pytest.raises(InconsistentEnvironment, match=message) as raised:
-        SlurmEnvironment.from_env(step_env(**overrides))
+        SlurmVariables.from_env(step_env(**overrides))
     assert "\n" not in str(raised.value)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
-from ddpkit.env.torchrun import TorchrunEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
+from ddpkit.env.torchrun import TorchrunVariables
 
 
 def torchrun_env(**overrides: str) -> dict[str, str]:
@@ -32,7 +32,7 @@ def torchrun_env(**overrides: str) -> dict[str, str]:
 
 
 def test_from_env_reads_every_variable():
-    assert TorchrunEnvironment.from_env(torchrun_env()) == ClusterEnvironment(
+    assert TorchrunVariables.from_env(torchrun_env()) == JobEnvironment(
         source="torchrun",
         rank=3,
         local_rank=1,
@@ -48,21 +48,21 @@ def test_from_env_reads_every_variable():
 def test_uneven_nodes_use_group_world_size():
     # Node 1 of 2 runs 1 worker, node 0 runs 2: LOCAL_WORLD_SIZE does not divide WORLD_SIZE.
     env = torchrun_env(RANK="2", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    resolved = TorchrunEnvironment.from_env(env)
+    resolved = TorchrunVariables.from_env(env)
     assert (resolved.node_rank, resolved.num_nodes, resolved.local_world_size) == (1, 2, 1)
 
 
 def test_without_group_variables_nodes_are_assumed_even():
     env = torchrun_env(GROUP_RANK="<unset>", GROUP_WORLD_SIZE="<unset>", RANK="5", WORLD_SIZE="8")
-    resolved = TorchrunEnvironment.from_env(env)
+    resolved = TorchrunVariables.from_env(env)
     assert (resolved.node_rank, resolved.num_nodes) == (2, 4)
 
 
 def test_detect_on_rank_or_world_size():
-    assert TorchrunEnvironment.detect(torchrun_env())
-    assert TorchrunEnvironment.detect({"WORLD_SIZE": "2"})
-    assert TorchrunEnvironment.detect({"RANK": "0"})
-    assert not TorchrunEnvironment.detect({"MASTER_ADDR": "x", "MASTER_PORT": "1", "LOCAL_RANK": "0"})
+    assert TorchrunVariables.detect(torchrun_env())
+    assert TorchrunVariables.detect({"WORLD_SIZE": "2"})
+    assert TorchrunVariables.detect({"RANK": "0"})
+    assert not TorchrunVariables.detect({"MASTER_ADDR": "x", "MASTER_PORT": "1", "LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_detect_on_rank_or_world_size():
 )
 def test_inconsistent_variables_name_the_variable_and_the_fix(overrides, message):
     with pytest.raises(InconsistentEnvironment, match=message) as raised:
-        TorchrunEnvironment.from_env(torchrun_env(**overrides))
+        TorchrunVariables.from_env(torchrun_env(**overrides))
     assert "\n" not in str(raised.value)
 
 

@@ -26,7 +26,6 @@ from torch import nn
 
 from ddpkit.checkpoint.format import (
     MANIFEST,
-    READABLE_BY,
     CheckpointError,
     folder_mode,
     load_file,
@@ -34,8 +33,9 @@ from ddpkit.checkpoint.format import (
     verify_checkpoint,
     write_file_atomic,
 )
+from ddpkit.checkpoint.options import READABLE_BY
 from ddpkit.checkpoint.transfer import EXPORT_INFO, newest_verified
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, check_choice
 
 EXPORT_FORMAT = "ddpkit-export/1"
 """Value of model.json's ``format`` key."""
@@ -58,8 +58,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
         CheckpointError: the checkpoint is incomplete, corrupt or refused.
         ValueError: ``out`` exists and is not an export, or a bad ``readable_by``.
     """
-    if readable_by not in READABLE_BY:
-        raise UserError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
+    check_choice("readable_by", readable_by, tuple(READABLE_BY))
     mode = READABLE_BY[readable_by]
     source = Path(checkpoint)
     if not (source / MANIFEST).exists():

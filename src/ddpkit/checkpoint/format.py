@@ -36,6 +36,7 @@ pickle is found before anything is restored.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -63,9 +64,6 @@ BEST_PREFIX = "best-"
 CORRUPT_SUFFIX = ".corrupt"
 _NAME = re.compile(r"^(step|best)-(\d{9,})$")
 _CHUNK = 1 << 20
-
-READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
-"""File modes of checkpoint files for each ``checkpoint.readable_by`` value."""
 
 
 class CheckpointError(UserError):
@@ -208,14 +206,18 @@ def _write_folder(
     os.chmod(folder, folder_mode(mode))
     files: dict[str, dict[str, Any]] = {}
     for file_name, obj in objects.items():
-        files[file_name] = write_file_atomic(folder, file_name, lambda f, obj=obj: torch.save(obj, f), mode)
+        files[file_name] = write_file_atomic(folder, file_name, functools.partial(torch.save, obj), mode)
     for file_name, text in texts.items():
-        files[file_name] = write_file_atomic(folder, file_name, lambda f, text=text: f.write(text.encode()), mode)
+        files[file_name] = write_file_atomic(folder, file_name, functools.partial(_write_bytes, text.encode()), mode)
     _fsync_folder(folder)
     manifest = {"format": FORMAT, "name": name, "created": time.time(), **meta, "files": files}
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     write_file_atomic(folder, MANIFEST, lambda f: f.write(text.encode()), mode)
     _fsync_folder(folder)
+
+
+def _write_bytes(data: bytes, file: BinaryIO) -> None:
+    file.write(data)
 
 
 def _swap_in(new: Path, final: Path) -> None:
@@ -265,7 +267,9 @@ def mark_best(root: str | Path, checkpoint: str | Path, mode: int = 0o600) -> Pa
     is written twice, and deleting the step folder later leaves the best one whole.
     """
     root, checkpoint = Path(root), Path(checkpoint)
-    step = int(_NAME.match(checkpoint.name).group(2))
+    named = _NAME.match(checkpoint.name)
+    assert named is not None, f"{checkpoint} is not a checkpoint folder written by write_checkpoint"
+    step = int(named.group(2))
     target = root / f"{BEST_PREFIX}{step:09d}"
     if target.exists():
         shutil.rmtree(target)
@@ -313,7 +317,8 @@ class CheckpointInfo:
     def size(self) -> int:
         """Bytes of all its files, as listed by the manifest (on-disk size without one)."""
         if self.manifest:
-            return sum(f["bytes"] for f in self.manifest.get("files", {}).values()) + _file_size(self.path / MANIFEST)
+            listed = sum(int(f["bytes"]) for f in self.manifest.get("files", {}).values())
+            return listed + _file_size(self.path / MANIFEST)
         return sum(_file_size(p) for p in self.path.iterdir()) if self.path.is_dir() else 0
 
 

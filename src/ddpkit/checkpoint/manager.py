@@ -26,8 +26,14 @@ epoch, metrics, best, world size, versions). The on-disk format and its
 crash-safety are in :mod:`ddpkit.checkpoint.format`; which checkpoint a run
 resumes from is in :mod:`ddpkit.checkpoint.select`.
 
-With ``async_save=True`` a save copies the state and returns; rank 0 writes
-it in a background thread (:mod:`ddpkit.checkpoint.async_save`).
+With ``async_save=True`` a save copies the state (to pinned CPU memory from a
+GPU) and returns; rank 0 writes it in a background thread
+(:mod:`ddpkit.checkpoint.async_save`). At most one save is in flight: the
+next save, a preemption, ``wait()`` and ``close()`` wait for it.
+
+The options (when, how many, best, preemption, file modes, what a failed
+write does) are one dataclass, :class:`ddpkit.checkpoint.options.CheckpointOptions`,
+given as ``options=`` or field by field as keyword arguments.
 
 When: every ``every_steps`` steps, every ``every_seconds`` seconds, at the end
 of every epoch (``on_epoch_end``: detected from the loader, or at
@@ -64,12 +70,12 @@ warning says so.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import re
-import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +88,6 @@ from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
 from ddpkit.checkpoint.checkin import LoopProgress, check_in
 from ddpkit.checkpoint.format import (
     MANIFEST,
-    READABLE_BY,
     CheckpointError,
     checkpoint_name,
     library_versions,
@@ -94,6 +99,7 @@ from ddpkit.checkpoint.format import (
     rewrite_manifest,
     write_checkpoint,
 )
+from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.preemption import (
     Agreement,
     Preempted,
@@ -103,11 +109,10 @@ from ddpkit.checkpoint.preemption import (
     signal_name,
 )
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
-from ddpkit.checkpoint.storage import ON_WRITE_ERROR, StorageError, checkpoint_bytes, explain_write_error, room_warning
+from ddpkit.checkpoint.storage import StorageError, checkpoint_bytes, explain_write_error, room_warning
 from ddpkit.distributed import control_device
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, check_positive
 from ddpkit.log import get_logger
-from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 TRAIN_FILE = "train.pt"
 RNG_FILE = "rng.pt"
@@ -150,27 +155,16 @@ class Checkpointer:
         scaler: the ``torch.amp.GradScaler``.
         loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch).
         extra: more objects by name (each with state_dict/load_state_dict).
-        every_steps: also save every this many optimizer steps (0: off).
-        every_seconds: also save when this many seconds passed since the last save (0: off).
-        on_epoch_end: save at the end of every epoch.
-        keep: complete checkpoints kept (the newest; best ones are kept apart).
-        best_metric: metric name (passed to ``epoch_end``/``save``) that picks ``best-*``; "" for none.
-        best_mode: max or min.
-        preempt_signals: signal names meaning "checkpoint now, exit 75" (130 for SIGINT); () for none.
-        requeue: after a preemption checkpoint under Slurm, requeue the job.
-        readable_by: user (0600), group (0640) or all (0644).
-        sync_seconds: target seconds between the ranks' agreements on signals and the clock.
+        options: when to save, how many to keep, best checkpoint, preemption, file modes, background
+            writes: a :class:`~ddpkit.checkpoint.options.CheckpointOptions` (default: its defaults).
         config: the run's configuration (JSON-like), stored with every checkpoint.
         meta: more JSON-like facts for the manifest (e.g. what export needs to rebuild the model).
         timeout: seconds a save waits for every rank to reach it (default: 300).
         environ: the process environment (restart counters, SLURM_JOB_ID); os.environ by default.
-        on_write_error: a checkpoint that cannot be written (no space, read-only or vanished folder)
-            stops training with :class:`~ddpkit.checkpoint.storage.StorageError` (exit status 74), or
-            with "warn" is a warning and training goes on (a preemption checkpoint always stops).
-        async_save: write in the background: a save copies the state (to pinned CPU memory from a
-            GPU) and returns, rank 0 writes the same files while training goes on (see
-            :mod:`ddpkit.checkpoint.async_save`). At most one save is in flight; the next save, a
-            preemption, ``wait()`` and ``close()`` wait for it. Costs a copy of the state in memory.
+        **option_values: fields of CheckpointOptions by name, over ``options``: ``every_steps=500``,
+            ``keep=3``, ``best_metric="accuracy"``, ``async_save=True``...; ``preempt_signals`` may
+            also be a sequence of names (``()``: none). Each is documented, with its default, on its
+            field.
 
     Raises:
         ValueError: an object without state_dict/load_state_dict, a bad name or option.
@@ -186,42 +180,27 @@ class Checkpointer:
         scaler: Any = None,
         loader: Any = None,
         extra: Mapping[str, Any] | None = None,
-        every_steps: int = 0,
-        every_seconds: float = 0.0,
-        on_epoch_end: bool = True,
-        keep: int = 2,
-        best_metric: str = "",
-        best_mode: str = "max",
-        preempt_signals: Sequence[str] = DEFAULT_PREEMPT_SIGNALS,
-        requeue: bool = False,
-        readable_by: str = "user",
-        sync_seconds: float = 1.0,
+        options: CheckpointOptions | None = None,
         config: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
         timeout: float = 300.0,
         environ: Mapping[str, str] | None = None,
-        on_write_error: str = "stop",
-        async_save: bool = False,
+        **option_values: Any,
     ) -> None:
+        self.options = _with_values(options or CheckpointOptions(), option_values)
+        """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
+        check_positive("timeout", timeout)
         self.root = Path(dir)
         self.objects = _collect_objects(model, optimizer, scheduler, scaler, loader, extra or {})
         self.loader = loader
-        _check_options(every_steps, every_seconds, keep, best_mode, readable_by, sync_seconds, timeout, preempt_signals)
-        if on_write_error not in ON_WRITE_ERROR:
-            raise UserError(
-                f"on_write_error={on_write_error!r} is not valid; choose one of: {', '.join(ON_WRITE_ERROR)}"
-            )
-        self.on_write_error = on_write_error
-        self.every_steps, self.every_seconds, self.on_epoch_end = every_steps, every_seconds, on_epoch_end
-        self.keep, self.mode, self.requeue, self.timeout = keep, READABLE_BY[readable_by], requeue, timeout
-        self.best_metric, self.best_mode = best_metric, best_mode
+        self.mode, self.timeout = READABLE_BY[self.options.readable_by], timeout
         self.best_value: float | None = None
         self.config = dict(config or {})
         self.meta = dict(meta or {})
         self.environ = dict(os.environ if environ is None else environ)
         self.rank, self.world_size = _rank_and_size()
         needed = checkpoint_bytes(self.root, self.objects, self.world_size) if self.rank == 0 else 0
-        if self.rank == 0 and (warning := room_warning(self.root, keep, needed)):
+        if self.rank == 0 and (warning := room_warning(self.root, self.options.keep, needed)):
             get_logger().warning(warning)
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
@@ -240,14 +219,15 @@ class Checkpointer:
         self._due, self._due_signal = "", 0
         self._between_epochs: tuple[int, int] | None = None  # (global step, epoch) of a checkpoint taken there
         self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
-        self.signals = PreemptionSignals(tuple(preempt_signals))
+        self.signals = PreemptionSignals(self.options.signal_names())
         self.signals.install()
-        self.agreement = Agreement(self.world_size, self.rank == 0, control_device(), sync_seconds, every_seconds)
+        self.agreement = Agreement(
+            self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
+        )
         self._next_check = 0
         self._schedule()
         self._progress: LoopProgress | None = None
-        self.async_save = async_save
-        self._writer = BackgroundWriter() if async_save and self.rank == 0 else None
+        self._writer = BackgroundWriter() if self.options.async_save and self.rank == 0 else None
         self._buffers: list[Any] = []  # the copy's storages, reused by the next save once its write is done
         # With a ddpkit.DataLoader, a due checkpoint is written when the loop asks for its next batch
         # (or runs out of them): the loop's body, whatever it does after step(), is then complete.
@@ -289,9 +269,12 @@ class Checkpointer:
             return str(path) if path else ""
 
         chosen = self._on_rank_zero(choose)
-        path, loaded = (Path(chosen) if chosen else None), found.get("loaded")
+        path = Path(chosen) if chosen else None
+        loaded: dict[str, Any] = {}
         if path is not None:
-            if loaded is None:  # rank 0 verified the files moments ago; the others read them
+            if found.get("loaded") is not None:
+                loaded = found["loaded"]
+            else:  # rank 0 verified the files moments ago; the others read them
                 manifest = read_manifest(path)
                 loaded = {name: load_file(path / name) for name in self._files(manifest)}
                 loaded["manifest"] = manifest
@@ -326,7 +309,7 @@ class Checkpointer:
         self.completed_epochs = int(counters["completed_epochs"])
         self._restore_rng(loaded[RNG_FILE]["ranks"])
         best = manifest.get("best", {})
-        if best.get("metric") == self.best_metric:
+        if best.get("metric") == self.options.best_metric:
             self.best_value = best.get("value")
         self._last_step, self.last_path = self.global_step, path
         self._step_metrics = (dict(manifest.get("metrics") or {}), False)
@@ -388,10 +371,11 @@ class Checkpointer:
 
     def _epoch_ended(self) -> bool:
         loader = self.loader
-        return loader is not None and self.on_epoch_end and loader.step_in_epoch >= loader.steps_per_epoch
+        return loader is not None and self.options.on_epoch_end and loader.step_in_epoch >= loader.steps_per_epoch
 
     def _step_event(self) -> None:
         step, signum, time_due = self.global_step, 0, False
+        every = self.options.every_steps
         if step >= self.agreement.next_step:
             signum, time_due = self.agreement.agree(step, self.signals.received)
         # The checkpoint is named by its most telling reason: a preemption, an epoch's end, then the cadences.
@@ -399,7 +383,7 @@ class Checkpointer:
             "preempted": bool(signum),
             "epoch_end": self._epoch_ended(),
             "every_seconds": time_due,
-            "every_steps": bool(self.every_steps) and step % self.every_steps == 0,
+            "every_steps": bool(every) and step % every == 0,
         }
         reasons = [reason for reason, is_due in due.items() if is_due]
         self._schedule()
@@ -422,7 +406,7 @@ class Checkpointer:
         taken, loader = self._between_epochs, self.loader
         if taken is None or taken[0] != self.global_step:
             return False
-        return loader.epoch_done or (loader.epoch != taken[1] and loader.step_in_epoch == 0)
+        return bool(loader.epoch_done or (loader.epoch != taken[1] and loader.step_in_epoch == 0))
 
     def _taken_between_epochs(self) -> tuple[int, int] | None:
         """(global step, epoch) when the loader has handed out an epoch's last batch but not yet run out.
@@ -463,16 +447,17 @@ class Checkpointer:
             self._on_rank_zero(lambda: self._annotate(dict(metrics or {}), improved))
             self._step_metrics = (dict(metrics or {}), improved or self._step_metrics[1])
             return self.last_path
-        if self.on_epoch_end or improved:
+        if self.options.on_epoch_end or improved:
             return self._write("epoch_end", metrics, best=improved)
         return None
 
     def _improves(self, metrics: Mapping[str, float]) -> bool:
-        if not self.best_metric or self.best_metric not in metrics:
+        metric = self.options.best_metric
+        if not metric or metric not in metrics:
             return False
-        value = float(metrics[self.best_metric])
+        value = float(metrics[metric])
         best = self.best_value
-        if best is None or (value > best if self.best_mode == "max" else value < best):
+        if best is None or (value > best if self.options.best_mode == "max" else value < best):
             self.best_value = value
             return True
         return False
@@ -498,8 +483,9 @@ class Checkpointer:
 
     def _schedule(self) -> None:
         due = [self.agreement.next_step]
-        if self.every_steps:
-            due.append((self.global_step // self.every_steps + 1) * self.every_steps)
+        every = self.options.every_steps
+        if every:
+            due.append((self.global_step // every + 1) * every)
         self._next_check = min(due)
 
     def _exit_preempted(self, signum: int) -> None:
@@ -512,7 +498,7 @@ class Checkpointer:
                 f"{what} after global step {self.global_step}: checkpoint {self.last_path} is complete; "
                 f"exiting with status {exit_status(name)}; {self.continue_hint}"
             )
-            if self.requeue:
+            if self.options.requeue:
                 log.warning(requeue_slurm_job(self.environ))
         self.close()
         raise Preempted(name, str(self.last_path))
@@ -564,7 +550,7 @@ class Checkpointer:
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
-        path = self._on_rank_zero(
+        path: Path | None = self._on_rank_zero(
             lambda: self._write_on_rank_zero(reason, gathered, dict(metrics or {}), best, collective)
         )
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
@@ -617,7 +603,9 @@ class Checkpointer:
         objects = copy_state(
             objects, copy_cpu=background, pin_memory=True, buffers=self._buffers if background else None
         )
-        note = f", best {self.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
+        note = (
+            f", best {self.options.best_metric} {self.best_value:.4f}" if best and self.best_value is not None else ""
+        )
         if self.global_step == self._last_step and self.last_path is not None:
             # E.g. an epoch's end, again once the code after its batch loop ran: say so, or it reads as a double save.
             note += "; replaces this step's earlier checkpoint with the state as it is now"
@@ -647,10 +635,11 @@ class Checkpointer:
         try:
             path = write_checkpoint(self.root, name, objects, texts, meta, self.mode)
         except OSError as e:
-            return self._write_failed(name, reason, e)
+            self._write_failed(name, reason, e)  # a warning (on_write_error="warn"), or it raises
+            return None
         if best:
             mark_best(self.root, path, self.mode)
-        prune(self.root, self.keep, protect=path)
+        prune(self.root, self.options.keep, protect=path)
         get_logger().info(f"checkpoint {path} ({why})")
         return path
 
@@ -672,7 +661,7 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (the message says why).
         """
-        if self.async_save:
+        if self.options.async_save:
             self._on_rank_zero(self._collect_writes)
         return self.last_path
 
@@ -680,13 +669,13 @@ class Checkpointer:
         """Rank 0, after a failed write (the incomplete folder is gone): warn and go on, or raise StorageError."""
         needed = checkpoint_bytes(self.root, self.objects, self.world_size)
         message = explain_write_error(self.root, name, error, needed)
-        if self.on_write_error == "warn" and reason != "preempted":
+        if self.options.on_write_error == "warn" and reason != "preempted":
             get_logger().warning(f"{message} (training goes on: on_write_error=warn)")
             return None
         raise StorageError(message) from None
 
     def _best_info(self) -> dict[str, Any]:
-        return {"metric": self.best_metric, "mode": self.best_mode, "value": self.best_value}
+        return {"metric": self.options.best_metric, "mode": self.options.best_mode, "value": self.best_value}
 
     def _check_in(self) -> None:
         """Every rank announces this save; fail, naming the ranks, if some went on or do not arrive in time."""
@@ -792,29 +781,18 @@ def _default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _check_options(
-    every_steps: int,
-    every_seconds: float,
-    keep: int,
-    best_mode: str,
-    readable_by: str,
-    sync_seconds: float,
-    timeout: float,
-    preempt_signals: Sequence[str],
-) -> None:
-    if every_steps < 0 or every_seconds < 0:
-        raise UserError("every_steps and every_seconds must be >= 0 (0: off)")
-    if keep < 1:
-        raise UserError(f"keep={keep} is not valid; keep at least 1 checkpoint")
-    if best_mode not in ("max", "min"):
-        raise UserError(f"best_mode={best_mode!r} is not valid; choose max or min")
-    if readable_by not in READABLE_BY:
-        raise UserError(f"readable_by={readable_by!r} is not valid; choose one of: {', '.join(READABLE_BY)}")
-    if sync_seconds <= 0 or timeout <= 0:
-        raise UserError("sync_seconds and timeout must be > 0")
-    unknown = [name for name in preempt_signals if not name.startswith("SIG") or not hasattr(signal, name)]
-    if unknown:
-        raise UserError(f"preempt_signals: {', '.join(unknown)} are not signal names; use e.g. SIGTERM, SIGUSR1")
+def _with_values(options: CheckpointOptions, values: Mapping[str, Any]) -> CheckpointOptions:
+    """``options`` with the Checkpointer's keyword arguments over it, checked (CheckpointOptions.check)."""
+    known = [field.name for field in dataclasses.fields(options)]
+    for name in values:
+        if name not in known:
+            raise TypeError(
+                f"Checkpointer() got an unexpected keyword argument {name!r}; its options are: {', '.join(known)}"
+            )
+    signals = values.get("preempt_signals")
+    if signals is not None and not isinstance(signals, str):  # ("SIGTERM", "SIGUSR1"), as the keyword was typed
+        values = {**values, "preempt_signals": ",".join(signals)}
+    return dataclasses.replace(options, **values) if values else options
 
 
 def _rank_and_size() -> tuple[int, int]:
@@ -838,7 +816,8 @@ def _mismatch(path: Path, saved: set[str], given: set[str]) -> str:
 def _yaml(config: Mapping[str, Any]) -> str:
     import yaml
 
-    return yaml.safe_dump(dict(config), sort_keys=False)
+    text: str = yaml.safe_dump(dict(config), sort_keys=False)
+    return text
 
 
-__all__ = ["Checkpointer", "ResumePoint", "CheckpointError", "MANIFEST", "list_checkpoints"]
+__all__ = ["Checkpointer", "CheckpointOptions", "ResumePoint", "CheckpointError", "MANIFEST", "list_checkpoints"]

@@ -20,7 +20,16 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
+    """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA device).
+
+    Call it on every rank before the model is built, with the same seed: the
+    initial weights are then the same everywhere (``ddpkit.prepare_model``
+    also copies rank 0's), and a run is repeatable. A resumed run needs no new
+    seeding: the Checkpointer restores every generator where it stopped.
+
+    Args:
+        seed: any int; NumPy takes it modulo 2**32.
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

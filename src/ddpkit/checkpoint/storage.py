@@ -35,9 +35,6 @@ from ddpkit.checkpoint.format import CheckpointError, list_checkpoints
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.names import EXIT_STORAGE
 
-ON_WRITE_ERROR = ("stop", "warn")
-"""What a failed checkpoint write does: stop training (exit status 74), or warn and go on."""
-
 FILE_OVERHEAD = 4096
 """Bytes counted per file beyond its tensors: torch.save's archive (about 1.3 kB) and the file system's last block."""
 

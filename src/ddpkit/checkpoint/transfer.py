@@ -167,11 +167,36 @@ def freeze_parameters(model: nn.Module, prefixes: str) -> tuple[str, ...]:
     return tuple(frozen)
 
 
-def apply_transfer(model: nn.Module, init_from: str, freeze: str) -> TransferReport:
-    """Apply ``init_from`` then ``freeze`` to a freshly built model; return what was done."""
+def apply_transfer(model: nn.Module, init_from: str | Path = "", freeze: str = "") -> TransferReport:
+    """Start ``model`` from trained weights and freeze some of its parameters (transfer learning).
+
+    Call it on the freshly built model, before ``ddpkit.prepare_model``: the
+    gradient sync then never waits for gradients of frozen parameters::
+
+        model = MyNet()
+        for line in ddpkit.apply_transfer(model, init_from="runs/pretrained", freeze="encoder").lines():
+            print(line)
+        model = ddpkit.prepare_model(model)
+
+    Args:
+        model: the new model (not yet wrapped).
+        init_from: a checkpoint folder, a checkpoints folder or run folder (its
+            newest verified checkpoint), an export (``ddpkit export``) or a
+            ``.pt`` file of a state_dict; every tensor whose name and shape
+            match is copied, the rest is reported. "" copies nothing.
+        freeze: comma-separated prefixes of parameter names not to train
+            (``"0,2"``, ``"encoder"``); "" freezes nothing.
+
+    Returns:
+        What was loaded, missing, unexpected, mismatched and frozen (``lines()`` for the log).
+
+    Raises:
+        CheckpointError: nothing usable at ``init_from``, or a damaged or refused file.
+        UserError: a ``freeze`` prefix matches no parameter.
+    """
     report = TransferReport(source="")
     if init_from:
-        report = load_matching(model, read_weights(init_from), init_from)
+        report = load_matching(model, read_weights(init_from), str(init_from))
     if freeze:
         report = TransferReport(**{**report.__dict__, "frozen": freeze_parameters(model, freeze)})
     return report

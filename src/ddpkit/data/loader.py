@@ -54,6 +54,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ from ddpkit.data.streaming import Stream, StreamShard, passed_on
 from ddpkit.errors import UserError
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
+np: ModuleType | None
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch, and so here
@@ -143,7 +145,9 @@ class BatchReadDataset(SeededDataset):
         return self._unseeded(keys)
 
     def _read_batch(self, indices: list[int]) -> list[Any]:
-        return self.dataset.__getitems__(indices)
+        dataset: Any = self.dataset  # one with its own __getitems__ (_reads_batches chose this class for it)
+        batch: list[Any] = dataset.__getitems__(indices)
+        return batch
 
 
 class ArrowBatchDataset(BatchReadDataset):
@@ -156,7 +160,7 @@ class ArrowBatchDataset(BatchReadDataset):
     numbers are read straight from Arrow (:mod:`ddpkit.data.arrow`).
     """
 
-    def __init__(self, dataset: Dataset, seed: int, seed_per_sample: bool = True):
+    def __init__(self, dataset: Dataset[Any], seed: int, seed_per_sample: bool = True):
         super().__init__(dataset, seed, seed_per_sample)
         # Columns of numbers are read straight from Arrow (ddpkit.data.arrow); others through HF's formatter.
         self.read_columns = arrow_batch_reader(dataset)
@@ -194,10 +198,8 @@ def _kill_workers(iterator: Any) -> None:
     Their pids leave torch's SIGCHLD watch first, which would otherwise raise
     "DataLoader worker is killed" wherever the training process happens to be.
     """
-    from torch.utils.data._utils import signal_handling
-
     if getattr(iterator, "_worker_pids_set", False):
-        signal_handling._remove_worker_pids(id(iterator))
+        torch._C._remove_worker_pids(id(iterator))  # what torch's signal_handling imports it as
         iterator._worker_pids_set = False
     for worker in getattr(iterator, "_workers", ()):
         worker.kill()
@@ -213,8 +215,9 @@ def _zero_rows(batch: Any) -> Any:
         return batch[:0]
     if isinstance(batch, Mapping):
         items = {key: _zero_rows(value) for key, value in batch.items()}
+        mapping_type: Any = type(batch)  # a dict, an OrderedDict, or a Mapping of the dataset's own
         try:
-            return type(batch)(items)
+            return mapping_type(items)
         except TypeError:  # a Mapping that cannot be built from a dict, as default_collate falls back
             return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -226,9 +229,9 @@ def _zero_rows(batch: Any) -> Any:
     return batch
 
 
-_LIVE_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+_LIVE_WORKER_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
 """Iterators of ddpkit loaders that have worker processes (persistent ones live as long as their loader)."""
-_WORKER_PROCESSES: weakref.WeakSet = weakref.WeakSet()
+_WORKER_PROCESSES: weakref.WeakSet[Any] = weakref.WeakSet()
 """The worker processes of ddpkit loaders (multiprocessing holds each until it is joined)."""
 
 
@@ -366,12 +369,17 @@ class _LoaderSampler(Sampler[int]):
         self._loader = weakref.ref(loader)  # the loader holds this; no cycle to keep it alive
         self.sampler = sampler
 
+    def _owner(self) -> DataLoader:
+        loader = self._loader()
+        assert loader is not None, "a loader's sampler is used while the loader lives"
+        return loader
+
     def set_epoch(self, epoch: int) -> None:
         """The loader's :meth:`DataLoader.set_epoch`."""
-        self._loader().set_epoch(epoch)
+        self._owner().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        loader = self._loader()
+        loader = self._owner()
         if loader._sampler is None:
             # A stream has no indices: torch's loader reads this as its _InfiniteConstantSampler.
             yield from itertools.repeat(None)
@@ -380,14 +388,14 @@ class _LoaderSampler(Sampler[int]):
             yield from share
 
     def __len__(self) -> int:
-        loader = self._loader()
+        loader = self._owner()
         if loader._sampler is None:
             raise TypeError("a loader over an IterableDataset has no length")
         sampler = loader._sampler
         return sum(stop - start for start, stop in map(sampler._share, range(sampler.steps_per_epoch)))
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` of this rank's share of each global batch, with torch's arguments.
 
     Every argument of torch's DataLoader has torch's meaning (the README has
@@ -445,11 +453,11 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         batch_size: int | None = BATCH_SIZE_DEFAULT,
         shuffle: bool | None = None,
-        sampler: Sampler | Iterable | None = None,
-        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -489,7 +497,7 @@ class DataLoader(torch.utils.data.DataLoader):
         )
         self._sampler: GlobalBatchSampler | None = None
         self._stream: Stream | None = None
-        self._follow: DistributedSampler | None = sampler if isinstance(sampler, DistributedSampler) else None
+        self._follow: DistributedSampler[Any] | None = sampler if isinstance(sampler, DistributedSampler) else None
         self._followed_epoch = self._follow.epoch if self._follow is not None else None
         if isinstance(dataset, IterableDataset):
             refuse_for_streaming(shuffle, sampler, persistent_workers, num_workers)
@@ -529,7 +537,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _init_map_style(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         global_batch_size: int,
         rank: int,
         world_size: int,
@@ -571,7 +579,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _init_stream(
         self,
-        dataset: IterableDataset,
+        dataset: IterableDataset[Any],
         global_batch_size: int,
         rank: int,
         world_size: int,
@@ -593,7 +601,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     # -- iteration ----------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Any]:
+    # torch annotates its __iter__ as returning its own iterator class; this one hands out a generator over it.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """This rank's batches of the current epoch, from the epoch's start (or restored) step on."""
         follow = self._follow
         if follow is not None and follow.epoch != self._followed_epoch:
@@ -611,7 +620,9 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._stream is not None:
             self._stream.shard.epoch = epoch
         else:
-            self.batch_sampler.epoch, self.batch_sampler.start = epoch, start
+            key_sampler = self.batch_sampler
+            assert isinstance(key_sampler, _KeyBatchSampler), "set by _init_map_style"
+            key_sampler.epoch, key_sampler.start = epoch, start
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
         self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
         if self.num_workers and self._sample_bytes is None and self._stream is None:
@@ -619,7 +630,7 @@ class DataLoader(torch.utils.data.DataLoader):
         batches = super().__iter__()
         if hasattr(batches, "_shutdown_workers"):
             _LIVE_WORKER_ITERATORS.add(batches)
-            _WORKER_PROCESSES.update(batches._workers)
+            _WORKER_PROCESSES.update(getattr(batches, "_workers", ()))
             _shut_down_workers_at_exit()
         if self._stream is not None:
             return self._hand_out_stream(batches, epoch, start)
@@ -632,8 +643,14 @@ class DataLoader(torch.utils.data.DataLoader):
         shm_budget.warn_if_too_small(self, sample, self._rank_batch_size)
 
     @property
+    def _global_sampler(self) -> GlobalBatchSampler:
+        """The global order of a map-style loader; a loader over an IterableDataset has a Stream instead."""
+        assert self._sampler is not None, "a map-style loader's; a stream has none"
+        return self._sampler
+
+    @property
     def _rank_batch_size(self) -> int:
-        return self._sampler.global_batch_size // self._sampler.world_size
+        return self._global_sampler.global_batch_size // self._global_sampler.world_size
 
     def _shared_memory_error(self, error: RuntimeError) -> Exception:
         """``error`` from torch's iterator, or one line in its place when a worker ran out of /dev/shm."""
@@ -643,7 +660,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
-        sampler, batches = self._sampler, iter(batches)
+        sampler, batches = self._global_sampler, iter(batches)
         while True:
             if self.between_batches is not None:
                 self.between_batches()
@@ -667,6 +684,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def _hand_out_stream(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
         # As _hand_out; each worker's position is kept once its batch reaches the loop.
         stream = self._stream
+        assert stream is not None, "a loader over an IterableDataset"
         stream.positions, stream.known_steps = dict(stream.shard.start), None
         agreed = stream.agreed(iter(batches), epoch, start)
         while True:
@@ -687,13 +705,15 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _tensor_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
         # index_select, not tensor[indices]: advanced indexing of a 4-D tensor costs several times more.
-        tensors = self.dataset.tensors
+        dataset = self.dataset
+        assert isinstance(dataset, TensorDataset), "the fast path is a TensorDataset's"
+        tensors = dataset.tensors
         devices = {tensor.device for tensor in tensors}
         if len(devices) == 1:
-            for indices in self._sampler.tensor_shares(epoch, start, devices.pop()):
+            for indices in self._global_sampler.tensor_shares(epoch, start, devices.pop()):
                 yield tuple([tensor.index_select(0, indices) for tensor in tensors])
         else:
-            for indices in self._sampler.tensor_shares(epoch, start):
+            for indices in self._global_sampler.tensor_shares(epoch, start):
                 yield tuple([tensor.index_select(0, indices.to(tensor.device)) for tensor in tensors])
 
     def global_mean(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -735,6 +755,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _epoch_mismatch(self, epoch: int) -> str:
         resumed = self._resumed_epoch
+        assert resumed is not None, "asked about a resumed loader only"
         if self._start_step:
             where = f"in epoch {resumed} at step {self._start_step} of {self.steps_per_epoch}"
         else:
@@ -776,7 +797,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._stream is not None:
             state = {"global_batch_size": self._global_batch_size, "stream": self._stream.state_dict()}
         else:
-            state = self._sampler.state_dict()
+            state = self._global_sampler.state_dict()
         state.update(epoch=self._epoch, step_in_epoch=self._step_in_epoch, epoch_done=self._epoch_done)
         return state
 
@@ -801,7 +822,7 @@ class DataLoader(torch.utils.data.DataLoader):
             epoch, step = (epoch + 1, 0) if done else (epoch, step)
             step = self._stream.load_state_dict(state["stream"], epoch, step)
         else:
-            self._sampler.check_state(state)
+            self._global_sampler.check_state(state)
             assert 0 <= step <= self.steps_per_epoch, f"step_in_epoch {step} of {self.steps_per_epoch}"
             # Saved before epoch_done existed: an epoch whose batches were all handed out was complete.
             if state.get("epoch_done", step == self.steps_per_epoch):
@@ -835,7 +856,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """
         if self._stream is not None:
             return self._stream.steps_per_epoch(self._step_in_epoch)
-        return self._sampler.steps_per_epoch
+        return self._global_sampler.steps_per_epoch
 
     @property
     def last_global_batch_length(self) -> int:

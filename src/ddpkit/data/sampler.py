@@ -35,6 +35,7 @@ into a batch with zero rows so every rank runs the same number of steps.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -147,14 +148,17 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return start, start + base + (self.rank < extra)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[torch.Tensor]:
-        """This rank's indices for each global batch of ``epoch``, from ``start_step`` on.
+        """Deprecated (removed in the next release): :meth:`tensor_shares`, which yields the same shares.
 
-        A pure function of its arguments: it neither reads nor moves the position.
+        The name read as the epoch number, which ``DataLoader.epoch`` is, not as a generator of batches.
         """
-        order = self.epoch_order(epoch)
-        for step in range(start_step, self.steps_per_epoch):
-            start, stop = self._share(step)
-            yield order[start:stop]
+        warnings.warn(
+            "GlobalBatchSampler.epoch(epoch, start_step) is now tensor_shares(epoch, start_step); "
+            "the old name will be removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.tensor_shares(epoch, start_step)
 
     # -- the position: Sampler protocol and checkpoints ----------------------
 
@@ -211,7 +215,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def shares(self, epoch: int, start_step: int = 0) -> Iterator[list[int]]:
         """This rank's indices of each global batch of ``epoch`` from ``start_step`` on, as lists.
 
-        A pure function of its arguments, like :meth:`epoch`: it neither reads nor moves the position.
+        A pure function of its arguments: it neither reads nor moves the position.
         """
         order = self.epoch_order(epoch).tolist()
         for step in range(start_step, self.steps_per_epoch):
@@ -221,7 +225,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def tensor_shares(
         self, epoch: int, start_step: int = 0, device: torch.device | str | None = None
     ) -> Iterator[torch.Tensor]:
-        """As :meth:`shares`, each share an int64 tensor on ``device`` (the epoch order is moved there once)."""
+        """As :meth:`shares`, each share an int64 tensor on ``device`` (the epoch order is moved there once).
+
+        A pure function of its arguments: it neither reads nor moves the position.
+        """
         order = self.epoch_order(epoch).to(device)
         # The full global batches as rows, this rank's columns, cut into views by one C call:
         # a third of the cost of slicing each step in Python, which shows at ~10 us a step.

@@ -22,7 +22,7 @@ from ddpkit.doctor.diagnoses import (
     unresolvable_diagnosis,
 )
 from ddpkit.doctor.results import Check, DoctorProblem, WorkerInfo
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 
 _PREFIX = "ddpkit-doctor/"
 # Seconds one TCP connection attempt to the master may take before the next.
@@ -38,7 +38,7 @@ _ROLL_CALL_GRACE_SECONDS = 3.0
 # -- 1. reach the master -----------------------------------------------------
 
 
-def reach_master(env: ClusterEnvironment, timeout: float) -> Check:
+def reach_master(env: JobEnvironment, timeout: float) -> Check:
     """Open (and close) a TCP connection to the master's port, retrying until timeout.
 
     Raises:
@@ -71,7 +71,7 @@ def uses_agent_store(environ: Mapping[str, str]) -> bool:
     return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def open_store(env: ClusterEnvironment, environ: Mapping[str, str], timeout: float):
+def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
     """The rendezvous store at the master, started by rank 0 unless torchrun's agent runs it.
 
     Rank 0's server is multi-tenant, as torch's env:// rendezvous makes it:
@@ -114,7 +114,7 @@ def open_store(env: ClusterEnvironment, environ: Mapping[str, str], timeout: flo
     return store, dist.PrefixStore(prefix, store)
 
 
-def roll_call(store, me: WorkerInfo, env: ClusterEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:
+def roll_call(store, me: WorkerInfo, env: JobEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:
     """Every worker reports itself; rank 0 collects and judges, and tells everyone.
 
     Returns:
@@ -162,7 +162,7 @@ def _wait_quietly(store, keys: Sequence[str], timeout: float) -> None:
             pass
 
 
-def _collect(store, env: ClusterEnvironment, timeout: float) -> dict[str, Any]:
+def _collect(store, env: JobEnvironment, timeout: float) -> dict[str, Any]:
     keys = [f"arrived/{r}" for r in range(env.world_size)]
     deadline = time.monotonic() + timeout + min(timeout, _ROLL_CALL_GRACE_SECONDS)
     present: dict[int, WorkerInfo] = {}
@@ -185,7 +185,7 @@ def _collect(store, env: ClusterEnvironment, timeout: float) -> dict[str, Any]:
 # -- 3. and 4. the process group ----------------------------------------------
 
 
-def join(cfg: DoctorConfig, env: ClusterEnvironment, environ: MutableMapping[str, str], workers: Sequence[WorkerInfo]):
+def join(cfg: DoctorConfig, env: JobEnvironment, environ: MutableMapping[str, str], workers: Sequence[WorkerInfo]):
     """``ddpkit.init`` with the doctor's timeout; returns the context.
 
     Raises:

@@ -13,10 +13,10 @@ import socket
 from collections.abc import Sequence
 
 from ddpkit.doctor.results import WorkerInfo
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 
 
-def unreachable_diagnosis(env: ClusterEnvironment, error: OSError, timeout: float) -> str:
+def unreachable_diagnosis(env: JobEnvironment, error: OSError, timeout: float) -> str:
     """What to check when rank ``env.rank`` cannot connect to the master's port."""
     where = f"{env.master_addr}:{env.master_port}"
     if isinstance(error, ConnectionRefusedError):
@@ -52,7 +52,7 @@ def unreachable_diagnosis(env: ClusterEnvironment, error: OSError, timeout: floa
     return text
 
 
-def unresolvable_diagnosis(env: ClusterEnvironment, error: socket.gaierror) -> str:
+def unresolvable_diagnosis(env: JobEnvironment, error: socket.gaierror) -> str:
     return (
         f"rank {env.rank}/{env.world_size} cannot resolve MASTER_ADDR={env.master_addr!r} ({error.strerror}); "
         "set MASTER_ADDR to an IP address or a host name that every node resolves (check /etc/hosts or DNS)"
@@ -60,7 +60,7 @@ def unresolvable_diagnosis(env: ClusterEnvironment, error: socket.gaierror) -> s
 
 
 def missing_diagnosis(
-    env: ClusterEnvironment, missing: Sequence[int], present: Sequence[WorkerInfo], timeout: float
+    env: JobEnvironment, missing: Sequence[int], present: Sequence[WorkerInfo], timeout: float
 ) -> str:
     """What to check when ranks did not arrive at the roll call."""
     hosts = sorted({f"{w.host} ({w.address})" for w in present})
@@ -72,7 +72,7 @@ def missing_diagnosis(
     )
 
 
-def loopback_diagnosis(env: ClusterEnvironment, workers: Sequence[WorkerInfo]) -> str:
+def loopback_diagnosis(env: JobEnvironment, workers: Sequence[WorkerInfo]) -> str:
     """A problem when a worker would bind gloo to loopback while a peer is on another host; else ""."""
     for w in workers:
         if not _is_loopback(w.address):
@@ -89,7 +89,7 @@ def loopback_diagnosis(env: ClusterEnvironment, workers: Sequence[WorkerInfo]) -
     return ""
 
 
-def join_diagnosis(env: ClusterEnvironment, error: str, workers: Sequence[WorkerInfo]) -> str:
+def join_diagnosis(env: JobEnvironment, error: str, workers: Sequence[WorkerInfo]) -> str:
     """What to check when ``ddpkit.init`` failed after every worker reached the store."""
     first = error.splitlines()[0] if error else "unknown error"
     if "gloo" in error.lower() or "connectFullMesh" in error:
@@ -103,7 +103,7 @@ def join_diagnosis(env: ClusterEnvironment, error: str, workers: Sequence[Worker
     return f"rank {env.rank}/{env.world_size} could not join the process group: {first}"
 
 
-def loopback_master_warning(env: ClusterEnvironment) -> str:
+def loopback_master_warning(env: JobEnvironment) -> str:
     """A warning when MASTER_ADDR is a loopback address for a job of several nodes; else ""."""
     if _is_loopback(env.master_addr) and env.num_nodes > 1:
         return (

@@ -7,7 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class PeerLink:
 class Report:
     """Everything one worker found; rank 0's is the one printed."""
 
-    environment: ClusterEnvironment
+    environment: JobEnvironment
     """This worker's resolved environment."""
     host: str
     """This worker's host name."""

@@ -14,7 +14,7 @@ from ddpkit.doctor.diagnoses import loopback_master_warning
 from ddpkit.doctor.measure import allreduce_latency, measure_peers
 from ddpkit.doctor.report import print_report
 from ddpkit.doctor.results import Check, DoctorProblem, Report, WorkerInfo
-from ddpkit.env.base import ClusterEnvironment
+from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
 
 
@@ -62,7 +62,7 @@ def examine(cfg: DoctorConfig, environ: MutableMapping[str, str]) -> Report:
 
 
 def _run_checks(
-    cfg: DoctorConfig, env: ClusterEnvironment, environ: MutableMapping[str, str], report: Report, me: WorkerInfo
+    cfg: DoctorConfig, env: JobEnvironment, environ: MutableMapping[str, str], report: Report, me: WorkerInfo
 ) -> None:
     store = None
     if env.world_size > 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
 
 Named = tuple[str, int]
 """A value with the name of the variable it came from, for error messages."""
@@ -69,8 +69,8 @@ def checked_environment(
     num_nodes: Named,
     master_addr: str,
     master_port: int,
-) -> ClusterEnvironment:
-    """Check that the ranks fit their sizes, then build the ClusterEnvironment.
+) -> JobEnvironment:
+    """Check that the ranks fit their sizes, then build the JobEnvironment.
 
     Each integer comes as (variable name, value) so that an error names the
     variable it was read from.
@@ -85,7 +85,7 @@ def checked_environment(
     for name, value in (local_world_size, num_nodes):
         if value > world_size[1]:
             raise InconsistentEnvironment(f"{name}={value} exceeds {world_size[0]}={world_size[1]}; {fix}")
-    return ClusterEnvironment(
+    return JobEnvironment(
         source=source,
         rank=rank[1],
         local_rank=local_rank[1],

@@ -1,15 +1,28 @@
-"""The resolved identity of one worker process, whatever started it."""
+"""The resolved identity of one worker process, whatever started it: a :class:`JobEnvironment`.
+
+Names, for readers who know Lightning: there, ``ClusterEnvironment`` is the
+interface of the *sources* (``SLURMEnvironment`` reads Slurm's variables on
+every call). Here the value and its sources are distinct kinds, and named so:
+a ``JobEnvironment`` is one frozen set of resolved values, and each launcher's
+source is a class named after what it reads (``SlurmVariables``,
+``TorchrunVariables``, ...; see ``ddpkit.env.detect``), whose ``from_env``
+returns a JobEnvironment. The names before (``ClusterEnvironment``,
+``SlurmEnvironment``, ...) still work for one release, with a
+DeprecationWarning.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from ddpkit.deprecation import renamed
 from ddpkit.errors import UserError
 
 
 @dataclass(frozen=True)
-class ClusterEnvironment:
-    """Who this process is in the job, resolved from one environment source.
+class JobEnvironment:
+    """Who this process is in the job, resolved from one launcher's variables.
 
     Every field is a resolved value: sources fill them all, nothing is left
     for later code to guess.
@@ -52,3 +65,11 @@ class ClusterEnvironment:
 
 class InconsistentEnvironment(UserError):
     """The environment variables of a launcher are missing or contradict each other."""
+
+
+_RENAMED = {"ClusterEnvironment": "JobEnvironment"}
+"""Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name, _RENAMED)

@@ -1,5 +1,9 @@
 """Choosing the environment source of this process: the first in SOURCES that detects itself.
 
+A source is a class named after what it reads (``SlurmVariables``: the
+variables srun sets) with ``detect(environ)`` and ``from_env(environ)``; the
+value it resolves is a :class:`~ddpkit.env.base.JobEnvironment`.
+
 Launchers nest and a process inherits the variables of every launcher above
 it, so the launcher that started the process directly must be asked first:
 
@@ -7,7 +11,7 @@ it, so the launcher that started the process directly must be asked first:
   workers inherit SLURM_* or OMPI_* variables that describe torchrun itself;
 - mpirun / mpiexec run inside Slurm allocations and batch scripts, whose
   SLURM_* variables they pass on to their ranks;
-- Slurm tasks (see SlurmEnvironment.detect for what counts as one);
+- Slurm tasks (see SlurmVariables.detect for what counts as one);
 - a SageMaker training job of several hosts, one process per host. The
   container is the outermost layer: under the estimator's torch_distributed
   or mpi distribution the toolkit's torchrun or mpirun started the process
@@ -23,12 +27,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from ddpkit.env.base import ClusterEnvironment
-from ddpkit.env.local import LocalEnvironment
-from ddpkit.env.mpi import MPICHEnvironment, OpenMPIEnvironment
-from ddpkit.env.sagemaker import SageMakerEnvironment, with_master_addr
-from ddpkit.env.slurm import SlurmEnvironment
-from ddpkit.env.torchrun import TorchrunEnvironment
+from ddpkit.env.base import JobEnvironment
+from ddpkit.env.local import LocalVariables
+from ddpkit.env.mpi import MPICHVariables, OpenMPIVariables
+from ddpkit.env.sagemaker import SageMakerVariables, with_master_addr
+from ddpkit.env.slurm import SlurmVariables
+from ddpkit.env.torchrun import TorchrunVariables
 
 
 class EnvironmentSource(Protocol):
@@ -40,21 +44,21 @@ class EnvironmentSource(Protocol):
     def detect(environ: Mapping[str, str]) -> bool: ...
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment: ...
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment: ...
 
 
 # Innermost launcher first, as explained in the module docstring.
 SOURCES: tuple[type[EnvironmentSource], ...] = (
-    TorchrunEnvironment,
-    OpenMPIEnvironment,
-    MPICHEnvironment,
-    SlurmEnvironment,
-    SageMakerEnvironment,
-    LocalEnvironment,
+    TorchrunVariables,
+    OpenMPIVariables,
+    MPICHVariables,
+    SlurmVariables,
+    SageMakerVariables,
+    LocalVariables,
 )
 
 
-def detect_environment(environ: Mapping[str, str]) -> ClusterEnvironment:
+def detect_environment(environ: Mapping[str, str]) -> JobEnvironment:
     """Resolve who this process is from the variables of the launcher that started it.
 
     Args:
@@ -62,7 +66,7 @@ def detect_environment(environ: Mapping[str, str]) -> ClusterEnvironment:
 
     Returns:
         The resolved environment of the first source in SOURCES that detects
-        itself (LocalEnvironment always does).
+        itself (LocalVariables always does).
 
     Raises:
         InconsistentEnvironment: the detected source's variables are missing,

@@ -7,13 +7,15 @@ port that the OS reports free on MASTER_ADDR at the time of the call).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+from ddpkit.deprecation import renamed
 from ddpkit.env._vars import parse_port
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
 from ddpkit.env.ports import free_port
 
 
-class LocalEnvironment:
+class LocalVariables:
     """The fallback: rank 0 of a job of one process, on this host."""
 
     name = "local"
@@ -24,7 +26,7 @@ class LocalEnvironment:
         return True
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment:
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment:
         """Resolve a one-process job on this host.
 
         Args:
@@ -47,8 +49,8 @@ class LocalEnvironment:
                     f"MASTER_ADDR={master_addr!r} is not an address of this host ({e}); "
                     "a one-process job is its own master: unset MASTER_ADDR"
                 ) from e
-        return ClusterEnvironment(
-            source=LocalEnvironment.name,
+        return JobEnvironment(
+            source=LocalVariables.name,
             rank=0,
             local_rank=0,
             world_size=1,
@@ -58,3 +60,11 @@ class LocalEnvironment:
             master_addr=master_addr,
             master_port=master_port,
         )
+
+
+_RENAMED = {"LocalEnvironment": "LocalVariables"}
+"""Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name, _RENAMED)

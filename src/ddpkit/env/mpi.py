@@ -34,9 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ddpkit.deprecation import renamed
 from ddpkit.env._vars import check_below, checked_environment, first_set, parse_int, parse_port
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
 from ddpkit.env.ports import port_from_job_id
 
 
@@ -84,7 +86,7 @@ _MPICH = _Dialect(
 )
 
 
-class OpenMPIEnvironment:
+class OpenMPIVariables:
     """The variables OpenMPI's mpirun sets for each rank."""
 
     name = _OPENMPI.source
@@ -95,7 +97,7 @@ class OpenMPIEnvironment:
         return _OPENMPI.rank in environ
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment:
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment:
         """Resolve this rank's place in the job from OpenMPI's variables.
 
         Args:
@@ -112,7 +114,7 @@ class OpenMPIEnvironment:
         return _from_env(environ, _OPENMPI)
 
 
-class MPICHEnvironment:
+class MPICHVariables:
     """The variables Hydra (MPICH's and Intel MPI's mpiexec) sets for each rank."""
 
     name = _MPICH.source
@@ -122,12 +124,12 @@ class MPICHEnvironment:
         """True when PMI_RANK and MPI_LOCALRANKID are set.
 
         srun --mpi=pmi2 also sets PMI_RANK, but not MPI_LOCALRANKID: such
-        tasks are left to SlurmEnvironment.
+        tasks are left to SlurmVariables.
         """
         return _MPICH.rank in environ and _MPICH.local_rank in environ
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment:
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment:
         """Resolve this rank's place in the job from Hydra's variables.
 
         Args:
@@ -137,13 +139,13 @@ class MPICHEnvironment:
             The resolved environment, source "mpich".
 
         Raises:
-            InconsistentEnvironment: as OpenMPIEnvironment.from_env, and when
+            InconsistentEnvironment: as OpenMPIVariables.from_env, and when
                 MASTER_PORT is unset.
         """
         return _from_env(environ, _MPICH)
 
 
-def _from_env(environ: Mapping[str, str], mpi: _Dialect) -> ClusterEnvironment:
+def _from_env(environ: Mapping[str, str], mpi: _Dialect) -> JobEnvironment:
     fix = f"start the job with {mpi.launcher}"
     rank = parse_int(environ, mpi.rank, fix)
     world_size = parse_int(environ, mpi.size, fix, minimum=1)
@@ -202,3 +204,11 @@ def _from_env(environ: Mapping[str, str], mpi: _Dialect) -> ClusterEnvironment:
         master_addr=master_addr,
         master_port=master_port,
     )
+
+
+_RENAMED = {"OpenMPIEnvironment": "OpenMPIVariables", "MPICHEnvironment": "MPICHVariables"}
+"""Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name, _RENAMED)

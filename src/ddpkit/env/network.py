@@ -74,7 +74,7 @@ def gloo_interface_environ(environ: Mapping[str, str], master_addr: str) -> dict
 
     Args:
         environ: The process environment, e.g. os.environ; only read.
-        master_addr: Host name or address of rank 0 (ClusterEnvironment.master_addr).
+        master_addr: Host name or address of rank 0 (JobEnvironment.master_addr).
 
     Returns:
         {"GLOO_SOCKET_IFNAME": name} for the caller to apply before creating

@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.deprecation import renamed
 from ddpkit.env._vars import parse_port
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
 from ddpkit.env.ports import port_from_job_id
 
 BASE_DIR_VARIABLE = "SAGEMAKER_BASE_DIR"
@@ -145,7 +146,7 @@ def in_sagemaker(environ: Mapping[str, str]) -> bool:
     return "SM_CURRENT_HOST" in environ or _config_file(environ, "resourceconfig.json").is_file()
 
 
-class SageMakerEnvironment:
+class SageMakerVariables:
     """A SageMaker job of several hosts, one process per host (no launcher inside the container)."""
 
     name = "sagemaker"
@@ -156,7 +157,7 @@ class SageMakerEnvironment:
         return in_sagemaker(environ) and len(SageMakerJob.from_env(environ).hosts) > 1
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment:
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment:
         """Resolve this host's process as worker node_rank of one worker per host.
 
         Args:
@@ -184,8 +185,8 @@ class SageMakerEnvironment:
                     "derive it from; pass MASTER_PORT in the estimator's environment={...}"
                 )
             port = port_from_job_id(job.job_name)
-        return ClusterEnvironment(
-            source=SageMakerEnvironment.name,
+        return JobEnvironment(
+            source=SageMakerVariables.name,
             rank=job.node_rank,
             local_rank=0,
             world_size=len(job.hosts),
@@ -364,3 +365,11 @@ def _from_files(environ: Mapping[str, str]) -> SageMakerJob:
         job_name=environ.get("TRAINING_JOB_NAME", ""),
         base_dir=str(base),
     )
+
+
+_RENAMED = {"SageMakerEnvironment": "SageMakerVariables"}
+"""Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name, _RENAMED)

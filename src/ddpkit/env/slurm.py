@@ -17,16 +17,18 @@ may use fewer tasks and nodes than the job; they win over the job's):
 - SLURM_JOB_ID: the master port is ``10000 + SLURM_JOB_ID % 20000``
   (see ports.port_from_job_id), the same in every task and different for
   consecutive jobs. MASTER_PORT, when set, overrides it.
-- SLURM_STEP_ID: which processes are tasks (see SlurmEnvironment.detect).
+- SLURM_STEP_ID: which processes are tasks (see SlurmVariables.detect).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
+from ddpkit.deprecation import renamed
 from ddpkit.env._vars import check_below, checked_environment, first_set, parse_int, parse_port, require
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
 from ddpkit.env.hostlist import first_host
 from ddpkit.env.ports import port_from_job_id
 
@@ -40,7 +42,7 @@ _FIRST_SPECIAL_STEP_ID = 0xFFFFFFFA
 _TASKS_PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 
-class SlurmEnvironment:
+class SlurmVariables:
     """The variables srun sets for each task of a job step."""
 
     name = "slurm"
@@ -65,7 +67,7 @@ class SlurmEnvironment:
         )
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment:
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment:
         """Resolve this task's place in the job step from Slurm's variables.
 
         Args:
@@ -106,7 +108,7 @@ class SlurmEnvironment:
             )
 
         return checked_environment(
-            SlurmEnvironment.name,
+            SlurmVariables.name,
             _FIX,
             rank=("SLURM_PROCID", rank),
             world_size=("SLURM_NTASKS", world_size),
@@ -152,3 +154,11 @@ def _first_host(environ: Mapping[str, str]) -> str:
     if host is None:
         raise InconsistentEnvironment(f"{name} is empty; {_FIX}, or set MASTER_ADDR")
     return host
+
+
+_RENAMED = {"SlurmEnvironment": "SlurmVariables"}
+"""Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name, _RENAMED)

@@ -16,9 +16,11 @@ workers sharing a role, which is WORLD_SIZE for the usual single-role job.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+from ddpkit.deprecation import renamed
 from ddpkit.env._vars import checked_environment, parse_int, parse_port, require
-from ddpkit.env.base import ClusterEnvironment, InconsistentEnvironment
+from ddpkit.env.base import InconsistentEnvironment, JobEnvironment
 
 _FIX = (
     "start the job with torchrun, or set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
@@ -26,7 +28,7 @@ _FIX = (
 )
 
 
-class TorchrunEnvironment:
+class TorchrunVariables:
     """The env:// variables that torchrun sets for each worker."""
 
     name = "torchrun"
@@ -41,7 +43,7 @@ class TorchrunEnvironment:
         return "RANK" in environ or "WORLD_SIZE" in environ
 
     @staticmethod
-    def from_env(environ: Mapping[str, str]) -> ClusterEnvironment:
+    def from_env(environ: Mapping[str, str]) -> JobEnvironment:
         """Resolve this process's place in the job from torchrun's variables.
 
         Args:
@@ -79,7 +81,7 @@ class TorchrunEnvironment:
             node_rank = ("RANK // LOCAL_WORLD_SIZE", rank // local_world_size)
 
         return checked_environment(
-            TorchrunEnvironment.name,
+            TorchrunVariables.name,
             _FIX,
             rank=("RANK", rank),
             world_size=("WORLD_SIZE", world_size),
@@ -90,3 +92,11 @@ class TorchrunEnvironment:
             master_addr=master_addr,
             master_port=master_port,
         )
+
+
+_RENAMED = {"TorchrunEnvironment": "TorchrunVariables"}
+"""Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name, _RENAMED)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the class is imported with its backend's module, when a run opens
+    from ddpkit.tracking.backend import Backend
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ def install_hint(kind: str) -> str | None:
     return f"the {package} package, which is not installed; pip install 'ddpkit[{BACKENDS[kind].extra}]'"
 
 
-def backend_class(kind: str) -> type:
+def backend_class(kind: str) -> type[Backend]:
     """The Backend subclass of ``kind`` (its module imports the backend's package only when a run opens)."""
     spec = BACKENDS[kind]
     return getattr(importlib.import_module(spec.module), spec.cls)

@@ -45,6 +45,7 @@ from typing import Any
 
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
+from ddpkit.tracking.backend import Backend
 from ddpkit.tracking.backends import BACKENDS, backend_class, install_hint
 
 REDUCE_OPS = ("mean", "sum")
@@ -88,7 +89,7 @@ class Tracker:
         self.config = dict(config) if config is not None else None
         self.rank, self.world_size = _rank_and_size()
         backend = backend_class(kind)(Path(dir), project, run_name, options)
-        self._backend = backend if self.rank == 0 else None
+        self._backend: Backend | None = backend if self.rank == 0 else None
         self.run_id: str | None = None
         """The tracked run's identity (rank 0, or any rank after a resume); None before it is created."""
         self.step: int | None = None
@@ -135,12 +136,12 @@ class Tracker:
         if self._backend is not None and not self._failed:
             self._guard(lambda: self._write(values, step, wall_time))
 
-    def _check_step(self, step: Any) -> int:
+    def _check_step(self, given: Any) -> int:
         try:
-            step = operator.index(step)
+            step = operator.index(given)
         except TypeError:
             raise UserError(
-                f"Tracker.log: step={step!r} is not an integer; pass the step number (e.g. the global step)"
+                f"Tracker.log: step={given!r} is not an integer; pass the step number (e.g. the global step)"
             ) from None
         if step < 0 or (self.step is not None and step < self.step):
             raise UserError(
@@ -151,12 +152,14 @@ class Tracker:
 
     def _write(self, values: dict[str, float], step: int, wall_time: float) -> None:
         self._open(drop_from=step)
+        assert self._backend is not None  # rank 0, which alone writes, has one
         self._backend.log(values, step, wall_time)
 
     def _open(self, drop_from: int | None) -> None:
         """Rank 0, before the first write: create the run, or continue the resumed one (dropping from ``drop_from``)."""
         if self._opened:
             return
+        assert self._backend is not None  # rank 0, which alone writes, has one
         if self._resumed:
             self.run_id = self._backend.open(self.run_id, None, drop_from)
             get_logger().info(f"tracking: {self.kind} run {self.run_id} continues at step {drop_from}")
@@ -215,12 +218,13 @@ class Tracker:
             summary: final results kept with the run where the backend has a place for them (TensorBoard:
                 text ``summary``; MLflow: tags ``summary.<key>``; W&B: the run summary; CSV: not kept).
         """
-        if self._backend is None or self._failed:
+        backend, last_step = self._backend, self.step
+        if backend is None or self._failed:
             return
-        if not self._opened and self._resumed and self.step is not None:
-            self._guard(lambda: self._open(drop_from=self.step + 1))
+        if not self._opened and self._resumed and last_step is not None:
+            self._guard(lambda: self._open(drop_from=last_step + 1))
         if self._opened and not self._failed:
-            self._guard(lambda: self._backend.close(dict(summary) if summary else None))
+            self._guard(lambda: backend.close(dict(summary) if summary else None))
         self._opened, self._backend = False, None
 
 

@@ -1,9 +1,29 @@
 """One worker's whole training run: join the job, build the parts with the public API, train, report.
 
 :func:`build_trainer` is the recipe a user's own script follows too
-(``examples/``): ``ddpkit.init``, ``ddpkit.prepare_model``,
+(``examples/``): ``ddpkit.init``, ``ddpkit.seed_everything``,
+``ddpkit.apply_transfer`` (``init_from``, ``freeze``), ``ddpkit.prepare_model``,
 ``ddpkit.DataLoader``, an optimizer and scheduler, ``ddpkit.Checkpointer``
-and its ``resume``. Nothing here reaches past that API.
+and its ``resume``, and ``ddpkit.export_checkpoint`` at the end. Those come
+from ``ddpkit``'s public names (``ddpkit.__all__``) and the datasets from
+:mod:`ddpkit.datasets`. Besides the trainer's own modules (``ddpkit.train``,
+``ddpkit.config``), the only other imports are this plumbing of the command,
+which an own loop does without (``tests/train/test_run_imports.py`` keeps
+the imports to this list):
+
+- ``ddpkit.models.get_model_spec``, ``ddpkit.models.ModelSpec``: the model that
+  ``model=NAME`` names (a script builds its own);
+- ``ddpkit.log.get_logger``, ``ddpkit.log.setup_logging``: the command's
+  ``[rank r/w]`` log lines;
+- ``ddpkit.gc_pause.import_paused``: torch._dynamo imported with garbage
+  collection paused, a start-up cost of the command;
+- ``ddpkit.launch.failure.record_for_launcher``: the error file that torchrun
+  and ddpkit's launcher read for their one failure report (torch's
+  ``@record`` does this for a script);
+- ``ddpkit.distributed.exit_process``: a failed rank leaves at once, so that
+  the launcher takes it for the root cause rather than the peers it fails;
+- ``ddpkit.distributed.control_device``: where the broadcast of the run
+  folder's name runs (CPU for gloo, CUDA for nccl).
 """
 
 from __future__ import annotations
@@ -18,20 +38,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit import distributed
-from ddpkit.checkpoint.export import export_checkpoint
-from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
-from ddpkit.checkpoint.rng import seed_everything
-from ddpkit.checkpoint.transfer import apply_transfer
+import ddpkit
+from ddpkit import (
+    Checkpointer,
+    Context,
+    DataLoader,
+    ResumePoint,
+    Tracker,
+    apply_transfer,
+    export_checkpoint,
+    prepare_model,
+    seed_everything,
+)
 from ddpkit.config import TrainConfig, to_dict
-from ddpkit.data.datasets import DataOptions, load_datasets
-from ddpkit.data.loader import DataLoader
+from ddpkit.datasets import DataOptions, load_datasets
+from ddpkit.distributed import control_device, exit_process
 from ddpkit.gc_pause import import_paused
 from ddpkit.launch.failure import record_for_launcher
 from ddpkit.log import get_logger, setup_logging
-from ddpkit.models.registry import ModelSpec, get_model_spec
-from ddpkit.prepare import prepare_model
-from ddpkit.tracking import Tracker
+from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 from ddpkit.train.schedule import build_scheduler
@@ -80,9 +105,7 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
 
 
-def build_trainer(
-    cfg: TrainConfig, ctx: distributed.Context, spec: ModelSpec, train_set: Any, test_set: Any
-) -> Trainer:
+def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: Any, test_set: Any) -> Trainer:
     """Every part of a run from the public API, resumed as ``cfg.resume`` asks."""
     seed_everything(cfg.seed)
     model = spec.build()
@@ -165,11 +188,8 @@ def build_tracker(cfg: TrainConfig) -> Tracker | None:
 
 def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
     """The run's Checkpointer, or None when checkpoints are off and nothing is to be resumed."""
-    ckpt = cfg.checkpoint
-    if not ckpt.enabled and cfg.resume == "never":
+    if not cfg.checkpoint.enabled and cfg.resume == "never":
         return None
-    metric = ckpt.best_metric if ckpt.best_metric != "auto" else trainer.task.quality_metric
-    mode = ckpt.best_mode if ckpt.best_mode != "auto" else ("max" if metric == "accuracy" else "min")
     checkpointer = Checkpointer(
         checkpoint_root(cfg),
         model=trainer.model,
@@ -178,21 +198,10 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         scaler=trainer.scaler,
         loader=trainer.loader,
         extra={"train_state": trainer.state},
-        every_steps=ckpt.every_steps if ckpt.enabled else 0,
-        every_seconds=ckpt.every_seconds if ckpt.enabled else 0.0,
-        on_epoch_end=ckpt.on_epoch_end and ckpt.enabled,
-        keep=ckpt.keep,
-        best_metric=metric if ckpt.enabled else "",
-        best_mode=mode,
-        preempt_signals=ckpt.signal_names() if ckpt.enabled else (),
-        requeue=ckpt.requeue,
-        readable_by=ckpt.readable_by,
-        sync_seconds=ckpt.sync_seconds,
+        options=cfg.checkpoint.for_run(trainer.task.quality_metric),
         config=to_dict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}},
         timeout=cfg.timeout,
-        on_write_error=ckpt.on_write_error,
-        async_save=ckpt.async_save,
     )
     checkpointer.continue_hint = "continue with resume=auto"
     checkpointer.on_save = lambda path, reason: trainer.metrics.write(
@@ -225,7 +234,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
     # The optimizer would import torch._dynamo on its first use, with collections walking torch meanwhile
     # (a worker forked from the worker server has it already).
     import_paused("torch._dynamo")
-    ctx = distributed.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
+    ctx = ddpkit.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
     try:
         cfg = _with_run_folder(cfg, ctx)
         log = setup_logging(ctx.rank, ctx.world_size)
@@ -235,7 +244,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         )
         log.info("config: " + " ".join(f"{k}={v}" for k, v in to_dict(cfg).items()))
         spec = get_model_spec(cfg.model)
-        with distributed.main_process_first(local=True):  # one download per node
+        with ddpkit.main_process_first(local=True):  # one download per node
             train_set, test_set = load_datasets(cfg.dataset, data_options(cfg))
         trainer = build_trainer(cfg, ctx, spec, train_set, test_set)
         # Every part is ready and the first step begins: the end of start-up (`ddpkit bench startup`).
@@ -257,13 +266,13 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         # without leaving the group, so the peers (which fail because this rank is gone) cannot
         # fail, record and exit before it and be taken for the root cause.
         if record_for_launcher(error) and ctx.world_size > 1:
-            distributed.exit_process(getattr(error, "exit_status", 1), leave_group=False)
+            exit_process(getattr(error, "exit_status", 1), leave_group=False)
         raise
     finally:
-        distributed.shutdown()
+        ddpkit.shutdown()
 
 
-def _with_run_folder(cfg: TrainConfig, ctx: distributed.Context) -> TrainConfig:
+def _with_run_folder(cfg: TrainConfig, ctx: Context) -> TrainConfig:
     """``cfg`` with rank 0's run folder, which rank 0 chooses when no launcher of ddpkit's did.
 
     On one node every rank has the same ``output_dir`` (the launcher's or the command line's), or none.
@@ -275,11 +284,11 @@ def _with_run_folder(cfg: TrainConfig, ctx: distributed.Context) -> TrainConfig:
     if ctx.is_main_process:
         box = [cfg.output_dir or str(claim_run_folder(plan_run_folder(cfg, os.environ)))]
     if ctx.world_size > 1:
-        dist.broadcast_object_list(box, src=0, device=distributed.control_device())
+        dist.broadcast_object_list(box, src=0, device=control_device())
     return dataclasses.replace(cfg, output_dir=box[0])
 
 
-def _export_final(trainer: Trainer, ctx: distributed.Context, export_dir: str) -> None:
+def _export_final(trainer: Trainer, ctx: Context, export_dir: str) -> None:
     """Export the trained model: a checkpoint of the final step (collective; none is written if
     the last step has one), then rank 0 writes its export into ``export_dir``."""
     if trainer.checkpointer is None:

@@ -1,0 +1,93 @@
+"""The Checkpointer's options, declared once: a dataclass with a docstring per field and one check.
+
+Three readers take them from these lines and nowhere else:
+
+- :class:`ddpkit.Checkpointer`: ``Checkpointer(dir, model=..., every_steps=500, keep=3)`` builds a
+  ``CheckpointOptions`` from its keyword arguments, ``Checkpointer(dir, ...,
+  options=CheckpointOptions(every_steps=500))`` takes one ready-made;
+- ``ddpkit train``: its ``checkpoint.KEY=VALUE`` options are this class extended with the
+  trainer's own fields (``ddpkit.config.CheckpointConfig``: ``enabled``, ``dir``, ``auto`` for
+  the best checkpoint), so the same values are checked by the same code;
+- ``ddpkit train --help``: generated from the field docstrings below (``ddpkit.command_help``).
+
+A bad value is one line naming the option as its user wrote it (``keep=0`` for the
+Checkpointer's keyword, ``checkpoint.keep=0`` on the command line: ``key_prefix``) and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ddpkit.errors import check_choice, check_positive
+from ddpkit.names import DEFAULT_PREEMPT_SIGNALS, PREEMPTION_SIGNALS
+
+# The values of two options live here, beside them; the modules that act on them import them from here.
+# No torch: ``ddpkit.config`` (and so ``ddpkit train --help``) imports this module.
+READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
+"""File modes of checkpoint files for each ``readable_by`` value."""
+ON_WRITE_ERROR = ("stop", "warn")
+"""What a failed checkpoint write does: stop training (exit status 74), or warn and go on."""
+
+
+@dataclasses.dataclass
+class CheckpointOptions:
+    """When checkpoints are written, how many are kept, who may read them, and what a preemption does."""
+
+    key_prefix: ClassVar[str] = ""
+    """How error messages name an option: "" for the Checkpointer's keywords (``keep=0``)."""
+    best_modes: ClassVar[tuple[str, ...]] = ("max", "min")
+    """Values ``best_mode`` accepts."""
+
+    every_steps: int = 0
+    """Also write one every this many optimizer steps (0: off)."""
+    every_seconds: float = 0.0
+    """Also write one when this many seconds have passed since the last (0: off)."""
+    on_epoch_end: bool = True
+    """Write one at the end of every epoch."""
+    keep: int = 2
+    """Complete checkpoints kept (the newest ones); older ones are deleted once a newer one is complete."""
+    readable_by: str = "user"
+    """Who may read checkpoint files: user (mode 0600), group (0640) or all (0644)."""
+    best_metric: str = ""
+    """Metric (a key of the metrics given to ``epoch_end``) that picks the ``best-*`` checkpoint; empty: none."""
+    best_mode: str = "max"
+    """max or min of best_metric."""
+    preempt_signals: str = ",".join(DEFAULT_PREEMPT_SIGNALS)
+    """Comma-separated signals (of SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2; USR1 means SIGUSR1) that make every
+    worker finish its step, write a checkpoint and exit with status 75 (130 for SIGINT: Ctrl-C keeps the work; a
+    second Ctrl-C stops at once); empty: none."""
+    requeue: bool = False
+    """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
+    sync_seconds: float = 1.0
+    """Target seconds between the ranks' agreements on preemption and on every_seconds (one tiny all_reduce each)."""
+    on_write_error: str = "stop"
+    """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
+    exit status 74) or warn (training goes on without it; a preemption checkpoint always stops)."""
+    async_save: bool = False
+    """Write checkpoints in the background: a save copies the state in memory and training goes on while rank 0
+    writes (off by default: the copy is a second one of the state in memory; worth it for large models)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise UserError, naming the option and the fix in one line, at the first bad value."""
+        key = self.key_prefix
+        check_positive(f"{key}every_steps", self.every_steps, allow_zero=True)
+        check_positive(f"{key}every_seconds", self.every_seconds, allow_zero=True)
+        check_positive(f"{key}keep", self.keep)
+        check_positive(f"{key}sync_seconds", self.sync_seconds)
+        check_choice(f"{key}readable_by", self.readable_by, tuple(READABLE_BY))
+        check_choice(f"{key}best_mode", self.best_mode, self.best_modes)
+        check_choice(f"{key}on_write_error", self.on_write_error, ON_WRITE_ERROR)
+        for name in self.signal_names():
+            check_choice(f"{key}preempt_signals", name, PREEMPTION_SIGNALS)
+
+    def signal_names(self) -> tuple[str, ...]:
+        """The preemption signals as names, e.g. ("SIGTERM", "SIGUSR1"); USR1 is accepted for SIGUSR1."""
+        names = [word.strip().upper() for word in self.preempt_signals.split(",") if word.strip()]
+        return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
+
+
+__all__ = ["CheckpointOptions", "ON_WRITE_ERROR", "READABLE_BY"]
