@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from ddpkit import errors
 from ddpkit.checkpoint.options import CheckpointOptions
 from ddpkit.errors import UserError
-from ddpkit.names import GRAD_SYNC_MODES, TASKS
+from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
 
 T = TypeVar("T")
@@ -248,6 +248,7 @@ class CheckpointConfig(CheckpointOptions):
 
     key_prefix: ClassVar[str] = "checkpoint."
     best_modes: ClassVar[tuple[str, ...]] = ("auto", "max", "min")
+    signal_choices: ClassVar[tuple[str, ...]] = PREEMPTION_SIGNALS  # the ones the command line documents
 
     best_metric: str = "auto"
     """Test metric that picks the best checkpoint (accuracy, loss, mse; auto: accuracy or mse by task; empty: off)."""

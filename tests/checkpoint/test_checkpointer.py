@@ -159,7 +159,7 @@ def test_an_object_without_state_dict_is_refused(tmp_path, checkpointers):
         ({"every_steps": -1}, "every_steps=-1 is not valid; it must be >= 0"),
         ({"best_mode": "auto"}, "best_mode='auto' is not valid; choose one of: max, min"),
         ({"readable_by": "world"}, "readable_by='world' is not valid; choose one of: user, group, all"),
-        ({"preempt_signals": ("SIGKILL",)}, "preempt_signals='SIGKILL' is not valid; choose one of: SIGTERM,"),
+        ({"preempt_signals": ("SIGKILL",)}, "preempt_signals='SIGKILL' is not valid; choose one of: SIGABRT,"),
         ({"on_write_error": "ignore"}, "on_write_error='ignore' is not valid; choose one of: stop, warn"),
         ({"timeout": 0}, "timeout=0 is not valid; it must be > 0"),
     ],
@@ -180,6 +180,8 @@ def test_options_come_from_one_dataclass_as_keywords_or_ready_made(tmp_path, che
     # Keywords go over a ready-made instance; a sequence of signal names is the comma-separated field.
     over = checkpointers(tmp_path / "c", model=nn.Linear(2, 2), options=given, keep=4, preempt_signals=("USR1",))
     assert (over.options.keep, over.options.every_steps, over.options.signal_names()) == (4, 5, ("SIGUSR1",))
+    # Any signal a process can catch (a scheduler may warn with SIGXCPU); the command line documents five.
+    assert CheckpointOptions(preempt_signals="SIGXCPU,SIGQUIT").signal_names() == ("SIGXCPU", "SIGQUIT")
     with pytest.raises(TypeError, match="unexpected keyword argument 'every_step'; its options are: every_steps,"):
         checkpointers(tmp_path / "d", model=nn.Linear(2, 2), every_step=5)
 

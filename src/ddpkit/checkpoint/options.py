@@ -17,10 +17,11 @@ Checkpointer's keyword, ``checkpoint.keep=0`` on the command line: ``key_prefix`
 from __future__ import annotations
 
 import dataclasses
+import signal
 from typing import ClassVar
 
 from ddpkit.errors import check_choice, check_positive
-from ddpkit.names import DEFAULT_PREEMPT_SIGNALS, PREEMPTION_SIGNALS
+from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 # The values of two options live here, beside them; the modules that act on them import them from here.
 # No torch: ``ddpkit.config`` (and so ``ddpkit train --help``) imports this module.
@@ -28,6 +29,8 @@ READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
 """File modes of checkpoint files for each ``readable_by`` value."""
 ON_WRITE_ERROR = ("stop", "warn")
 """What a failed checkpoint write does: stop training (exit status 74), or warn and go on."""
+CATCHABLE_SIGNALS = tuple(sorted(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)))
+"""Signals a process can handle: what a Checkpointer's ``preempt_signals`` may name (a scheduler may send e.g. SIGXCPU)."""
 
 
 @dataclasses.dataclass
@@ -38,6 +41,8 @@ class CheckpointOptions:
     """How error messages name an option: "" for the Checkpointer's keywords (``keep=0``)."""
     best_modes: ClassVar[tuple[str, ...]] = ("max", "min")
     """Values ``best_mode`` accepts."""
+    signal_choices: ClassVar[tuple[str, ...]] = CATCHABLE_SIGNALS
+    """Signals ``preempt_signals`` may name."""
 
     every_steps: int = 0
     """Also write one every this many optimizer steps (0: off)."""
@@ -54,7 +59,7 @@ class CheckpointOptions:
     best_mode: str = "max"
     """max or min of best_metric."""
     preempt_signals: str = ",".join(DEFAULT_PREEMPT_SIGNALS)
-    """Comma-separated signals (of SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2; USR1 means SIGUSR1) that make every
+    """Comma-separated signals (e.g. SIGTERM,SIGUSR1; USR1 means SIGUSR1) that make every
     worker finish its step, write a checkpoint and exit with status 75 (130 for SIGINT: Ctrl-C keeps the work; a
     second Ctrl-C stops at once); empty: none."""
     requeue: bool = False
@@ -82,7 +87,7 @@ class CheckpointOptions:
         check_choice(f"{key}best_mode", self.best_mode, self.best_modes)
         check_choice(f"{key}on_write_error", self.on_write_error, ON_WRITE_ERROR)
         for name in self.signal_names():
-            check_choice(f"{key}preempt_signals", name, PREEMPTION_SIGNALS)
+            check_choice(f"{key}preempt_signals", name, self.signal_choices)
 
     def signal_names(self) -> tuple[str, ...]:
         """The preemption signals as names, e.g. ("SIGTERM", "SIGUSR1"); USR1 is accepted for SIGUSR1."""
@@ -90,4 +95,4 @@ class CheckpointOptions:
         return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
 
 
-__all__ = ["CheckpointOptions", "ON_WRITE_ERROR", "READABLE_BY"]
+__all__ = ["CATCHABLE_SIGNALS", "CheckpointOptions", "ON_WRITE_ERROR", "READABLE_BY"]
