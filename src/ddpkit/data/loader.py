@@ -243,12 +243,16 @@ def _shut_down_workers_at_exit() -> None:
     multiprocessing child such as a worker of ddpkit's launcher) stops
     daemonic children with SIGTERM and then joins them: a process leaving with
     persistent workers alive (a preemption's SystemExit from inside the loop)
-    would wait for them forever. A finalizer with an exit priority runs first.
+    would wait for them forever. A finalizer with an exit priority runs first,
+    and before multiprocessing closes the loaders' index queues (their feeders'
+    finalizers have priority 10): torch tells each worker to stop through its
+    queue, and on a closed queue the message is lost and torch waits 5 s for
+    each worker (20 s for one loader with two, which a restarted round waited).
     """
     global _EXIT_HANDLER_PID
     if _EXIT_HANDLER_PID != os.getpid():  # a forked child starts with no finalizers
         _EXIT_HANDLER_PID = os.getpid()
-        multiprocessing.util.Finalize(None, _shutdown_live_workers, exitpriority=10)
+        multiprocessing.util.Finalize(None, _shutdown_live_workers, exitpriority=20)  # before the queues' 10
 
 
 def _shutdown_live_workers() -> None:
