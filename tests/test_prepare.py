@@ -164,6 +164,95 @@ def _single_worker(rank: int, world_size: int) -> dict:
         ddpkit.distributed.shutdown()
 
 
+class Twice(nn.Module):
+    """One layer applied twice in one forward (its weights used twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(torch.relu(self.layer(x))))
+
+
+def _loss_of(case: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """How ``case``'s loop makes its loss from ``model`` (the prepared module, or torch.compile's of it)."""
+    if case == "submodule_directly":  # the root's forward is never called
+        return F.mse_loss(model.head(model.layer(x)), y)
+    if case == "two_forwards":
+        half = len(x) // 2
+        return F.mse_loss(model(x[:half]), y[:half]) + F.mse_loss(model(x[half:]), y[half:])
+    return F.mse_loss(model(x), y)
+
+
+FLAT_CASES = (
+    "plain",
+    "two_forwards",
+    "submodule_directly",
+    "zero_grad_between_forward_and_backward",
+    "set_to_none_false",
+    "part_of_the_model_zeroed",
+    "clipped",
+    "compiled",
+)
+"""Loops over grad_sync=flat: each step's gradients must be the mean of plain torch's on every rank."""
+
+
+def _flat_gradients_are_averaged(rank: int, world_size: int) -> dict:
+    """Run each case of FLAT_CASES for 3 steps; report what differs from the mean of plain torch's gradients."""
+    import torch.distributed as dist
+
+    import ddpkit.distributed
+    from ddpkit.prepare import gradient_sync, prepare_model
+
+    ddpkit.distributed.init()
+    failures: list[str] = []
+    try:
+        for case in FLAT_CASES:
+            torch.manual_seed(0)
+            plain = Twice()
+            model = prepare_model(copy.deepcopy(plain), allreduce="shm", grad_sync="flat")
+            flat = gradient_sync(model).flat
+            called = torch.compile(model, backend="eager") if case == "compiled" else model
+            head_so_far: list[torch.Tensor] = []
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+                plain.zero_grad()
+                _loss_of(case, plain, x, y).backward()
+                expected = [p.grad.clone() for p in plain.parameters()]
+                for e in expected:
+                    dist.all_reduce(e)
+                    e /= world_size
+                # zero_grad first, as many loops do; part_of_the_model_zeroed keeps the head's gradients.
+                params = list(model.layer.parameters()) if case == "part_of_the_model_zeroed" else model.parameters()
+                if case != "zero_grad_between_forward_and_backward":
+                    for p in params:
+                        p.grad = None if case != "set_to_none_false" else p.grad.zero_()
+                loss = _loss_of(case, called, x, y)
+                if case == "zero_grad_between_forward_and_backward":
+                    model.zero_grad()
+                loss.backward()
+                got = [p.grad for p in model.parameters()]
+                if case == "part_of_the_model_zeroed":  # the head's gradients accumulate over the steps
+                    expected[2:] = [e + h for e, h in zip(expected[2:], head_so_far)] if head_so_far else expected[2:]
+                    head_so_far = expected[2:]
+                if case == "clipped":
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+                    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e) for e in expected]))
+                    if not torch.allclose(norm, want, rtol=1e-5):
+                        failures.append(f"{case} step {step}: clip_grad_norm_ saw {norm:.6g}, not {want:.6g}")
+                for i, (a, e) in enumerate(zip(got, expected)):
+                    if not torch.allclose(a, e, rtol=1e-5, atol=1e-6):
+                        failures.append(f"{case} step {step}: parameter {i} differs by {(a - e).abs().max():.3g}")
+                if not all(p.grad is v for p, v in zip(model.parameters(), flat.views)):
+                    failures.append(f"{case} step {step}: a .grad is not its view of the buffer after backward")
+    finally:
+        ddpkit.distributed.shutdown()
+    return {"failures": failures}
+
+
 MODES = ["ddp", "flat", "manual"]
 JOBS = {
     "test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks": (
@@ -178,6 +267,7 @@ JOBS = {
         (MODES, ["ring", "shm"], ["set_to_none", "accumulate", "unused"], ["adam"]),
         {},
     ),
+    "test_flat_gradients_are_averaged_whatever_the_loop_calls": (_flat_gradients_are_averaged, 2, (), {}),
     "test_one_worker_returns_the_model_itself_and_trains_as_plain_torch": (
         _single_worker,
         1,
@@ -203,6 +293,13 @@ def test_every_mode_and_allreduce_trains_like_stock_ddp_on_2_ranks(jobs):
 
 def test_every_mode_trains_like_stock_ddp_on_3_ranks(jobs):
     _check(jobs["test_every_mode_trains_like_stock_ddp_on_3_ranks"].get(), MODES)
+
+
+def test_flat_gradients_are_averaged_whatever_the_loop_calls(jobs):
+    """Two forwards into one loss, a loss from a submodule called directly (no root forward), zero_grad
+    between forward and backward, a zero_grad of part of the model, clipping, torch.compile: averaged."""
+    for rank, result in enumerate(jobs["test_flat_gradients_are_averaged_whatever_the_loop_calls"].get()):
+        assert result["failures"] == [], f"rank {rank}: " + "\n".join(result["failures"])
 
 
 def test_one_worker_returns_the_model_itself_and_trains_as_plain_torch(jobs):

@@ -38,7 +38,7 @@ How a step is split (each rank, ``perf_counter``)
         nothing; (c) - (a) is the synchronisation's own cost (DDP's
         autograd hooks and bucket copies, plus the hand-off of the
         communication hook's thread, which DDP's built-in all_reduce does
-        not pay; the flat buffer's hooks, zeroing and division);
+        not pay; the flat buffer's hooks, copies and division);
     (d) probes: a compute step (a), then one timed all_reduce call, the
         sizes of the fit taken in turn.
 
@@ -374,7 +374,7 @@ def _sync_without_communication(trainer: Any, train_cfg: Any, world_size: int) -
     The same ``GradientSync`` as the trainer's, given an all_reduce that does
     nothing (with DDP, as its communication hook). Minus the compute-only
     pass, this is the synchronisation's own cost (DDP's autograd hooks and
-    bucket copies; the flat buffer's hooks, zeroing and division).
+    bucket copies; the flat buffer's hooks, copies and division).
     """
     from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.train.loop import build_optimizer

@@ -17,6 +17,10 @@ views in place, and after backward one call reduces the whole buffer::
         optimizer.step()
 
 Start every rank from the same weights (``broadcast_parameters``), as DDP does.
+``ddpkit.prepare_model`` (``grad_sync=flat``) keeps the loop plain instead:
+after each backward, ``take_back_views`` copies in the gradients that autograd
+handed out fresh (after ``optimizer.zero_grad()``, whose ``set_to_none=True``
+drops the views) before ``reduce_buffers`` (see ``ddpkit.comm.grad_sync``).
 """
 
 from __future__ import annotations
@@ -67,23 +71,43 @@ class FlatGradients:
                 offset += p.numel()
             self.buffers.append(buffer)
         self.views = [p.grad for p in self.params]
+        self._pairs = list(zip(self.params, self.views))
 
     def zero_grad(self) -> None:
         """Zero the buffers, and give back its view to any parameter whose ``.grad`` was replaced or dropped."""
         for buffer in self.buffers:
             buffer.zero_()
-        for param, view in zip(self.params, self.views):
+        for param, view in self._pairs:
             if param.grad is not view:  # e.g. a zero_grad(set_to_none=True) elsewhere
+                param.grad = view
+
+    def take_back_views(self) -> None:
+        """Make every ``.grad`` its view again: a gradient set elsewhere is copied in, a missing one counts as zero.
+
+        Call it after a backward that may have started with ``.grad`` None or
+        replaced: autograd then hands over the gradient it computed, not the view.
+        """
+        for param, view in self._pairs:
+            grad = param.grad
+            if grad is not view:
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
                 param.grad = view
 
     def all_reduce(self) -> None:
         """Replace every gradient by its mean over the ranks (call after the step's last backward)."""
-        for param, view in zip(self.params, self.views):
+        for param, view in self._pairs:
             if param.grad is not view:
                 raise RuntimeError(
                     "a parameter's .grad is no longer a view of the flat gradient buffer, so it would not be "
                     "averaged; zero gradients with FlatGradients.zero_grad(), not zero_grad(set_to_none=True)"
                 )
+        self.reduce_buffers()
+
+    def reduce_buffers(self) -> None:
+        """Replace the buffers by their mean over the ranks, not checking that every ``.grad`` is its view."""
         for buffer in self.buffers:
             if self.averaging:
                 self.all_reduce_fn(buffer, op=ReduceOp.AVG, group=self.group)

@@ -19,20 +19,29 @@ In every mode the gradients are averaged by the time ``backward()`` returns,
 so that the training loop stays ``loss.backward(); optimizer.step();
 optimizer.zero_grad()`` (``ddpkit.prepare_model`` is the public entry).
 DDP does it with its reducer. ``flat`` and ``manual`` register a
-post-accumulate-grad hook on every trainable parameter; the first to fire in
-a backward queues a callback for the end of that backward, as DDP's reducer
-does, and the callback all-reduces the flat buffer (flat) or each gradient
-(manual) and divides by the world size::
+post-accumulate-grad hook on every trainable parameter (one bound method for
+all of them, which only compares the backward's id); the first to fire in a
+backward queues a callback for the end of that backward, as DDP's reducer
+does. The callback all-reduces each gradient (manual), or (flat) first
+copies into its view every gradient that autograd handed out fresh, points
+``.grad`` back at the view, and all-reduces the buffer once::
 
-    backward:  grad of w3 | hook w3       | grad of w2 | hook w2     | ... | end of backward
-                            queue callback                                    callback: all_reduce(buffer)
-                            .grad -> view                .grad -> view                  buffer /= world_size
+    backward:  grad of w3 | hook w3        | grad of w2 | hook w2 | ... | end of backward: callback
+                            queue callback                                  views <- fresh grads (one copy each)
+                                                                            all_reduce(buffer), averaged
 
-With ``flat`` every ``.grad`` stays a view of the buffer: after
-``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) autograd
-hands the hook a fresh ``.grad``, which the hook copies into the view before
-pointing ``.grad`` back at it; after ``zero_grad(set_to_none=False)`` autograd
-accumulates into the view in place.
+After ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default)
+every ``.grad`` is None, autograd hands over the gradient it computed (no
+allocation of its own), and the callback copies it into the view: one pass
+over the gradient bytes. After ``zero_grad(set_to_none=False)`` the views
+stay and autograd adds into them in place. Making the views land the
+gradients in place after ``set_to_none=True`` too (a forward pre-hook giving
+them back, zeroed) was measured slower, not faster: a zeroing pass plus an
+in-place add (two reads, one write) costs more than one copy
+(``benchmarks/flat-grads-2core-epyc-2026-11-25.md``). Arming the callback
+from the hooks rather than from the forward also means that whatever
+produced the loss (a submodule called directly, two forwards), every
+backward that reaches the parameters ends averaged.
 
 A parameter that got no gradient since the last ``zero_grad`` counts as zero
 on that rank, and after the callback every rank holds the same averaged
@@ -187,11 +196,8 @@ class GradientSync:
             averaging = all_reduce_fn is None and allreduce != "builtin"
             self.flat = FlatGradients(model, self._all_reduce, averaging=averaging)
             self.nbytes = self.flat.nbytes
-            hooks = [self._flat_hook(view) for view in self.flat.views]
-        else:
-            hooks = [self._manual_hook] * len(self._params)
-        for param, hook in zip(self._params, hooks):
-            param.register_post_accumulate_grad_hook(hook)
+        for param in self._params:
+            param.register_post_accumulate_grad_hook(self._on_gradient)
 
     @property
     def model(self) -> nn.Module:
@@ -224,36 +230,17 @@ class GradientSync:
 
     # -- flat and manual: hooks and the end-of-backward callback --------------------
 
-    def _start_of_backward(self) -> None:
-        """In the first hook of a backward: have its end synchronise, unless accumulating."""
-        self._graph_task = _graph_task_id()
-        if not self._accumulating:
-            _queue_callback(self._average_flat if self.flat is not None else self._average_each)
-
-    def _flat_hook(self, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            if _graph_task_id() != self._graph_task:
-                self._start_of_backward()
-            if param.grad is not view:  # after zero_grad(set_to_none=True): a fresh tensor, only this backward's
-                view.copy_(param.grad)
-                param.grad = view
-
-        return hook
-
-    def _manual_hook(self, param: torch.Tensor) -> None:
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """After a gradient is accumulated: in the first of a backward, have its end synchronise (unless accumulating)."""
         if _graph_task_id() != self._graph_task:
-            self._start_of_backward()
+            self._graph_task = _graph_task_id()
+            if not self._accumulating:
+                _queue_callback(self._average_flat if self.flat is not None else self._average_each)
 
     def _average_flat(self) -> None:
         assert self.flat is not None
-        for param, view in zip(self.flat.params, self.flat.views):
-            if param.grad is not view:  # no gradient since zero_grad (None), or one set by hand
-                if param.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(param.grad)
-                param.grad = view
-        self.flat.all_reduce()
+        self.flat.take_back_views()  # autograd's fresh gradients (after zero_grad's set_to_none) copied in
+        self.flat.reduce_buffers()
 
     def _average_each(self) -> None:
         world_size = self.ctx.world_size
