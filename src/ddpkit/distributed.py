@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -347,9 +347,35 @@ def _init_process_group(env: JobEnvironment, backend: str, timeout: float, envir
                 backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
             )
         else:
-            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
+            store = _job_store(env, timedelta(seconds=timeout))
+            dist.init_process_group(
+                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+            )
+    except (RuntimeError, OSError, dist.DistNetworkError, dist.DistStoreError) as e:
         raise RuntimeError(_explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
+
+
+def _job_store(env: JobEnvironment, timeout: timedelta) -> Any:
+    """The store the group forms on, at MASTER_ADDR:MASTER_PORT: rank 0 serves it, the others are its clients.
+
+    What ``init_method="env://"`` does, except that rank 0's store listens on
+    the address it reaches MASTER_ADDR from only (:mod:`ddpkit.served_store`),
+    not on every address of its host: nothing else of the network can write
+    the keys the ranks read.
+    """
+    if env.rank != 0:
+        # (TCPStore and Store are public in torch, missing from its __all__: hence Any and the ignore.)
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
+        )
+    from ddpkit.served_store import WILDCARD, ServedStore, listen_address, wildcard_warning
+
+    address = listen_address(env.master_addr, single_host=env.is_single_node)
+    if address == WILDCARD:
+        print(wildcard_warning(env.master_addr), file=sys.stderr, flush=True)
+    served = ServedStore(address, env.master_port, timeout, num_clients=env.world_size)
+    assert served.store is not None
+    return served.store  # the server lives as long as its own client, which the group holds
 
 
 def _explain_init_failure(env: JobEnvironment, waited: float, timeout: float, error: Exception) -> str:

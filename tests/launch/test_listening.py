@@ -3,7 +3,9 @@
 Each job runs as a user runs it, in a process of its own; the test watches
 the job's whole process tree (launcher, worker server, workers) with psutil
 while it runs, and lists every listening TCP socket it opens. The address a
-job of several nodes listens on is chosen here too (:mod:`ddpkit.launch.static`).
+job of several nodes listens on is chosen here too (:mod:`ddpkit.served_store`),
+and so is the one of a job whose launcher only sets MASTER_ADDR and the
+ranks (srun, mpirun, a job script).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ddpkit import served_store
+from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
-from ddpkit.launch import static
 from tests.cli_runner import PYTHONPATH
 
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -129,18 +132,85 @@ def test_ddpkit_run_restart_of_a_plain_torch_script_listens_on_loopback_only(tmp
 
 def test_node_0_of_several_serves_the_store_on_the_address_it_reaches_the_master_from():
     # On several nodes (tests/cluster/test_multinode.py runs two), node 0's store listens on that address only.
-    assert static.listen_address("127.0.0.1") == "127.0.0.1"
-    assert static.listen_address("localhost") in LOOPBACK
+    assert served_store.listen_address("127.0.0.1", single_host=False) == "127.0.0.1"
+    assert served_store.listen_address("localhost", single_host=False) in LOOPBACK
 
 
 def test_a_master_addr_node_0_cannot_resolve_is_one_line_naming_the_fix():
-    with pytest.raises(UserError, match=r"^master_addr=no-such-host\.invalid does not resolve on node 0 .*; pass "):
-        static.listen_address("no-such-host.invalid")
+    with pytest.raises(UserError, match=r"^master_addr=no-such-host\.invalid does not resolve on .*; pass "):
+        served_store.listen_address("no-such-host.invalid", single_host=False)
 
 
-def test_node_0_warns_in_one_line_when_its_store_would_listen_on_loopback_only():
-    warning = static.loopback_warning("node0", "127.0.1.1")  # Debian's /etc/hosts entry for the host's own name
-    assert warning is not None and "\n" not in warning
-    assert warning.startswith("ddpkit: warning: master_addr=node0 is 127.0.1.1 on node 0, a loopback address")
+def test_a_host_name_that_is_loopback_on_node_0_only_keeps_the_store_reachable_and_says_so(monkeypatch):
+    # Debian's /etc/hosts maps the host's own name to 127.0.1.1, while other hosts reach the name elsewhere.
+    # The name's resolution here is the one thing replaced (this test does not edit /etc/hosts).
+    name = "node0"
+    resolve = served_store.source_address_for
+    monkeypatch.setattr(served_store, "source_address_for", lambda addr: resolve("127.0.1.1" if addr == name else addr))
+    assert served_store.listen_address(name, single_host=False) == served_store.WILDCARD
+    assert served_store.listen_address(name, single_host=True).startswith("127.")  # a job on this host alone
+    warning = served_store.wildcard_warning(name)
+    assert "\n" not in warning and warning.startswith("ddpkit: warning: master_addr=node0 is a loopback address")
     assert "pass node 0's network address as master_addr" in warning
-    assert static.loopback_warning("node0", "10.77.0.1") is None
+
+
+HAND_STARTED_SCRIPT = """
+import time
+import torch, torch.distributed as dist
+import ddpkit
+ctx = ddpkit.init(backend="gloo")
+value = torch.ones(1)
+dist.all_reduce(value)
+time.sleep(1.5)  # long enough for the test to see the sockets
+dist.all_reduce(value)
+print(f"rank {ctx.rank} sum {value.item():g}", flush=True)
+ddpkit.shutdown()
+"""
+
+
+def test_ranks_started_by_a_job_script_form_their_group_on_a_store_that_listens_on_loopback_only(tmp_path):
+    # What srun and mpirun give (MASTER_ADDR and the ranks), here set by hand: rank 0 serves the group's store.
+    (tmp_path / "script.py").write_text(HAND_STARTED_SCRIPT)
+    port = free_port("127.0.0.1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "script.py"],
+            cwd=tmp_path,
+            env={
+                **os.environ,
+                "PYTHONPATH": PYTHONPATH,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    listening: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + 120
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        for p in procs:
+            listening |= _listening_of(p.pid)
+        time.sleep(0.02)
+    outs = []
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        outs.append(p.communicate())
+    for rank, (out, err) in enumerate(outs):
+        assert f"rank {rank} sum 4" in out, err
+    assert ("127.0.0.1", port) in listening, listening  # rank 0's store
+    assert {address for address, _ in listening} <= LOOPBACK, f"listening beyond loopback: {listening}"
+
+
+def _listening_of(pid: int) -> set[tuple[str, int]]:
+    try:
+        return _listening(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return set()

@@ -470,14 +470,14 @@ def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     """This machine's part in a job of ``spec.nnodes``: a static rendezvous, node 0's store on one address."""
     from ddpkit.launch import static
+    from ddpkit.served_store import WILDCARD, listen_address, wildcard_warning
 
     configs: dict[str, Any] = {"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)}
     if spec.node_rank == 0:  # the store listens on the address node 0 reaches master_addr from, only
-        configs["listen_address"] = static.listen_address(spec.master_addr)
+        configs["listen_address"] = listen_address(spec.master_addr, single_host=False)
         check_port_free(spec.master_port, configs["listen_address"])
-        warning = static.loopback_warning(spec.master_addr, configs["listen_address"])
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
+        if configs["listen_address"] == WILDCARD:
+            print(wildcard_warning(spec.master_addr), file=sys.stderr, flush=True)
     static.register()
     return dict(
         min_nodes=spec.nnodes,

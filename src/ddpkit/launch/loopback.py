@@ -10,7 +10,7 @@ reach either store, so this backend (:data:`BACKEND`, registered with
 torch's rendezvous registry) listens on ``127.0.0.1`` only:
 
 - the rendezvous store is a TCPStore served from a socket ddpkit bound to
-  ``127.0.0.1`` (``master_listen_fd``: :mod:`ddpkit.launch.served_store`),
+  ``127.0.0.1`` (``master_listen_fd``: :mod:`ddpkit.served_store`),
   kept by the launcher;
 - each round of workers (the first, and each restart) gets a new TCPStore,
   also on ``127.0.0.1`` and kept by the launcher, as ``MASTER_ADDR`` and
@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ddpkit.launch.served_store import ServedStore
+from ddpkit.served_store import ServedStore
 
 BACKEND = "ddpkit-loopback"
 """The rendezvous backend name to pass as ``rdzv_backend`` (its endpoint: ``127.0.0.1:PORT``)."""

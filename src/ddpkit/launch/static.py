@@ -7,7 +7,7 @@ its client, and nothing else is agreed on. torch's static rendezvous
 serves that store on every address of node 0 (the server binds the
 wildcard address). This backend (:data:`BACKEND`) is the same rendezvous,
 with node 0's store served from a socket bound to one address
-(:mod:`ddpkit.launch.served_store`): the address node 0 reaches A from,
+(:mod:`ddpkit.served_store`): the address node 0 reaches A from,
 which is A itself when A is node 0's address, and the address of the
 interface ``ddpkit.init`` gives gloo (the one that routes to the master,
 :mod:`ddpkit.env.network`)::
@@ -19,12 +19,11 @@ interface ``ddpkit.init`` gives gloo (the one that routes to the master,
 
 The workers' process group is formed on that store under keys of its round
 alone (:mod:`ddpkit.round_store`). The launcher checks the address and the
-port before starting (:func:`listen_address`).
+port before starting (:func:`ddpkit.served_store.listen_address`).
 """
 
 from __future__ import annotations
 
-import ipaddress
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -37,42 +36,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ddpkit.env.network import source_address_for
-from ddpkit.errors import UserError
-from ddpkit.launch.served_store import ServedStore
+from ddpkit.served_store import ServedStore
 
 BACKEND = "ddpkit-static"
 """The rendezvous backend name to pass as ``rdzv_backend``; its configs: ``rank``, ``timeout``, ``listen_address``."""
-
-
-def listen_address(master_addr: str) -> str:
-    """The address node 0 serves the store on: the one it reaches ``master_addr`` from.
-
-    Raises:
-        UserError: ``master_addr`` does not resolve here, or no route leads to it.
-    """
-    address = source_address_for(master_addr)
-    if address is None:
-        raise UserError(
-            f"master_addr={master_addr} does not resolve on node 0 or no route leads to it; "
-            "pass node 0's host name or address, as the other nodes reach it"
-        )
-    return address
-
-
-def loopback_warning(master_addr: str, address: str) -> str | None:
-    """One line for node 0 when its store would listen on a loopback ``address``, else None.
-
-    A host name that node 0's /etc/hosts maps to 127.0.1.1 (Debian's default) resolves to loopback
-    there, and other hosts cannot reach the store; nodes that all run on one host can.
-    """
-    if not ipaddress.ip_address(address).is_loopback:
-        return None
-    return (
-        f"ddpkit: warning: master_addr={master_addr} is {address} on node 0, a loopback address: the rendezvous "
-        "store listens there only, which other hosts cannot reach; pass node 0's network address as master_addr "
-        "unless every node runs on this host"
-    )
 
 
 class StaticRendezvousHandler(RendezvousHandler):
@@ -140,7 +107,9 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     master_addr, master_port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
     assert master_port != -1 and "rank" in params.config, params
     if int(params.config["rank"]) == 0 and not params.config.get("listen_address"):
-        raise ValueError(f"the {BACKEND} rendezvous needs listen_address on node 0 (see listen_address())")
+        raise ValueError(
+            f"the {BACKEND} rendezvous needs listen_address on node 0 (see ddpkit.served_store.listen_address)"
+        )
     return StaticRendezvousHandler(params, master_addr, master_port)
 
 
