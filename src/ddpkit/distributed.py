@@ -373,7 +373,14 @@ def _job_store(env: JobEnvironment, timeout: timedelta) -> Any:
     address = listen_address(env.master_addr, single_host=env.is_single_node)
     if address == WILDCARD:
         print(wildcard_warning(env.master_addr), file=sys.stderr, flush=True)
-    served = ServedStore(address, env.master_port, timeout, num_clients=env.world_size)
+    try:
+        served = ServedStore(address, env.master_port, timeout, num_clients=env.world_size)
+    except OSError:
+        # The port is taken: by a store this process serves already (``ddpkit doctor``'s, multi-tenant as
+        # env://'s is), which torch's store then shares, or by another process, which it reports.
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            env.master_addr, env.master_port, env.world_size, is_master=True, timeout=timeout, multi_tenant=True
+        )
     assert served.store is not None
     return served.store  # the server lives as long as its own client, which the group holds
 
