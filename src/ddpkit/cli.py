@@ -163,6 +163,25 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _say_restarts_are_the_launchers(max_restarts: int) -> None:
+    """One line (rank 0): ``max_restarts`` is ddpkit's launcher's; this worker's launcher restarts by its own option.
+
+    Otherwise a job script passing ``max_restarts=1`` to the workers of torchrun, srun or mpirun would run
+    without the restarts it asked for, and say nothing.
+    """
+    from ddpkit.env.detect import detect_environment
+
+    env = detect_environment(os.environ)
+    if env.rank == 0:
+        print(
+            f"ddpkit: warning: max_restarts={max_restarts} is for ddpkit's own launcher and does nothing in a worker "
+            f"that {env.source} started; restarts are the launcher's (torchrun --max-restarts {max_restarts}; srun "
+            "and mpirun restart none: ddpkit slurm launch=torchrun max_restarts=N writes the torchrun line)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
@@ -193,6 +212,8 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     cfg = parse_train_config(words)
     export_dir = model_dir(os.environ)  # inside SageMaker: the model is exported there at the end
     if not here:
+        if cfg.max_restarts:
+            _say_restarts_are_the_launchers(cfg.max_restarts)
         run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
     if cfg.node_rank == 0:  # the other nodes' workers take node 0's run folder (ddpkit.train.run)

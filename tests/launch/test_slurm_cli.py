@@ -126,6 +126,7 @@ def test_custom_command_is_split_like_a_shell(capsys):
             "error: ddpkit slurm takes key=value words: write --ntasks-per-node=4 as tasks_per_node=4",
         ),
         (["--submit"], "error: ddpkit slurm takes key=value words: write --submit as submit=true"),
+        (["venv=/v", "max_restarts=2"], "error: max_restarts=2 needs launch=torchrun: srun and mpirun do not"),
     ],
 )
 def test_bad_options_end_in_one_line_and_status_2(argv, message, capsys):
@@ -134,6 +135,14 @@ def test_bad_options_end_in_one_line_and_status_2(argv, message, capsys):
     assert status == 2
     assert out == ""
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_max_restarts_goes_to_torchrun_not_to_its_workers(capsys):
+    # A worker of torchrun restarts nothing: the word becomes torchrun's own option.
+    status, out, _ = run(["venv=/v", "launch=torchrun", "max_restarts=2", "epochs=3"], capsys)
+    assert status == 0
+    assert "torchrun --nnodes=1 --nproc-per-node=1 --max-restarts=2 \\\n" in out
+    assert "-m ddpkit train epochs=3\n" in out and "max_restarts=" not in out
 
 
 def test_train_words_are_checked_only_for_ddpkit_train(capsys):

@@ -171,6 +171,8 @@ class SbatchSpec:
     """Python executable of the workers, inside the environment."""
     command: tuple[str, ...] = ()
     """Program each worker runs instead of ``python -m ddpkit train``, e.g. ("python", "my_train.py")."""
+    max_restarts: int = 0
+    """Times torchrun restarts the workers of a node after a failure (launch_mode torchrun only)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -316,7 +318,7 @@ def _launcher(spec: SbatchSpec) -> list[str]:
         # One task per node holding the CPUs of all its workers.
         return [
             f"srun --nodes={n} --ntasks={n} --ntasks-per-node=1 --cpus-per-task={t * c} --kill-on-bad-exit=1",
-            f"    {container}{ignore}torchrun --nnodes={n} --nproc-per-node={t}",
+            f"    {container}{ignore}torchrun --nnodes={n} --nproc-per-node={t}{_restarts(spec)}",
             '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"',
             f"    {worker}",
         ]
@@ -329,6 +331,11 @@ def _launcher(spec: SbatchSpec) -> list[str]:
         "    " + " ".join(f"-x {name}" for name in exported),
         f"    {container}{_worker_command(spec)}",
     ]
+
+
+def _restarts(spec: SbatchSpec) -> str:
+    """torchrun's option for ``max_restarts`` (its workers resume from the newest checkpoint), or ""."""
+    return f" --max-restarts={spec.max_restarts}" if spec.max_restarts else ""
 
 
 def _launch(spec: SbatchSpec) -> list[str]:
@@ -384,6 +391,13 @@ def _validate(spec: SbatchSpec) -> None:
         raise UserError(f"gpus_per_node={spec.gpus_per_node!r} must be an integer >= 0")
     if spec.launch_mode not in LAUNCH_MODES:
         raise UserError(f"launch_mode={spec.launch_mode!r} is unknown; choose one of: {', '.join(LAUNCH_MODES)}")
+    if not isinstance(spec.max_restarts, int) or spec.max_restarts < 0:
+        raise UserError(f"max_restarts={spec.max_restarts!r} must be an integer >= 0")
+    if spec.max_restarts and spec.launch_mode != "torchrun":
+        raise UserError(
+            f"max_restarts={spec.max_restarts} needs launch=torchrun: srun and mpirun do not restart a job's "
+            "workers; pass launch=torchrun, or requeue=true to have Slurm start the job again from its checkpoint"
+        )
     if spec.env_mode not in ENV_MODES:
         raise UserError(f"env_mode={spec.env_mode!r} is unknown; choose one of: {', '.join(ENV_MODES)}")
     for name in ("job_name", "partition", "account", "qos", "output", "error", "project_root"):

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.command_help import CommandHelp
-from ddpkit.config import ConfigError, check_choice, parse
+from ddpkit.config import ConfigError, TrainConfig, check_choice, parse
 from ddpkit.errors import UserError
 from ddpkit.launch.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, render_sbatch
 
@@ -187,8 +187,11 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
         venv = _running_venv()
         if not venv:
             raise UserError("no environment to run in: pass venv=PATH, modules=NAME or apptainer=IMAGE")
+    max_restarts = 0
     if not config.command:  # the workers run `ddpkit train`: check its words here, not on the cluster
-        _check_train_words(train_args)
+        max_restarts = _check_train_words(train_args).max_restarts
+        # A worker of torchrun restarts nothing itself: the launcher does, told by its own option.
+        train_args = [word for word in train_args if word.split("=", 1)[0] != "max_restarts"]
     signal_name = config.preempt_signal.upper().removeprefix("SIG")
     requeue = str(config.requeue).lower()
     return SbatchSpec(
@@ -220,14 +223,15 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
         train_args=(*train_args, *unread),
         python=config.python,
         command=tuple(shlex.split(config.command)),
+        max_restarts=max_restarts,
     )
 
 
-def _check_train_words(words: Sequence[str]) -> None:
+def _check_train_words(words: Sequence[str]) -> TrainConfig:
     from ddpkit.config import parse_train_config
 
     try:
-        parse_train_config(words)
+        return parse_train_config(words)
     except ConfigError as e:
         raise ConfigError(f"training option: {e}") from None
 
