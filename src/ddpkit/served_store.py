@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from ddpkit.env.network import source_address_for
+from ddpkit.env.network import names_loopback, source_address_for
 from ddpkit.errors import UserError
 
 WILDCARD = "0.0.0.0"
@@ -52,19 +52,9 @@ def listen_address(master_addr: str, single_host: bool) -> str:
             f"master_addr={master_addr} does not resolve on the host of rank 0 (node 0) or no route leads to it; "
             "pass node 0's host name or address, as the other nodes reach it"
         )
-    if ipaddress.ip_address(address).is_loopback and not single_host and not _names_loopback(master_addr):
+    if ipaddress.ip_address(address).is_loopback and not single_host and not names_loopback(master_addr):
         return WILDCARD
     return address
-
-
-def _names_loopback(master_addr: str) -> bool:
-    """``master_addr`` says loopback itself (a job of several processes on one host, by choice)."""
-    if master_addr == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(master_addr).is_loopback
-    except ValueError:
-        return False
 
 
 def wildcard_warning(master_addr: str) -> str:

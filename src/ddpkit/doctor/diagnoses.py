@@ -7,13 +7,13 @@ the messages are tested on plain data.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 from collections.abc import Sequence
 
 from ddpkit.doctor.results import WorkerInfo
 from ddpkit.env.base import JobEnvironment
+from ddpkit.env.network import names_loopback
 
 
 def unreachable_diagnosis(env: JobEnvironment, error: OSError, timeout: float) -> str:
@@ -42,7 +42,7 @@ def unreachable_diagnosis(env: JobEnvironment, error: OSError, timeout: float) -
         why = str(error)
         check = f"check MASTER_ADDR={env.master_addr}, MASTER_PORT={env.master_port} and the network between the hosts"
     text = f"rank {env.rank}/{env.world_size} cannot reach the master at {where} within {timeout:g}s: {why}; {check}"
-    if _is_loopback(env.master_addr) and env.num_nodes > 1:
+    if names_loopback(env.master_addr) and env.num_nodes > 1:
         text += (
             f". MASTER_ADDR={env.master_addr} is a loopback address, but the job spans {env.num_nodes} nodes: "
             "set it to an address of rank 0's host that the other hosts reach. Under torchrun with "
@@ -75,7 +75,7 @@ def missing_diagnosis(
 def loopback_diagnosis(env: JobEnvironment, workers: Sequence[WorkerInfo]) -> str:
     """A problem when a worker would bind gloo to loopback while a peer is on another host; else ""."""
     for w in workers:
-        if not _is_loopback(w.address):
+        if not names_loopback(w.address):
             continue
         others = [o.rank for o in workers if o.stack != w.stack]
         if others:
@@ -105,21 +105,12 @@ def join_diagnosis(env: JobEnvironment, error: str, workers: Sequence[WorkerInfo
 
 def loopback_master_warning(env: JobEnvironment) -> str:
     """A warning when MASTER_ADDR is a loopback address for a job of several nodes; else ""."""
-    if _is_loopback(env.master_addr) and env.num_nodes > 1:
+    if names_loopback(env.master_addr) and env.num_nodes > 1:
         return (
             f"MASTER_ADDR={env.master_addr} is a loopback address but the job spans {env.num_nodes} nodes; "
             "workers on other hosts cannot reach it unless every node is this host"
         )
     return ""
-
-
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
 
 
 def _ranks(ranks: Sequence[int]) -> str:

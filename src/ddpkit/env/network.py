@@ -46,6 +46,16 @@ def interface_for(address: str) -> str | None:
     return next((name for name, ip in interface_addresses() if ip == source_ip), None)
 
 
+def names_loopback(address: str) -> bool:
+    """Whether ``address`` says loopback itself: ``localhost`` or a loopback IP address (not a name resolved)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def source_address_for(address: str) -> str | None:
     """The address of this host the kernel sends from to reach address (address itself when it is this host's).
 
