@@ -10,7 +10,8 @@ with node 0's store served from a socket bound to one address
 (:mod:`ddpkit.served_store`): the address node 0 reaches A from,
 which is A itself when A is node 0's address, and the address of the
 interface ``ddpkit.init`` gives gloo (the one that routes to the master,
-:mod:`ddpkit.env.network`)::
+:mod:`ddpkit.env.network`); every address only when A is a host name that
+node 0 alone resolves to loopback (see :func:`ddpkit.served_store.listen_address`)::
 
     node 0   agent: store  A:P  <- every agent, and every worker of every round
              workers: gloo pairs on A's interface
