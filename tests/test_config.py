@@ -13,6 +13,22 @@ def test_words_files_and_order(tmp_path):
     assert (cfg.epochs, cfg.lr) == (3, 0.25)
 
 
+@pytest.mark.parametrize(
+    "word,resume",
+    [("resume=false", "never"), ("resume=true", "auto"), ("resume=False", "never"), ("resume=a/b", "a/b")],
+)
+def test_resume_takes_true_and_false_as_auto_and_never(word, resume):
+    assert parse(TrainConfig, [word]).resume == resume
+
+
+def test_a_text_option_keeps_the_word_yaml_would_read_as_a_number(tmp_path):
+    cfg = parse(TrainConfig, ["output_dir=1e3", "checkpoint.dir=007", "init_from=yes"])
+    assert (cfg.output_dir, cfg.checkpoint.dir, cfg.init_from) == ("1e3", "007", "yes")
+    path = tmp_path / "run.yaml"
+    path.write_text("resume: false\n")
+    assert parse(TrainConfig, [str(path)]).resume == "never"
+
+
 def test_model_recipe_is_default_and_overridable():
     cnn = parse_train_config(["model=cnn"])
     assert (cnn.optimizer, cnn.lr, cnn.momentum, cnn.batch_size, cnn.batch_scope) == (

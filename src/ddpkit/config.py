@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ddpkit import errors
-from ddpkit.checkpoint.options import CheckpointOptions
+from ddpkit.checkpoint.options import CheckpointOptions, resume_choice
 from ddpkit.errors import UserError
 from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
@@ -55,7 +55,7 @@ def parse(
         ConfigError: unknown key, bad value or unreadable file.
     """
     merged = OmegaConf.structured(schema)
-    layers = [("presets", dict(presets or {}))] + [(word, _read_layer(word)) for word in args]
+    layers = [("presets", dict(presets or {}))] + [(word, _keep_text(word, _read_layer(word), schema)) for word in args]
     for word, layer in layers:
         _check_groups(word, layer, schema)
         try:
@@ -122,6 +122,23 @@ def _read_layer(word: str) -> dict[str, Any]:
             f"cannot read {word!r} ({reason}); the value is read as YAML: write plain text "
             f"or quote it, e.g. {key}='a b'"
         ) from None
+
+
+def _keep_text(word: str, layer: dict[str, Any], schema: type) -> dict[str, Any]:
+    """``layer`` with a text option's value as the word wrote it, where YAML read a bool or a number.
+
+    ``resume=false`` or ``output_dir=1e3`` would otherwise reach the option as "False" or "1000.0".
+    """
+    key, _, raw = word.partition("=")
+    if not raw or _field_type(schema, key) is not str:
+        return layer
+    *groups, name = key.split(".")
+    leaf = layer
+    for group in groups:
+        leaf = leaf[group]
+    if isinstance(leaf[name], (bool, int, float)):
+        leaf[name] = raw.strip()
+    return layer
 
 
 def _explain(error: OmegaConfBaseException, schema: type, word: str) -> str:
@@ -438,7 +455,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoint cadence, folder, retention, best checkpoint and preemption (checkpoint.KEY=VALUE)."""
     resume: str = "never"
-    """never (start fresh), auto (the newest complete, verified checkpoint) or the path of one checkpoint."""
+    """never (start fresh), auto (the newest complete, verified checkpoint) or the path of one checkpoint;
+    true means auto, false never."""
     max_steps: int = 0
     """Stop after this many optimizer steps in total, with a checkpoint (0: train all epochs)."""
     max_restarts: int = 0
@@ -468,6 +486,7 @@ class TrainConfig:
         check_positive("threads", self.threads, allow_zero=True)
         check_positive("max_steps", self.max_steps, allow_zero=True)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        self.resume = resume_choice(self.resume)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
         check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)

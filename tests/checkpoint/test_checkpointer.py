@@ -333,6 +333,9 @@ def test_resume_auto_never_and_path(tmp_path, checkpointers):
         resume("never")
     assert "already holds checkpoints (newest: step-000000004); continue that run with resume=auto" in _one_line(error)
     assert resume("auto").path == tmp_path / "step-000000004"
+    assert resume(True).path == tmp_path / "step-000000004"  # an argparse --resume flag means auto
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        resume(False)  # and its absence never, not a checkpoint named "False"
     assert resume(tmp_path / "step-000000004").global_step == 4
     with pytest.raises(CheckpointError) as error:
         resume(tmp_path / "step-000000002")

@@ -99,7 +99,7 @@ from ddpkit.checkpoint.format import (
     rewrite_manifest,
     write_checkpoint,
 )
-from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
+from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice
 from ddpkit.checkpoint.preemption import (
     Agreement,
     Preempted,
@@ -241,14 +241,15 @@ class Checkpointer:
 
     # -- resuming ----------------------------------------------------------------
 
-    def resume(self, resume: str | os.PathLike[str] = "auto", first_epoch: int = 0) -> ResumePoint:
+    def resume(self, resume: str | os.PathLike[str] | bool = "auto", first_epoch: int = 0) -> ResumePoint:
         """Restore every object from the checkpoint ``resume`` selects (a collective).
 
         Args:
             resume: "auto" (the newest checkpoint that verifies, else a fresh
                 start), "never" (a fresh start; refused if the folder holds
-                checkpoints) or the path of one checkpoint. A restarted worker
-                (elastic restart, Slurm requeue) always resumes the newest.
+                checkpoints) or the path of one checkpoint; True means "auto"
+                and False "never" (an argparse ``--resume`` flag). A restarted
+                worker (elastic restart, Slurm requeue) always resumes the newest.
             first_epoch: the number of the first epoch on a fresh start (1 for
                 a loop that numbers epochs from 1); a resumed run continues
                 with the loader's own numbering.
@@ -265,7 +266,9 @@ class Checkpointer:
 
         def choose() -> str:
             self._collect_writes()
-            path, found["loaded"] = select.choose_checkpoint(self.root, str(resume), select.restart_count(self.environ))
+            path, found["loaded"] = select.choose_checkpoint(
+                self.root, resume_choice(resume), select.restart_count(self.environ)
+            )
             return str(path) if path else ""
 
         chosen = self._on_rank_zero(choose)

@@ -31,6 +31,19 @@ ON_WRITE_ERROR = ("stop", "warn")
 """What a failed checkpoint write does: stop training (exit status 74), or warn and go on."""
 CATCHABLE_SIGNALS = tuple(sorted(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)))
 """Signals a process can handle: what a Checkpointer's ``preempt_signals`` may name (a scheduler may send e.g. SIGXCPU)."""
+RESUME_MODES = ("never", "auto")
+"""The named resume choices; anything else is the path of one checkpoint."""
+_RESUME_WORDS = {"true": "auto", "false": "never"}
+
+
+def resume_choice(resume: object) -> str:
+    """``resume`` as never, auto or a path: True (or "true") means auto, False (or "false") never.
+
+    Scripts pass an argparse ``--resume`` flag (a bool) and config files write
+    ``resume: false``; read as a path, either would be "no checkpoint named False".
+    """
+    text = str(resume).lower() if isinstance(resume, bool) else str(resume)
+    return _RESUME_WORDS.get(text.lower(), text)
 
 
 @dataclasses.dataclass

@@ -35,9 +35,6 @@ from ddpkit.checkpoint.format import (
 )
 from ddpkit.log import get_logger
 
-RESUME_MODES = ("never", "auto")
-"""The named resume choices; anything else is the path of one checkpoint."""
-
 
 def restart_count(environ: Mapping[str, str]) -> int:
     """How many times this job was restarted (torch elastic) or requeued (Slurm)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ddpkit.checkpoint.select import RESUME_MODES, check_resume
+from ddpkit.checkpoint.options import RESUME_MODES
+from ddpkit.checkpoint.select import check_resume
 from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.comm.shm import segment_bytes
 from ddpkit.config import ConfigError, TrainConfig
