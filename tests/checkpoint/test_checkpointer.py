@@ -485,3 +485,21 @@ def test_dataloader_workers_survive_a_preemption_signal_sent_to_every_process(tm
         del batches  # shuts the workers down
     assert sorted(torch.cat([first, *rest]).tolist()) == list(range(64))
     assert ckpt.signals.received == signal.SIGTERM  # recorded; the next step() agrees on it and checkpoints
+
+
+def test_a_loop_leaving_its_epochs_early_is_warned_once_that_a_resume_inside_one_differs(
+    tmp_path, checkpointers, ddpkit_log
+):
+    loader = ddpkit.DataLoader(_Indices(), global_batch_size=4, shuffle=True, seed=SEED, rank=0, world_size=1)
+    ckpt = checkpointers(tmp_path, loader=loader, every_steps=100)
+    next(iter(loader))  # a look at the first batch takes nothing from the loop, and is not a loop leaving early
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for i, _ in enumerate(loader):
+            if i == 5:  # a --limit-batches flag
+                break
+            ckpt.step()
+    warnings = [r.getMessage() for r in ddpkit_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("the loop left epoch 0 after 6 of 16 batches (a break in its batch loop)")
+    assert "sampler=RandomSampler(dataset, num_samples=N)" in warnings[0]

@@ -315,3 +315,28 @@ def test_a_dataset_that_draws_nothing_leaves_the_generators_alone():
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     assert len(list(DataLoader(IndexDataset(20), global_batch_size=4))) == 5
     assert _global_draws() == expected
+
+
+def test_a_pass_left_early_without_set_epoch_gets_a_new_order_next_pass_as_torch_reshuffles():
+    dataset = TensorDataset(torch.arange(40))
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, seed=3)
+    peeked = next(iter(loader))[0]  # a look at the first batch: the loop's epoch still starts there
+    firsts = []
+    for _ in range(3):
+        for i, (batch,) in enumerate(loader):
+            if i == 2:
+                break
+            firsts.append(batch)
+    assert torch.equal(firsts[0], peeked)
+    assert loader.epoch == 2 and len({tuple(b.tolist()) for b in firsts}) == 6  # three epochs, three orders
+    assert [torch.equal(a, b) for a, b in zip(firsts[::2], _first_of_epochs(dataset, 3))] == [True] * 3
+
+
+def _first_of_epochs(dataset, epochs):
+    """Each epoch's first batch, from a loader of the same arguments that calls set_epoch."""
+    fresh = DataLoader(dataset, batch_size=4, shuffle=True, seed=3)
+    firsts = []
+    for epoch in range(epochs):
+        fresh.set_epoch(epoch)
+        firsts.append(next(iter(fresh))[0])
+    return firsts

@@ -83,6 +83,7 @@ from ddpkit.data.sample_seeds import SeededDataset, _mix, _Template
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
 from ddpkit.errors import UserError
+from ddpkit.log import get_logger
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 np: ModuleType | None
@@ -447,7 +448,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     or at the restored step after a resume, as torch's loader starts each
     iterator at the epoch's start: a look at ``next(iter(loader))`` before
     the batch loop takes nothing from the loop. The step counts the batches
-    handed to the loop by the newest iterator.
+    handed to the loop by the newest iterator. A pass the loop leaves early
+    (a ``break`` after two batches or more) is taken as the epoch's end: a
+    loop that never calls ``set_epoch`` gets a new order at its next pass, as
+    torch's loader reshuffles, and with a Checkpointer rank 0 warns once, since
+    a run resumed inside such an epoch is handed the epoch's remaining batches.
 
     Raises:
         ValueError: a dataset that is neither map-style nor iterable, a global
@@ -534,6 +539,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._epoch_done = False
         self._epochs_set = False
         self._resumed_epoch: int | None = None
+        self._pass_batches = 0  # handed out by the newest iterator (a loop's break leaves it short of the epoch)
+        self._left_early_said = False
         self.between_batches: Callable[[], None] | None = None
         """Called each time the loop asks for the next batch, and once when the epoch's batches run out:
         the points where the loop's body is complete (the Checkpointer writes its checkpoints there)."""
@@ -613,10 +620,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # The script called set_epoch on the DistributedSampler it passed (pytorch/examples' habit).
             self._followed_epoch = follow.epoch
             self.set_epoch(follow.epoch)
+        if self._left_early():
+            self._say_left_early()
+            self._epoch_done = True  # torch's loader would shuffle anew; without set_epoch, so does this one
         if self._epoch_done:
             # A new pass: the next epoch when the loop never calls set_epoch, else the same epoch again.
             self._epoch += 0 if self._epochs_set else 1
             self._start_step, self._epoch_done = 0, False
+        self._pass_batches = 0
         epoch, start = self._epoch, self._start_step
         self._step_in_epoch = start
         if self._tensor_fast_path:
@@ -639,6 +650,28 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if self._stream is not None:
             return self._hand_out_stream(batches, epoch, start)
         return self._hand_out(batches)
+
+    def _left_early(self) -> bool:
+        """True when the newest pass handed out two batches or more and the loop left it before its end.
+
+        One batch is a look at ``next(iter(loader))``, which takes nothing from the loop.
+        """
+        return self._pass_batches >= 2 and not self._epoch_done
+
+    def _say_left_early(self) -> None:
+        """Rank 0, once, with a Checkpointer: a run resumed inside an epoch the loop leaves early differs."""
+        if self._left_early_said or self.between_batches is None or self._rank != 0:
+            return
+        self._left_early_said = True
+        known = self._stream is None or self._stream.known_steps is not None
+        total = f" of {self.steps_per_epoch}" if known else ""
+        get_logger().warning(
+            f"the loop left epoch {self._epoch} after {self._step_in_epoch}{total} batches (a break in its "
+            "batch loop): a run resumed from a checkpoint inside such an epoch is handed the epoch's remaining "
+            "batches, while the loop's own count (enumerate) starts at 0 again, so it would train other batches "
+            "than an uninterrupted run; to train part of each epoch, give the loader only that part, e.g. "
+            "sampler=RandomSampler(dataset, num_samples=N), and let its epochs run out"
+        )
 
     def _check_shared_memory(self, epoch: int) -> None:
         """Warn when /dev/shm cannot hold the batches the workers will put there (see ddpkit.data.shm_budget)."""
@@ -682,6 +715,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 raise translated from error
             self._global_count = sampler.global_batch_length(self._step_in_epoch)
             self._step_in_epoch += 1
+            self._pass_batches += 1
             yield batch
         self._epoch_done, self._start_step, self._resumed_epoch = True, 0, None
 
@@ -700,6 +734,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             batch, worker, position, self._global_count, last = item
             stream.positions[worker] = position
             self._step_in_epoch += 1
+            self._pass_batches += 1
             if last:
                 stream.known_steps = self._step_in_epoch
             yield batch
@@ -753,7 +788,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._resumed_epoch = None
         self._epochs_set = True
         if epoch != self._epoch:
+            if self._left_early():
+                self._say_left_early()
             self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, 0, 0, False
+            self._pass_batches = 0
             if self._stream is not None:
                 self._stream.shard.start = {}
 
@@ -834,6 +872,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, step, step, False
         self._resumed_epoch = epoch
         self._global_count = None
+        self._pass_batches = 0
 
     @property
     def epoch(self) -> int:
