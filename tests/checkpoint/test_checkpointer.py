@@ -503,3 +503,34 @@ def test_a_loop_leaving_its_epochs_early_is_warned_once_that_a_resume_inside_one
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("the loop left epoch 0 after 6 of 16 batches (a break in its batch loop)")
     assert "sampler=RandomSampler(dataset, num_samples=N)" in warnings[0]
+
+
+def test_without_a_loader_an_epoch_end_at_a_saved_step_is_saved_as_complete(tmp_path, checkpointers):
+    # Epochs of 4 steps, every_steps=4: step() saves the epoch's last step before epoch_end() counts it.
+    model, optimizer, scheduler = _parts()
+    ckpt = checkpointers(tmp_path, model=model, optimizer=optimizer, every_steps=4, on_epoch_end=False)
+    _train(model, optimizer, scheduler, ckpt, 4)
+    ckpt.epoch_end()
+    model2, optimizer2, _ = _parts(SEED + 1)
+    start = checkpointers(tmp_path, model=model2, optimizer=optimizer2).resume("auto")
+    assert (start.global_step, start.epoch, start.step_in_epoch) == (4, 1, 0)  # was epoch 0: trained again
+
+
+def test_without_a_loader_a_checkpoint_inside_an_epoch_says_how_many_batches_to_skip(
+    tmp_path, checkpointers, ddpkit_log
+):
+    model, optimizer, scheduler = _parts()
+    ckpt = checkpointers(tmp_path, model=model, optimizer=optimizer, every_steps=3)
+    _train(model, optimizer, scheduler, ckpt, 4)
+    ckpt.epoch_end()  # epoch 0: 4 steps
+    _train(model, optimizer, scheduler, ckpt, 2)  # the checkpoint of step 6 is 2 steps into epoch 1
+    warnings = [r.getMessage() for r in ddpkit_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("checkpoint of global step 3 is 3 step(s) into epoch 0")
+    assert "pass loader=ddpkit.DataLoader(...) for an exact resume" in warnings[0]
+
+    model2, optimizer2, _ = _parts(SEED + 1)
+    start = checkpointers(tmp_path, model=model2, optimizer=optimizer2).resume("auto")
+    assert (start.global_step, start.epoch, start.step_in_epoch) == (6, 1, 2)
+    assert "(global step 6: 1 epoch(s) complete and 2 step(s) of the next), without a loader=" in ddpkit_log.text(
+        logging.WARNING
+    )

@@ -51,7 +51,9 @@ runs out of batches and replaced by one of the next epoch's start when that
 begins (or at ``close()``), once the code after the batch loop (a per-epoch
 scheduler, evaluation) has run. Resumed from the first, the loop re-enters
 the epoch with no batch left, and that code runs again. Without a loader,
-``step()`` saves at once.
+``step()`` saves at once, epochs are counted by ``epoch_end()``, and a
+checkpoint inside an epoch holds only how many of its steps were done
+(``ResumePoint.step_in_epoch``, for the loop to skip): rank 0 warns once.
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points, rank 0 writes. A save reached by some ranks only is an error naming
@@ -130,7 +132,8 @@ class ResumePoint:
     the loader's ``steps_per_epoch``) so that the code after its batch loop runs again; on a fresh
     start, ``first_epoch``."""
     step_in_epoch: int = 0
-    """Batches of ``epoch`` already trained (the loader skips them)."""
+    """Batches of ``epoch`` already trained: a ddpkit.DataLoader given as ``loader=`` skips them; without
+    one, the loop must (``itertools.islice(loader, start.step_in_epoch, None)``), or they are trained twice."""
     global_step: int = 0
     """Optimizer steps done since the start of training."""
     path: Path | None = None
@@ -206,6 +209,8 @@ class Checkpointer:
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.completed_epochs = 0
         """Epochs done, when no loader tells (counted by ``epoch_end()``)."""
+        self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
+        self._said_no_position = False
         self.last_path: Path | None = None
         """The checkpoint written (or resumed from) last."""
         self.save_seconds = 0.0
@@ -310,6 +315,7 @@ class Checkpointer:
         counters = loaded[TRAIN_FILE]
         self.global_step = int(counters["global_step"])
         self.completed_epochs = int(counters["completed_epochs"])
+        self._epoch_start_step = int(counters.get("epoch_start_step", self.global_step))
         self._restore_rng(loaded[RNG_FILE]["ranks"])
         best = manifest.get("best", {})
         if best.get("metric") == self.options.best_metric:
@@ -339,6 +345,14 @@ class Checkpointer:
             )
         epoch, step = self._position()
         complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering; the next is complete + 1
+        if self.loader is None and step:
+            log.warning(
+                f"resumed from {path} (global step {self.global_step}: {complete} epoch(s) complete and "
+                f"{step} step(s) of the next), without a loader= to continue the data from there: skip "
+                f"start.step_in_epoch ({step}) batches of that epoch in the loop, or its first {step} batches "
+                "are trained twice; pass loader=ddpkit.DataLoader(...) for an exact resume"
+            )
+            return
         if self.loader is None or step == 0:
             where = f"{complete} epoch(s) complete"
         elif getattr(self.loader, "streaming", False):  # a stream's length is known at its end only
@@ -356,7 +370,7 @@ class Checkpointer:
             if getattr(self.loader, "epoch_done", False):
                 return self.loader.epoch + 1, 0
             return self.loader.epoch, self.loader.step_in_epoch
-        return self.completed_epochs, 0
+        return self.completed_epochs, self.global_step - self._epoch_start_step
 
     # -- the per-step and per-epoch hooks ---------------------------------------------
 
@@ -438,19 +452,22 @@ class Checkpointer:
         With a loader, the epoch-end checkpoint was already written by the
         epoch's last ``step()``; this adds the metrics to it (and makes it
         ``best-*`` if it improves ``best_metric``). Without a loader it counts
-        the epoch and saves.
+        the epoch and saves, replacing a checkpoint of this step (taken by
+        ``step()``, it holds the epoch as not yet complete).
 
         Returns:
             The checkpoint of this point, or None when none is due.
         """
         if self.loader is None:
             self.completed_epochs += 1
+            self._epoch_start_step = self.global_step
         improved = self._improves(metrics or {})
-        if self._last_step == self.global_step and self.last_path is not None:
+        saved_here = self._last_step == self.global_step and self.last_path is not None
+        if self.loader is not None and saved_here:
             self._on_rank_zero(lambda: self._annotate(dict(metrics or {}), improved))
             self._step_metrics = (dict(metrics or {}), improved or self._step_metrics[1])
             return self.last_path
-        if self.options.on_epoch_end or improved:
+        if self.options.on_epoch_end or improved or saved_here:
             return self._write("epoch_end", metrics, best=improved)
         return None
 
@@ -537,6 +554,7 @@ class Checkpointer:
 
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
+        self._say_no_position()
         if self.global_step == self._last_step and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
@@ -565,6 +583,20 @@ class Checkpointer:
         self.save_seconds += time.perf_counter() - start
         return path
 
+    def _say_no_position(self) -> None:
+        """Rank 0, once: a checkpoint inside an epoch without a loader cannot hold where the data is."""
+        epoch, step = self._position()
+        if self.loader is not None or not step or self._said_no_position or self.rank != 0:
+            return
+        self._said_no_position = True
+        get_logger().warning(
+            f"checkpoint of global step {self.global_step} is {step} step(s) into epoch {epoch} (epochs are "
+            "counted by epoch_end() calls), and this Checkpointer has no loader= to hold the position in the "
+            "data: a run resumed from it starts that epoch again at its first batch, training those batches "
+            "twice, unless the loop skips ResumePoint.step_in_epoch batches; pass loader=ddpkit.DataLoader(...) "
+            "for an exact resume"
+        )
+
     def _write_on_rank_zero(
         self,
         reason: str,
@@ -583,7 +615,11 @@ class Checkpointer:
             f"{name}.pt": collective[name] if name in collective else obj.state_dict()
             for name, obj in self.objects.items()
         }
-        objects[TRAIN_FILE] = {"global_step": self.global_step, "completed_epochs": self.completed_epochs}
+        objects[TRAIN_FILE] = {
+            "global_step": self.global_step,
+            "completed_epochs": self.completed_epochs,
+            "epoch_start_step": self._epoch_start_step,
+        }
         objects[RNG_FILE] = {"world_size": self.world_size, "ranks": rng_states}
         meta = {
             **self.meta,
