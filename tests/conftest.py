@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import psutil
@@ -11,6 +12,17 @@ import torch.distributed as dist
 
 from ddpkit.data.datasets import FASHION_MNIST
 from ddpkit.data.sources import DataNotFoundError, locate
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as in a terminal, also when the suite runs as a background job (``nohup ... &``).
+
+    A shell starts background jobs with SIGINT ignored, and Python then leaves
+    it ignored: the tests that press Ctrl-C (in this process or in the workers
+    it starts, which inherit the setting) would wait for an interrupt that never comes.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
