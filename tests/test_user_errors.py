@@ -68,6 +68,10 @@ def test_a_user_error_is_reported_as_its_line_and_any_other_with_its_traceback(c
         (["nnodes=2", "node_rank=2"], "error: node_rank=2 is not valid for nnodes=2; use 0 to 1, 0 on the master"),
         (["nnodes=0"], "error: nnodes=0 is not valid; it must be > 0"),
         (
+            ["resume=no/such/step", "output_dir=out"],
+            "error: checkpoint no/such/step does not exist; pass a checkpoint folder",
+        ),
+        (
             ["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "batch_size=34"],
             "error: global batch size 34 does not divide among 4 workers",
         ),

@@ -333,8 +333,10 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     """The parsed manifest of a checkpoint folder.
 
     Raises:
-        CheckpointError: no manifest (the write never finished), or an unreadable one.
+        CheckpointError: no such folder, no manifest (the write never finished), or an unreadable one.
     """
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"checkpoint {folder} does not exist; pass a checkpoint folder (e.g. .../step-000000120)")
     path = Path(folder) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -427,8 +429,6 @@ def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
             (size or SHA-256), or refused by the safe loader. The message names the file.
     """
     folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint {folder} does not exist; pass a checkpoint folder (e.g. .../step-000000120)")
     manifest = read_manifest(folder)
     loaded: dict[str, Any] = {"manifest": manifest}
     for name, expected in manifest["files"].items():
