@@ -520,7 +520,7 @@ def test_without_a_loader_a_checkpoint_inside_an_epoch_says_how_many_batches_to_
     tmp_path, checkpointers, ddpkit_log
 ):
     model, optimizer, scheduler = _parts()
-    ckpt = checkpointers(tmp_path, model=model, optimizer=optimizer, every_steps=3)
+    ckpt = checkpointers(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=3)
     _train(model, optimizer, scheduler, ckpt, 4)
     ckpt.epoch_end()  # epoch 0: 4 steps
     _train(model, optimizer, scheduler, ckpt, 2)  # the checkpoint of step 6 is 2 steps into epoch 1
@@ -528,9 +528,26 @@ def test_without_a_loader_a_checkpoint_inside_an_epoch_says_how_many_batches_to_
     assert len(warnings) == 1 and warnings[0].startswith("checkpoint of global step 3 is 3 step(s) into epoch 0")
     assert "pass loader=ddpkit.DataLoader(...) for an exact resume" in warnings[0]
 
-    model2, optimizer2, _ = _parts(SEED + 1)
-    start = checkpointers(tmp_path, model=model2, optimizer=optimizer2).resume("auto")
+    model2, optimizer2, scheduler2 = _parts(SEED + 1)
+    start = checkpointers(tmp_path, model=model2, optimizer=optimizer2, scheduler=scheduler2).resume("auto")
     assert (start.global_step, start.epoch, start.step_in_epoch) == (6, 1, 2)
     assert "(global step 6: 1 epoch(s) complete and 2 step(s) of the next), without a loader=" in ddpkit_log.text(
         logging.WARNING
     )
+
+
+def test_an_lr_scheduler_the_checkpointer_does_not_hold_is_warned_once(tmp_path, checkpointers, ddpkit_log):
+    model, optimizer, scheduler = _parts()
+    ckpt = checkpointers(tmp_path / "without", model=model, optimizer=optimizer, every_steps=1)
+    ckpt.resume("auto")
+    _train(model, optimizer, scheduler, ckpt, 2)
+    warnings = [r.getMessage() for r in ddpkit_log.records if "LR scheduler" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("optimizer has an LR scheduler that this Checkpointer does not hold")
+    assert "pass it as scheduler=..." in warnings[0]
+
+    ddpkit_log.records.clear()
+    held = checkpointers(tmp_path / "with", model=model, optimizer=optimizer, scheduler=scheduler, every_steps=1)
+    held.resume("auto")
+    _train(model, optimizer, scheduler, held, 1)
+    assert "does not hold" not in ddpkit_log.text(logging.WARNING)

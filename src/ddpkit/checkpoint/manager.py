@@ -84,6 +84,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from ddpkit.checkpoint import select
 from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
@@ -211,6 +213,7 @@ class Checkpointer:
         """Epochs done, when no loader tells (counted by ``epoch_end()``)."""
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._said_no_position = False
+        self._said_scheduler = False
         self.last_path: Path | None = None
         """The checkpoint written (or resumed from) last."""
         self.save_seconds = 0.0
@@ -267,6 +270,7 @@ class Checkpointer:
                 objects given (the message names what differs and what to do).
         """
         self._resume_checked = True
+        self._say_scheduler_not_held()
         found: dict[str, Any] = {}
 
         def choose() -> str:
@@ -555,6 +559,7 @@ class Checkpointer:
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
         self._say_no_position()
+        self._say_scheduler_not_held()
         if self.global_step == self._last_step and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
@@ -582,6 +587,22 @@ class Checkpointer:
         self.agreement.last_save = time.monotonic()
         self.save_seconds += time.perf_counter() - start
         return path
+
+    def _say_scheduler_not_held(self) -> None:
+        """Rank 0, once: an optimizer held has an LR scheduler that is not (a resume restarts its schedule)."""
+        if self._said_scheduler or self.rank != 0:
+            return
+        self._said_scheduler = True
+        held = {id(obj.optimizer) for obj in self.objects.values() if isinstance(obj, LRScheduler)}
+        for name, obj in self.objects.items():
+            # An LRScheduler sets initial_lr in its optimizer's param groups: the optimizer has one.
+            if isinstance(obj, Optimizer) and id(obj) not in held and any("initial_lr" in g for g in obj.param_groups):
+                get_logger().warning(
+                    f"{name} has an LR scheduler that this Checkpointer does not hold (its param groups carry "
+                    "initial_lr): a resumed run would start the schedule again from its first step; pass it as "
+                    "scheduler=... (or in extra={...})"
+                )
+                return
 
     def _say_no_position(self) -> None:
         """Rank 0, once: a checkpoint inside an epoch without a loader cannot hold where the data is."""
