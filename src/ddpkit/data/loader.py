@@ -622,7 +622,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self.set_epoch(follow.epoch)
         if self._left_early():
             self._say_left_early()
-            self._epoch_done = True  # torch's loader would shuffle anew; without set_epoch, so does this one
+            # The epoch ended where the loop left it: torch's loader would shuffle anew; without set_epoch, so does this.
+            self._epoch_done, self._resumed_epoch = True, None
         if self._epoch_done:
             # A new pass: the next epoch when the loop never calls set_epoch, else the same epoch again.
             self._epoch += 0 if self._epochs_set else 1
