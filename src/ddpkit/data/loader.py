@@ -448,10 +448,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     or at the restored step after a resume, as torch's loader starts each
     iterator at the epoch's start: a look at ``next(iter(loader))`` before
     the batch loop takes nothing from the loop. The step counts the batches
-    handed to the loop by the newest iterator. A pass the loop leaves early
-    (a ``break`` after two batches or more) is taken as the epoch's end: a
-    loop that never calls ``set_epoch`` gets a new order at its next pass, as
-    torch's loader reshuffles, and with a Checkpointer rank 0 warns once, since
+    handed to the loop by the newest iterator. A loop that never calls
+    ``set_epoch`` and leaves a pass early (a ``break`` after two batches or
+    more) gets the next epoch at its next pass, as torch's loader reshuffles.
+    With a Checkpointer, rank 0 warns once when a loop leaves an epoch early:
     a run resumed inside such an epoch is handed the epoch's remaining batches.
 
     Raises:
@@ -622,8 +622,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self.set_epoch(follow.epoch)
         if self._left_early():
             self._say_left_early()
-            # The epoch ended where the loop left it: torch's loader would shuffle anew; without set_epoch, so does this.
-            self._epoch_done, self._resumed_epoch = True, None
+            if not self._epochs_set:  # torch's loader would shuffle anew: the next pass is the next epoch
+                self._epoch_done, self._resumed_epoch = True, None
         if self._epoch_done:
             # A new pass: the next epoch when the loop never calls set_epoch, else the same epoch again.
             self._epoch += 0 if self._epochs_set else 1
