@@ -6,6 +6,7 @@ import json
 import os
 import re
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -300,3 +301,23 @@ def test_master_port_taken_on_rank_zero(doctor_as):
     assert report["ok"] is False
     assert report["problem"].startswith(f"rank 0 cannot listen on port {port}: it is taken")
     assert report["checks"][-1]["name"] == "rendezvous store" and not report["checks"][-1]["ok"]
+
+
+def test_rank_zero_s_store_listens_on_the_master_s_address_only_and_init_shares_it():
+    import psutil
+
+    from ddpkit.distributed import _job_store
+    from ddpkit.doctor.checks import open_store
+
+    port = free_port()
+    env = environment(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+    store, _ = open_store(env, {}, timeout=5)
+    listening = {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+    assert listening == {"127.0.0.1"}  # torch's own store server listens on every address ("::" or 0.0.0.0)
+    store.set("roll call", "done")
+    shared = _job_store(env, timedelta(seconds=5))  # what ddpkit.init does next in the same process
+    assert shared.get("roll call") == b"done"

@@ -75,12 +75,22 @@ class ServedStore:
         timeout: The store's timeout for its operations (and for waiting for clients).
         num_clients: When given, wait (up to ``timeout``) until that many clients, this one included,
             have connected, as torch's static rendezvous does; None: return at once.
+        multi_tenant: a TCPStore this process opens later as the host of the same port shares this
+            server instead of binding the port again (torch keeps such servers by port): ``ddpkit
+            doctor``'s store, which ``ddpkit.init`` then reuses.
 
     Raises:
         OSError: the address cannot be bound (not this host's, or the port is taken).
     """
 
-    def __init__(self, address: str, port: int, timeout: timedelta, num_clients: int | None = None):
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        timeout: timedelta,
+        num_clients: int | None = None,
+        multi_tenant: bool = False,
+    ):
         family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
         listening = socket.socket(family, socket.SOCK_STREAM)
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -98,7 +108,7 @@ class ServedStore:
             is_master=True,
             master_listen_fd=listening.detach(),
             wait_for_workers=num_clients is not None,
-            multi_tenant=False,
+            multi_tenant=multi_tenant,
             use_libuv=True,
             timeout=timeout,
         )

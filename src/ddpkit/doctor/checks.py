@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import sys
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
@@ -74,10 +75,12 @@ def uses_agent_store(environ: Mapping[str, str]) -> bool:
 def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
     """The rendezvous store at the master, started by rank 0 unless torchrun's agent runs it.
 
-    Rank 0's server is multi-tenant, as torch's env:// rendezvous makes it:
-    ``ddpkit.init`` on rank 0 then reuses this server (same port, same
-    process) instead of binding the port again, so the store stays up from
-    the roll call to the process group.
+    Rank 0's server listens on the address it reaches the master from only,
+    as ``ddpkit.init``'s does (:mod:`ddpkit.served_store`), and is
+    multi-tenant, as torch's env:// rendezvous makes it: ``ddpkit.init`` on
+    rank 0 then reuses this server (same port, same process) instead of
+    binding the port again, so the store stays up from the roll call to the
+    process group.
 
     Raises:
         DoctorProblem: rank 0 cannot listen on the port, or a worker cannot open the store.
@@ -86,16 +89,13 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
 
     host = not uses_agent_store(environ) and env.rank == 0
     try:
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            None,
-            host,
-            timedelta(seconds=timeout),
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
+        if host:
+            store = _serve(env, timeout)
+        else:
+            store = dist.TCPStore(
+                env.master_addr, env.master_port, None, False, timedelta(seconds=timeout), wait_for_workers=False
+            )
+    except (OSError, RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if host and ("address already in use" in text.lower() or "EADDRINUSE" in text):
             raise DoctorProblem(
@@ -112,6 +112,17 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
         # The agent's store outlives one run of the workers: keep restarts apart.
         prefix += f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     return store, dist.PrefixStore(prefix, store)
+
+
+def _serve(env: JobEnvironment, timeout: float):
+    """Rank 0: the store's server on the address it reaches the master from, and its client."""
+    from ddpkit.served_store import WILDCARD, ServedStore, listen_address, wildcard_warning
+
+    address = listen_address(env.master_addr, single_host=env.is_single_node)
+    if address == WILDCARD:
+        print(wildcard_warning(env.master_addr), file=sys.stderr, flush=True)
+    served = ServedStore(address, env.master_port, timedelta(seconds=timeout), multi_tenant=True)
+    return served.store  # the server lives as long as its own client
 
 
 def roll_call(store, me: WorkerInfo, env: JobEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:
