@@ -44,6 +44,7 @@ from ddpkit import round_store, stacks
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
 from ddpkit.env.network import gloo_interface_environ
+from ddpkit.env.torchrun import uses_agent_store
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, show_messages
 
@@ -340,7 +341,7 @@ def _init_process_group(env: JobEnvironment, backend: str, timeout: float, envir
     )
     started = time.monotonic()
     try:
-        if round_store.uses_agent_store(environ):
+        if uses_agent_store(environ):
             # The agent's store outlives a round of workers: form the group under keys of this round only.
             store = round_store.round_store(environ, env.rank, env.world_size, timedelta(seconds=timeout))
             dist.init_process_group(

@@ -48,11 +48,6 @@ POLL = 0.01
 """Seconds between two looks for the answer (``check``: a timed-out ``wait`` would leave its answer in the socket)."""
 
 
-def uses_agent_store(environ: Mapping[str, str]) -> bool:
-    """Whether the workers' group would be built on torchelastic's agent store, shared across rounds."""
-    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def round_store(environ: Mapping[str, str], rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The agent's store (MASTER_ADDR:MASTER_PORT) under a prefix that only this round of workers uses.
 

@@ -24,6 +24,7 @@ from ddpkit.doctor.diagnoses import (
 )
 from ddpkit.doctor.results import Check, DoctorProblem, WorkerInfo
 from ddpkit.env.base import JobEnvironment
+from ddpkit.env.torchrun import uses_agent_store
 
 _PREFIX = "ddpkit-doctor/"
 # Seconds one TCP connection attempt to the master may take before the next.
@@ -65,11 +66,6 @@ def reach_master(env: JobEnvironment, timeout: float) -> Check:
 
 
 # -- 2. roll call -------------------------------------------------------------
-
-
-def uses_agent_store(environ: Mapping[str, str]) -> bool:
-    """True when torchrun's agent already runs the store at MASTER_ADDR:MASTER_PORT (torch's own test)."""
-    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):

@@ -98,5 +98,11 @@ _RENAMED = {"TorchrunEnvironment": "TorchrunVariables"}
 """Names of the previous release, served with a DeprecationWarning until the next (see ddpkit.deprecation)."""
 
 
+def uses_agent_store(environ: Mapping[str, str]) -> bool:
+    """True when torchrun's agent already runs the store at MASTER_ADDR:MASTER_PORT, shared across rounds
+    (torch's own test)."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def __getattr__(name: str) -> Any:
     return renamed(__name__, name, _RENAMED)
