@@ -551,3 +551,14 @@ def test_an_lr_scheduler_the_checkpointer_does_not_hold_is_warned_once(tmp_path,
     held.resume("auto")
     _train(model, optimizer, scheduler, held, 1)
     assert "does not hold" not in ddpkit_log.text(logging.WARNING)
+
+
+def test_ddpkit_train_s_checkpoint_options_passed_as_they_are_are_refused_naming_for_run(tmp_path):
+    from ddpkit.config import CheckpointConfig
+
+    with pytest.raises(ddpkit.UserError) as error:
+        Checkpointer(tmp_path, model=_net(), options=CheckpointConfig(), preempt_signals=())
+    assert "'auto' is ddpkit train's word, resolved for its task by for_run()" in _one_line(error)
+    ckpt = Checkpointer(tmp_path, model=_net(), options=CheckpointConfig().for_run("accuracy"), preempt_signals=())
+    assert (ckpt.options.best_metric, ckpt.options.best_mode) == ("accuracy", "max")
+    ckpt.close()

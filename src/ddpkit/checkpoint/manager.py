@@ -852,7 +852,15 @@ def _with_values(options: CheckpointOptions, values: Mapping[str, Any]) -> Check
     signals = values.get("preempt_signals")
     if signals is not None and not isinstance(signals, str):  # ("SIGTERM", "SIGUSR1"), as the keyword was typed
         values = {**values, "preempt_signals": ",".join(signals)}
-    return dataclasses.replace(options, **values) if values else options
+    options = dataclasses.replace(options, **values) if values else options
+    if options.best_metric == "auto" or options.best_mode not in CheckpointOptions.best_modes:
+        # ddpkit train's CheckpointConfig, passed as it is: "auto" would be read as a metric's name, or as "min".
+        raise UserError(
+            f"best_metric={options.best_metric!r}, best_mode={options.best_mode!r}: 'auto' is ddpkit train's "
+            "word, resolved for its task by for_run(); pass options=config.checkpoint.for_run('accuracy'), or "
+            "name them: best_metric='accuracy', best_mode='max'"
+        )
+    return options
 
 
 def _rank_and_size() -> tuple[int, int]:
