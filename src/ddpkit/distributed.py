@@ -369,13 +369,12 @@ def _job_store(env: JobEnvironment, timeout: timedelta) -> Any:
         return dist.TCPStore(  # type: ignore[attr-defined]
             env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
         )
-    from ddpkit.served_store import WILDCARD, ServedStore, listen_address, wildcard_warning
+    from ddpkit.served_store import serve_at_master
 
-    address = listen_address(env.master_addr, single_host=env.is_single_node)
-    if address == WILDCARD:
-        print(wildcard_warning(env.master_addr), file=sys.stderr, flush=True)
     try:
-        served = ServedStore(address, env.master_port, timeout, num_clients=env.world_size)
+        served = serve_at_master(
+            env.master_addr, env.master_port, timeout, single_host=env.is_single_node, num_clients=env.world_size
+        )
     except OSError:
         # The port is taken: by a store this process serves already (``ddpkit doctor``'s, multi-tenant as
         # env://'s is), which torch's store then shares, or by another process, which it reports.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -64,6 +65,12 @@ def wildcard_warning(master_addr: str) -> str:
         "reach: the store listens on every address of node 0, as torch's does; pass node 0's network address "
         "as master_addr to have it listen on that one only"
     )
+
+
+def warn_if_wildcard(address: str, master_addr: str) -> None:
+    """Say :func:`wildcard_warning` on stderr when ``address`` is :data:`WILDCARD`."""
+    if address == WILDCARD:
+        print(wildcard_warning(master_addr), file=sys.stderr, flush=True)
 
 
 class ServedStore:
@@ -117,3 +124,24 @@ class ServedStore:
     def close(self) -> None:
         """Stop serving (the server stops with its last reference, here when no handler holds it)."""
         self.store = None
+
+
+def serve_at_master(
+    master_addr: str,
+    port: int,
+    timeout: timedelta,
+    *,
+    single_host: bool,
+    num_clients: int | None = None,
+    multi_tenant: bool = False,
+) -> ServedStore:
+    """Rank 0 of a job whose launcher set ``MASTER_ADDR`` (``ddpkit.init``, ``ddpkit doctor``): the
+    store served on the address :func:`listen_address` picks, said first when it is :data:`WILDCARD`.
+
+    Raises:
+        UserError: ``master_addr`` does not resolve here, or no route leads to it.
+        OSError: the port is taken.
+    """
+    address = listen_address(master_addr, single_host)
+    warn_if_wildcard(address, master_addr)
+    return ServedStore(address, port, timeout, num_clients, multi_tenant)

@@ -606,8 +606,10 @@ class Checkpointer:
 
     def _say_no_position(self) -> None:
         """Rank 0, once: a checkpoint inside an epoch without a loader cannot hold where the data is."""
+        if self.loader is not None or self._said_no_position or self.rank != 0:
+            return
         epoch, step = self._position()
-        if self.loader is not None or not step or self._said_no_position or self.rank != 0:
+        if not step:
             return
         self._said_no_position = True
         get_logger().warning(

@@ -42,7 +42,7 @@ def resume_choice(resume: object) -> str:
     Scripts pass an argparse ``--resume`` flag (a bool) and config files write
     ``resume: false``; read as a path, either would be "no checkpoint named False".
     """
-    text = str(resume).lower() if isinstance(resume, bool) else str(resume)
+    text = str(resume)
     return _RESUME_WORDS.get(text.lower(), text)
 
 

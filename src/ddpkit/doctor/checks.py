@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-import sys
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
@@ -86,7 +85,16 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
     host = not uses_agent_store(environ) and env.rank == 0
     try:
         if host:
-            store = _serve(env, timeout)
+            from ddpkit.served_store import serve_at_master
+
+            served = serve_at_master(
+                env.master_addr,
+                env.master_port,
+                timedelta(seconds=timeout),
+                single_host=env.is_single_node,
+                multi_tenant=True,
+            )
+            store = served.store  # the server lives as long as its own client
         else:
             store = dist.TCPStore(
                 env.master_addr, env.master_port, None, False, timedelta(seconds=timeout), wait_for_workers=False
@@ -108,17 +116,6 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
         # The agent's store outlives one run of the workers: keep restarts apart.
         prefix += f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     return store, dist.PrefixStore(prefix, store)
-
-
-def _serve(env: JobEnvironment, timeout: float):
-    """Rank 0: the store's server on the address it reaches the master from, and its client."""
-    from ddpkit.served_store import WILDCARD, ServedStore, listen_address, wildcard_warning
-
-    address = listen_address(env.master_addr, single_host=env.is_single_node)
-    if address == WILDCARD:
-        print(wildcard_warning(env.master_addr), file=sys.stderr, flush=True)
-    served = ServedStore(address, env.master_port, timedelta(seconds=timeout), multi_tenant=True)
-    return served.store  # the server lives as long as its own client
 
 
 def roll_call(store, me: WorkerInfo, env: JobEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:

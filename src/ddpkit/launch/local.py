@@ -470,14 +470,13 @@ def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     """This machine's part in a job of ``spec.nnodes``: a static rendezvous, node 0's store on one address."""
     from ddpkit.launch import static
-    from ddpkit.served_store import WILDCARD, listen_address, wildcard_warning
+    from ddpkit.served_store import listen_address, warn_if_wildcard
 
     configs: dict[str, Any] = {"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)}
     if spec.node_rank == 0:  # the store listens on the address node 0 reaches master_addr from, only
         configs["listen_address"] = listen_address(spec.master_addr, single_host=False)
         check_port_free(spec.master_port, configs["listen_address"])
-        if configs["listen_address"] == WILDCARD:
-            print(wildcard_warning(spec.master_addr), file=sys.stderr, flush=True)
+        warn_if_wildcard(configs["listen_address"], spec.master_addr)
     static.register()
     return dict(
         min_nodes=spec.nnodes,
