@@ -143,12 +143,12 @@ def test_a_loop_with_async_saves_writes_the_files_a_sync_loop_writes(tmp_path):
 
 
 def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypatch):
-    import ddpkit.checkpoint.manager as manager
+    import ddpkit.checkpoint.writer as writer
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(manager, "write_checkpoint", full_disk)
+    monkeypatch.setattr(writer, "write_checkpoint", full_disk)
     ckpt = Checkpointer(tmp_path, model=_model(), preempt_signals=(), async_save=True)
     ckpt.save()  # returns: the write fails on the writer's thread
     with pytest.raises(StorageError, match="cannot write checkpoint .*step-000000000: No space left on device"):

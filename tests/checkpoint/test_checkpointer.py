@@ -470,6 +470,7 @@ def test_dataloader_workers_survive_a_preemption_signal_sent_to_every_process(tm
         _Indices(), global_batch_size=4, shuffle=True, seed=SEED, rank=0, world_size=1, num_workers=1
     )
     ckpt = checkpointers(tmp_path, loader=loader, preempt_signals=("SIGTERM",))
+    ckpt.start()  # the handlers are installed from here on (resume() and the first step() start it too)
     before = {child.pid for child in psutil.Process().children()}
     batches = iter(loader)
     try:

@@ -142,9 +142,13 @@ def test_a_folder_too_small_for_keep_plus_one_is_warned_about_before_training(tm
     expected = estimate_bytes({"model": model, "optimizer": optimizer}, world_size=1)
     assert 3 * 256_000 < expected < 3 * 256_000 + 100_000
     with tmpfs(tmp_path / "small", 2 * expected) as small, LogRecords() as logs:
-        Checkpointer(small / "roomy", model=model, optimizer=optimizer, keep=1, preempt_signals=()).close()
+        roomy = Checkpointer(small / "roomy", model=model, optimizer=optimizer, keep=1, preempt_signals=())
+        roomy.start()  # what resume() and the first step() do: before any training
+        roomy.close()
         assert not logs.warnings()
-        Checkpointer(small / "tight", model=model, optimizer=optimizer, keep=2, preempt_signals=()).close()
+        tight = Checkpointer(small / "tight", model=model, optimizer=optimizer, keep=2, preempt_signals=())
+        tight.start()
+        tight.close()
         assert any(
             w.startswith(f"checkpoint folder {small / 'tight'} has ")
             and "keeping 2 checkpoint(s)" in w

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.format import CheckpointError, list_checkpoints
+from ddpkit.checkpoint.objects import is_collective
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.names import EXIT_STORAGE
 
@@ -84,7 +85,7 @@ def estimate_bytes(objects: Mapping[str, Any], world_size: int) -> int:
     torch.save(capture_rng_state(), rng)
     total = world_size * len(rng.getvalue()) + (len(objects) + 4) * FILE_OVERHEAD  # + train, rng, config, manifest
     for obj in objects.values():
-        if getattr(obj, "state_dict_is_collective", False):
+        if is_collective(obj):
             continue  # a stream's position: every rank would have to call it, and it holds no tensors
         total += _tensor_bytes(obj.state_dict())
         if isinstance(obj, torch.optim.Optimizer) and not obj.state:

@@ -48,13 +48,7 @@ A training loop that resumes::
 
 from __future__ import annotations
 
-import itertools
-import multiprocessing.util
-import os
-import sys
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import ModuleType
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,6 +63,7 @@ from torch.utils.data import (
 )
 
 from ddpkit.data import shm_budget
+from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, reader_for
 from ddpkit.data.arguments import (
     BATCH_SIZE_DEFAULT,
     global_batch,
@@ -78,326 +73,16 @@ from ddpkit.data.arguments import (
     refuse_batch_sampler,
     refuse_for_streaming,
 )
-from ddpkit.data.arrow import arrow_batch_reader
-from ddpkit.data.sample_seeds import SeededDataset, _mix, _Template
+from ddpkit.data.loader_samplers import KeyBatchSampler, LoaderSampler
+from ddpkit.data.position import LoaderPosition, StepBoundary
+from ddpkit.data.sample_seeds import SeededDataset, _mix
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
+from ddpkit.data.workers import WorkerInit, kill_workers, track_workers
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
-from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
-
-np: ModuleType | None
-try:
-    import numpy as np
-except ImportError:  # numpy is optional for torch, and so here
-    np = None
 
 __all__ = ["ArrowBatchDataset", "BatchReadDataset", "DataLoader", "SeededDataset"]
-
-
-class _Collate:
-    """The user's collate_fn, and zero-row batches for empty shares."""
-
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]):
-        self.collate_fn = collate_fn
-
-    def __call__(self, samples: list[Any]) -> Any:
-        first = samples[0]
-        if type(first) is _Template:
-            sample = first.sample
-            return _zero_rows(sample.batch if type(sample) is _Collated else self.collate_fn([sample]))
-        if type(first) is _Collated:
-            return first.batch
-        return self.collate_fn(samples)
-
-
-class _Collated:
-    """A batch the dataset read already collated (:class:`ArrowBatchDataset`): the collate step passes it on."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch: Any):
-        self.batch = batch
-
-
-class BatchReadDataset(SeededDataset):
-    """A dataset with a ``__getitems__`` of its own, read one batch per call, as torch's loader reads it.
-
-    A Hugging Face ``datasets.Dataset`` reads a batch of rows in one Arrow
-    call (its transforms run on the batch); one ``dataset[index]`` per sample
-    would cost several times more. Per-sample seeding cannot reach inside one
-    call, so with ``seed_per_sample`` the generators are seeded once per
-    batch from (seed, epoch, the batch's first index): draws are reproducible,
-    and a resume at the same world size exact, but they depend on how the
-    global batch is split among ranks. Only how a batch is read and seeded
-    differs from :class:`SeededDataset`, which saves and restores the
-    generators around it in the training process.
-    """
-
-    def _unseeded(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
-        """The samples of one batch's keys, from one ``dataset.__getitems__`` call."""
-        return self._read_batch([index for _, index, _ in keys])
-
-    def _read(self, keys: Sequence[tuple[int, int, bool]]) -> list[Any]:
-        """The batch, every generator seeded once from (seed, epoch, the batch's first index)."""
-        seed = _mix(_mix(_mix(self.seed) + keys[0][0]) + keys[0][1])
-        for generator in self._process_generators():
-            generator.seed(seed)
-        return self._unseeded(keys)
-
-    def _read_batch(self, indices: list[int]) -> list[Any]:
-        dataset: Any = self.dataset  # one with its own __getitems__ (_reads_batches chose this class for it)
-        batch: list[Any] = dataset.__getitems__(indices)
-        return batch
-
-
-class ArrowBatchDataset(BatchReadDataset):
-    """A Hugging Face ``datasets.Dataset`` in torch format, with torch's default collate: read collated.
-
-    ``dataset[indices]`` is already the batch default_collate would make of
-    the rows (a dict of stacked tensors; lists for strings). HF's
-    ``__getitems__`` splits it into row dicts, which default_collate then
-    stacks again: a third of the loader's time on W1-sized rows. Columns of
-    numbers are read straight from Arrow (:mod:`ddpkit.data.arrow`).
-    """
-
-    def __init__(self, dataset: Dataset[Any], seed: int, seed_per_sample: bool = True):
-        super().__init__(dataset, seed, seed_per_sample)
-        # Columns of numbers are read straight from Arrow (ddpkit.data.arrow); others through HF's formatter.
-        self.read_columns = arrow_batch_reader(dataset)
-
-    def _read_batch(self, indices: list[int]) -> list[Any]:
-        read = self.read_columns
-        return [_Collated(read(indices) if read is not None else self.dataset[indices])]
-
-
-def _arrow_in_torch_format(dataset: Any) -> bool:
-    """An HF ``datasets.Dataset`` formatted as torch tensors (without importing ``datasets``)."""
-    module = sys.modules.get("datasets")
-    return module is not None and isinstance(dataset, module.Dataset) and (dataset.format or {}).get("type") == "torch"
-
-
-def _reads_batches(dataset: Any) -> bool:
-    """True when ``dataset.__getitems__`` reads a batch in one call (an HF Dataset's, a user's own).
-
-    torch's wrappers (Subset, StackDataset) define one that falls back to a
-    ``dataset[index]`` per sample: those keep per-sample seeding, unless what
-    they wrap reads batches itself.
-    """
-    method = getattr(type(dataset), "__getitems__", None)
-    if method is None:
-        return False
-    if getattr(method, "__module__", "").startswith("torch.utils.data"):
-        inner = getattr(dataset, "dataset", None)
-        return inner is not None and _reads_batches(inner)
-    return True
-
-
-def _kill_workers(iterator: Any) -> None:
-    """SIGKILL the worker processes of torch's multiprocessing loader ``iterator`` (none: nothing to do).
-
-    Their pids leave torch's SIGCHLD watch first, which would otherwise raise
-    "DataLoader worker is killed" wherever the training process happens to be.
-    """
-    if getattr(iterator, "_worker_pids_set", False):
-        torch._C._remove_worker_pids(id(iterator))  # what torch's signal_handling imports it as
-        iterator._worker_pids_set = False
-    for worker in getattr(iterator, "_workers", ()):
-        worker.kill()
-
-
-def _zero_rows(batch: Any) -> Any:
-    """``batch`` with every tensor and array cut to ``[:0]``, its structure kept.
-
-    A list of strings (what default_collate makes of string fields) is a
-    per-sample list and becomes empty; other leaves are kept as collated.
-    """
-    if isinstance(batch, torch.Tensor) or (np is not None and isinstance(batch, np.ndarray)):
-        return batch[:0]
-    if isinstance(batch, Mapping):
-        items = {key: _zero_rows(value) for key, value in batch.items()}
-        mapping_type: Any = type(batch)  # a dict, an OrderedDict, or a Mapping of the dataset's own
-        try:
-            return mapping_type(items)
-        except TypeError:  # a Mapping that cannot be built from a dict, as default_collate falls back
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_zero_rows(value) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        if batch and all(isinstance(value, (str, bytes)) for value in batch):
-            return batch[:0]
-        return type(batch)(_zero_rows(value) for value in batch)
-    return batch
-
-
-_LIVE_WORKER_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Iterators of ddpkit loaders that have worker processes (persistent ones live as long as their loader)."""
-_WORKER_PROCESSES: weakref.WeakSet[Any] = weakref.WeakSet()
-"""The worker processes of ddpkit loaders (multiprocessing holds each until it is joined)."""
-
-
-def _shut_down_workers_at_exit() -> None:
-    """Have this process stop its loaders' workers the orderly way when it exits (once per process).
-
-    The workers ignore SIGTERM (see ``_WorkerInit``), and multiprocessing's
-    exit (``atexit`` in a main process; the end of ``_bootstrap`` in a
-    multiprocessing child such as a worker of ddpkit's launcher) stops
-    daemonic children with SIGTERM and then joins them: a process leaving with
-    persistent workers alive (a preemption's SystemExit from inside the loop)
-    would wait for them forever. A finalizer with an exit priority runs first,
-    and before multiprocessing closes the loaders' index queues (their feeders'
-    finalizers have priority 10): torch tells each worker to stop through its
-    queue, and on a closed queue the message is lost and torch waits 5 s for
-    each worker (20 s for one loader with two, which a restarted round waited).
-    """
-    global _EXIT_HANDLER_PID
-    if _EXIT_HANDLER_PID != os.getpid():  # a forked child starts with no finalizers
-        _EXIT_HANDLER_PID = os.getpid()
-        multiprocessing.util.Finalize(None, _shutdown_live_workers, exitpriority=20)  # before the queues' 10
-
-
-def _shutdown_live_workers() -> None:
-    for iterator in list(_LIVE_WORKER_ITERATORS):
-        iterator._shutdown_workers()
-    # A worker that did not stop when asked (torch's fallback, SIGTERM, is ignored: see _WorkerInit) would
-    # keep this process waiting at exit for ever: one stuck since its fork, say, after a peer ran out of
-    # shared memory. As a daemonic process it is to end with its parent anyway.
-    for worker in list(_WORKER_PROCESSES):
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
-
-
-_EXIT_HANDLER_PID = 0
-
-
-class _WorkerInit:
-    """Each DataLoader worker ignores the signals that stop the training process in an orderly way, and dies
-    with it.
-
-    A scheduler's SIGTERM (or a Ctrl-C) reaches every process of the job, the
-    loader's workers too; dying of it, a worker would take down the training
-    process before it wrote its preemption checkpoint. When the training
-    process dies (a rank killed, the launcher stopping a round), Linux kills
-    its workers at once (``PR_SET_PDEATHSIG``): torch's own watch of the
-    parent notices only within 5 s, and an orphan that exits after the
-    launcher has ended runs multiprocessing's finalizers against the
-    launcher's removed temporary folder (a ``FileNotFoundError`` traceback
-    after a successful run). The kernel ties this to the thread that started
-    the worker: iterating a loader from a thread that ends while its workers
-    are still wanted (``persistent_workers``) would lose them.
-    """
-
-    SIGNALS = DEFAULT_PREEMPT_SIGNALS
-
-    def __init__(self, user_init: Callable[[int], None] | None):
-        self.user_init = user_init
-        self.parent = os.getpid()  # the training process (the loader starts its workers from it)
-        _prctl()  # resolved here: a forked worker must not dlopen (another thread may hold the loader's lock)
-
-    def __call__(self, worker_id: int) -> None:
-        import signal
-
-        for name in self.SIGNALS:
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-        _die_with_parent(self.parent)
-        if self.user_init is not None:
-            self.user_init(worker_id)
-
-
-_PRCTL: list[Any] = []
-"""libc's prctl, resolved once in the training process (Linux), inherited by its forked workers."""
-
-
-def _prctl() -> Any:
-    """libc's ``prctl`` (None off Linux), resolved on first use."""
-    if not _PRCTL:
-        import ctypes
-
-        _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None)
-    return _PRCTL[0]
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies; elsewhere nothing."""
-    import signal
-
-    prctl = _prctl()
-    if prctl is None:
-        return
-    pr_set_pdeathsig = 1
-    prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the request: nobody would kill this process now
-        os._exit(0)
-
-
-class _KeyBatchSampler(Sampler[list[tuple[int, int, bool]]]):
-    """The GlobalBatchSampler's index lists as SeededDataset keys; an empty share asks for a template.
-
-    The loader sets ``epoch`` and ``start`` before each iteration; ``iter()``
-    binds them at once (torch calls it when the loader's iterator is made).
-    """
-
-    def __init__(self, sampler: GlobalBatchSampler):
-        super().__init__()
-        self.sampler = sampler
-        self.epoch, self.start = 0, 0
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int, bool]]]:
-        return self._keys(self.epoch, self.start)
-
-    def _keys(self, epoch: int, step: int) -> Iterator[list[tuple[int, int, bool]]]:
-        sampler = self.sampler
-        for indices in sampler.shares(epoch, step):
-            if indices:
-                yield [(epoch, index, False) for index in indices]
-            else:
-                # Only in a last global batch smaller than world_size: at most once an epoch.
-                first = int(sampler.epoch_order(epoch)[step * sampler.global_batch_size])
-                yield [(epoch, first, True)]
-            step += 1
-
-
-class _LoaderSampler(Sampler[int]):
-    """``loader.sampler``: this rank's indices of the loader's epoch; ``set_epoch`` is the loader's.
-
-    The DistributedSampler habit, ``loader.sampler.set_epoch(epoch)``, does
-    what ``loader.set_epoch(epoch)`` does. ``sampler`` is the user's sampler
-    (None without one).
-    """
-
-    def __init__(self, loader: DataLoader, sampler: Any):
-        super().__init__()
-        self._loader = weakref.ref(loader)  # the loader holds this; no cycle to keep it alive
-        self.sampler = sampler
-
-    def _owner(self) -> DataLoader:
-        loader = self._loader()
-        assert loader is not None, "a loader's sampler is used while the loader lives"
-        return loader
-
-    def set_epoch(self, epoch: int) -> None:
-        """The loader's :meth:`DataLoader.set_epoch`."""
-        self._owner().set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        loader = self._owner()
-        if loader._sampler is None:
-            # A stream has no indices: torch's loader reads this as its _InfiniteConstantSampler.
-            yield from itertools.repeat(None)
-            return
-        for share in loader._sampler.shares(loader.epoch, loader._start_step):
-            yield from share
-
-    def __len__(self) -> int:
-        loader = self._owner()
-        if loader._sampler is None:
-            raise TypeError("a loader over an IterableDataset has no length")
-        sampler = loader._sampler
-        return sum(stop - start for start, stop in map(sampler._share, range(sampler.steps_per_epoch)))
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -494,7 +179,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             num_workers=num_workers,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=_WorkerInit(worker_init_fn),
+            worker_init_fn=WorkerInit(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
             # Drawing the workers' base seed from its own generator, never from torch's global one:
             # a resumed run draws the same dropout masks as an uninterrupted one.
@@ -526,7 +211,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 seed_per_sample=seed_per_sample,
             )
         # torch's attributes, read by tools that inspect loaders; torch forbids setting them once built.
-        object.__setattr__(self, "sampler", _LoaderSampler(self, sampler))
+        object.__setattr__(self, "sampler", LoaderSampler(self, sampler))
         object.__setattr__(self, "batch_size", global_batch_size // world_size)
         object.__setattr__(self, "drop_last", drop_last)
         self._rank, self._world_size, self._global_batch_size = rank, world_size, global_batch_size
@@ -541,9 +226,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._resumed_epoch: int | None = None
         self._pass_batches = 0  # handed out by the newest iterator (a loop's break leaves it short of the epoch)
         self._left_early_said = False
-        self.between_batches: Callable[[], None] | None = None
-        """Called each time the loop asks for the next batch, and once when the epoch's batches run out:
-        the points where the loop's body is complete (the Checkpointer writes its checkpoints there)."""
+        self.step_boundary = StepBoundary()
+        """Hooks run each time the loop asks for the next batch, and once when the epoch's batches run out:
+        the points where the loop's body is complete (a Checkpointer registers its writes there)."""
         self._sample_bytes: int | None = None  # of one sample, read before the workers first start
 
     def _init_map_style(
@@ -574,17 +259,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
         self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
         if not self._tensor_fast_path:
-            reader = SeededDataset
-            if _reads_batches(dataset):
-                reader = (
-                    ArrowBatchDataset if collate_fn is None and _arrow_in_torch_format(dataset) else BatchReadDataset
-                )
-            dataset = reader(dataset, seed, seed_per_sample)
+            dataset = reader_for(dataset, collate_fn)(dataset, seed, seed_per_sample)
         torch_arguments["pin_memory"] = torch_arguments["pin_memory"] and not self._tensor_fast_path
         super().__init__(
             dataset,
-            batch_sampler=_KeyBatchSampler(self._sampler),
-            collate_fn=_Collate(collate_fn or default_collate),
+            batch_sampler=KeyBatchSampler(self._sampler),
+            collate_fn=Collate(collate_fn or default_collate),
             **torch_arguments,
         )
 
@@ -637,17 +317,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self._stream.shard.epoch = epoch
         else:
             key_sampler = self.batch_sampler
-            assert isinstance(key_sampler, _KeyBatchSampler), "set by _init_map_style"
+            assert isinstance(key_sampler, KeyBatchSampler), "set by _init_map_style"
             key_sampler.epoch, key_sampler.start = epoch, start
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
         self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
         if self.num_workers and self._sample_bytes is None and self._stream is None:
             self._check_shared_memory(epoch)  # (a stream's samples cannot be read ahead of its workers)
         batches = super().__iter__()
-        if hasattr(batches, "_shutdown_workers"):
-            _LIVE_WORKER_ITERATORS.add(batches)
-            _WORKER_PROCESSES.update(getattr(batches, "_workers", ()))
-            _shut_down_workers_at_exit()
+        track_workers(batches)
         if self._stream is not None:
             return self._hand_out_stream(batches, epoch, start)
         return self._hand_out(batches)
@@ -661,7 +338,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def _say_left_early(self) -> None:
         """Rank 0, once, with a Checkpointer: a run resumed inside an epoch the loop leaves early differs."""
-        if self._left_early_said or self.between_batches is None or self._rank != 0:
+        if self._left_early_said or not self.step_boundary.hooks or self._rank != 0:
             return
         self._left_early_said = True
         known = self._stream is None or self._stream.known_steps is not None
@@ -698,10 +375,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
-        sampler, batches = self._global_sampler, iter(batches)
+        sampler, batches, boundary = self._global_sampler, iter(batches), self.step_boundary
         while True:
-            if self.between_batches is not None:
-                self.between_batches()
+            if boundary.hooks:
+                boundary.run()
             try:
                 batch = next(batches)
             except StopIteration:
@@ -710,9 +387,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 translated = self._shared_memory_error(error)
                 if translated is error:
                     raise
-                # Workers blocked on the full /dev/shm do not stop when asked, and ignore SIGTERM (_WorkerInit):
+                # Workers blocked on the full /dev/shm do not stop when asked, and ignore SIGTERM (WorkerInit):
                 # torch's shutdown would wait on each in turn. This loader cannot go on: end them now.
-                _kill_workers(batches)
+                kill_workers(batches)
                 raise translated from error
             self._global_count = sampler.global_batch_length(self._step_in_epoch)
             self._step_in_epoch += 1
@@ -725,10 +402,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         stream = self._stream
         assert stream is not None, "a loader over an IterableDataset"
         stream.positions, stream.known_steps = dict(stream.shard.start), None
-        agreed = stream.agreed(iter(batches), epoch, start)
+        agreed, boundary = stream.agreed(iter(batches), epoch, start), self.step_boundary
         while True:
-            if self.between_batches is not None:
-                self.between_batches()
+            if boundary.hooks:
+                boundary.run()
             item = next(agreed, None)
             if item is None:
                 break
@@ -874,6 +551,28 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._resumed_epoch = epoch
         self._global_count = None
         self._pass_batches = 0
+
+    def position(self) -> LoaderPosition:
+        """Where the loader stands: the epoch, the batches handed out, whether the loop ran out of them."""
+        return LoaderPosition(
+            epoch=self._epoch,
+            step_in_epoch=self._step_in_epoch,
+            steps_per_epoch=self.steps_per_epoch,
+            epoch_done=self._epoch_done,
+            start_step=self._start_step,
+            resumed_epoch=self._resumed_epoch,
+            streaming=self._stream is not None,
+        )
+
+    def _rank_indices(self) -> Iterator[int]:
+        """This rank's indices of the current epoch, from its start step on (``loader.sampler``'s iteration)."""
+        for share in self._global_sampler.shares(self._epoch, self._start_step):
+            yield from share
+
+    def _rank_length(self) -> int:
+        """This rank's samples in an epoch (``len(loader.sampler)``)."""
+        sampler = self._global_sampler
+        return sum(stop - start for start, stop in map(sampler._share, range(sampler.steps_per_epoch)))
 
     @property
     def epoch(self) -> int:

@@ -1,0 +1,131 @@
+"""Restoring a checkpoint into the Checkpointer's objects, and the one line that says where a run continues.
+
+Each object gets its ``<name>.pt`` through ``load_state_dict``; a checkpoint
+that holds other objects than the run passes, or whose state does not fit
+them, is refused in one line naming the difference and the fix. Each rank
+restores its own generator states; a rank the checkpoint did not have (a
+larger world size) gets a stream of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
+from ddpkit.checkpoint.rng import restore_rng_state, seed_everything
+from ddpkit.data.position import LoaderPosition
+from ddpkit.log import get_logger
+
+__all__ = ["ResumePoint", "log_resume", "restore_objects", "restore_rng"]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run continues: returned by :meth:`Checkpointer.resume`."""
+
+    epoch: int = 0
+    """The epoch to train next, numbered as the loop numbers them (``set_epoch``): the one in progress
+    after a mid-epoch checkpoint, or one whose batches are all trained (``step_in_epoch`` equal to
+    the loader's ``steps_per_epoch``) so that the code after its batch loop runs again; on a fresh
+    start, ``first_epoch``."""
+    step_in_epoch: int = 0
+    """Batches of ``epoch`` already trained: a ddpkit.DataLoader given as ``loader=`` skips them; without
+    one, the loop must (``itertools.islice(loader, start.step_in_epoch, None)``), or they are trained twice."""
+    global_step: int = 0
+    """Optimizer steps done since the start of training."""
+    path: Path | None = None
+    """The checkpoint resumed from; None for a fresh start."""
+    manifest: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The manifest of that checkpoint (config, metrics, world size...); {} for a fresh start."""
+
+    @property
+    def resumed(self) -> bool:
+        """True when state was restored from a checkpoint."""
+        return self.path is not None
+
+
+def restore_objects(path: Path, objects: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+    """Load every object's state from ``loaded`` (file name -> state); return the Checkpointer's counters.
+
+    Raises:
+        CheckpointError: the checkpoint holds other objects, or a state does not fit its object.
+    """
+    saved, given = set(loaded["manifest"].get("objects", [])), set(objects)
+    if saved != given:
+        raise CheckpointError(_mismatch(path, saved, given))
+    for name, obj in objects.items():
+        try:
+            obj.load_state_dict(loaded[f"{name}.pt"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            detail = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+            raise CheckpointError(
+                f"checkpoint {path}: its {name} does not fit this run's {name} ({detail}); resume with the "
+                f"settings it was written with, or start a new run in another folder"
+            ) from None
+    counters: dict[str, Any] = loaded[TRAIN_FILE]
+    return counters
+
+
+def restore_rng(loaded: dict[str, Any], rank: int, global_step: int) -> int:
+    """Restore this rank's generators from the checkpoint; return the world size that wrote it."""
+    ranks = loaded[RNG_FILE]["ranks"]
+    if rank < len(ranks):
+        restore_rng_state(ranks[rank])
+    else:  # a rank the checkpoint did not have: its own stream, distinct from every other rank's
+        seed_everything((global_step * 1_000_003 + rank * 7919) % 2**63)
+    return len(ranks)
+
+
+def _mismatch(path: Path, saved: set[str], given: set[str]) -> str:
+    parts = []
+    if saved - given:
+        parts.append(f"it holds {', '.join(sorted(saved - given))} that this run does not pass")
+    if given - saved:
+        parts.append(f"this run passes {', '.join(sorted(given - saved))} that it does not hold")
+    return (
+        f"checkpoint {path} does not match the objects given to the Checkpointer ({'; '.join(parts)}); "
+        "pass the same objects it was written with, or start a new run in another folder"
+    )
+
+
+def log_resume(
+    path: Path,
+    *,
+    global_step: int,
+    resume_point: tuple[int, int],
+    first_epoch: int,
+    position: LoaderPosition | None,
+    saved_world_size: int,
+    world_size: int,
+) -> None:
+    """Rank 0's lines after a resume: where training continues, and what a new world size changes."""
+    log = get_logger()
+    if saved_world_size != world_size:
+        log.warning(
+            f"checkpoint {path.name} was written by {saved_world_size} worker(s) and this run has "
+            f"{world_size}: training continues at the same global batch of the same sample order "
+            "(no sample skipped or repeated), but results are not bit-identical to an uninterrupted run "
+            "(per-rank random states and the all_reduce order differ)"
+        )
+    epoch, step = resume_point
+    complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering; the next is complete + 1
+    if position is None and step:
+        log.warning(
+            f"resumed from {path} (global step {global_step}: {complete} epoch(s) complete and "
+            f"{step} step(s) of the next), without a loader= to continue the data from there: skip "
+            f"start.step_in_epoch ({step}) batches of that epoch in the loop, or its first {step} batches "
+            "are trained twice; pass loader=ddpkit.DataLoader(...) for an exact resume"
+        )
+        return
+    if position is None or step == 0:
+        where = f"{complete} epoch(s) complete"
+    elif position.streaming:  # a stream's length is known at its end only
+        where = f"epoch {complete + 1}, step {step}"
+    elif step >= position.steps_per_epoch:
+        where = f"after the last batch of epoch {complete + 1}: the code after its batch loop runs again"
+    else:
+        where = f"epoch {complete + 1}, step {step} of {position.steps_per_epoch}"
+    log.info(f"resumed from {path} (global step {global_step}: {where})")
