@@ -563,3 +563,39 @@ def test_ddpkit_train_s_checkpoint_options_passed_as_they_are_are_refused_naming
     ckpt = Checkpointer(tmp_path, model=_net(), options=CheckpointConfig().for_run("accuracy"), preempt_signals=())
     assert (ckpt.options.best_metric, ckpt.options.best_mode) == ("accuracy", "max")
     ckpt.close()
+
+
+def _bytes_written_by_this_process() -> int:
+    """What this process has handed to write() so far (the kernel's count, /proc/self/io's wchar)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["wchar"])
+
+
+def test_an_epoch_end_is_written_once_also_with_a_scheduler_stepped_after_the_batch_loop(tmp_path, checkpointers):
+    # T12: an own loop's epoch-end saves with a loader-held Checkpointer and a per-epoch scheduler write
+    # each checkpoint once; the code after the batch loop is in it (a resume from it is exact).
+    torch.manual_seed(SEED)
+    model = nn.Linear(256, 1024)  # about 1 MB of weights, 3 MB with Adam's state: the bulk of each file
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 256))
+    loader = ddpkit.DataLoader(data, global_batch_size=8, shuffle=True, seed=SEED, rank=0, world_size=1)
+    ckpt = checkpointers(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, keep=5)
+    start = ckpt.resume("auto")
+    before = _bytes_written_by_this_process()
+    for epoch in range(start.epoch, 3):
+        loader.set_epoch(epoch)
+        for (x,) in loader:
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.step()
+        scheduler.step()
+    ckpt.close()
+    written = _bytes_written_by_this_process() - before
+    checkpoints = list_checkpoints(tmp_path)
+    assert [info.global_step for info in checkpoints] == [4, 8, 12]
+    one_each = sum(info.size for info in checkpoints)
+    assert one_each <= written <= 1.15 * one_each, (written, one_each)
+    # Each holds the scheduler's step after its epoch: a resume continues at the next epoch's lr.
+    assert [verify_checkpoint(info.path)["scheduler.pt"]["last_epoch"] for info in checkpoints] == [1, 2, 3]
