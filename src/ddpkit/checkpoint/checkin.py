@@ -166,3 +166,45 @@ def _fail_if_absent(
             f"a checkpoint save was reached by rank(s) {present} but not by rank(s) {gone or absent} {waited}; "
             f"saving is collective: call Checkpointer.step()/save() on every rank at the same point"
         )
+
+
+class SaveCheckIns:
+    """One Checkpointer's check-ins: a store key per save, and the loop progress that tells a rank went on.
+
+    Every rank makes its Checkpointers in the same order and counts their
+    saves alike, so the keys agree across ranks; a process may hold several
+    Checkpointers in its life (a resumed run, a test), each with its keys.
+
+    Args:
+        instance: this Checkpointer's number among the process's (the same on every rank).
+        rank: this rank.
+        world_size: number of ranks (1: no check-in at all).
+        restart: the elastic restart's number (each round of workers has keys of its own).
+        timeout: seconds a save waits for every rank.
+    """
+
+    def __init__(self, instance: int, rank: int, world_size: int, restart: str, timeout: float):
+        self.instance, self.rank, self.world_size = instance, rank, world_size
+        self.restart, self.timeout = restart, timeout
+        self.progress: LoopProgress | None = None
+        """This rank's loop progress, once :meth:`follow_loop` started publishing it."""
+        self._saves = 0
+
+    def follow_loop(self, store: Any) -> LoopProgress | None:
+        """Start publishing the loop's progress (with several ranks); the caller counts ``progress.count``."""
+        if self.world_size > 1 and self.progress is None:
+            self.progress = LoopProgress(store, f"ddpkit/progress/{self.restart}", self.rank)
+        return self.progress
+
+    def check_in(self, store: Callable[[], Any], global_step: int, stopping: Callable[[], bool]) -> None:
+        """Announce this save in ``store()`` and wait for every rank (see :func:`check_in`); nothing with one rank."""
+        if self.world_size == 1:
+            return
+        self._saves += 1
+        prefix = f"ddpkit/save/{self.restart}/{self.instance}/{self._saves}"
+        check_in(store(), prefix, self.rank, self.world_size, global_step, self.timeout, self.progress, stopping)
+
+    def stop(self) -> None:
+        """Stop publishing the loop's progress (safe to call twice)."""
+        if self.progress is not None:
+            self.progress.stop()

@@ -18,30 +18,20 @@ trainer's attributes and never steps anything::
         ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
     ckpt.close()                           # the last epoch's checkpoint, with what followed its batch loop
 
-What a checkpoint holds, besides the objects (one ``<name>.pt`` each):
-``train.pt`` (global step, completed epochs), ``rng.pt`` (every rank's
-Python, NumPy, torch and CUDA generator states), ``config.yaml`` (the run's
-config, when given), and ``manifest.json`` (written last: checksums, step,
-epoch, metrics, best, world size, versions). The on-disk format and its
-crash-safety are in :mod:`ddpkit.checkpoint.format`; which checkpoint a run
-resumes from is in :mod:`ddpkit.checkpoint.select`.
+The parts, each documented where it lives:
 
-With ``async_save=True`` a save copies the state (to pinned CPU memory from a
-GPU) and returns; rank 0 writes it in a background thread
-(:mod:`ddpkit.checkpoint.async_save`). At most one save is in flight: the
-next save, a preemption, ``wait()`` and ``close()`` wait for it.
-
-The options (when, how many, best, preemption, file modes, what a failed
-write does) are one dataclass, :class:`ddpkit.checkpoint.options.CheckpointOptions`,
-given as ``options=`` or field by field as keyword arguments.
-
-When: every ``every_steps`` steps, every ``every_seconds`` seconds, at the end
-of every epoch (``on_epoch_end``: detected from the loader, or at
-``epoch_end()``), whenever ``save()`` is called, and on a preemption signal
-(:mod:`ddpkit.checkpoint.preemption`: one checkpoint, then ``Preempted``,
-a SystemExit with status 75). Per step, ``step()`` costs an integer compare
-until something may be due; the clock and the signals are agreed on by one
-tiny all_reduce about every ``sync_seconds``.
+- what a checkpoint holds: :mod:`~ddpkit.checkpoint.contents` (the objects, the
+  counters, every rank's RNG, the config); on disk, crash-safe and verified:
+  :mod:`~ddpkit.checkpoint.format`; which one a run resumes:
+  :mod:`~ddpkit.checkpoint.select`; restoring: :mod:`~ddpkit.checkpoint.restore`;
+- when (every ``every_steps`` steps, every ``every_seconds`` seconds, at each
+  epoch's end, on a preemption signal): :mod:`~ddpkit.checkpoint.schedule`, a
+  pure function of the step, the loader's position and the agreed signals
+  (:mod:`~ddpkit.checkpoint.preemption`: one tiny all_reduce about every
+  ``sync_seconds``; between agreements ``step()`` costs an integer compare);
+- how it is written (atomic, verified, in the background with ``async_save``,
+  best mark, pruning): :mod:`~ddpkit.checkpoint.writer`;
+- the options, one dataclass: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
 
 Where, with a ddpkit.DataLoader: ``step()`` only decides; the checkpoint (and
 a preemption's exit) happens at the loop's next step boundary, when it next
@@ -49,15 +39,10 @@ asks the loader for a batch (:class:`~ddpkit.data.position.StepBoundary`), so
 it holds what the body did after ``step()``. The checkpoint of an epoch's last
 step waits for the code after the batch loop (a per-epoch scheduler,
 evaluation, ``epoch_end(metrics)``) and is written once, when the next epoch
-begins or at ``close()`` (:mod:`ddpkit.checkpoint.schedule`). Without a
-loader, ``step()`` saves at once, epochs are counted by ``epoch_end()``, and a
-checkpoint inside an epoch holds only how many of its steps were done
-(``ResumePoint.step_in_epoch``, for the loop to skip): rank 0 warns once.
-
-The parts: :mod:`~ddpkit.checkpoint.schedule` decides when (pure),
-:mod:`~ddpkit.checkpoint.writer` writes (atomic, verified, in the background
-or not, best mark, pruning), :mod:`~ddpkit.checkpoint.restore` restores;
-this class holds the objects and the collectives that join the ranks.
+begins or at ``close()``. Without a loader, ``step()`` saves at once, epochs
+are counted by ``epoch_end()``, and a checkpoint inside an epoch holds only
+how many of its steps were done (``ResumePoint.step_in_epoch``, for the loop
+to skip): rank 0 warns once.
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points, rank 0 writes. A save reached by some ranks only is an error naming
@@ -76,7 +61,6 @@ warning says so.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import os
 import sys
@@ -87,22 +71,20 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.checkin import LoopProgress, check_in
+from ddpkit.checkpoint.advice import no_position, unheld_scheduler, unwritten_at_exit
+from ddpkit.checkpoint.best import BestMetric
+from ddpkit.checkpoint.checkin import SaveCheckIns
+from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
 from ddpkit.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     checkpoint_name,
-    library_versions,
     list_checkpoints,
-    load_file,
-    read_manifest,
 )
-from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE, collect_objects, is_collective
-from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice
+from ddpkit.checkpoint.objects import collect_objects, is_collective
+from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.preemption import (
     Agreement,
     Preempted,
@@ -111,14 +93,15 @@ from ddpkit.checkpoint.preemption import (
     requeue_slurm_job,
     signal_name,
 )
-from ddpkit.checkpoint.restore import ResumePoint, log_resume, restore_objects, restore_rng
+from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
+from ddpkit.checkpoint.restore import ResumePoint, load_files, log_resume, restore_objects, restore_rng
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.storage import checkpoint_bytes, room_warning
 from ddpkit.checkpoint.writer import FolderWriter, WriteRequest
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
-from ddpkit.errors import UserError, check_positive
+from ddpkit.errors import check_positive
 from ddpkit.log import get_logger
 
 
@@ -168,7 +151,7 @@ class Checkpointer:
         environ: Mapping[str, str] | None = None,
         **option_values: Any,
     ) -> None:
-        self.options = _with_values(options or CheckpointOptions(), option_values)
+        self.options = with_keywords(options or CheckpointOptions(), option_values)
         """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
         check_positive("timeout", timeout)
         self.root = Path(dir)
@@ -176,11 +159,12 @@ class Checkpointer:
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
         self.timeout = timeout
-        self.best_value: float | None = None
+        self.best = BestMetric(self.options.best_metric, self.options.best_mode)
+        """The best value of ``best_metric`` so far, which picks the ``best-*`` checkpoint."""
         self.config = dict(config or {})
         self.meta = dict(meta or {})
         self.environ = dict(os.environ if environ is None else environ)
-        self.rank, self.world_size = _rank_and_size()
+        self.rank, self.world_size = rank_and_size()
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.completed_epochs = 0
@@ -206,10 +190,9 @@ class Checkpointer:
         self._said: set[str] = set()  # the once-only warnings already given
         self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
         self._pending_metrics: tuple[dict[str, float], bool] = ({}, False)  # for the epoch's checkpoint to come
-        # The store keys of this Checkpointer's check-ins: every rank makes its Checkpointers in the same order
-        # and counts their saves alike; a process may hold several in its life (a resumed run, a test).
-        self._instance, self._saves = next(_INSTANCES), 0
-        self._progress: LoopProgress | None = None
+        restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.check_ins = SaveCheckIns(next(_INSTANCES), self.rank, self.world_size, restart, timeout)
+        """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.checkin`)."""
         self._started = False
         self.schedule.plan(self.global_step, self.agreement.next_step)
 
@@ -243,10 +226,8 @@ class Checkpointer:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
             # the loop's body, whatever it does after step(), is then complete.
             self.loader.step_boundary.register(self._at_boundary)
-            if self.world_size > 1:
-                restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                self._progress = LoopProgress(_default_store(), f"ddpkit/progress/{restart}", self.rank)
-                atexit.register(self._progress.stop)
+            if progress := self.check_ins.follow_loop(default_store()):
+                atexit.register(progress.stop)
         atexit.register(_say_if_unwritten, weakref.ref(self))
 
     # -- resuming ----------------------------------------------------------------
@@ -287,12 +268,8 @@ class Checkpointer:
         path = Path(chosen) if chosen else None
         loaded: dict[str, Any] = {}
         if path is not None:
-            if found.get("loaded") is not None:
-                loaded = found["loaded"]
-            else:  # rank 0 verified the files moments ago; the others read them
-                manifest = read_manifest(path)
-                loaded = {name: load_file(path / name) for name in manifest["files"] if name.endswith(".pt")}
-                loaded["manifest"] = manifest
+            # Rank 0 verified the files moments ago; the others read them.
+            loaded = found["loaded"] if found.get("loaded") is not None else load_files(path)
             self._restore(path, loaded, first_epoch)
         self.agreement.start(self.global_step)
         self.schedule.plan(self.global_step, self.agreement.next_step)
@@ -308,9 +285,7 @@ class Checkpointer:
         self._epoch_start_step = int(counters.get("epoch_start_step", self.global_step))
         saved_world_size = restore_rng(loaded, self.rank, self.global_step)
         manifest = loaded["manifest"]
-        best = manifest.get("best", {})
-        if best.get("metric") == self.options.best_metric:
-            self.best_value = best.get("value")
+        self.best.restore(manifest.get("best", {}))
         self.last_path = path
         self.schedule.saved(self.global_step)
         self._step_metrics = (dict(manifest.get("metrics") or {}), False)
@@ -363,8 +338,8 @@ class Checkpointer:
 
     def _at_boundary(self) -> None:
         """The loader's step-boundary hook: write what is due."""
-        if self._progress is not None:
-            self._progress.count += 1
+        if self.check_ins.progress is not None:
+            self.check_ins.progress.count += 1
         assert self.loader is not None, "registered with a loader only"
         save = self.schedule.at_boundary(self.global_step, self.loader.position())
         if save is not None:
@@ -402,7 +377,7 @@ class Checkpointer:
             self.completed_epochs += 1
             self._epoch_start_step = self.global_step
         values = dict(metrics or {})
-        improved = self._improves(values)
+        improved = self.best.improves(values)
         saved_here = self.schedule.saved_step == self.global_step and self.last_path is not None
         if self.loader is not None and saved_here:
             self._on_rank_zero(lambda: self._annotate(values, improved))
@@ -418,21 +393,10 @@ class Checkpointer:
             return self._write("epoch_end", values, best=improved)
         return None
 
-    def _improves(self, metrics: Mapping[str, float]) -> bool:
-        metric = self.options.best_metric
-        if not metric or metric not in metrics:
-            return False
-        value = float(metrics[metric])
-        best = self.best_value
-        if best is None or (value > best if self.options.best_mode == "max" else value < best):
-            self.best_value = value
-            return True
-        return False
-
     def _annotate(self, metrics: dict[str, float], best: bool) -> None:
         """Rank 0: add metrics (and the best value) to the manifest of the checkpoint just written."""
         assert self.writer is not None and self.last_path is not None, "rank 0, after a checkpoint"
-        self.writer.annotate(self.last_path, {"metrics": metrics, "best": self._best_info()}, best)
+        self.writer.annotate(self.last_path, {"metrics": metrics, "best": self.best.info()}, best)
 
     def _exit_preempted(self, signum: int) -> None:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
@@ -486,7 +450,7 @@ class Checkpointer:
         if replacing and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
-        self._check_in()
+        self.check_ins.check_in(default_store, self.global_step, lambda: bool(self.signals.received))
         # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
         # is asked on every rank; rank 0 writes what it returned.
         collective = {name: obj.state_dict() for name, obj in self.objects.items() if is_collective(obj)}
@@ -523,49 +487,44 @@ class Checkpointer:
         if not self._resume_checked:
             self._resume_checked = True
             select.check_resume(self.root, "never")
-        epoch, step = self._resume_point()
-        objects = {
-            f"{name}.pt": collective[name] if name in collective else obj.state_dict()
-            for name, obj in self.objects.items()
-        }
-        objects[TRAIN_FILE] = {
+        counters = {
             "global_step": self.global_step,
             "completed_epochs": self.completed_epochs,
             "epoch_start_step": self._epoch_start_step,
         }
-        objects[RNG_FILE] = {"world_size": self.world_size, "ranks": rng_states}
+        files = checkpoint_files(self.objects, collective, counters, rng_states, self.world_size)
         position = self._loader_position()
-        meta = {
-            **self.meta,
-            "reason": reason,
-            "global_step": self.global_step,
-            "completed_epochs": epoch,
-            "step_in_epoch": step,
-            "steps_per_epoch": position.steps_per_epoch if position is not None else None,
-            "world_size": self.world_size,
-            "objects": sorted(self.objects),
-            "metrics": metrics,
-            "best": self._best_info(),
-            "versions": library_versions(),
-            "config": self.config,
-        }
-        texts = {"config.yaml": _yaml(self.config)} if self.config else {}
+        meta = manifest_facts(
+            reason=reason,
+            global_step=self.global_step,
+            resume_point=self._resume_point(),
+            steps_per_epoch=position.steps_per_epoch if position is not None else None,
+            world_size=self.world_size,
+            object_names=list(self.objects),
+            metrics=metrics,
+            best=self.best.info(),
+            config=self.config,
+            meta=self.meta,
+        )
         why = reason
-        if best and self.best_value is not None:
-            why += f", best {self.options.best_metric} {self.best_value:.4f}"
+        if best and self.best.value is not None:
+            why += f", best {self.best.metric} {self.best.value:.4f}"
         if replacing:
             why += "; replaces this step's earlier checkpoint with the state as it is now"
         request = WriteRequest(
-            checkpoint_name(self.global_step), objects, texts, meta, best=best, reason=reason, why=why
+            checkpoint_name(self.global_step),
+            files,
+            config_texts(self.config),
+            meta,
+            best=best,
+            reason=reason,
+            why=why,
         )
         return self.writer.write(request)
 
     def _saved(self, path: Path, reason: str) -> None:
         if self.on_save is not None:
             self.on_save(path, reason)
-
-    def _best_info(self) -> dict[str, Any]:
-        return {"metric": self.options.best_metric, "mode": self.options.best_mode, "value": self.best_value}
 
     def _wait_for_writes(self) -> None:
         """Rank 0: hand back finished background writes (``on_save``; a failed write's error)."""
@@ -585,75 +544,25 @@ class Checkpointer:
             self._on_rank_zero(self._wait_for_writes)
         return self.last_path
 
-    def _check_in(self) -> None:
-        """Every rank announces this save; fail, naming the ranks, if some went on or do not arrive in time."""
-        if self.world_size == 1:
-            return
-        self._saves += 1
-        restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        check_in(
-            _default_store(),
-            f"ddpkit/save/{restart}/{self._instance}/{self._saves}",
-            self.rank,
-            self.world_size,
-            self.global_step,
-            self.timeout,
-            self._progress,
-            lambda: bool(self.signals.received),
-        )
-
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 and share its result, or its CheckpointError, with every rank."""
-        box: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                box[0] = fn()
-            except CheckpointError as e:
-                box[1] = (type(e), str(e))  # the class too: a StorageError has its own exit status
-        if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[1]:
-            raise box[1][0](box[1][1])
-        return box[0]
+        return on_rank_zero(fn, self.rank, self.world_size)
 
-    # -- warnings a loop gets once ------------------------------------------------------
+    # -- what a loop is told once (rank 0) -----------------------------------------------
 
     def _say_once(self, key: str, message: str) -> None:
-        if key not in self._said:
-            self._said.add(key)
+        if message and self.rank == 0 and key not in self._said:
             get_logger().warning(message)
+        self._said.add(key)
 
     def _say_scheduler_not_held(self) -> None:
-        """Rank 0, once: an optimizer held has an LR scheduler that is not (a resume restarts its schedule)."""
-        if self.rank != 0 or "scheduler" in self._said:
-            return
-        held = {id(obj.optimizer) for obj in self.objects.values() if isinstance(obj, LRScheduler)}
-        for name, obj in self.objects.items():
-            # An LRScheduler sets initial_lr in its optimizer's param groups: the optimizer has one.
-            if isinstance(obj, Optimizer) and id(obj) not in held and any("initial_lr" in g for g in obj.param_groups):
-                self._say_once(
-                    "scheduler",
-                    f"{name} has an LR scheduler that this Checkpointer does not hold (its param groups carry "
-                    "initial_lr): a resumed run would start the schedule again from its first step; pass it as "
-                    "scheduler=... (or in extra={...})",
-                )
-                return
-        self._said.add("scheduler")
+        if "scheduler" not in self._said:
+            self._say_once("scheduler", unheld_scheduler(self.objects))
 
     def _say_no_position(self) -> None:
-        """Rank 0, once: a checkpoint inside an epoch without a loader cannot hold where the data is."""
-        if self.loader is not None or self.rank != 0 or "no_position" in self._said:
-            return
-        epoch, step = self._resume_point()
-        if step:
-            self._say_once(
-                "no_position",
-                f"checkpoint of global step {self.global_step} is {step} step(s) into epoch {epoch} (epochs are "
-                "counted by epoch_end() calls), and this Checkpointer has no loader= to hold the position in the "
-                "data: a run resumed from it starts that epoch again at its first batch, training those batches "
-                "twice, unless the loop skips ResumePoint.step_in_epoch batches; pass loader=ddpkit.DataLoader(...) "
-                "for an exact resume",
-            )
+        if self.loader is None and "no_position" not in self._said:
+            epoch, step = self._resume_point()
+            if step:
+                self._say_once("no_position", no_position(self.global_step, epoch, step))
 
     # -- the end ----------------------------------------------------------------------
 
@@ -676,8 +585,7 @@ class Checkpointer:
         finally:
             if self.writer is not None:
                 self.writer.close(failed)
-            if self._progress is not None:
-                self._progress.stop()
+            self.check_ins.stop()
             if self.loader is not None:
                 self.loader.step_boundary.unregister(self._at_boundary)
             self.signals.close()
@@ -695,50 +603,7 @@ def _say_if_unwritten(ref: weakref.ReferenceType[Checkpointer]) -> None:
     """At exit, rank 0: a checkpoint waited for ``close()``, which the script never called."""
     ckpt = ref()
     if ckpt is not None and ckpt.rank == 0 and ckpt.unwritten():
-        get_logger().warning(
-            f"the checkpoint of global step {ckpt.global_step} ({ckpt.unwritten()}) was not written: the script "
-            "ended without Checkpointer.close(), which writes the last epoch's checkpoint; call ckpt.close() "
-            "on every rank after training"
-        )
-
-
-def _default_store() -> Any:
-    return dist.distributed_c10d._get_default_store()
-
-
-def _with_values(options: CheckpointOptions, values: Mapping[str, Any]) -> CheckpointOptions:
-    """``options`` with the Checkpointer's keyword arguments over it, checked (CheckpointOptions.check)."""
-    known = [field.name for field in dataclasses.fields(options)]
-    for name in values:
-        if name not in known:
-            raise TypeError(
-                f"Checkpointer() got an unexpected keyword argument {name!r}; its options are: {', '.join(known)}"
-            )
-    signals = values.get("preempt_signals")
-    if signals is not None and not isinstance(signals, str):  # ("SIGTERM", "SIGUSR1"), as the keyword was typed
-        values = {**values, "preempt_signals": ",".join(signals)}
-    options = dataclasses.replace(options, **values) if values else options
-    if options.best_metric == "auto" or options.best_mode not in CheckpointOptions.best_modes:
-        # ddpkit train's CheckpointConfig, passed as it is: "auto" would be read as a metric's name, or as "min".
-        raise UserError(
-            f"best_metric={options.best_metric!r}, best_mode={options.best_mode!r}: 'auto' is ddpkit train's "
-            "word, resolved for its task by for_run(); pass options=config.checkpoint.for_run('accuracy'), or "
-            "name them: best_metric='accuracy', best_mode='max'"
-        )
-    return options
-
-
-def _rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _yaml(config: Mapping[str, Any]) -> str:
-    import yaml
-
-    text: str = yaml.safe_dump(dict(config), sort_keys=False)
-    return text
+        get_logger().warning(unwritten_at_exit(ckpt.global_step, ckpt.unwritten()))
 
 
 __all__ = ["Checkpointer", "CheckpointOptions", "ResumePoint", "CheckpointError", "MANIFEST", "list_checkpoints"]

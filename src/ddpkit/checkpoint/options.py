@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-from ddpkit.errors import check_choice, check_positive
+from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 # The values of two options live here, beside them; the modules that act on them import them from here.
@@ -108,4 +109,31 @@ class CheckpointOptions:
         return tuple(name if name.startswith("SIG") else "SIG" + name for name in names)
 
 
-__all__ = ["CATCHABLE_SIGNALS", "CheckpointOptions", "ON_WRITE_ERROR", "READABLE_BY"]
+def with_keywords(options: CheckpointOptions, values: Mapping[str, Any]) -> CheckpointOptions:
+    """``options`` with a Checkpointer's keyword arguments over it, checked (CheckpointOptions.check).
+
+    Raises:
+        TypeError: a keyword that is not an option.
+        UserError: a bad value, or ddpkit train's word "auto" for the best metric or mode.
+    """
+    known = [field.name for field in dataclasses.fields(options)]
+    for name in values:
+        if name not in known:
+            raise TypeError(
+                f"Checkpointer() got an unexpected keyword argument {name!r}; its options are: {', '.join(known)}"
+            )
+    signals = values.get("preempt_signals")
+    if signals is not None and not isinstance(signals, str):  # ("SIGTERM", "SIGUSR1"), as the keyword was typed
+        values = {**values, "preempt_signals": ",".join(signals)}
+    options = dataclasses.replace(options, **values) if values else options
+    if options.best_metric == "auto" or options.best_mode not in CheckpointOptions.best_modes:
+        # ddpkit train's CheckpointConfig, passed as it is: "auto" would be read as a metric's name, or as "min".
+        raise UserError(
+            f"best_metric={options.best_metric!r}, best_mode={options.best_mode!r}: 'auto' is ddpkit train's "
+            "word, resolved for its task by for_run(); pass options=config.checkpoint.for_run('accuracy'), or "
+            "name them: best_metric='accuracy', best_mode='max'"
+        )
+    return options
+
+
+__all__ = ["CATCHABLE_SIGNALS", "CheckpointOptions", "ON_WRITE_ERROR", "READABLE_BY", "with_keywords"]

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.format import CheckpointError, load_file, read_manifest
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
 from ddpkit.checkpoint.rng import restore_rng_state, seed_everything
 from ddpkit.data.position import LoaderPosition
 from ddpkit.log import get_logger
 
-__all__ = ["ResumePoint", "log_resume", "restore_objects", "restore_rng"]
+__all__ = ["ResumePoint", "load_files", "log_resume", "restore_objects", "restore_rng"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,14 @@ class ResumePoint:
     def resumed(self) -> bool:
         """True when state was restored from a checkpoint."""
         return self.path is not None
+
+
+def load_files(path: Path) -> dict[str, Any]:
+    """Every ``.pt`` file of a complete checkpoint by name, and its manifest as ``"manifest"``."""
+    manifest = read_manifest(path)
+    loaded = {name: load_file(path / name) for name in manifest["files"] if name.endswith(".pt")}
+    loaded["manifest"] = manifest
+    return loaded
 
 
 def restore_objects(path: Path, objects: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:

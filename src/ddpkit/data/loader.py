@@ -73,6 +73,7 @@ from ddpkit.data.arguments import (
     refuse_batch_sampler,
     refuse_for_streaming,
 )
+from ddpkit.data.epochs import EpochCursor
 from ddpkit.data.loader_samplers import KeyBatchSampler, LoaderSampler
 from ddpkit.data.position import LoaderPosition, StepBoundary
 from ddpkit.data.sample_seeds import SeededDataset, _mix
@@ -218,13 +219,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._seed = seed
         self._global_count: int | None = None
         # The position (see "Epochs and the position" in the class docstring).
-        self._epoch = 0
-        self._start_step = 0
-        self._step_in_epoch = 0
-        self._epoch_done = False
-        self._epochs_set = False
-        self._resumed_epoch: int | None = None
-        self._pass_batches = 0  # handed out by the newest iterator (a loop's break leaves it short of the epoch)
+        self._cursor = EpochCursor()
         self._left_early_said = False
         self.step_boundary = StepBoundary()
         """Hooks run each time the loop asks for the next batch, and once when the epoch's batches run out:
@@ -300,17 +295,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # The script called set_epoch on the DistributedSampler it passed (pytorch/examples' habit).
             self._followed_epoch = follow.epoch
             self.set_epoch(follow.epoch)
-        if self._left_early():
+        if self._cursor.left_early():
             self._say_left_early()
-            if not self._epochs_set:  # torch's loader would shuffle anew: the next pass is the next epoch
-                self._epoch_done, self._resumed_epoch = True, None
-        if self._epoch_done:
-            # A new pass: the next epoch when the loop never calls set_epoch, else the same epoch again.
-            self._epoch += 0 if self._epochs_set else 1
-            self._start_step, self._epoch_done = 0, False
-        self._pass_batches = 0
-        epoch, start = self._epoch, self._start_step
-        self._step_in_epoch = start
+        epoch, start = self._cursor.begin_pass()
         if self._tensor_fast_path:
             return self._hand_out(self._tensor_batches(epoch, start))
         if self._stream is not None:
@@ -329,13 +316,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             return self._hand_out_stream(batches, epoch, start)
         return self._hand_out(batches)
 
-    def _left_early(self) -> bool:
-        """True when the newest pass handed out two batches or more and the loop left it before its end.
-
-        One batch is a look at ``next(iter(loader))``, which takes nothing from the loop.
-        """
-        return self._pass_batches >= 2 and not self._epoch_done
-
     def _say_left_early(self) -> None:
         """Rank 0, once, with a Checkpointer: a run resumed inside an epoch the loop leaves early differs."""
         if self._left_early_said or not self.step_boundary.hooks or self._rank != 0:
@@ -344,7 +324,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         known = self._stream is None or self._stream.known_steps is not None
         total = f" of {self.steps_per_epoch}" if known else ""
         get_logger().warning(
-            f"the loop left epoch {self._epoch} after {self._step_in_epoch}{total} batches (a break in its "
+            f"the loop left epoch {self._cursor.epoch} after {self._cursor.step_in_epoch}{total} batches (a break in its "
             "batch loop): a run resumed from a checkpoint inside such an epoch is handed the epoch's remaining "
             "batches, while the loop's own count (enumerate) starts at 0 again, so it would train other batches "
             "than an uninterrupted run; to train part of each epoch, give the loader only that part, e.g. "
@@ -375,7 +355,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
-        sampler, batches, boundary = self._global_sampler, iter(batches), self.step_boundary
+        sampler, batches, boundary, cursor = self._global_sampler, iter(batches), self.step_boundary, self._cursor
         while True:
             if boundary.hooks:
                 boundary.run()
@@ -391,18 +371,17 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 # torch's shutdown would wait on each in turn. This loader cannot go on: end them now.
                 kill_workers(batches)
                 raise translated from error
-            self._global_count = sampler.global_batch_length(self._step_in_epoch)
-            self._step_in_epoch += 1
-            self._pass_batches += 1
+            self._global_count = sampler.global_batch_length(cursor.step_in_epoch)
+            cursor.handed_out()
             yield batch
-        self._epoch_done, self._start_step, self._resumed_epoch = True, 0, None
+        cursor.ran_out()
 
     def _hand_out_stream(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
         # As _hand_out; each worker's position is kept once its batch reaches the loop.
         stream = self._stream
         assert stream is not None, "a loader over an IterableDataset"
         stream.positions, stream.known_steps = dict(stream.shard.start), None
-        agreed, boundary = stream.agreed(iter(batches), epoch, start), self.step_boundary
+        agreed, boundary, cursor = stream.agreed(iter(batches), epoch, start), self.step_boundary, self._cursor
         while True:
             if boundary.hooks:
                 boundary.run()
@@ -411,14 +390,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 break
             batch, worker, position, self._global_count, last = item
             stream.positions[worker] = position
-            self._step_in_epoch += 1
-            self._pass_batches += 1
+            cursor.handed_out()
             if last:
-                stream.known_steps = self._step_in_epoch
+                stream.known_steps = cursor.step_in_epoch
             yield batch
-        stream.known_steps = self._step_in_epoch
+        stream.known_steps = cursor.step_in_epoch
         stream.shard.start = {}
-        self._epoch_done, self._start_step, self._resumed_epoch = True, 0, None
+        cursor.ran_out()
 
     def _tensor_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
         # index_select, not tensor[indices]: advanced indexing of a 4-D tensor costs several times more.
@@ -461,23 +439,20 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 one the restored position continues (that loop would skip or
                 repeat training).
         """
-        if self._resumed_epoch is not None and epoch != self._resumed_epoch:
+        cursor = self._cursor
+        if cursor.mismatch(epoch):
             raise UserError(self._epoch_mismatch(epoch))
-        self._resumed_epoch = None
-        self._epochs_set = True
-        if epoch != self._epoch:
-            if self._left_early():
-                self._say_left_early()
-            self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, 0, 0, False
-            self._pass_batches = 0
+        if epoch != cursor.epoch and cursor.left_early():
+            self._say_left_early()
+        if cursor.set_epoch(epoch):
             if self._stream is not None:
                 self._stream.shard.start = {}
 
     def _epoch_mismatch(self, epoch: int) -> str:
-        resumed = self._resumed_epoch
+        resumed, start = self._cursor.resumed_epoch, self._cursor.start_step
         assert resumed is not None, "asked about a resumed loader only"
-        if self._start_step:
-            where = f"in epoch {resumed} at step {self._start_step} of {self.steps_per_epoch}"
+        if start:
+            where = f"in epoch {resumed} at step {start} of {self.steps_per_epoch}"
         else:
             where = f"at the start of epoch {resumed}"
         effect = (
@@ -518,7 +493,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             state = {"global_batch_size": self._global_batch_size, "stream": self._stream.state_dict()}
         else:
             state = self._global_sampler.state_dict()
-        state.update(epoch=self._epoch, step_in_epoch=self._step_in_epoch, epoch_done=self._epoch_done)
+        cursor = self._cursor
+        state.update(epoch=cursor.epoch, step_in_epoch=cursor.step_in_epoch, epoch_done=cursor.epoch_done)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -547,26 +523,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # Saved before epoch_done existed: an epoch whose batches were all handed out was complete.
             if state.get("epoch_done", step == self.steps_per_epoch):
                 epoch, step = epoch + 1, 0
-        self._epoch, self._start_step, self._step_in_epoch, self._epoch_done = epoch, step, step, False
-        self._resumed_epoch = epoch
+        self._cursor.restore(epoch, step)
         self._global_count = None
-        self._pass_batches = 0
 
     def position(self) -> LoaderPosition:
         """Where the loader stands: the epoch, the batches handed out, whether the loop ran out of them."""
-        return LoaderPosition(
-            epoch=self._epoch,
-            step_in_epoch=self._step_in_epoch,
-            steps_per_epoch=self.steps_per_epoch,
-            epoch_done=self._epoch_done,
-            start_step=self._start_step,
-            resumed_epoch=self._resumed_epoch,
-            streaming=self._stream is not None,
-        )
+        return self._cursor.position(self.steps_per_epoch, self._stream is not None)
 
     def _rank_indices(self) -> Iterator[int]:
         """This rank's indices of the current epoch, from its start step on (``loader.sampler``'s iteration)."""
-        for share in self._global_sampler.shares(self._epoch, self._start_step):
+        for share in self._global_sampler.shares(self._cursor.epoch, self._cursor.start_step):
             yield from share
 
     def _rank_length(self) -> int:
@@ -577,17 +543,17 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     @property
     def epoch(self) -> int:
         """The epoch being (or next to be) iterated, as numbered by ``set_epoch`` (counted from 0 without it)."""
-        return self._epoch
+        return self._cursor.epoch
 
     @property
     def step_in_epoch(self) -> int:
         """Batches of ``epoch`` handed out so far (counting those skipped by a resume)."""
-        return self._step_in_epoch
+        return self._cursor.step_in_epoch
 
     @property
     def epoch_done(self) -> bool:
         """True once the loop has run out of the current epoch's batches."""
-        return self._epoch_done
+        return self._cursor.epoch_done
 
     @property
     def steps_per_epoch(self) -> int:
@@ -598,7 +564,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         one more follows).
         """
         if self._stream is not None:
-            return self._stream.steps_per_epoch(self._step_in_epoch)
+            return self._stream.steps_per_epoch(self._cursor.step_in_epoch)
         return self._global_sampler.steps_per_epoch
 
     @property

@@ -1,0 +1,51 @@
+"""What a loop is told once, on rank 0, when its checkpoints would not resume it exactly.
+
+Each function returns the line to log, or "" when there is nothing to say;
+the Checkpointer decides when to ask and says each at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["no_position", "unheld_scheduler", "unwritten_at_exit"]
+
+
+def unheld_scheduler(objects: Mapping[str, Any]) -> str:
+    """An optimizer held has an LR scheduler that is not: a resume would restart its schedule."""
+    held = {id(obj.optimizer) for obj in objects.values() if isinstance(obj, LRScheduler)}
+    for name, obj in objects.items():
+        # An LRScheduler sets initial_lr in its optimizer's param groups: the optimizer has one.
+        if isinstance(obj, Optimizer) and id(obj) not in held and any("initial_lr" in g for g in obj.param_groups):
+            return (
+                f"{name} has an LR scheduler that this Checkpointer does not hold (its param groups carry "
+                "initial_lr): a resumed run would start the schedule again from its first step; pass it as "
+                "scheduler=... (or in extra={...})"
+            )
+    return ""
+
+
+def no_position(global_step: int, epoch: int, step_in_epoch: int) -> str:
+    """A checkpoint inside an epoch without a loader cannot hold where the data is."""
+    if not step_in_epoch:
+        return ""
+    return (
+        f"checkpoint of global step {global_step} is {step_in_epoch} step(s) into epoch {epoch} (epochs are "
+        "counted by epoch_end() calls), and this Checkpointer has no loader= to hold the position in the "
+        "data: a run resumed from it starts that epoch again at its first batch, training those batches "
+        "twice, unless the loop skips ResumePoint.step_in_epoch batches; pass loader=ddpkit.DataLoader(...) "
+        "for an exact resume"
+    )
+
+
+def unwritten_at_exit(global_step: int, reason: str) -> str:
+    """The process exits with a checkpoint that waited for ``close()``, which the script never called."""
+    return (
+        f"the checkpoint of global step {global_step} ({reason}) was not written: the script ended without "
+        "Checkpointer.close(), which writes the last epoch's checkpoint; call ckpt.close() on every rank after "
+        "training"
+    )

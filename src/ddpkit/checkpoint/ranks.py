@@ -1,0 +1,43 @@
+"""How the ranks take part in a checkpoint: rank 0 acts, every rank learns the outcome.
+
+Rank 0 chooses the checkpoint to resume and writes checkpoints; the other
+ranks must learn what it chose, or that it failed, and fail the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.checkpoint.format import CheckpointError
+
+__all__ = ["default_store", "on_rank_zero", "rank_and_size"]
+
+
+def rank_and_size() -> tuple[int, int]:
+    """(rank, world size) of the process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def default_store() -> Any:
+    """The process group's store (the check-ins and the loop progress live there)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def on_rank_zero(fn: Callable[[], Any], rank: int, world_size: int) -> Any:
+    """Run ``fn`` on rank 0 and share its result, or its CheckpointError, with every rank (a collective)."""
+    box: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            box[0] = fn()
+        except CheckpointError as e:
+            box[1] = (type(e), str(e))  # the class too: a StorageError has its own exit status
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise box[1][0](box[1][1])
+    return box[0]
