@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ddpkit import __version__
 from ddpkit.bench.cli import BENCH_HELP
 from ddpkit.checkpoint_cli import CHECKPOINTS_HELP, EXPORT_HELP
 from ddpkit.command_help import HELP_WORDS, CommandHelp, render_help, wants_help
@@ -34,6 +33,7 @@ from ddpkit.launch.failure import LaunchError, record_for_launcher
 from ddpkit.launch.script import wants_run_help
 from ddpkit.launch.slurm_cli import SLURM_HELP
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USER_ERROR, EXIT_WORKER_FAILED
+from ddpkit.version import __version__
 
 if TYPE_CHECKING:
     from ddpkit.checkpoint.format import CheckpointInfo

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.comm import BUILTIN, TARGET_T3, TARGET_T4, CommBenchConfig, median_times
+from ddpkit.bench.comm_spec import BUILTIN, TARGET_T3, TARGET_T4, CommBenchConfig, median_times
 from ddpkit.figures import bytes_axis, format_bytes, new_figure, save_figure
 
 

@@ -87,6 +87,8 @@ from typing import Any
 
 from ddpkit.bench import perfmodel
 from ddpkit.bench.report import file_stem, write_report
+from ddpkit.bench.scaling_report import plot_report, render_markdown, render_projection_sentence, render_table
+from ddpkit.bench.scaling_spec import PARTS
 from ddpkit.bench.system import machine_info, machine_tag
 from ddpkit.config import ConfigError, check_positive, parse
 from ddpkit.errors import UserError
@@ -94,9 +96,6 @@ from ddpkit.figures import format_bytes
 
 WORKLOADS = {"W1": "mlp", "W2": "cnn", "W3": "autoencoder"}
 """Reference workloads (WORKLOADS.md) by id, and the registered model each trains."""
-
-PARTS = ("data", "forward", "backward", "optimizer", "exposed_comm")
-"""The parts a step is split into, in order."""
 
 SMOKE_PRESETS = {"warmup": 2, "steps": 8, "block_steps": 4, "comm_iterations": 3, "comm_repeats": 2}
 """What ``smoke=true`` changes; words on the command line still win."""
@@ -849,9 +848,6 @@ def main(words: list[str]) -> int:
         ValueError: bad options, or nodes=2 where namespaces cannot be created.
         RuntimeError, ddpkit.launch.failure.LaunchError: a worker failed.
     """
-    # Imported here, not at the top: scaling_report imports this module's constants.
-    from ddpkit.bench.scaling_report import plot_report, render_markdown, render_projection_sentence, render_table
-
     cfg = parse_config(words)
     report = run_scaling_benchmark(cfg, words)
     paths = write_report(report, cfg.output_dir, result_stem(report), render_markdown, plot_report)

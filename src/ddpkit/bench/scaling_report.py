@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.scaling import PARTS
+from ddpkit.bench.scaling_spec import PARTS
 from ddpkit.figures import format_bytes, new_figure, save_figure
 
 TOLERANCE = 0.25

@@ -14,7 +14,6 @@ and loads the weights in one call.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -24,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.checkpoint.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
 from ddpkit.checkpoint.format import (
     MANIFEST,
-    CheckpointError,
     folder_mode,
     load_file,
     read_manifest,
@@ -34,12 +33,8 @@ from ddpkit.checkpoint.format import (
     write_file_atomic,
 )
 from ddpkit.checkpoint.options import READABLE_BY
-from ddpkit.checkpoint.transfer import EXPORT_INFO, newest_verified
+from ddpkit.checkpoint.transfer import newest_verified
 from ddpkit.errors import UserError, check_choice
-
-EXPORT_FORMAT = "ddpkit-export/1"
-"""Value of model.json's ``format`` key."""
-WEIGHTS = "model.pt"
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str = "user") -> Path:
@@ -94,28 +89,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
     finally:
         os.close(fd)
     return out
-
-
-def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The description and the verified weights of an export folder.
-
-    Raises:
-        CheckpointError: not an export, or its weights are damaged or refused.
-    """
-    folder = Path(folder)
-    try:
-        info = json.loads((folder / EXPORT_INFO).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder} is not a readable ddpkit export ({e}); run ddpkit export first") from None
-    if not isinstance(info, dict) or info.get("format") != EXPORT_FORMAT:
-        raise CheckpointError(f"{folder / EXPORT_INFO} is not a {EXPORT_FORMAT} file; run ddpkit export again")
-    expected = info["files"][WEIGHTS]
-    data = (folder / WEIGHTS).read_bytes()
-    if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise CheckpointError(
-            f"{folder / WEIGHTS} is damaged (size or SHA-256 differs from {EXPORT_INFO}); export it again"
-        )
-    return info, load_file(folder / WEIGHTS, data=data)
 
 
 def load_exported(folder: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:

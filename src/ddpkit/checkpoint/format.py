@@ -55,6 +55,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ddpkit.errors import UserError
+from ddpkit.version import __version__
 
 FORMAT = "ddpkit-checkpoint/2"
 """Value of the manifest's ``format`` key."""
@@ -249,8 +250,6 @@ def rewrite_manifest(folder: str | Path, updates: Mapping[str, Any], mode: int =
 def library_versions() -> dict[str, str]:
     """Versions of the libraries a checkpoint depends on, stored in its manifest."""
     import numpy
-
-    from ddpkit import __version__
 
     return {
         "ddpkit": __version__,

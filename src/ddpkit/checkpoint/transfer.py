@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddpkit.checkpoint.export_folder import EXPORT_INFO, read_export
 from ddpkit.checkpoint.format import (
     MANIFEST,
     CheckpointError,
@@ -36,9 +37,6 @@ from ddpkit.checkpoint.format import (
     verify_checkpoint,
 )
 from ddpkit.errors import UserError
-
-EXPORT_INFO = "model.json"
-"""The file that marks an export folder (written by ``ddpkit export``)."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +86,6 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         if (path / MANIFEST).exists():
             state = verify_checkpoint(path)["model.pt"]
         elif (path / EXPORT_INFO).exists():
-            from ddpkit.checkpoint.export import read_export
-
             state = read_export(path)[1]
         else:
             state = verify_checkpoint(newest_verified(path))["model.pt"]

@@ -17,7 +17,8 @@ Launch it with ``mpirun -np 4 python train.py`` (OpenMPI; MPI only starts
 the processes, ``hvd.init()`` reads their ranks from its variables), srun,
 torchrun or ``ddpkit run nproc=4 train.py``.
 
-Where things live: :mod:`~ddpkit.horovod.basics` (init, ranks and sizes),
+Where things live: :mod:`~ddpkit.horovod.basics` (init, shutdown, what torch was built with),
+:mod:`~ddpkit.horovod.ranks` (ranks and sizes),
 :mod:`~ddpkit.horovod.ops` (collectives and handles),
 :mod:`~ddpkit.horovod.engine` (the background thread and join),
 :mod:`~ddpkit.horovod.optimizer` (DistributedOptimizer),
@@ -34,25 +35,18 @@ from typing import NoReturn
 from ddpkit.horovod import elastic
 from ddpkit.horovod.basics import (
     ccl_built,
-    cross_rank,
-    cross_size,
     cuda_built,
     ddl_built,
     gloo_built,
     gloo_enabled,
     init,
     is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
-    rank,
     rocm_built,
     shutdown,
-    size,
 )
 from ddpkit.horovod.compression import Compression
 from ddpkit.horovod.functions import (
@@ -92,6 +86,7 @@ from ddpkit.horovod.ops import (
 )
 from ddpkit.horovod.optimizer import DistributedOptimizer
 from ddpkit.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ddpkit.horovod.ranks import cross_rank, cross_size, is_initialized, local_rank, local_size, rank, size
 from ddpkit.horovod.unsupported import SYNC_BATCH_NORM, HorovodUnsupportedError
 
 __all__ = [

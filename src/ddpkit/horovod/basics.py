@@ -1,17 +1,9 @@
-"""Joining the job and asking about it: ``hvd.init``, ``rank``, ``size``, ``local_rank`` and the rest.
+"""``hvd.init`` and ``hvd.shutdown``, and what torch was built with: ``nccl_built``, ``gloo_enabled`` and the rest.
 
 ``hvd.init()`` is ``ddpkit.init()`` (which detects mpirun, srun, torchrun
 and ``ddpkit run`` from their variables, binds the local GPU and forms the
 process group) followed by the start of the background thread that runs the
-collectives. Horovod's ranks map onto ddpkit's environment:
-
-==============  ===========================================
-rank, size      ``Context.rank``, ``Context.world_size``
-local_rank      ``Context.local_rank`` (rank on this node)
-local_size      ``Context.local_world_size``
-cross_rank      ``Context.node_rank`` (index of this node)
-cross_size      ``env.num_nodes``
-==============  ===========================================
+collectives. Ranks and sizes are read in :mod:`ddpkit.horovod.ranks`.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ from ddpkit import distributed
 from ddpkit.comm.grad_sync import choose_allreduce
 from ddpkit.comm.registry import COLLECTIVES, builtin_all_reduce, resolve_allreduce
 from ddpkit.horovod import engine, process_sets
+from ddpkit.horovod.ranks import initialized_context, is_initialized
 from ddpkit.horovod.unsupported import COMM, HorovodUnsupportedError
 
 _homogeneous = True
@@ -61,54 +54,15 @@ def shutdown() -> None:
     distributed.shutdown()
 
 
-def is_initialized() -> bool:
-    """Whether ``init()`` has been called (and ``shutdown()`` not since)."""
-    try:
-        engine.current()
-    except ValueError:
-        return False
-    return True
-
-
-def rank() -> int:
-    """This process's global rank."""
-    return _context().rank
-
-
-def size() -> int:
-    """The number of processes in the job."""
-    return _context().world_size
-
-
-def local_rank() -> int:
-    """This process's rank among the processes of its node (the GPU to use)."""
-    return _context().local_rank
-
-
-def local_size() -> int:
-    """The number of processes on this node."""
-    return _context().local_world_size
-
-
-def cross_rank() -> int:
-    """The index of this process's node (its rank among the processes with its local rank)."""
-    return _context().node_rank
-
-
-def cross_size() -> int:
-    """The number of nodes."""
-    return _context().env.num_nodes
-
-
 def is_homogeneous() -> bool:
     """Whether every node runs the same number of processes."""
-    _context()
+    initialized_context()
     return _homogeneous
 
 
 def mpi_threads_supported() -> bool:
     """False: ddpkit.horovod does not run on MPI (mpirun only starts the processes)."""
-    _context()
+    initialized_context()
     return False
 
 
@@ -124,7 +78,7 @@ def mpi_built() -> bool:
 
 def gloo_enabled() -> bool:
     """Whether the process group uses gloo."""
-    return "gloo" in _context().backend
+    return "gloo" in initialized_context().backend
 
 
 def gloo_built() -> bool:
@@ -158,12 +112,6 @@ def ddl_built() -> bool:
 def ccl_built() -> bool:
     """False: oneCCL is not used."""
     return False
-
-
-def _context() -> distributed.Context:
-    if not is_initialized():
-        raise ValueError("ddpkit.horovod is not initialized; call hvd.init() first")
-    return distributed.context()
 
 
 def _check_process_set(process_set: object) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ddpkit.distributed import control_device
+from ddpkit.horovod import ranks
 from ddpkit.horovod.ops import allgather, broadcast_, broadcast_async_, synchronize
 from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
 
@@ -112,6 +113,4 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _rank() -> int:
-    from ddpkit.horovod.basics import rank
-
-    return rank()
+    return ranks.rank()

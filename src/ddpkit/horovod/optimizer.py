@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from ddpkit.horovod.basics import size
 from ddpkit.horovod.compression import Compression, Compressor
 from ddpkit.horovod.ops import Adasum, Average, ReduceOp, allreduce_async_, grouped_allreduce_async_, synchronize
 from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
+from ddpkit.horovod.ranks import size
 from ddpkit.horovod.unsupported import ADASUM, HorovodUnsupportedError
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ddpkit.horovod import ranks
 from ddpkit.horovod.unsupported import PROCESS_SETS, HorovodUnsupportedError
 
 
@@ -23,15 +24,11 @@ class ProcessSet:
 
     def size(self) -> int:
         """Number of ranks in the set: every rank."""
-        from ddpkit.horovod.basics import size
-
-        return size()
+        return ranks.size()
 
     def rank(self) -> int:
         """This process's rank in the set: its global rank."""
-        from ddpkit.horovod.basics import rank
-
-        return rank()
+        return ranks.rank()
 
     def included(self) -> bool:
         """Whether this process belongs to the set: always."""

@@ -108,15 +108,14 @@ _UNUSABLE_SIGNALS = {"KILL", "STOP", "CHLD", "CONT"}
 
 
 @dataclass(frozen=True)
-class SbatchSpec:
-    """Everything an sbatch script for a ddpkit job depends on.
+class SlurmResources:
+    """What a job asks Slurm for in its ``#SBATCH`` lines: nodes, tasks, GPUs, CPUs, where, how long, its name and output.
 
-    Empty strings and zeros mean "not set": the directive or step is left
-    out and the cluster's default applies.
+    Declared once: :class:`SbatchSpec` and ``ddpkit slurm``'s options
+    (:class:`ddpkit.launch.slurm_cli.SlurmConfig`) extend it. Empty strings and
+    zeros mean "not set": the directive is left out and the cluster's default applies.
     """
 
-    job_name: str = "ddpkit"
-    """Name shown by squeue (--job-name)."""
     nodes: int = 1
     """Number of nodes (--nodes)."""
     tasks_per_node: int = 1
@@ -126,17 +125,29 @@ class SbatchSpec:
     cpus_per_task: int = 1
     """CPU cores per worker (--cpus-per-task)."""
     partition: str = ""
-    """Partition to run in (--partition); empty for the cluster's default."""
+    """Partition to run in; empty for the cluster's default."""
     account: str = ""
-    """Account charged for the job (--account); empty for the user's default."""
+    """Account charged for the job; empty for the user's default."""
     qos: str = ""
-    """Quality of service (--qos); empty for the default."""
+    """Quality of service; empty for the default."""
     time: str = ""
-    """Time limit in Slurm's format, e.g. "90", "2:00:00", "1-12:00"; empty for the partition's."""
+    """Time limit, e.g. 90 (minutes), 2:00:00, 1-12:00; empty for the partition's."""
+    job_name: str = "ddpkit"
+    """Name shown by squeue."""
     output: str = "ddpkit-%j.out"
-    """Standard output file (--output); %j is the job id, relative to project_root."""
+    """Standard output file, relative to project_root (%j: the job id)."""
     error: str = ""
-    """Standard error file (--error); empty to write it to output."""
+    """Standard error file; empty: with the standard output."""
+
+
+@dataclass(frozen=True)
+class SbatchSpec(SlurmResources):
+    """Everything an sbatch script for a ddpkit job depends on: the resources, and how the job runs.
+
+    Empty strings and zeros mean "not set": the directive or step is left
+    out and the cluster's default applies.
+    """
+
     launch_mode: str = "srun"
     """How workers start: "srun", "torchrun" or "mpirun"."""
     env_mode: str = "venv"

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from ddpkit.command_help import CommandHelp
 from ddpkit.config import ConfigError, TrainConfig, check_choice, parse
 from ddpkit.errors import UserError
-from ddpkit.launch.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, render_sbatch
+from ddpkit.launch.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
 
 SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
 NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
@@ -42,32 +42,14 @@ NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(SbatchSpec)}
 
 
-@dataclasses.dataclass
-class SlurmConfig:
-    """Options of ``ddpkit slurm``; every field can be set as key=value."""
+@dataclasses.dataclass(frozen=True)
+class SlurmConfig(SlurmResources):
+    """Options of ``ddpkit slurm``; every field can be set as key=value.
 
-    nodes: int = 1
-    """Number of nodes (--nodes)."""
-    tasks_per_node: int = 1
-    """Workers per node: Slurm tasks, torchrun processes or MPI ranks (--ntasks-per-node)."""
-    gpus_per_node: int = 0
-    """GPUs per node (--gpus-per-node); 0 requests none."""
-    cpus_per_task: int = 1
-    """CPU cores per worker (--cpus-per-task)."""
-    partition: str = ""
-    """Partition to run in; empty for the cluster's default."""
-    account: str = ""
-    """Account charged for the job; empty for the user's default."""
-    qos: str = ""
-    """Quality of service; empty for the default."""
-    time: str = ""
-    """Time limit, e.g. 90 (minutes), 2:00:00, 1-12:00; empty for the partition's."""
-    job_name: str = _DEFAULTS["job_name"]
-    """Name shown by squeue."""
-    output: str = _DEFAULTS["output"]
-    """Standard output file, relative to project_root (%j: the job id)."""
-    error: str = ""
-    """Standard error file; empty: with the standard output."""
+    The resources (nodes to output files) are :class:`~ddpkit.launch.sbatch.SlurmResources`, shared with
+    :class:`~ddpkit.launch.sbatch.SbatchSpec`; the rest says how to launch and what to do with the script.
+    """
+
     launch: str = "srun"
     """How workers start: srun (a task per worker), torchrun (one per node) or mpirun (OpenMPI ranks)."""
     env: str = "auto"

@@ -2,14 +2,9 @@
 
 from torch import nn
 
-from ddpkit.models.registry import register_model
+from ddpkit.models.spec import ModelSpec
 
 
-@register_model(
-    "autoencoder",
-    task="reconstruction",
-    recipe={"optimizer": "adam", "lr": 1e-3, "batch_size": 128, "batch_scope": "global", "epochs": 2},
-)
 def autoencoder() -> nn.Module:
     """784-128-128-128-784 with ReLU after every layer; output shaped like the input."""
     return nn.Sequential(
@@ -24,3 +19,12 @@ def autoencoder() -> nn.Module:
         nn.ReLU(),
         nn.Unflatten(1, (1, 28, 28)),
     )
+
+
+AUTOENCODER = ModelSpec(
+    "autoencoder",
+    autoencoder,
+    "reconstruction",
+    {"optimizer": "adam", "lr": 1e-3, "batch_size": 128, "batch_scope": "global", "epochs": 2},
+)
+"""W3 in the registry, with its training recipe."""

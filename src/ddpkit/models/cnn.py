@@ -7,7 +7,7 @@ acts on (torch's SyncBatchNorm runs on CUDA only).
 import torch
 from torch import nn
 
-from ddpkit.models.registry import register_model
+from ddpkit.models.spec import ModelSpec
 
 MNIST_MEAN_STD = (0.1307, 0.3081)
 """Mean and standard deviation of MNIST's pixels in [0, 1], as PyTorch's MNIST example normalizes them."""
@@ -39,16 +39,20 @@ CNN_RECIPE = {
 """The training recipe of PyTorch's MNIST example, shared by cnn and cnn_bn."""
 
 
-@register_model("cnn", recipe=CNN_RECIPE)
 def cnn() -> nn.Module:
     """normalize, conv 1->32 k3, ReLU, conv 32->32 k3, ReLU, maxpool 2, dropout 0.25, fc 4608->128, ReLU, dropout 0.5, fc 128->10."""
     return _mnist_cnn(batchnorm=False)
 
 
-@register_model("cnn_bn", recipe=CNN_RECIPE)
 def cnn_bn() -> nn.Module:
     """cnn with BatchNorm2d after each convolution (before its ReLU); the same recipe."""
     return _mnist_cnn(batchnorm=True)
+
+
+CNN = ModelSpec("cnn", cnn, "classification", CNN_RECIPE)
+"""W2 in the registry, with the example's recipe."""
+CNN_BN = ModelSpec("cnn_bn", cnn_bn, "classification", CNN_RECIPE)
+"""cnn_bn in the registry, with the same recipe."""
 
 
 def _mnist_cnn(batchnorm: bool) -> nn.Sequential:

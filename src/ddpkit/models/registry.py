@@ -15,30 +15,28 @@ classifier with the default recipe, unless it was registered).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from ddpkit.errors import UserError
+from ddpkit.models.spec import ModelSpec
 from ddpkit.names import TASKS
 
+REFERENCE_MODELS = {
+    "autoencoder": "ddpkit.models.autoencoder:AUTOENCODER",
+    "cnn": "ddpkit.models.cnn:CNN",
+    "cnn_bn": "ddpkit.models.cnn:CNN_BN",
+    "mlp": "ddpkit.models.mlp:MLP",
+}
+"""The reference models by name: where each one's :class:`ModelSpec` is, as ``module:attribute``.
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A registered model: how to build it and how to train it by default."""
-
-    name: str
-    """Registry name, as in model=NAME."""
-    build: Callable[[], nn.Module]
-    """Returns a new, randomly initialised model."""
-    task: str
-    """classification (cross-entropy, accuracy), regression (MSE to the target) or reconstruction (MSE to the input)."""
-    recipe: Mapping[str, Any] = field(default_factory=dict)
-    """TrainConfig values used unless the user overrides them."""
-
+Imported on first use (:func:`get_model_spec`), so the registry imports no model
+module and no model module imports the registry.
+"""
 
 MODELS: dict[str, ModelSpec] = {}
 
@@ -87,7 +85,10 @@ def _import_model(path: str) -> ModelSpec:
     return registered or ModelSpec(path, build, "classification")
 
 
+@functools.cache  # once per process: a model the user registers later under the same name wins
 def _register_reference_models() -> None:
-    # Imported for their registration side effect; here rather than at the top
-    # so the registry module stays importable from the model modules.
-    from ddpkit.models import autoencoder, cnn, mlp  # noqa: F401
+    for name, path in REFERENCE_MODELS.items():
+        module_name, _, attr = path.partition(":")
+        spec = getattr(importlib.import_module(module_name), attr)
+        assert isinstance(spec, ModelSpec) and spec.name == name, path
+        MODELS[name] = spec
