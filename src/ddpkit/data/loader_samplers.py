@@ -5,14 +5,11 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.utils.data import Sampler
 
 from ddpkit.data.sampler import GlobalBatchSampler
-
-if TYPE_CHECKING:
-    from ddpkit.data.loader import DataLoader
 
 __all__ = ["KeyBatchSampler", "LoaderSampler"]
 
@@ -47,6 +44,19 @@ class KeyBatchSampler(Sampler[list[tuple[int, int, bool]]]):
             step += 1
 
 
+class _Loader(Protocol):
+    """What ``loader.sampler`` asks of its loader (ddpkit.DataLoader)."""
+
+    @property
+    def streaming(self) -> bool: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def _rank_indices(self) -> Iterator[int]: ...
+
+    def _rank_length(self) -> int: ...
+
+
 class LoaderSampler(Sampler[int]):
     """``loader.sampler``: this rank's indices of the loader's epoch; ``set_epoch`` is the loader's.
 
@@ -55,18 +65,18 @@ class LoaderSampler(Sampler[int]):
     (None without one).
     """
 
-    def __init__(self, loader: DataLoader, sampler: Any):
+    def __init__(self, loader: _Loader, sampler: Any):
         super().__init__()
         self._loader = weakref.ref(loader)  # the loader holds this; no cycle to keep it alive
         self.sampler = sampler
 
-    def _owner(self) -> DataLoader:
+    def _owner(self) -> _Loader:
         loader = self._loader()
         assert loader is not None, "a loader's sampler is used while the loader lives"
         return loader
 
     def set_epoch(self, epoch: int) -> None:
-        """The loader's :meth:`DataLoader.set_epoch`."""
+        """The loader's ``set_epoch``."""
         self._owner().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
