@@ -92,6 +92,36 @@ class EpochCursor:
         """True when ``epoch`` is not the one a just-restored position continues."""
         return self.resumed_epoch is not None and epoch != self.resumed_epoch
 
+    def mismatch_message(self, epoch: int, steps_per_epoch: int) -> str:
+        """The one line for a loop whose ``set_epoch(epoch)`` is not the epoch a resume continues."""
+        resumed, start = self.resumed_epoch, self.start_step
+        assert resumed is not None, "asked about a resumed loader only"
+        where = (
+            f"in epoch {resumed} at step {start} of {steps_per_epoch}" if start else f"at the start of epoch {resumed}"
+        )
+        effect = (
+            f"epoch {epoch} would be trained again"
+            if epoch < resumed
+            else f"the rest of epoch {resumed} would be skipped"
+        )
+        return (
+            f"the loader resumed {where} (epochs numbered as the loop passed them to set_epoch), but the "
+            f"loop now calls set_epoch({epoch}): {effect}; start the loop at the epoch resume() returns: "
+            f"for epoch in range(start.epoch, epochs) (epochs numbered from 1: resume(..., first_epoch=1) "
+            f"and range(start.epoch, epochs + 1))"
+        )
+
+    def left_early_message(self, steps_per_epoch: int | None) -> str:
+        """The warning for a loop that left an epoch early (``steps_per_epoch`` None: a stream's, not known yet)."""
+        total = f" of {steps_per_epoch}" if steps_per_epoch is not None else ""
+        return (
+            f"the loop left epoch {self.epoch} after {self.step_in_epoch}{total} batches (a break in its "
+            "batch loop): a run resumed from a checkpoint inside such an epoch is handed the epoch's remaining "
+            "batches, while the loop's own count (enumerate) starts at 0 again, so it would train other batches "
+            "than an uninterrupted run; to train part of each epoch, give the loader only that part, e.g. "
+            "sampler=RandomSampler(dataset, num_samples=N), and let its epochs run out"
+        )
+
     def restore(self, epoch: int, step: int) -> None:
         """Continue at ``step`` of ``epoch`` (a resume): the next iterator starts there."""
         self.epoch, self.start_step, self.step_in_epoch, self.epoch_done = epoch, step, step, False

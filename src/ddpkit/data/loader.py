@@ -63,7 +63,7 @@ from torch.utils.data import (
 )
 
 from ddpkit.data import shm_budget
-from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, reader_for
+from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, reader_for, tensor_batches
 from ddpkit.data.arguments import (
     BATCH_SIZE_DEFAULT,
     global_batch,
@@ -299,7 +299,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self._say_left_early()
         epoch, start = self._cursor.begin_pass()
         if self._tensor_fast_path:
-            return self._hand_out(self._tensor_batches(epoch, start))
+            dataset = self.dataset
+            assert isinstance(dataset, TensorDataset), "the fast path is a TensorDataset's"
+            return self._hand_out(tensor_batches(dataset, self._global_sampler, epoch, start))
         if self._stream is not None:
             self._stream.shard.epoch = epoch
         else:
@@ -322,14 +324,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             return
         self._left_early_said = True
         known = self._stream is None or self._stream.known_steps is not None
-        total = f" of {self.steps_per_epoch}" if known else ""
-        get_logger().warning(
-            f"the loop left epoch {self._cursor.epoch} after {self._cursor.step_in_epoch}{total} batches (a break in its "
-            "batch loop): a run resumed from a checkpoint inside such an epoch is handed the epoch's remaining "
-            "batches, while the loop's own count (enumerate) starts at 0 again, so it would train other batches "
-            "than an uninterrupted run; to train part of each epoch, give the loader only that part, e.g. "
-            "sampler=RandomSampler(dataset, num_samples=N), and let its epochs run out"
-        )
+        get_logger().warning(self._cursor.left_early_message(self.steps_per_epoch if known else None))
 
     def _check_shared_memory(self, epoch: int) -> None:
         """Warn when /dev/shm cannot hold the batches the workers will put there (see ddpkit.data.shm_budget)."""
@@ -398,19 +393,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         stream.shard.start = {}
         cursor.ran_out()
 
-    def _tensor_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        # index_select, not tensor[indices]: advanced indexing of a 4-D tensor costs several times more.
-        dataset = self.dataset
-        assert isinstance(dataset, TensorDataset), "the fast path is a TensorDataset's"
-        tensors = dataset.tensors
-        devices = {tensor.device for tensor in tensors}
-        if len(devices) == 1:
-            for indices in self._global_sampler.tensor_shares(epoch, start, devices.pop()):
-                yield tuple([tensor.index_select(0, indices) for tensor in tensors])
-        else:
-            for indices in self._global_sampler.tensor_shares(epoch, start):
-                yield tuple([tensor.index_select(0, indices.to(tensor.device)) for tensor in tensors])
-
     def global_mean(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Scale this rank's summed loss so that averaging gradients over ranks gives the global mean.
 
@@ -441,31 +423,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         """
         cursor = self._cursor
         if cursor.mismatch(epoch):
-            raise UserError(self._epoch_mismatch(epoch))
+            raise UserError(cursor.mismatch_message(epoch, self.steps_per_epoch))
         if epoch != cursor.epoch and cursor.left_early():
             self._say_left_early()
         if cursor.set_epoch(epoch):
             if self._stream is not None:
                 self._stream.shard.start = {}
-
-    def _epoch_mismatch(self, epoch: int) -> str:
-        resumed, start = self._cursor.resumed_epoch, self._cursor.start_step
-        assert resumed is not None, "asked about a resumed loader only"
-        if start:
-            where = f"in epoch {resumed} at step {start} of {self.steps_per_epoch}"
-        else:
-            where = f"at the start of epoch {resumed}"
-        effect = (
-            f"epoch {epoch} would be trained again"
-            if epoch < resumed
-            else f"the rest of epoch {resumed} would be skipped"
-        )
-        return (
-            f"the loader resumed {where} (epochs numbered as the loop passed them to set_epoch), but the "
-            f"loop now calls set_epoch({epoch}): {effect}; start the loop at the epoch resume() returns: "
-            f"for epoch in range(start.epoch, epochs) (epochs numbered from 1: resume(..., first_epoch=1) "
-            f"and range(start.epoch, epochs + 1))"
-        )
 
     @property
     def streaming(self) -> bool:
