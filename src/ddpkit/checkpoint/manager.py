@@ -33,16 +33,12 @@ The parts, each documented where it lives:
   best mark, pruning): :mod:`~ddpkit.checkpoint.writer`;
 - the options, one dataclass: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
 
-Where, with a ddpkit.DataLoader: ``step()`` only decides; the checkpoint (and
-a preemption's exit) happens at the loop's next step boundary, when it next
-asks the loader for a batch (:class:`~ddpkit.data.position.StepBoundary`), so
-it holds what the body did after ``step()``. The checkpoint of an epoch's last
-step waits for the code after the batch loop (a per-epoch scheduler,
-evaluation, ``epoch_end(metrics)``) and is written once, when the next epoch
-begins or at ``close()``. Without a loader, ``step()`` saves at once, epochs
-are counted by ``epoch_end()``, and a checkpoint inside an epoch holds only
-how many of its steps were done (``ResumePoint.step_in_epoch``, for the loop
-to skip): rank 0 warns once.
+Where, with a ddpkit.DataLoader: at the loop's step boundaries, when it asks
+for its next batch, so a checkpoint holds what the body did after ``step()``;
+an epoch's checkpoint waits for the code after its batch loop and is written
+once (:mod:`~ddpkit.checkpoint.schedule`). Without a loader, ``step()`` saves
+at once and a checkpoint inside an epoch holds only how many of its steps
+were done (``ResumePoint.step_in_epoch``, for the loop to skip).
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points, rank 0 writes. A save reached by some ranks only is an error naming
@@ -89,7 +85,7 @@ from ddpkit.checkpoint.preemption import (
     Agreement,
     Preempted,
     PreemptionSignals,
-    exit_status,
+    preempted_line,
     requeue_slurm_job,
     signal_name,
 )
@@ -402,14 +398,9 @@ class Checkpointer:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
         name = signal_name(signum)
         if self.rank == 0:
-            log = get_logger()
-            what = "interrupted (Ctrl-C)" if name == "SIGINT" else f"preempted by {name}"
-            log.warning(
-                f"{what} after global step {self.global_step}: checkpoint {self.last_path} is complete; "
-                f"exiting with status {exit_status(name)}; {self.continue_hint}"
-            )
+            get_logger().warning(preempted_line(name, self.global_step, self.last_path, self.continue_hint))
             if self.options.requeue:
-                log.warning(requeue_slurm_job(self.environ))
+                get_logger().warning(requeue_slurm_job(self.environ))
         self.close()
         raise Preempted(name, str(self.last_path))
 

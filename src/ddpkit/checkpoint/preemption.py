@@ -79,6 +79,15 @@ def exit_status(signal_name: str) -> int:
     return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 
+def preempted_line(signal_name: str, global_step: int, checkpoint: object, continue_hint: str) -> str:
+    """Rank 0's last line after a preemption checkpoint: the signal, the step, the checkpoint, the status, what next."""
+    what = "interrupted (Ctrl-C)" if signal_name == "SIGINT" else f"preempted by {signal_name}"
+    return (
+        f"{what} after global step {global_step}: checkpoint {checkpoint} is complete; "
+        f"exiting with status {exit_status(signal_name)}; {continue_hint}"
+    )
+
+
 def signal_name(signum: int) -> str:
     """``15 -> "SIGTERM"``."""
     try:
