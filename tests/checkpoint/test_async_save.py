@@ -221,3 +221,23 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_newest_an
     again.close()
     assert (start.global_step, start.path) == (1, found[0].path)
     assert json.loads((found[0].path / MANIFEST).read_text())["global_step"] == 1
+
+
+def test_async_save_auto_writes_in_the_background_for_a_gpu_model_only():
+    from ddpkit.checkpoint.options import CheckpointOptions
+
+    auto = CheckpointOptions()
+    assert auto.async_save == "auto"
+    assert auto.background_writes([torch.device("cuda", 0), torch.device("cpu")])
+    assert not auto.background_writes([torch.device("cpu")])
+    assert CheckpointOptions(async_save=True).background_writes([torch.device("cpu")])  # Python's bool, as typed
+    assert not CheckpointOptions(async_save="false").background_writes([torch.device("cuda", 1)])
+    with pytest.raises(ddpkit.UserError, match="async_save"):
+        CheckpointOptions(async_save="sometimes")
+
+
+def test_a_cpu_model_saves_synchronously_by_default(tmp_path):
+    model = nn.Linear(4, 4)
+    ckpt = Checkpointer(tmp_path, model=model, preempt_signals=())
+    assert not ckpt.background
+    assert Checkpointer(tmp_path / "b", model=model, preempt_signals=(), async_save=True).background

@@ -190,10 +190,10 @@ class SaveCheckIns:
         """This rank's loop progress, once :meth:`follow_loop` started publishing it."""
         self._saves = 0
 
-    def follow_loop(self, store: Any) -> LoopProgress | None:
-        """Start publishing the loop's progress (with several ranks); the caller counts ``progress.count``."""
+    def follow_loop(self, store: Callable[[], Any]) -> LoopProgress | None:
+        """Start publishing the loop's progress to ``store()`` (with several ranks); the caller counts it."""
         if self.world_size > 1 and self.progress is None:
-            self.progress = LoopProgress(store, f"ddpkit/progress/{self.restart}", self.rank)
+            self.progress = LoopProgress(store(), f"ddpkit/progress/{self.restart}", self.rank)
         return self.progress
 
     def check_in(self, store: Callable[[], Any], global_step: int, stopping: Callable[[], bool]) -> None:

@@ -79,7 +79,7 @@ from ddpkit.checkpoint.format import (
     checkpoint_name,
     list_checkpoints,
 )
-from ddpkit.checkpoint.objects import collect_objects, is_collective
+from ddpkit.checkpoint.objects import collect_objects, is_collective, model_devices
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.preemption import (
     Agreement,
@@ -179,6 +179,8 @@ class Checkpointer:
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
         )
+        self.background = self.options.background_writes(model_devices(self.objects))
+        """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
         self.writer = self._make_writer() if self.rank == 0 else None
         """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`); None on the other ranks."""
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
@@ -197,7 +199,7 @@ class Checkpointer:
             self.root,
             mode=READABLE_BY[self.options.readable_by],
             keep=self.options.keep,
-            background=self.options.async_save,
+            background=self.background,
             on_write_error=self.options.on_write_error,
             needed_bytes=lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
             on_save=self._saved,
@@ -222,7 +224,7 @@ class Checkpointer:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
             # the loop's body, whatever it does after step(), is then complete.
             self.loader.step_boundary.register(self._at_boundary)
-            if progress := self.check_ins.follow_loop(default_store()):
+            if progress := self.check_ins.follow_loop(default_store):
                 atexit.register(progress.stop)
         atexit.register(_say_if_unwritten, weakref.ref(self))
 
@@ -531,7 +533,7 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (the message says why).
         """
-        if self.options.async_save:
+        if self.background:
             self._on_rank_zero(self._wait_for_writes)
         return self.last_path
 

@@ -16,12 +16,13 @@ import re
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from ddpkit.errors import UserError
 from ddpkit.prepare import unwrap_model
 
-__all__ = ["CollectiveState", "collect_objects", "is_collective"]
+__all__ = ["CollectiveState", "collect_objects", "is_collective", "model_devices"]
 
 TRAIN_FILE = "train.pt"
 """The Checkpointer's own counters (global step, completed epochs)."""
@@ -44,6 +45,16 @@ class CollectiveState(Protocol):
 def is_collective(obj: Any) -> bool:
     """True when ``obj.state_dict()`` is a collective (call it on every rank)."""
     return isinstance(obj, CollectiveState) and obj.state_dict_is_collective
+
+
+def model_devices(objects: Mapping[str, Any]) -> set[torch.device]:
+    """The devices the held modules' parameters and buffers are on (a GPU model: background writes by default)."""
+    return {
+        tensor.device
+        for obj in objects.values()
+        if isinstance(obj, nn.Module)
+        for tensor in (*obj.parameters(), *obj.buffers())
+    }
 
 
 def collect_objects(
