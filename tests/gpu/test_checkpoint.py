@@ -98,3 +98,25 @@ def test_cpu_checkpoint_resumes_with_the_optimizer_state_on_the_gpu(tmp_path):
         assert param.device.type == "cuda"
         state = trainer.optimizer.state[param]
         assert state["exp_avg"].device == state["exp_avg_sq"].device == param.device
+
+
+def test_a_gpu_model_saves_in_the_background_by_default_and_writes_a_synchronous_save_s_files(tmp_path):
+    from torch import nn
+
+    from ddpkit import Checkpointer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    default = Checkpointer(tmp_path / "default", model=model, optimizer=optimizer, preempt_signals=())
+    synchronous = Checkpointer(
+        tmp_path / "sync", model=model, optimizer=optimizer, preempt_signals=(), async_save=False
+    )
+    assert default.background and not synchronous.background
+    a, b = default.save(), synchronous.save()
+    default.close()
+    synchronous.close()
+    for name in ("model.pt", "optimizer.pt"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
