@@ -421,12 +421,52 @@ def _save_then_resume_every_ranks_rng(rank: int, world_size: int, folder: str) -
     }
 
 
+def _save_then_resume_per_rank_state(rank: int, world_size: int, folder: str) -> dict:
+    # nanoGPT's shape: each rank prefetches its own next batch; plain counters in a dict.
+    log = DdpkitLog()
+    logging.getLogger("ddpkit").addHandler(log)
+    batch = {"x": torch.full((2, 3), float(rank))}
+    progress = {"iter_num": 0, "best_val_loss": 1e9}
+    wrong = {"y": torch.full((2,), float(rank))}  # per-rank too, but passed as extra=
+    ckpt = Checkpointer(
+        folder,
+        model=_net(),
+        extra={"progress": progress, "wrong": wrong},
+        per_rank={"batch": batch},
+        every_steps=2,
+        preempt_signals=(),
+    )
+    ckpt.resume("auto")
+    ckpt.step()
+    progress["iter_num"], progress["best_val_loss"] = 2, 0.5
+    ckpt.step()  # a collective save at step 2
+    ckpt.close()
+
+    batch["x"], progress["iter_num"], wrong["y"] = torch.zeros(1), 0, torch.zeros(1)
+    ckpt = Checkpointer(
+        folder,
+        model=_net(),
+        extra={"progress": progress, "wrong": wrong},
+        per_rank={"batch": batch},
+        every_steps=2,
+        preempt_signals=(),
+    )
+    ckpt.resume("auto")
+    ckpt.close()
+    logging.getLogger("ddpkit").removeHandler(log)
+    return {"x": batch["x"], "progress": dict(progress), "y": wrong["y"], "warnings": log.text(logging.WARNING)}
+
+
 TWO_RANK_JOBS = {
     "save-on-one-rank": (
         "test_a_save_reached_by_some_ranks_only_names_the_absent_rank_within_the_timeout",
         _save_on_rank_one_only,
     ),
     "rng": ("test_two_ranks_save_and_resume_each_ranks_rng", _save_then_resume_every_ranks_rng),
+    "per-rank": (
+        "test_per_rank_state_is_each_ranks_own_and_plain_values_are_restored_in_place",
+        _save_then_resume_per_rank_state,
+    ),
 }
 """Each 2-rank job (named by the folder it saves into under the fixture's): the test that checks it, its function."""
 
@@ -452,6 +492,19 @@ def test_two_ranks_save_and_resume_each_ranks_rng(two_rank_jobs):
         assert result["got"] == result["expected"]
         assert torch.equal(result["weight"], _net().state_dict()["0.weight"])  # rank 0's weights, restored
     assert results[0]["got"] != results[1]["got"]  # each rank got its own stream back, not rank 0's
+
+
+def test_per_rank_state_is_each_ranks_own_and_plain_values_are_restored_in_place(two_rank_jobs):
+    folder = two_rank_jobs["folder"] / "per-rank"
+    results = two_rank_jobs["per-rank"].get()
+    for rank, result in enumerate(results):
+        assert torch.equal(result["x"], torch.full((2, 3), float(rank)))  # its own prefetched batch, not rank 0's
+        assert result["progress"] == {"iter_num": 2, "best_val_loss": 0.5}  # the same dict, restored in place
+        assert torch.equal(result["y"], torch.zeros(2))  # extra= is rank 0's everywhere, as documented...
+    assert "extra object(s) wrong hold tensors that differ between the ranks" in results[0]["warnings"]
+    assert "pass them as per_rank={...}" in results[0]["warnings"]  # ...and rank 0 said so at the first save
+    assert "progress" not in results[0]["warnings"]
+    assert read_manifest(folder / "step-000000002")["per_rank"] == ["batch"]
 
 
 # -- preemption: the signal reaches every process of the job ---------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["no_position", "unheld_scheduler", "unwritten_at_exit"]
+__all__ = ["differing_extras", "no_position", "unheld_scheduler", "unwritten_at_exit"]
 
 
 def unheld_scheduler(objects: Mapping[str, Any]) -> str:
@@ -39,6 +39,18 @@ def no_position(global_step: int, epoch: int, step_in_epoch: int) -> str:
         "data: a run resumed from it starts that epoch again at its first batch, training those batches "
         "twice, unless the loop skips ResumePoint.step_in_epoch batches; pass loader=ddpkit.DataLoader(...) "
         "for an exact resume"
+    )
+
+
+def differing_extras(names: list[str], digests_by_rank: list[Mapping[str, str]]) -> str:
+    """Extras whose tensors differ between ranks: saved from rank 0, every rank would resume with rank 0's."""
+    differing = [name for name in names if len({digests[name] for digests in digests_by_rank}) > 1]
+    if not differing:
+        return ""
+    listed = ", ".join(differing)
+    return (
+        f"extra object(s) {listed} hold tensors that differ between the ranks, and extra= is saved from rank 0: "
+        f"a resumed run would give every rank rank 0's; pass them as per_rank={{...}} to save each rank's own"
     )
 
 

@@ -5,6 +5,7 @@
     model.pt optimizer.pt ...   each object's state_dict()
     train.pt                    global step, completed epochs, the step the epoch began at
     rng.pt                      every rank's generator states, in rank order
+    <per_rank object>.pt        every rank's state of an object passed as per_rank=, in rank order
     config.yaml                 the run's config, for people (when given)
     manifest.json               the facts below, then the files' sizes and checksums (format.py)
 """
@@ -24,16 +25,25 @@ def checkpoint_files(
     objects: Mapping[str, Any],
     collective: Mapping[str, Any],
     counters: Mapping[str, int],
-    rng_states: list[Any] | None,
+    rank_states: list[Mapping[str, Any]],
+    per_rank: list[str],
     world_size: int,
 ) -> dict[str, Any]:
-    """File name -> state for ``torch.save``: each object's state_dict (``collective``: already asked of every
-    rank), the counters and the ranks' generator states."""
+    """File name -> state for ``torch.save``.
+
+    Each object's state_dict (``collective``: already asked of every rank),
+    the counters, and from ``rank_states`` (each rank's, in rank order) the
+    generator states and the ``per_rank`` objects' states, a list by rank.
+    """
     files = {
-        f"{name}.pt": collective[name] if name in collective else obj.state_dict() for name, obj in objects.items()
+        f"{name}.pt": collective[name] if name in collective else obj.state_dict()
+        for name, obj in objects.items()
+        if name not in per_rank
     }
+    for name in per_rank:
+        files[f"{name}.pt"] = {"ranks": [states[name] for states in rank_states]}
     files[TRAIN_FILE] = dict(counters)
-    files[RNG_FILE] = {"world_size": world_size, "ranks": rng_states}
+    files[RNG_FILE] = {"world_size": world_size, "ranks": [states["rng"] for states in rank_states]}
     return files
 
 
@@ -45,6 +55,7 @@ def manifest_facts(
     steps_per_epoch: int | None,
     world_size: int,
     object_names: list[str],
+    per_rank: list[str],
     metrics: Mapping[str, float],
     best: Mapping[str, Any],
     config: Mapping[str, Any],
@@ -61,6 +72,7 @@ def manifest_facts(
         "steps_per_epoch": steps_per_epoch,
         "world_size": world_size,
         "objects": sorted(object_names),
+        "per_rank": sorted(per_rank),
         "metrics": dict(metrics),
         "best": dict(best),
         "versions": library_versions(),

@@ -69,7 +69,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import no_position, unheld_scheduler, unwritten_at_exit
+from ddpkit.checkpoint.advice import differing_extras, no_position, unheld_scheduler, unwritten_at_exit
+from ddpkit.checkpoint.async_save import copy_state
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
@@ -79,7 +80,7 @@ from ddpkit.checkpoint.format import (
     checkpoint_name,
     list_checkpoints,
 )
-from ddpkit.checkpoint.objects import collect_objects, is_collective, model_devices
+from ddpkit.checkpoint.objects import collect_objects, is_collective, model_devices, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.preemption import (
     Agreement,
@@ -111,7 +112,11 @@ class Checkpointer:
         scheduler: the LR scheduler.
         scaler: the ``torch.amp.GradScaler``.
         loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch).
-        extra: more objects by name (each with state_dict/load_state_dict).
+        extra: more objects by name: each with state_dict/load_state_dict, or a dict of plain values
+            (restored in place). Saved from rank 0 and restored on every rank: the same on every rank,
+            or rank 0's is the one that counts (a timer).
+        per_rank: objects (or dicts) whose state differs between ranks (a prefetched batch, a per-rank
+            buffer): every rank's state is saved, and each rank gets its own back.
         options: when to save, how many to keep, best checkpoint, preemption, file modes, background
             writes: a :class:`~ddpkit.checkpoint.options.CheckpointOptions` (default: its defaults).
         config: the run's configuration (JSON-like), stored with every checkpoint.
@@ -140,6 +145,7 @@ class Checkpointer:
         scaler: Any = None,
         loader: Any = None,
         extra: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
         options: CheckpointOptions | None = None,
         config: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
@@ -151,7 +157,10 @@ class Checkpointer:
         """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
         check_positive("timeout", timeout)
         self.root = Path(dir)
-        self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {})
+        self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
+        self.per_rank = sorted(per_rank or {})
+        """The names of the objects saved for every rank (``per_rank=``)."""
+        self._extras = sorted(extra or {})
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
         self.timeout = timeout
@@ -277,7 +286,7 @@ class Checkpointer:
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"])
 
     def _restore(self, path: Path, loaded: dict[str, Any], first_epoch: int) -> None:
-        counters = restore_objects(path, self.objects, loaded)
+        counters = restore_objects(path, self.objects, loaded, self.per_rank, self.rank)
         self.global_step = int(counters["global_step"])
         self.completed_epochs = int(counters["completed_epochs"])
         self._epoch_start_step = int(counters.get("epoch_start_step", self.global_step))
@@ -447,11 +456,15 @@ class Checkpointer:
         # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
         # is asked on every rank; rank 0 writes what it returned.
         collective = {name: obj.state_dict() for name, obj in self.objects.items() if is_collective(obj)}
-        rng = capture_rng_state()
-        gathered: list[Any] | None = [rng]
+        self._check_extras_agree()
+        # Every rank's own: its generators and its per_rank objects (on the CPU: rank 0 receives them).
+        mine = {"rng": capture_rng_state()}
+        for name in self.per_rank:
+            mine[name] = copy_state(self.objects[name].state_dict(), copy_cpu=True, pin_memory=False)
+        gathered: list[Any] | None = [mine]
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng, gathered, dst=0)
+            dist.gather_object(mine, gathered, dst=0)
         values = dict(metrics or {})
         path: Path | None = self._on_rank_zero(
             lambda: self._write_on_rank_zero(reason, gathered, values, best, collective, replacing)
@@ -468,7 +481,7 @@ class Checkpointer:
     def _write_on_rank_zero(
         self,
         reason: str,
-        rng_states: list[Any] | None,
+        rank_states: list[Any] | None,
         metrics: dict[str, float],
         best: bool,
         collective: dict[str, Any],
@@ -485,7 +498,8 @@ class Checkpointer:
             "completed_epochs": self.completed_epochs,
             "epoch_start_step": self._epoch_start_step,
         }
-        files = checkpoint_files(self.objects, collective, counters, rng_states, self.world_size)
+        assert rank_states is not None, "rank 0 gathered every rank's states"
+        files = checkpoint_files(self.objects, collective, counters, rank_states, self.per_rank, self.world_size)
         position = self._loader_position()
         meta = manifest_facts(
             reason=reason,
@@ -494,6 +508,7 @@ class Checkpointer:
             steps_per_epoch=position.steps_per_epoch if position is not None else None,
             world_size=self.world_size,
             object_names=list(self.objects),
+            per_rank=self.per_rank,
             metrics=metrics,
             best=self.best.info(),
             config=self.config,
@@ -514,6 +529,19 @@ class Checkpointer:
             why=why,
         )
         return self.writer.write(request)
+
+    def _check_extras_agree(self) -> None:
+        """At the first save, every rank: warn (rank 0) when an extra's tensors differ between the ranks.
+
+        An ``extra`` is saved from rank 0 and restored on every rank; one whose
+        tensors differ (a prefetched batch) would hand rank 0's to the others.
+        """
+        if self.world_size == 1 or "extras" in self._said:
+            return
+        digests = {name: tensor_digest(self.objects[name].state_dict()) for name in self._extras}
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, digests)
+        self._say_once("extras", differing_extras(self._extras, every))
 
     def _saved(self, path: Path, reason: str) -> None:
         if self.on_save is not None:

@@ -5,6 +5,10 @@ Every object is saved as ``<name>.pt``, the return value of its
 unwrapped (no DDP ``module.`` or torch.compile ``_orig_mod.`` prefix), so a
 checkpoint does not depend on the gradient sync or the world size.
 
+Plain values go in a dict (:class:`PlainValues`), restored in place. What
+differs between ranks (a prefetched batch, a per-rank buffer) is passed as
+``per_rank=``: every rank's state is saved, and each rank gets its own back.
+
 An object whose ``state_dict()`` is a collective (``state_dict_is_collective``
 is True: a stream's loader gathers every rank's position) is asked on every
 rank; rank 0 writes what it returned.
@@ -12,8 +16,9 @@ rank; rank 0 writes what it returned.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -22,7 +27,7 @@ from torch import nn
 from ddpkit.errors import UserError
 from ddpkit.prepare import unwrap_model
 
-__all__ = ["CollectiveState", "collect_objects", "is_collective", "model_devices"]
+__all__ = ["CollectiveState", "PlainValues", "collect_objects", "is_collective", "model_devices", "tensor_digest"]
 
 TRAIN_FILE = "train.pt"
 """The Checkpointer's own counters (global step, completed epochs)."""
@@ -47,6 +52,26 @@ def is_collective(obj: Any) -> bool:
     return isinstance(obj, CollectiveState) and obj.state_dict_is_collective
 
 
+def tensor_digest(state: Any) -> str:
+    """SHA-256 of the tensors in ``state``, in the order met (what differs between ranks that matters most)."""
+    digest = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous()
+            digest.update(str((data.dtype, tuple(data.shape))).encode())
+            digest.update(data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return digest.hexdigest()
+
+
 def model_devices(objects: Mapping[str, Any]) -> set[torch.device]:
     """The devices the held modules' parameters and buffers are on (a GPU model: background writes by default)."""
     return {
@@ -57,10 +82,44 @@ def model_devices(objects: Mapping[str, Any]) -> set[torch.device]:
     }
 
 
+class PlainValues:
+    """A dict of the user's plain values (numbers, strings, lists, tensors) as a Checkpointer object.
+
+    ``extra={"progress": progress}`` with ``progress = {"iter_num": 0, "best_acc1": 0.0}``:
+    the dict is saved as it is at each save, and restored in place on resume
+    (the loop reads ``progress["iter_num"]``), so no class needs writing. A
+    restored tensor goes to the device of the tensor it replaces.
+    """
+
+    def __init__(self, values: MutableMapping[str, Any]):
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        """A shallow copy of the values."""
+        return dict(self.values)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put the saved values back into the same dict."""
+        restored = {}
+        for key, value in state.items():
+            current = self.values.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+                value = value.to(current.device)
+            restored[key] = value
+        self.values.clear()
+        self.values.update(restored)
+
+
 def collect_objects(
-    model: Any, optimizer: Any, scheduler: Any, scaler: Any, loader: Any, extra: Mapping[str, Any]
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    loader: Any,
+    extra: Mapping[str, Any],
+    per_rank: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The Checkpointer's objects by file name stem, the model unwrapped.
+    """The Checkpointer's objects by file name stem, the model unwrapped, plain dicts as :class:`PlainValues`.
 
     Raises:
         UserError: an extra's name is not an identifier or is taken, or an object lacks the state_dict protocol.
@@ -73,17 +132,24 @@ def collect_objects(
         "loader": loader,
     }
     objects = {name: obj for name, obj in named.items() if obj is not None}
-    for name, obj in extra.items():
-        if not _NAME.match(name) or name in _RESERVED or name in named:
-            raise UserError(
-                f"extra object name {name!r} is not usable; use an identifier other than "
-                f"{', '.join(sorted(_RESERVED | set(named)))}"
-            )
-        objects[name] = obj
+    for keyword, group in (("extra", extra), ("per_rank", per_rank)):
+        for name, obj in group.items():
+            if not _NAME.match(name) or name in _RESERVED or name in objects or name in named:
+                raise UserError(
+                    f"{keyword} object name {name!r} is not usable; use an identifier other than "
+                    f"{', '.join(sorted(_RESERVED | set(named) | set(objects)))}"
+                )
+            objects[name] = PlainValues(obj) if _plain(obj) else obj
     for name, obj in objects.items():
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise UserError(
                 f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
-                "pass objects with both (a model, optimizer, scheduler, ...) or wrap it in one that has"
+                "pass objects with both (a model, optimizer, scheduler, ...), or plain values in a dict "
+                "(extra={'progress': {'iter_num': 0}}), restored in place"
             )
     return objects
+
+
+def _plain(obj: Any) -> bool:
+    """A dict of values without the state_dict protocol of its own (an OrderedDict state is a dict too)."""
+    return isinstance(obj, MutableMapping) and not callable(getattr(obj, "load_state_dict", None))

@@ -55,18 +55,42 @@ def load_files(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def restore_objects(path: Path, objects: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+def restore_objects(
+    path: Path, objects: dict[str, Any], loaded: dict[str, Any], per_rank: list[str], rank: int
+) -> dict[str, Any]:
     """Load every object's state from ``loaded`` (file name -> state); return the Checkpointer's counters.
+
+    A ``per_rank`` object gets this rank's own state; on a rank the
+    checkpoint did not have (a larger world size) it keeps its own, and rank 0
+    says so.
 
     Raises:
         CheckpointError: the checkpoint holds other objects, or a state does not fit its object.
     """
-    saved, given = set(loaded["manifest"].get("objects", [])), set(objects)
+    manifest = loaded["manifest"]
+    saved, given = set(manifest.get("objects", [])), set(objects)
     if saved != given:
         raise CheckpointError(_mismatch(path, saved, given))
+    saved_per_rank = manifest.get("per_rank", [])
+    if sorted(saved_per_rank) != sorted(per_rank):
+        raise CheckpointError(
+            f"checkpoint {path} holds per-rank states of {sorted(saved_per_rank) or 'no object'} and this run "
+            f"passes per_rank={sorted(per_rank) or '{}'}; pass the same objects as per_rank= as when it was written"
+        )
     for name, obj in objects.items():
+        state = loaded[f"{name}.pt"]
+        if name in per_rank:
+            ranks = state["ranks"]
+            if rank >= len(ranks):
+                if rank == len(ranks):
+                    get_logger().warning(
+                        f"checkpoint {path.name} holds the per-rank {name} of {len(ranks)} rank(s): rank {rank} and "
+                        "above keep their own"
+                    )
+                continue
+            state = ranks[rank]
         try:
-            obj.load_state_dict(loaded[f"{name}.pt"])
+            obj.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             detail = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
             raise CheckpointError(
