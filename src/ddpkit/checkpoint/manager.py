@@ -193,6 +193,10 @@ class Checkpointer:
         self.writer = self._make_writer() if self.rank == 0 else None
         """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`); None on the other ranks."""
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
+        self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
+        self._unsaid_position: tuple[int, int, int] | None = None  # a checkpoint inside an epoch, not yet told
+        self.finished = False
+        """True when the checkpoint resumed from was written by a run that finished (``close()`` after it)."""
         self._resume_checked = False
         self._said: set[str] = set()  # the once-only warnings already given
         self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
@@ -201,6 +205,7 @@ class Checkpointer:
         self.check_ins = SaveCheckIns(next(_INSTANCES), self.rank, self.world_size, restart, timeout)
         """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.checkin`)."""
         self._started = False
+        self._preempted = self._closed = False
         self.schedule.plan(self.global_step, self.agreement.next_step)
 
     def _make_writer(self) -> FolderWriter:
@@ -261,6 +266,7 @@ class Checkpointer:
         """
         self.start()
         self._resume_checked = True
+        self._first_epoch = first_epoch
         self._say_scheduler_not_held()
         found: dict[str, Any] = {}
 
@@ -283,7 +289,7 @@ class Checkpointer:
         if path is None:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
         epoch, step = self._resume_point()
-        return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"])
+        return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _restore(self, path: Path, loaded: dict[str, Any], first_epoch: int) -> None:
         counters = restore_objects(path, self.objects, loaded, self.per_rank, self.rank)
@@ -296,6 +302,7 @@ class Checkpointer:
         self.last_path = path
         self.schedule.saved(self.global_step)
         self._step_metrics = (dict(manifest.get("metrics") or {}), False)
+        self.finished = bool(manifest.get("finished"))
         if self.rank == 0:
             log_resume(
                 path,
@@ -303,6 +310,8 @@ class Checkpointer:
                 resume_point=self._resume_point(),
                 first_epoch=first_epoch,
                 position=self._loader_position(),
+                epochs_counted=self.completed_epochs > 0,
+                finished=self.finished,
                 saved_world_size=saved_world_size,
                 world_size=self.world_size,
             )
@@ -315,7 +324,7 @@ class Checkpointer:
         position = self._loader_position()
         if position is not None:
             return position.resume_point  # an epoch the loop ran out of is complete, its code included
-        return self.completed_epochs, self.global_step - self._epoch_start_step
+        return self._first_epoch + self.completed_epochs, self.global_step - self._epoch_start_step
 
     # -- the per-step and per-epoch hooks ---------------------------------------------
 
@@ -383,11 +392,12 @@ class Checkpointer:
         if self.loader is None:
             self.completed_epochs += 1
             self._epoch_start_step = self.global_step
+            self._say_no_position()  # a checkpoint inside an epoch before this first epoch_end()
         values = dict(metrics or {})
         improved = self.best.improves(values)
         saved_here = self.schedule.saved_step == self.global_step and self.last_path is not None
         if self.loader is not None and saved_here:
-            self._on_rank_zero(lambda: self._annotate(values, improved))
+            self._on_rank_zero(lambda: self._annotate({"metrics": values, "best": self.best.info()}, improved))
             self._step_metrics = (values, improved or self._step_metrics[1])
             return None
         if self.loader is not None:
@@ -400,10 +410,10 @@ class Checkpointer:
             return self._write("epoch_end", values, best=improved)
         return None
 
-    def _annotate(self, metrics: dict[str, float], best: bool) -> None:
-        """Rank 0: add metrics (and the best value) to the manifest of the checkpoint just written."""
+    def _annotate(self, updates: dict[str, Any], best: bool = False) -> None:
+        """Rank 0: add facts (metrics, the best value, finished) to the manifest of the checkpoint written last."""
         assert self.writer is not None and self.last_path is not None, "rank 0, after a checkpoint"
-        self.writer.annotate(self.last_path, {"metrics": metrics, "best": self.best.info()}, best)
+        self.writer.annotate(self.last_path, updates, best)
 
     def _exit_preempted(self, signum: int) -> None:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
@@ -412,6 +422,7 @@ class Checkpointer:
             get_logger().warning(preempted_line(name, self.global_step, self.last_path, self.continue_hint))
             if self.options.requeue:
                 get_logger().warning(requeue_slurm_job(self.environ))
+        self._preempted = True
         self.close()
         raise Preempted(name, str(self.last_path))
 
@@ -580,10 +591,20 @@ class Checkpointer:
             self._say_once("scheduler", unheld_scheduler(self.objects))
 
     def _say_no_position(self) -> None:
-        if self.loader is None and "no_position" not in self._said:
-            epoch, step = self._resume_point()
-            if step:
-                self._say_once("no_position", no_position(self.global_step, epoch, step))
+        """A checkpoint inside an epoch without a loader holds no data position: rank 0 says so once.
+
+        Only a loop with epochs is told: one that calls ``epoch_end()``. A
+        checkpoint taken before the first ``epoch_end()`` is told of then; a
+        loop that never calls it (iterations over batches it samples itself,
+        from the generators the checkpoint restores) has nothing to skip.
+        """
+        if self.loader is not None or "no_position" in self._said:
+            return
+        epoch, step = self._resume_point()
+        if step and self._unsaid_position is None:
+            self._unsaid_position = (self.global_step, epoch, step)
+        if self.completed_epochs > 0 and self._unsaid_position is not None:
+            self._say_once("no_position", no_position(*self._unsaid_position))
 
     # -- the end ----------------------------------------------------------------------
 
@@ -598,12 +619,16 @@ class Checkpointer:
         """
         failed = sys.exc_info()[0] is not None
         try:
-            if not failed and self._started:
+            if not failed and self._started and not self._closed:
                 save = self.schedule.at_close(self.global_step)
                 if save is not None:
                     self._carry_out(Save(save.reason))
+                if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
+                    # The run ends here: a resume from this checkpoint has nothing left to train (ResumePoint.finished).
+                    self._on_rank_zero(lambda: self._annotate({"finished": True}))
                 self.wait()
         finally:
+            self._closed = True
             if self.writer is not None:
                 self.writer.close(failed)
             self.check_ins.stop()

@@ -40,6 +40,9 @@ class ResumePoint:
     """The checkpoint resumed from; None for a fresh start."""
     manifest: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The manifest of that checkpoint (config, metrics, world size...); {} for a fresh start."""
+    finished: bool = False
+    """True when the run that wrote it had finished: ``close()`` after its last step, with nothing after it.
+    A loop whose end has not moved has nothing left to train (``if start.finished: return``)."""
 
     @property
     def resumed(self) -> bool:
@@ -130,10 +133,17 @@ def log_resume(
     resume_point: tuple[int, int],
     first_epoch: int,
     position: LoaderPosition | None,
+    epochs_counted: bool,
+    finished: bool,
     saved_world_size: int,
     world_size: int,
 ) -> None:
-    """Rank 0's lines after a resume: where training continues, and what a new world size changes."""
+    """Rank 0's lines after a resume: where training continues, and what a new world size changes.
+
+    Epochs are named as the loop numbers them (``set_epoch``, ``first_epoch``);
+    a loop without a loader that never called ``epoch_end()`` has no epochs
+    to speak of (it samples its batches, e.g. from the restored generators).
+    """
     log = get_logger()
     if saved_world_size != world_size:
         log.warning(
@@ -143,7 +153,16 @@ def log_resume(
             "(per-rank random states and the all_reduce order differ)"
         )
     epoch, step = resume_point
-    complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering; the next is complete + 1
+    complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering
+    done = (
+        "; the run that wrote it had finished (Checkpointer.close() after its last step): a loop whose end "
+        "has not moved trains nothing more (ResumePoint.finished)"
+        if finished
+        else ""
+    )
+    if position is None and not epochs_counted:
+        log.info(f"resumed from {path} (global step {global_step}){done}")
+        return
     if position is None and step:
         log.warning(
             f"resumed from {path} (global step {global_step}: {complete} epoch(s) complete and "
@@ -152,12 +171,15 @@ def log_resume(
             "are trained twice; pass loader=ddpkit.DataLoader(...) for an exact resume"
         )
         return
+    # Counted, never numbered: a loop numbers its epochs as it likes (from 0, from 1), its log lines too.
     if position is None or step == 0:
         where = f"{complete} epoch(s) complete"
     elif position.streaming:  # a stream's length is known at its end only
-        where = f"epoch {complete + 1}, step {step}"
+        where = f"{complete} epoch(s) complete and {step} step(s) of the next"
     elif step >= position.steps_per_epoch:
-        where = f"after the last batch of epoch {complete + 1}: the code after its batch loop runs again"
+        where = (
+            f"{complete} epoch(s) complete and all {step} steps of the next: the code after its batch loop runs again"
+        )
     else:
-        where = f"epoch {complete + 1}, step {step} of {position.steps_per_epoch}"
-    log.info(f"resumed from {path} (global step {global_step}: {where})")
+        where = f"{complete} epoch(s) complete and {step} of {position.steps_per_epoch} steps of the next"
+    log.info(f"resumed from {path} (global step {global_step}: {where}){done}")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
-from ddpkit.checkpoint.format import mark_best, prune, rewrite_manifest, write_checkpoint
+from ddpkit.checkpoint.format import MANIFEST, mark_best, prune, rewrite_manifest, write_checkpoint
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.log import get_logger
 
@@ -161,6 +161,8 @@ class FolderWriter:
         root, mode = self.root, self.mode
 
         def annotate() -> None:
+            if not (path / MANIFEST).exists():  # its write failed (and said so), or the folder is gone
+                return
             rewrite_manifest(path, updates, mode)
             if best:
                 mark_best(root, path, mode)
