@@ -79,12 +79,14 @@ class CheckpointOptions:
     """max or min of best_metric."""
     preempt_signals: str = ",".join(DEFAULT_PREEMPT_SIGNALS)
     """Comma-separated signals (e.g. SIGTERM,SIGUSR1; USR1 means SIGUSR1) that make every
-    worker finish its step, write a checkpoint and exit with status 75 (130 for SIGINT: Ctrl-C keeps the work; a
-    second Ctrl-C stops at once); empty: none."""
+    worker write a checkpoint at the next step the ranks agree on (within one step, or sync_seconds for faster
+    steps) and exit with status 75 (130 for SIGINT: Ctrl-C keeps the work; a second Ctrl-C stops at once);
+    empty: none."""
     requeue: bool = False
     """After a preemption checkpoint under Slurm, requeue the job (scontrol requeue $SLURM_JOB_ID)."""
-    sync_seconds: float = 1.0
-    """Target seconds between the ranks' agreements on preemption and on every_seconds (one tiny all_reduce each)."""
+    sync_seconds: float = 0.25
+    """Target seconds between the ranks' agreements on preemption and on every_seconds (one tiny all_reduce each):
+    a signal is acted on within one step, or this long when steps are shorter."""
     on_write_error: str = "stop"
     """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
     exit status 74) or warn (training goes on without it; a preemption checkpoint always stops)."""
