@@ -254,6 +254,18 @@ def context() -> Context:
     return _context
 
 
+def worker_device() -> torch.device | None:
+    """The device this worker trains on: ddpkit.init's choice; without it, the current GPU of an nccl group; else None.
+
+    What ``ddpkit.DataLoader(device="auto")`` places its batches on when it is a CUDA device.
+    """
+    if _context is not None:
+        return _context.device
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def local_ranks() -> tuple[int, int]:
     """(local_rank, local_world_size) of this process: its place among the workers of its node.
 

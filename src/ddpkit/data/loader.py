@@ -79,9 +79,11 @@ from ddpkit.data.arguments import (
     refuse_for_streaming,
 )
 from ddpkit.data.arrow import arrow_batch_reader
+from ddpkit.data.device import on_device, resolve_loader_device
 from ddpkit.data.sample_seeds import SeededDataset, _mix, _Template
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
+from ddpkit.distributed import worker_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
@@ -422,9 +424,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         drop_last: leave out the last global batch when it is incomplete
             (a stream: each worker's last incomplete batch, as torch).
         generator: its ``initial_seed()`` is the seed (instead of ``seed``).
-        num_workers, collate_fn, pin_memory, timeout, worker_init_fn,
+        num_workers, collate_fn, timeout, worker_init_fn,
             multiprocessing_context, prefetch_factor, persistent_workers,
             pin_memory_device, in_order: as torch's DataLoader.
+        pin_memory: as torch's; by default (None) on when the loader places
+            batches on a CUDA device, else off.
         global_batch_size: samples per optimizer step over all ranks (a
             multiple of ``world_size``): the same batches at any world size.
         seed: seed of the sample order, of per-sample randomness and of the
@@ -434,6 +438,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         seed_per_sample: seed the python, numpy and torch CPU generators from
             (seed, epoch, index) before each ``dataset[index]``; False to skip
             (no randomness in ``__getitem__``, or its own generator).
+        device: where batches are handed out (:mod:`ddpkit.data.device`):
+            "auto" (default) is the worker's CUDA device when ``ddpkit.init``
+            chose one (or an nccl group exists), the tensors inside tuples,
+            lists, dicts, namedtuples and dataclasses moved from pinned memory,
+            the next batch's copy overlapping the current step; on the CPU
+            nothing is done. None or "cpu": batches stay as the dataset made
+            them. "cuda", "cuda:N" or a torch.device: that CUDA device.
 
     ``loader.dataset`` is a :class:`SeededDataset` around ``dataset`` (the
     original is ``loader.dataset.dataset``), except on the TensorDataset fast
@@ -469,7 +480,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         drop_last: bool = False,
         timeout: float = 0,
         worker_init_fn: Callable[[int], None] | None = None,
@@ -485,8 +496,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         rank: int | None = None,
         world_size: int | None = None,
         seed_per_sample: bool = True,
+        device: Any = "auto",
     ):
         refuse_batch_sampler(batch_sampler)
+        self._device = resolve_loader_device(device, worker_device(), torch.cuda.is_available())
+        pin_memory = self._device is not None if pin_memory is None else pin_memory
         rank, world_size = rank_and_world(rank, world_size)
         global_batch_size = global_batch(batch_size, global_batch_size, world_size, rank)
         seed = loader_seed(seed, generator)
@@ -699,11 +713,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
         sampler, batches = self._global_sampler, iter(batches)
+        placed = on_device(batches, self._device, pin=self._tensor_fast_path)
         while True:
             if self.between_batches is not None:
                 self.between_batches()
             try:
-                batch = next(batches)
+                batch = next(placed)
             except StopIteration:
                 break
             except RuntimeError as error:
@@ -725,7 +740,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         stream = self._stream
         assert stream is not None, "a loader over an IterableDataset"
         stream.positions, stream.known_steps = dict(stream.shard.start), None
-        agreed = stream.agreed(iter(batches), epoch, start)
+        agreed = on_device(stream.agreed(iter(batches), epoch, start), self._device)
         while True:
             if self.between_batches is not None:
                 self.between_batches()
@@ -911,6 +926,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def global_batch_size(self) -> int:
         """Samples per step, over all ranks."""
         return self._global_batch_size
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device batches are handed out on, or None: as the dataset (and collate_fn) made them."""
+        return self._device
 
     @property
     def rank(self) -> int:
