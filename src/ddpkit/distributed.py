@@ -225,7 +225,9 @@ def init(
     resolved_backend = _existing_backend(backend) if adopted else resolve_backend(backend, resolved_device)
     torch.set_num_threads(threads or default_num_threads(env.local_world_size))
     if not adopted:
-        _init_process_group(env, resolved_backend, timeout, environ, process_group_options(resolved_backend, resolved_device))
+        _init_process_group(
+            env, resolved_backend, timeout, environ, process_group_options(resolved_backend, resolved_device)
+        )
         if env.world_size > 1:  # a wait that times out can then ask the others where they are
             stacks.arm(dist.distributed_c10d._get_default_store(), env.rank, environ)
     _owns_group = not adopted
@@ -424,7 +426,12 @@ def _init_process_group(
         else:
             store = _job_store(env, timedelta(seconds=timeout))
         dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout), **options
+            backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout),
+            **options,
         )
     except (RuntimeError, OSError, dist.DistNetworkError, dist.DistStoreError) as e:
         raise RuntimeError(_explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
