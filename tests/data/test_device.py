@@ -142,7 +142,7 @@ CUDA0 = torch.device("cuda", 0)
     ],
 )
 def test_the_loader_places_batches_on_the_workers_cuda_device_or_nowhere(requested, worker, available, expected):
-    assert resolve_loader_device(requested, worker, available) == expected
+    assert resolve_loader_device(requested, worker, lambda: available) == expected
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_the_loader_places_batches_on_the_workers_cuda_device_or_nowhere(request
 )
 def test_a_device_the_loader_cannot_place_on_is_refused_in_one_line(requested, available, says):
     with pytest.raises(UserError, match=says) as error:
-        resolve_loader_device(requested, None, available)
+        resolve_loader_device(requested, None, lambda: available)
     assert "\n" not in str(error.value)
 
 
@@ -266,6 +266,24 @@ def test_the_next_batchs_copy_is_queued_on_the_side_stream_before_the_current_ba
         "compute waits event2",
         "loop steps on b2 on cuda:0",
     ]
+
+
+def test_a_streams_items_have_their_batch_moved_and_their_bookkeeping_kept(monkeypatch):
+    log = _Log()
+    _fake_cuda(monkeypatch, log)
+    position = {"dataset": torch.zeros(1)}
+    items = list(device_module.DevicePrefetcher(iter([("b0", 1, position, 64, True)]), CUDA0, batch_first=True))
+    assert items == [("b0 on cuda:0", 1, position, 64, True)] and items[0][2] is position
+    assert "copy b0 (non_blocking=True)" in log
+
+
+def test_a_cpu_loader_asks_nothing_of_cuda():
+    def asked():
+        raise AssertionError("torch.cuda.is_available asked")
+
+    for requested in ("auto", None, "cpu"):
+        assert resolve_loader_device(requested, None, asked) is None
+        assert resolve_loader_device(requested, torch.device("cpu"), asked) is None
 
 
 def test_the_prefetcher_ends_with_its_source_and_an_empty_source_gives_nothing(monkeypatch):

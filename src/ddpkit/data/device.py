@@ -131,7 +131,7 @@ def _map_tensors(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def resolve_loader_device(
-    requested: Any, worker_device: torch.device | None, cuda_available: bool
+    requested: Any, worker_device: torch.device | None, cuda_available: Callable[[], bool]
 ) -> torch.device | None:
     """The device a loader places its batches on, or None to hand them out as the dataset made them.
 
@@ -142,7 +142,8 @@ def resolve_loader_device(
             device), "cuda:N", or a torch.device.
         worker_device: the device ddpkit.init chose for this worker (None
             before ddpkit.init and without an nccl group).
-        cuda_available: ``torch.cuda.is_available()``.
+        cuda_available: ``torch.cuda.is_available``, asked only where a CUDA
+            device is in question (a CPU loader asks nothing of CUDA).
 
     Raises:
         UserError: an unknown value, or a CUDA device where CUDA is missing.
@@ -152,7 +153,7 @@ def resolve_loader_device(
     if requested is None:
         return None
     if isinstance(requested, str) and requested == "auto":
-        if worker_device is not None and worker_device.type == "cuda" and cuda_available:
+        if worker_device is not None and worker_device.type == "cuda" and cuda_available():
             return worker_device
         return None
     try:
@@ -166,7 +167,7 @@ def resolve_loader_device(
             f"DataLoader(device={requested!r}): only CUDA devices are placed; use {DEVICE_CHOICES} "
             "(or move the batches in the loop)"
         )
-    if not cuda_available:
+    if not cuda_available():
         raise UserError(
             f"DataLoader(device={requested!r}) but CUDA is not available here; use device='auto' or device=None"
         )
@@ -175,9 +176,11 @@ def resolve_loader_device(
     return device
 
 
-def on_device(batches: Iterator[Any], device: torch.device | None, pin: bool = False) -> Iterator[Any]:
+def on_device(
+    batches: Iterator[Any], device: torch.device | None, pin: bool = False, batch_first: bool = False
+) -> Iterator[Any]:
     """``batches`` themselves where ``device`` is None (nothing added per batch), else a :class:`DevicePrefetcher`."""
-    return batches if device is None else DevicePrefetcher(batches, device, pin)
+    return batches if device is None else DevicePrefetcher(batches, device, pin, batch_first)
 
 
 class DevicePrefetcher:
@@ -191,15 +194,20 @@ class DevicePrefetcher:
         batches: the source, batches on the CPU (or already on ``device``).
         device: a CUDA device.
         pin: pin batches that are not in pinned memory.
+        batch_first: the source's items are tuples whose first element is
+            the batch, the others bookkeeping to leave where it is (the
+            loader's stream: ``(batch, worker, position, ...)``, a position
+            that may hold a dataset's state tensors).
     """
 
-    def __init__(self, batches: Iterator[Any], device: torch.device, pin: bool = False):
+    def __init__(self, batches: Iterator[Any], device: torch.device, pin: bool = False, batch_first: bool = False):
         assert device.type == "cuda", "the prefetcher copies to a CUDA device"
         self._batches = batches
         self._device = device
         self._pin = pin
+        self._batch_first = batch_first
         self._stream = torch.cuda.Stream(device)
-        self._next: tuple[Any, torch.cuda.Event, Any] | None = None
+        self._next: tuple[Any, torch.cuda.Event, Any, Any] | None = None  # moved, its copy's event, source, item
         self._held: Any = None  # the source of the batch handed out last
         self._started = False
 
@@ -209,17 +217,18 @@ class DevicePrefetcher:
     def _issue(self) -> None:
         """Take the next source batch and queue its copy on the side stream (None at the source's end)."""
         try:
-            source = next(self._batches)
+            item = next(self._batches)
         except StopIteration:
             self._next = None
             return
+        source = item[0] if self._batch_first else item
         if self._pin:
             source = _pinned(source)
         with torch.cuda.stream(self._stream):
             moved = move_to_device(source, self._device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
-        self._next = (moved, copied, source)
+        self._next = (moved, copied, source, item)
 
     def __next__(self) -> Any:
         if not self._started:
@@ -227,7 +236,7 @@ class DevicePrefetcher:
             self._issue()
         if self._next is None:
             raise StopIteration
-        moved, copied, source = self._next
+        moved, copied, source, item = self._next
         compute = torch.cuda.current_stream(self._device)
         compute.wait_event(copied)  # what the loop queues from now on runs after the copy
         for tensor in tensors_in(moved):
@@ -235,7 +244,7 @@ class DevicePrefetcher:
                 tensor.record_stream(compute)  # its memory is not reused before the loop's kernels are done with it
         self._held = source  # until the next batch is handed out (see the module docstring)
         self._issue()  # the next batch's copy, queued before the loop queues this batch's step
-        return moved
+        return (moved, *item[1:]) if self._batch_first else moved
 
 
 def _pinned(batch: Any) -> Any:

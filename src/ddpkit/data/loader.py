@@ -499,7 +499,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         device: Any = "auto",
     ):
         refuse_batch_sampler(batch_sampler)
-        self._device = resolve_loader_device(device, worker_device(), torch.cuda.is_available())
+        self._device = resolve_loader_device(device, worker_device(), torch.cuda.is_available)
         pin_memory = self._device is not None if pin_memory is None else pin_memory
         rank, world_size = rank_and_world(rank, world_size)
         global_batch_size = global_batch(batch_size, global_batch_size, world_size, rank)
@@ -740,7 +740,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         stream = self._stream
         assert stream is not None, "a loader over an IterableDataset"
         stream.positions, stream.known_steps = dict(stream.shard.start), None
-        agreed = on_device(stream.agreed(iter(batches), epoch, start), self._device)
+        agreed = on_device(stream.agreed(iter(batches), epoch, start), self._device, batch_first=True)
         while True:
             if self.between_batches is not None:
                 self.between_batches()
