@@ -72,7 +72,7 @@ def test_nested_batches_arrive_on_the_workers_gpu(joined, num_workers):
     for record in loader:
         assert type(record) is Record and type(record.pair) is Pair
         assert record.pair.image.device == joined.device and record.pair.label.device == joined.device
-        assert record.extra["tags"][0].device == joined.device and record.extra["tags"][1] == ("t",) * 8
+        assert record.extra["tags"][0].device == joined.device and list(record.extra["tags"][1]) == ["t"] * 8
         assert record.extra["n"] == 8 and record.names[0] == "s0"
         assert torch.equal(record.pair.image[:, 0, 0, 0].long(), record.pair.label)  # each sample's own values
         seen += record.pair.label.tolist()
