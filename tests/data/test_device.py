@@ -290,3 +290,29 @@ def test_the_prefetcher_ends_with_its_source_and_an_empty_source_gives_nothing(m
     _fake_cuda(monkeypatch, _Log())
     assert list(device_module.DevicePrefetcher(iter([]), CUDA0)) == []
     assert list(device_module.DevicePrefetcher(iter(["a"]), CUDA0)) == ["a on cuda:0"]
+
+
+def test_after_ddpkit_init_on_the_cpu_batches_stay_where_they_are():
+    from ddpkit import distributed
+
+    distributed.init(environ={})
+    try:
+        assert distributed.worker_device() == torch.device("cpu")
+        assert DataLoader(IndexDataset(10), batch_size=2).device is None
+    finally:
+        distributed.shutdown()
+    assert distributed.worker_device() is None  # no ddpkit.init, no nccl group
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+def test_where_ddpkit_init_chose_a_gpu_the_loader_places_there_from_pinned_memory(monkeypatch):
+    from ddpkit.data import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "worker_device", lambda: CUDA0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    placed = DataLoader(IndexDataset(10), batch_size=2, num_workers=2)
+    assert placed.device == CUDA0 and placed.pin_memory is True
+    unpinned = DataLoader(IndexDataset(10), batch_size=2, pin_memory=False)
+    assert unpinned.device == CUDA0 and unpinned.pin_memory is False  # the user's pin_memory=False holds
+    kept = DataLoader(IndexDataset(10), batch_size=2, device=None)
+    assert kept.device is None and kept.pin_memory is False
