@@ -131,7 +131,7 @@ def _map_tensors(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def resolve_loader_device(
-    requested: Any, worker_device: torch.device | None, cuda_available: Callable[[], bool]
+    requested: torch.device | str | None, worker_device: torch.device | None, cuda_available: Callable[[], bool]
 ) -> torch.device | None:
     """The device a loader places its batches on, or None to hand them out as the dataset made them.
 

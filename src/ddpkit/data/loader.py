@@ -496,7 +496,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         rank: int | None = None,
         world_size: int | None = None,
         seed_per_sample: bool = True,
-        device: Any = "auto",
+        device: torch.device | str | None = "auto",
     ):
         refuse_batch_sampler(batch_sampler)
         self._device = resolve_loader_device(device, worker_device(), torch.cuda.is_available)
