@@ -31,9 +31,15 @@ optimizer, loader and checkpointer; first batch; first step), and the GPU's
 peak memory. The ratio ddpkit / best peer is T11's (target >= 1.0). Writes
 ``benchmarks/gpu-peers-<gpu>-<date>.json`` and ``.md``.
 
-On the GPU machine, with ddpkit installed into its python (README, "GPU")::
+On a GPU machine whose python3 has torch with CUDA (and Accelerate), from
+the repository root, the GPU tests and this benchmark in one go (README,
+"GPU"; where omegaconf is missing, install its wheel first)::
 
-    python3 benchmarks/gpu_peers.py --output-dir /tmp/out
+    python3 -m pip install --no-deps --no-build-isolation -e . && python3 -m pytest tests/gpu -m gpu -n 6 -q; python3 benchmarks/gpu_peers.py
+
+Twelve runs (2 rounds x 2 models x 3 peers) of about 20-40 s each on an
+H100; ``--rounds 1`` halves that. ``--output-dir`` chooses where the JSON
+and Markdown go (default: ``benchmarks/``).
 """
 
 from __future__ import annotations
