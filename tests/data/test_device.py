@@ -112,6 +112,17 @@ def test_a_frozen_dataclass_keeps_its_fields_that_init_does_not_take():
     assert moved.x.device == META and moved.note == "kept" and moved.derived == 0
 
 
+def test_a_packed_sequence_keeps_its_batch_sizes_on_the_cpu():
+    from torch.nn.utils.rnn import pack_sequence
+
+    packed = pack_sequence([torch.ones(3, 2), torch.ones(1, 2), torch.ones(2, 2)], enforce_sorted=False)
+    moved = move_to_device({"seq": packed}, META)["seq"]
+    assert type(moved) is type(packed) and moved.data.device == META
+    assert moved.sorted_indices.device == META and moved.unsorted_indices.device == META
+    assert moved.batch_sizes is packed.batch_sizes and moved.batch_sizes.device.type == "cpu"
+    assert move_to_device(packed, "cpu") is packed
+
+
 def test_a_mapping_that_cannot_be_built_from_a_dict_becomes_a_dict():
     class Fixed(dict):
         def __init__(self, a, b):

@@ -6,8 +6,10 @@ dataset made them). Two parts, each usable alone:
 
 - :func:`move_to_device`, a pure function: the tensors inside tuples, lists,
   dicts (and other Mappings), namedtuples and dataclasses, nested in any way,
-  moved with ``tensor.to(device, non_blocking=...)``; anything else (strings,
-  numbers, None, numpy arrays, objects of other classes) is kept as it is. A
+  moved with ``tensor.to(device, non_blocking=...)`` (a PackedSequence's
+  ``batch_sizes`` stay on the CPU, as its own ``to`` keeps them); anything
+  else (strings, numbers, None, numpy arrays, objects of other classes) is
+  kept as it is. A
   batch whose tensors are already there is returned itself, so a script's own
   ``x.to(device)`` after the loader costs nothing.
 - :class:`DevicePrefetcher`, an iterator over a source of CPU batches that
@@ -55,6 +57,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 __all__ = ["DevicePrefetcher", "move_to_device", "on_device", "resolve_loader_device", "tensors_in"]
 
@@ -110,6 +113,14 @@ def _map_tensors(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -
             return mapping_type(items)
         except TypeError:  # a Mapping that cannot be built from a dict: a dict, as default_collate falls back
             return items
+    if isinstance(value, PackedSequence):
+        # A namedtuple whose batch_sizes must stay on the CPU (what PackedSequence.to does too).
+        data, sorted_indices, unsorted_indices = (
+            _map_tensors(part, function) for part in (value.data, value.sorted_indices, value.unsorted_indices)
+        )
+        if data is value.data and sorted_indices is value.sorted_indices:
+            return value
+        return PackedSequence(data, value.batch_sizes, sorted_indices, unsorted_indices)
     if isinstance(value, (list, tuple)):
         values = [_map_tensors(item, function) for item in value]
         if all(new is old for new, old in zip(values, value)):
