@@ -2,6 +2,9 @@
 
 Made data-parallel and resumable with ddpkit: the lines marked ``# ddpkit``
 are all that changed from the single-process script (README, "Your own script").
+On a GPU the loop needs no ``.to(device)``: ``ddpkit.init()`` binds the worker's
+GPU, ``prepare_model`` puts the model there and ``ddpkit.DataLoader`` hands out
+the batches there.
 
     ddpkit run nproc=2 examples/mlp_fashion_mnist.py --epochs 5
     torchrun --nproc-per-node 2 examples/mlp_fashion_mnist.py
@@ -37,11 +40,10 @@ class Images(Dataset):
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, loader, device: torch.device) -> float:
+def accuracy(model: nn.Module, loader) -> float:
     model.eval()
     sums = {"correct": 0, "count": 0}
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
         sums["correct"] += (model(x).argmax(1) == y).sum()
         sums["count"] += len(y)
     sums = ddpkit.reduce_sums(sums)  # ddpkit: every rank saw its share of the test set
@@ -83,13 +85,12 @@ def main() -> None:
     for epoch in range(start.epoch, args.epochs):
         loader.set_epoch(epoch)  # ddpkit
         for x, y in loader:
-            x, y = x.to(ctx.device), y.to(ctx.device)
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             ckpt.step()  # ddpkit
-        test_accuracy = accuracy(model, test_loader, ctx.device)
+        test_accuracy = accuracy(model, test_loader)
         ckpt.epoch_end({"accuracy": test_accuracy})  # ddpkit
         if ctx.is_main_process:
             print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.2%}", flush=True)

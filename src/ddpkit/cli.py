@@ -14,7 +14,7 @@ import importlib
 import os
 import shlex
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -289,16 +289,20 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
-    from ddpkit.launch.script import describe, parse_run_command, run_script
+    import torch
+
+    from ddpkit.launch.script import describe, parse_run_command, run_script, worker_environ
 
     config, target = parse_run_command(args)
+    extra = worker_environ(config, torch.cuda.device_count())  # NVML's count: the launcher leaves CUDA uninitialized
     print(describe(config, target), file=sys.stderr)
     # Always through the launcher, even for nproc=1 without restarts (where
     # `ddpkit train` runs in-process): a script expects what torchrun gives
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
     # may call sys.exit, os._exit or signal.signal as it likes. The spawn costs
     # about a second; behaviour does not change with nproc.
-    code = _launch(_launch_spec(config), run_script, target)
+    with _environ_set(extra):  # the workers take the launcher's environment at launch
+        code = _launch(_launch_spec(config), run_script, target)
     if code == EXIT_PREEMPTED:
         print(
             f"ddpkit: preempted: a worker exited with status {EXIT_PREEMPTED}; run the same command to continue "
@@ -312,6 +316,21 @@ def run_command(args: Sequence[str]) -> int:
             file=sys.stderr,
         )
     return code
+
+
+@contextlib.contextmanager
+def _environ_set(variables: Mapping[str, str]) -> Iterator[None]:
+    """``variables`` in os.environ for the block, the environment as it was after it."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:

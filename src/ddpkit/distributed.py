@@ -106,6 +106,54 @@ def resolve_device(requested: str, local_rank: int, cuda_available: bool) -> tor
     return torch.device("cuda", local_rank)
 
 
+_FEWER_WORKERS = {
+    "local": "nproc={gpus}",
+    "torchrun": "torchrun --nproc-per-node {gpus}",
+    "slurm": "srun --ntasks-per-node {gpus}",
+    "openmpi": "mpirun --npernode {gpus}",
+}
+"""How each launcher starts fewer workers per node (``JobEnvironment.source``); others: "{gpus} per node"."""
+
+
+def gpu_shortage(local_world_size: int, num_gpus: int, device: str, source: str = "local") -> str | None:
+    """None when this node's workers each get a GPU of their own (or train on the CPU); else the one line that says so.
+
+    ``device`` auto (with GPUs) and cuda give local rank r GPU r, so a node
+    with more workers than visible GPUs would fail in ``torch.cuda.set_device``
+    ("invalid device ordinal") on the workers beyond them.
+
+    Args:
+        local_world_size: workers on this node.
+        num_gpus: GPUs visible to them (``torch.cuda.device_count()``, which
+            honours CUDA_VISIBLE_DEVICES and does not initialize CUDA).
+        device: the device option: auto, cpu or cuda.
+        source: the launcher (``JobEnvironment.source``), to word the fix in its terms.
+    """
+    if device == "cpu" or num_gpus == 0 or local_world_size <= num_gpus:
+        return None  # (no GPU at all: auto trains on the CPU, and device=cuda is refused by resolve_device)
+    fewer = _FEWER_WORKERS.get(source, "{gpus} per node").format(gpus=num_gpus)
+    return (
+        f"{local_world_size} workers on this node but {num_gpus} visible GPU{'s' if num_gpus > 1 else ''}: "
+        f"device={device} gives each worker a GPU of its own; start {num_gpus} per node ({fewer}), "
+        "or train on the CPU (device=cpu), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+    )
+
+
+def process_group_options(backend: str, device: torch.device) -> dict[str, Any]:
+    """The keywords of ``init_process_group`` that depend on the worker's device.
+
+    On CUDA with nccl, ``device_id``: the group is bound to the worker's GPU
+    (torch >= 2.3), so ``barrier()`` and nccl need not guess the device from
+    the global rank (torch's warnings "barrier(): using the device under
+    current context" and "Guessing device ID based on global rank"), and the
+    communicator is formed at once, in ``init``, rather than by the first
+    collective. gloo takes no device.
+    """
+    if device.type == "cuda" and "nccl" in backend:
+        return {"device_id": device}
+    return {}
+
+
 def resolve_backend(requested: str, device: torch.device) -> str:
     """The process-group backend for ``requested`` on ``device``.
 
@@ -169,11 +217,17 @@ def init(
         env = _environment_of_existing_group(env)
     resolved_device = resolve_device(device, env.local_rank, torch.cuda.is_available())
     if resolved_device.type == "cuda":
+        # Every rank of a node with too few GPUs says why, rather than those beyond them failing in set_device.
+        shortage = gpu_shortage(env.local_world_size, torch.cuda.device_count(), device, env.source)
+        if shortage is not None:
+            raise UserError(shortage)
         torch.cuda.set_device(resolved_device)  # before any CUDA tensor: one GPU per local rank
     resolved_backend = _existing_backend(backend) if adopted else resolve_backend(backend, resolved_device)
     torch.set_num_threads(threads or default_num_threads(env.local_world_size))
     if not adopted:
-        _init_process_group(env, resolved_backend, timeout, environ)
+        _init_process_group(
+            env, resolved_backend, timeout, environ, process_group_options(resolved_backend, resolved_device)
+        )
         if env.world_size > 1:  # a wait that times out can then ask the others where they are
             stacks.arm(dist.distributed_c10d._get_default_store(), env.rank, environ)
     _owns_group = not adopted
@@ -254,6 +308,18 @@ def context() -> Context:
     return _context
 
 
+def worker_device() -> torch.device | None:
+    """The device this worker trains on: ddpkit.init's choice; without it, the current GPU of an nccl group; else None.
+
+    What ``ddpkit.DataLoader(device="auto")`` places its batches on when it is a CUDA device.
+    """
+    if _context is not None:
+        return _context.device
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def local_ranks() -> tuple[int, int]:
     """(local_rank, local_world_size) of this process: its place among the workers of its node.
 
@@ -274,12 +340,20 @@ def main_process_first(local: bool = True) -> Iterator[None]:
     ctx = context()
     is_first = (ctx.local_rank if local else ctx.rank) == 0
     if not is_first:
-        dist.barrier()
+        _barrier()
     try:
         yield
     finally:
         if is_first:
-            dist.barrier()
+            _barrier()
+
+
+def _barrier() -> None:
+    """``dist.barrier()``; under nccl on this worker's GPU (a group formed without ddpkit's device_id, adopted)."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 _context: Context | None = None
@@ -324,11 +398,16 @@ def _existing_backend(requested: str) -> str:
     return backend
 
 
-def _init_process_group(env: JobEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str]) -> None:
+def _init_process_group(
+    env: JobEnvironment, backend: str, timeout: float, environ: MutableMapping[str, str], options: Mapping[str, Any]
+) -> None:
+    """Form the default group; ``options`` are :func:`process_group_options`'s."""
     if env.world_size == 1:
         # One worker needs no network: a store in memory keeps collectives callable.
         store = dist.HashStore()  # type: ignore[attr-defined]  # public in torch, missing from its __all__
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout), **options
+        )
         return
     if "gloo" in backend:
         environ.update(gloo_interface_environ(environ, env.master_addr))
@@ -344,14 +423,16 @@ def _init_process_group(env: JobEnvironment, backend: str, timeout: float, envir
         if uses_agent_store(environ):
             # The agent's store outlives a round of workers: form the group under keys of this round only.
             store = round_store.round_store(environ, env.rank, env.world_size, timedelta(seconds=timeout))
-            dist.init_process_group(
-                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
-            )
         else:
             store = _job_store(env, timedelta(seconds=timeout))
-            dist.init_process_group(
-                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
-            )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout),
+            **options,
+        )
     except (RuntimeError, OSError, dist.DistNetworkError, dist.DistStoreError) as e:
         raise RuntimeError(_explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
 

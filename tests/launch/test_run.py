@@ -189,3 +189,55 @@ def test_console_script_imports_model_from_the_current_folder_in_every_worker(tm
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "out" / "summary.json").is_file()
+
+
+# -- workers matched to GPUs -----------------------------------------------------------------------
+
+
+def test_more_workers_than_gpus_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ddpkit.launch.local, "launch_local", _no_launch)
+    assert main(["run", "nproc=2", "a.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("error: 2 workers on this node but 1 visible GPU: device=auto gives each worker a GPU")
+    assert "nproc=1" in err and "device=cpu" in err and "CUDA_VISIBLE_DEVICES" in err
+
+
+@pytest.mark.parametrize(
+    ("words", "num_gpus", "expected"),
+    [
+        (["nproc=2", "a.py"], 0, {}),  # no GPU: the workers train on the CPU
+        (["nproc=2", "a.py"], 2, {}),
+        (["nproc=4", "device=cpu", "a.py"], 1, {"CUDA_VISIBLE_DEVICES": ""}),  # the workers see no GPU
+    ],
+)
+def test_the_workers_environment_for_the_device_option(tmp_path, monkeypatch, words, num_gpus, expected):
+    from ddpkit.launch.script import worker_environ
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    config, _ = parse_run_command(words)
+    assert worker_environ(config, num_gpus) == expected
+
+
+def test_device_cpu_hides_the_gpus_from_the_workers_only(tmp_path, monkeypatch):
+    """The launcher's own environment is as it was after the launch."""
+    from ddpkit import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = {}
+
+    def launch(spec, fn, *args):
+        seen["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return 0
+
+    monkeypatch.setattr(cli, "_launch", launch)
+    assert main(["run", "device=cpu", "a.py"]) == 0
+    assert seen == {"CUDA_VISIBLE_DEVICES": ""} and "CUDA_VISIBLE_DEVICES" not in os.environ

@@ -73,6 +73,7 @@ from ddpkit.data.arguments import (
     refuse_batch_sampler,
     refuse_for_streaming,
 )
+from ddpkit.data.device import on_device, resolve_loader_device
 from ddpkit.data.epochs import EpochCursor
 from ddpkit.data.loader_samplers import KeyBatchSampler, LoaderSampler
 from ddpkit.data.position import LoaderPosition, StepBoundary
@@ -80,6 +81,7 @@ from ddpkit.data.sample_seeds import SeededDataset, _mix
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
 from ddpkit.data.workers import WorkerInit, kill_workers, track_workers
+from ddpkit.distributed import worker_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
 
@@ -108,9 +110,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         drop_last: leave out the last global batch when it is incomplete
             (a stream: each worker's last incomplete batch, as torch).
         generator: its ``initial_seed()`` is the seed (instead of ``seed``).
-        num_workers, collate_fn, pin_memory, timeout, worker_init_fn,
+        num_workers, collate_fn, timeout, worker_init_fn,
             multiprocessing_context, prefetch_factor, persistent_workers,
             pin_memory_device, in_order: as torch's DataLoader.
+        pin_memory: as torch's; by default (None) on when the loader places
+            batches on a CUDA device, else off.
         global_batch_size: samples per optimizer step over all ranks (a
             multiple of ``world_size``): the same batches at any world size.
         seed: seed of the sample order, of per-sample randomness and of the
@@ -120,6 +124,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         seed_per_sample: seed the python, numpy and torch CPU generators from
             (seed, epoch, index) before each ``dataset[index]``; False to skip
             (no randomness in ``__getitem__``, or its own generator).
+        device: where batches are handed out (:mod:`ddpkit.data.device`):
+            "auto" (default) is the worker's CUDA device when ``ddpkit.init``
+            chose one (or an nccl group exists), the tensors inside tuples,
+            lists, dicts, namedtuples and dataclasses moved from pinned memory,
+            the next batch's copy overlapping the current step; on the CPU
+            nothing is done. None or "cpu": batches stay as the dataset made
+            them. "cuda", "cuda:N" or a torch.device: that CUDA device.
 
     ``loader.dataset`` is a :class:`SeededDataset` around ``dataset`` (the
     original is ``loader.dataset.dataset``), except on the TensorDataset fast
@@ -155,7 +166,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         drop_last: bool = False,
         timeout: float = 0,
         worker_init_fn: Callable[[int], None] | None = None,
@@ -171,8 +182,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         rank: int | None = None,
         world_size: int | None = None,
         seed_per_sample: bool = True,
+        device: torch.device | str | None = "auto",
     ):
         refuse_batch_sampler(batch_sampler)
+        self._device = resolve_loader_device(device, worker_device(), torch.cuda.is_available)
+        pin_memory = self._device is not None if pin_memory is None else pin_memory
         rank, world_size = rank_and_world(rank, world_size)
         global_batch_size = global_batch(batch_size, global_batch_size, world_size, rank)
         seed = loader_seed(seed, generator)
@@ -351,11 +365,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
         sampler, batches, boundary, cursor = self._global_sampler, iter(batches), self.step_boundary, self._cursor
+        placed = on_device(batches, self._device, pin=self._tensor_fast_path)
         while True:
             if boundary.hooks:
                 boundary.run()
             try:
-                batch = next(batches)
+                batch = next(placed)
             except StopIteration:
                 break
             except RuntimeError as error:
@@ -376,7 +391,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         stream = self._stream
         assert stream is not None, "a loader over an IterableDataset"
         stream.positions, stream.known_steps = dict(stream.shard.start), None
-        agreed, boundary, cursor = stream.agreed(iter(batches), epoch, start), self.step_boundary, self._cursor
+        agreed = on_device(stream.agreed(iter(batches), epoch, start), self._device, batch_first=True)
+        boundary, cursor = self.step_boundary, self._cursor
         while True:
             if boundary.hooks:
                 boundary.run()
@@ -539,6 +555,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def global_batch_size(self) -> int:
         """Samples per step, over all ranks."""
         return self._global_batch_size
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device batches are handed out on, or None: as the dataset (and collate_fn) made them."""
+        return self._device
 
     @property
     def rank(self) -> int:

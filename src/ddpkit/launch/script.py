@@ -46,10 +46,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpkit.config import ConfigError, check_nodes, check_positive, parse
+from ddpkit.config import ConfigError, check_choice, check_nodes, check_positive, parse
 
 USAGE = (
-    "usage: ddpkit run [nproc=N] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
+    "usage: ddpkit run [nproc=N] [device=auto|cpu] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
     "SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 )
 
@@ -70,8 +70,11 @@ class RunConfig:
     """This machine's index among the nnodes, 0 on the master."""
     master_addr: str = ""
     """With nnodes > 1: host name or address of node 0, the same on every node."""
+    device: str = "auto"
+    """auto: ddpkit.init() gives each worker a GPU of its own where CUDA is available (nproc at most the GPUs); cpu: the workers see no GPU (CUDA_VISIBLE_DEVICES empty)."""
 
     def __post_init__(self) -> None:
+        check_choice("device", self.device, ("auto", "cpu"))
         check_positive("nproc", self.nproc)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
@@ -175,6 +178,22 @@ def run_script(target: ScriptTarget) -> None:
         # exits 0 without handing back a result leaves torch's agent waiting.
         if e.code not in (None, 0):
             raise
+
+
+def worker_environ(config: RunConfig, num_gpus: int) -> dict[str, str]:
+    """Variables the workers get on top of the launcher's environment: none, or no GPU for device=cpu.
+
+    Raises:
+        ConfigError: device=auto with more workers than visible GPUs (one line naming the fixes).
+    """
+    from ddpkit.distributed import gpu_shortage
+
+    if config.device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}  # ddpkit.init()'s device auto, and torch.cuda, then see no GPU
+    shortage = gpu_shortage(config.nproc, num_gpus, config.device)
+    if shortage is not None:
+        raise ConfigError(shortage)
+    return {}
 
 
 def describe(config: RunConfig, target: ScriptTarget) -> str:

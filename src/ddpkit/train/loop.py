@@ -93,7 +93,12 @@ class Trainer:
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
 
     def _on_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(input, target or None) of a DataLoader batch, on this worker's device."""
+        """(input, target or None) of a DataLoader batch, on this worker's device.
+
+        ddpkit.DataLoader hands out batches on a CUDA worker's device already (its
+        ``device="auto"``), and ``.to`` then returns the tensor itself; it still moves
+        the batches of a loader that keeps them on the CPU.
+        """
         x, y = split_batch(batch)
         device = self.ctx.device
         return x.to(device, non_blocking=True), (y.to(device, non_blocking=True) if y is not None else None)

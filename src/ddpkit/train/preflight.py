@@ -11,7 +11,7 @@ from ddpkit.comm.shm import segment_bytes
 from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate
-from ddpkit.distributed import resolve_backend, resolve_device
+from ddpkit.distributed import gpu_shortage, resolve_backend, resolve_device
 from ddpkit.env import shared_memory
 from ddpkit.errors import UserError
 from ddpkit.models.registry import get_model_spec
@@ -32,11 +32,14 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
 
     Raises:
         UserError: an unknown name (model, dataset, task, device, backend, allreduce...), a batch that
-            does not divide, or sync_batchnorm on the CPU.
+            does not divide, sync_batchnorm on the CPU, or more workers per node than GPUs with device auto or cuda.
         DataNotFoundError: the dataset is missing and cannot be downloaded.
         CheckpointError: ``resume`` cannot work with the checkpoints folder.
     """
     _check_names(cfg)
+    shortage = gpu_shortage(cfg.nproc, torch.cuda.device_count(), cfg.device)  # NVML's count: CUDA stays uninitialized
+    if shortage is not None:
+        raise UserError(shortage)
     _check_shared_memory(cfg)
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
         raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
