@@ -254,6 +254,11 @@ def context() -> Context:
     return _context
 
 
+def joined() -> bool:
+    """True between ``ddpkit.init()`` and ``ddpkit.shutdown()`` in this process."""
+    return _context is not None
+
+
 def local_ranks() -> tuple[int, int]:
     """(local_rank, local_world_size) of this process: its place among the workers of its node.
 
