@@ -161,7 +161,7 @@ def launch(
 
 
 def choose_start_method(requested: str, fn: Callable[..., Any]) -> str:
-    """"fork" or "forkserver" for ``requested`` (one of :data:`START_METHODS`), or a UserError naming the fix.
+    """Return "fork" or "forkserver" for ``requested`` (one of :data:`START_METHODS`), or a UserError naming the fix.
 
     auto: fork where :func:`fork_hazard` finds nothing, else the worker
     server where ``fn`` is importable by name.
@@ -299,7 +299,10 @@ def _output_to_files(stem: str) -> Iterator[None]:
 
 def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
     """Point the logging handlers that wrote to the replaced streams (inherited through a fork) at the new ones."""
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
     for logger in loggers:
         for handler in logger.handlers:
             if type(handler) is not logging.FileHandler and isinstance(handler, logging.StreamHandler):
@@ -368,4 +371,3 @@ def _prefixed(prefix: str, line: str) -> str:
     """``line`` as a terminal would leave it (after its last carriage return: progress bars), after ``prefix``."""
     line = line.rstrip("\r").rsplit("\r", 1)[-1]
     return f"{line}\n" if line.startswith(prefix) else f"{prefix} {line}\n"
-

@@ -384,8 +384,9 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    # Forked from the launcher itself (start_method "fork"), a worker inherits its handler of Ctrl-C.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (ignored in a background job: left so)
+        # Forked from the launcher itself (start_method "fork"), a worker inherits its handler of Ctrl-C.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setpgrp()
     worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
     os.environ.clear()
