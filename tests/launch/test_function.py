@@ -544,3 +544,12 @@ def test_an_mp_spawn_script_ported_stopped_mid_epoch_and_run_again_ends_bit_equa
     resumed = torch.load(tmp_path / "run.pt")
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_sigterm_to_the_launcher_is_a_preemption_with_a_checkpoint(tmp_path):
+    stopped = _spawn_shape(tmp_path, "run", stop="SIGTERM")
+    assert stopped.returncode == 1, stopped.stdout + stopped.stderr  # the script does not catch LaunchError
+    assert "failed (exit code 75): stopped by a signal after writing a checkpoint; call ddpkit.launch again" in (
+        stopped.stderr
+    )
+    assert "(preempted)" in stopped.stderr

@@ -33,6 +33,9 @@ the error and its traceback (one line for a :class:`ddpkit.UserError`);
 notebook, the stop button) is passed on to the workers once: a loop with a
 ``ddpkit.Checkpointer`` finishes its step, writes a checkpoint and stops
 (press again to stop at once); ``launch`` then raises ``KeyboardInterrupt``.
+SIGTERM, SIGHUP and SIGQUIT sent to the launcher (a preemption) are passed
+on too: such a loop checkpoints and exits 75, which ``launch`` raises as a
+LaunchError that says to call it again.
 
 Where the workers start from
 ----------------------------
@@ -83,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import inspect
 import logging
 import os
@@ -99,7 +103,7 @@ from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.launch.failure import LaunchError
 from ddpkit.launch.local import LaunchSpec, launch_local
 from ddpkit.log import rank_prefix
-from ddpkit.names import EXIT_INTERRUPTED
+from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 START_METHODS = ("auto", "fork", "forkserver")
 """``start_method`` of :func:`launch`: auto forks where it is safe, else uses the worker server where fn is importable."""
@@ -137,7 +141,8 @@ def launch(
 
     Raises:
         UserError: a bad option, or workers that cannot start from here (the message names the fix).
-        LaunchError: a worker failed (after the restarts): its rank, exit code and error.
+        LaunchError: a worker failed (after the restarts): its rank, exit code and error; or the launcher
+            got SIGTERM (a preemption) and the workers stopped after a checkpoint (exit code 75).
         KeyboardInterrupt: Ctrl-C (a notebook's stop button) stopped the workers.
     """
     __tracebackhide__ = True  # IPython and pytest show the caller's line, not this one
@@ -156,6 +161,9 @@ def launch(
         except LaunchError as e:
             if e.failure.exitcode == EXIT_INTERRUPTED:
                 raise KeyboardInterrupt("ddpkit.launch: the workers were stopped (Ctrl-C)") from None
+            if e.failure.exitcode == EXIT_PREEMPTED and not e.failure.traceback:  # SIGTERM, SIGUSR1...
+                preempted = "stopped by a signal after writing a checkpoint; call ddpkit.launch again to continue"
+                raise LaunchError(dataclasses.replace(e.failure, message=preempted)) from None
             raise e from None
     return [results[rank] for rank in range(nproc)]
 
