@@ -164,7 +164,8 @@ def launch(
             if e.failure.exitcode == EXIT_PREEMPTED and not e.failure.traceback:  # SIGTERM, SIGUSR1...
                 preempted = "stopped by a signal after writing a checkpoint; call ddpkit.launch again to continue"
                 raise LaunchError(dataclasses.replace(e.failure, message=preempted)) from None
-            raise e from None
+            # Raised anew: its traceback ends at this call, not inside the launcher.
+            raise LaunchError(e.failure) from None
     return [results[rank] for rank in range(nproc)]
 
 
