@@ -437,8 +437,11 @@ class _Kernel:
         self.manager, self.client = manager.start_new_kernel(kernel_name="python3", env=_environ())
 
     def start(self, code: str) -> str:
-        """Send ``code`` to run; return the request's id."""
-        return self.client.execute(code)
+        """Send ``code`` to run; return the request's id.
+
+        An error in it does not abort the requests sent after it (Jupyter's default within a short window).
+        """
+        return self.client.execute(code, stop_on_error=False)
 
     def worker_pids(self, request: str, count: int) -> list[int]:
         """The pids the workers of ``request`` printed ("pid N"), once ``count`` of them did."""
