@@ -370,6 +370,15 @@ ddpkit.launch(refuses, nproc=2)
 """
 
 
+def _kernel_manager():
+    """A manager of a kernel run by this interpreter: ipykernel's own kernelspec, not one a user installed."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    # No folders to look in: "python3" is then ipykernel's native kernelspec, sys.executable -m ipykernel_launcher.
+    return jupyter_client.KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
+
+
 @pytest.fixture(scope="module")
 def notebook(tmp_path_factory) -> list:
     """The cells above, run in order by nbclient in a real ipykernel kernel: their outputs."""
@@ -380,10 +389,14 @@ def notebook(tmp_path_factory) -> list:
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_code_cell(cell) for cell in cells]
     folder = tmp_path_factory.mktemp("notebook")
+    manager = _kernel_manager()
     client = nbclient.NotebookClient(
-        book, kernel_name="python3", timeout=CELL_TIMEOUT, allow_errors=True, resources={"metadata": {"path": folder}}
+        book, km=manager, timeout=CELL_TIMEOUT, allow_errors=True, resources={"metadata": {"path": folder}}
     )
-    client.execute(env=_environ())
+    try:
+        client.execute(env=_environ())
+    finally:
+        manager.shutdown_kernel(now=True)  # a manager passed in stays the caller's to stop
     return [cell.outputs for cell in book.cells]
 
 
@@ -433,8 +446,11 @@ class _Kernel:
     """A real ipykernel kernel run by jupyter_client: execute a cell, read its output as it comes."""
 
     def __init__(self) -> None:
-        manager = pytest.importorskip("jupyter_client.manager")
-        self.manager, self.client = manager.start_new_kernel(kernel_name="python3", env=_environ())
+        self.manager = _kernel_manager()
+        self.manager.start_kernel(env=_environ())
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=CELL_TIMEOUT)
 
     def start(self, code: str) -> str:
         """Send ``code`` to run; return the request's id.

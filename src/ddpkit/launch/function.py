@@ -190,7 +190,7 @@ def choose_start_method(requested: str, fn: Callable[..., Any]) -> str:
     if requested == "auto" and importable(fn):
         return "forkserver"
     problem, fix = hazard
-    alternative = f", or {module_fix}" if requested == "auto" else ", or use start_method='auto'"
+    alternative = ", or use start_method='auto'" if importable(fn) else f", or {module_fix}"
     raise UserError(f"ddpkit.launch cannot fork its workers from this process: {problem}; {fix}{alternative}")
 
 
