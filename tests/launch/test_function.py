@@ -28,7 +28,7 @@ import ddpkit.distributed
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import LaunchError
 from ddpkit.launch.function import _prefixed, _RankOutput, choose_start_method, fork_hazard, importable
-from tests.cli_runner import PYTHONPATH
+from tests.cli_runner import PYTHONPATH, REPO
 from tests.launch import function_workers
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -572,3 +572,23 @@ def test_sigterm_to_the_launcher_is_a_preemption_with_a_checkpoint(tmp_path):
         stopped.stderr
     )
     assert "(preempted)" in stopped.stderr
+
+
+def test_the_example_notebook_trains_and_a_second_launch_resumes(tmp_path):
+    """examples/launch_from_a_notebook.ipynb with tiny synthetic data; its launch cell run twice."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    book = nbformat.read(REPO / "examples" / "launch_from_a_notebook.ipynb", as_version=4)
+    parameters = next(cell for cell in book.cells if cell.source.startswith("EPOCHS, DATASET, SAMPLES ="))
+    parameters.source = 'EPOCHS, DATASET, SAMPLES = 2, "synthetic", 512'
+    book.cells.append(nbformat.v4.new_code_cell(book.cells[-1].source))  # the launch again: resumes, ends at once
+    manager = _kernel_manager()
+    client = nbclient.NotebookClient(book, km=manager, timeout=CELL_TIMEOUT, resources={"metadata": {"path": tmp_path}})
+    try:
+        client.execute(env=_environ())
+    finally:
+        manager.shutdown_kernel(now=True)
+    first, again = (_streams(cell.outputs, "stdout") for cell in book.cells[-2:])
+    assert "[rank 0/2] epoch 2: loss" in " ".join(first) and first[-1].startswith("test accuracy ")
+    assert again[-1] == first[-1]  # the same weights: the second launch resumed after the last epoch
+    assert any("resumed from runs/notebook/step-" in line for line in _streams(book.cells[-1].outputs, "stderr"))
