@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import faulthandler
 import inspect
 import logging
 import os
@@ -298,6 +299,8 @@ def _output_to_files(stem: str) -> Iterator[None]:
         streams.append(open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
     sys.stdout, sys.stderr = streams
     _rebind_logging(dict(zip(previous, streams)))
+    if faulthandler.is_enabled():  # (a kernel enables it on a stream of its own) a crash's stacks go to stderr
+        faulthandler.enable(sys.stderr)
     try:
         yield
     finally:
