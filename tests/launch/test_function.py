@@ -185,6 +185,7 @@ def test_a_failed_rank_raises_one_error_naming_it(capsys):
     report = str(failed.value)
     assert report.startswith("error: worker rank 1 failed (exit code 1): ValueError: rank 1 cannot go on\n")
     assert report.rstrip().endswith("ValueError: rank 1 cannot go on")  # the traceback's last line
+    assert report.splitlines()[2].endswith(", in fails")  # its first frame is fn's, not the launcher's
     assert failed.value.__cause__ is None and failed.value.__suppress_context__
 
 

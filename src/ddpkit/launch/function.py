@@ -101,7 +101,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, TextIO
 
 from ddpkit.errors import UserError, check_choice, check_positive
-from ddpkit.launch.failure import LaunchError
+from ddpkit.launch.failure import LaunchError, record_for_launcher
 from ddpkit.launch.local import LaunchSpec, launch_local
 from ddpkit.log import rank_prefix
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -257,7 +257,15 @@ class _Worker:
         _die_with_parent(self.launcher_pid)
         rank = int(os.environ.get("RANK", "0"))
         with _output_to_files(os.path.join(self.output_folder, f"rank-{rank}")):
-            result = self.fn(*args)
+            try:
+                result = self.fn(*args)
+            except Exception as e:
+                # Recorded here, without this frame, so that the report's traceback starts in fn; the launcher's
+                # wrapper (run_reporting_failure) then finds it recorded and only exits.
+                if e.__traceback__ is not None:
+                    e.__traceback__ = e.__traceback__.tb_next
+                record_for_launcher(e)
+                raise
             try:
                 ForkingPickler.dumps(result)  # as the agent's queue will send it
             except Exception as e:
