@@ -475,6 +475,32 @@ class _Kernel:
                 pids += [int(line.split()[-1]) for line in content["text"].splitlines() if " pid " in line]
         return pids
 
+    def wait_for_line(self, request: str, line: str) -> None:
+        """Read the output of ``request`` until a line starts with ``line``."""
+        deadline = time.monotonic() + CELL_TIMEOUT
+        while True:
+            message = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if message["parent_header"].get("msg_id") != request:
+                continue
+            if message["msg_type"] == "error":
+                raise AssertionError(message["content"]["evalue"])
+            if message["msg_type"] == "stream" and any(
+                text.startswith(line) for text in message["content"]["text"].splitlines()
+            ):
+                return
+
+    def result(self, request: str) -> str:
+        """The text of ``request``'s result (its last expression), once it finished."""
+        deadline = time.monotonic() + CELL_TIMEOUT
+        while True:
+            message = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if message["parent_header"].get("msg_id") != request:
+                continue
+            if message["msg_type"] == "error":
+                raise AssertionError(message["content"]["evalue"])
+            if message["msg_type"] == "execute_result":
+                return message["content"]["data"]["text/plain"]
+
     def reply(self, request: str) -> dict:
         """The request's execute_reply content (its status, and ename for an error)."""
         while True:
@@ -593,3 +619,58 @@ def test_the_example_notebook_trains_and_a_second_launch_resumes(tmp_path):
     assert "[rank 0/2] epoch 2: loss" in " ".join(first) and first[-1].startswith("test accuracy ")
     assert again[-1] == first[-1]  # the same weights: the second launch resumed after the last epoch
     assert any("resumed from runs/notebook/step-" in line for line in _streams(book.cells[-1].outputs, "stderr"))
+
+
+STOPPABLE_TRAINING = """
+import time, torch, ddpkit
+import torch.nn.functional as F
+from torch import nn
+from ddpkit.datasets import DataOptions, load_images
+
+def train(out, pause):
+    ctx = ddpkit.init()
+    torch.manual_seed(SEED)
+    train_set, _ = load_images("synthetic", DataOptions(synthetic_samples=1024, seed=SEED)).datasets()
+    model = ddpkit.prepare_model(nn.Sequential(nn.Flatten(), nn.Linear(784, 50), nn.ReLU(), nn.Linear(50, 10)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = ddpkit.DataLoader(train_set, global_batch_size=64, shuffle=True, seed=SEED)
+    ckpt = ddpkit.Checkpointer(out, model=model, optimizer=optimizer, loader=loader, every_steps=100)
+    start = ckpt.resume("auto")
+    step = start.global_step
+    for epoch in range(start.epoch, 2):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ckpt.step()
+            step += 1
+            if ctx.rank == 0:
+                print(f"step {step}", flush=True)
+            time.sleep(pause)
+    ckpt.close()
+    return [p.detach().clone() for p in ddpkit.unwrap_model(model).parameters()]
+
+whole = ddpkit.launch(train, "OUT/whole", 0.0, nproc=2)
+"""
+
+
+def test_the_stop_button_keeps_a_checkpoint_and_the_next_launch_ends_bit_equal(tmp_path, seed):
+    kernel = _Kernel()
+    try:
+        setup = kernel.start(STOPPABLE_TRAINING.replace("SEED", str(seed)).replace("OUT", str(tmp_path)))
+        assert kernel.reply(setup)["status"] == "ok"
+        request = kernel.start(f"ddpkit.launch(train, '{tmp_path}/stopped', 0.05, nproc=2)")
+        kernel.wait_for_line(request, "[rank 0/2] step 5")  # 16 steps an epoch: stopped in the first
+        kernel.manager.interrupt_kernel()
+        assert kernel.reply(request)["ename"] == "KeyboardInterrupt"
+        (checkpoint,) = [p.name for p in (tmp_path / "stopped").glob("step-*")]
+        assert 5 <= int(checkpoint.split("-")[1]) < 16  # written at the step the workers agreed on, mid-epoch
+        again = kernel.start(
+            f"again = ddpkit.launch(train, '{tmp_path}/stopped', 0.0, nproc=2)\n"
+            "all(torch.equal(a, b) for a, b in zip(whole[0], again[0])), len(whole[0])"
+        )
+        assert kernel.result(again) == "(True, 4)"
+    finally:
+        kernel.close()
