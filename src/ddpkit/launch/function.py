@@ -65,7 +65,9 @@ thread pool belongs to the thread that ran it, and a worker forked from that
 thread would hang in its first one (see
 :func:`ddpkit.launch.local._in_a_thread_of_its_own`). A worker dies with
 the launcher (``PR_SET_PDEATHSIG``): a kernel that is restarted or killed
-leaves no worker behind.
+leaves no worker behind. The first fork imports ``torch._dynamo`` here
+(:data:`FORK_PRELOAD`, about 1 s once), which each worker's first optimizer
+step would otherwise import again on every launch.
 
 Output
 ------
@@ -101,6 +103,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, TextIO
 
 from ddpkit.errors import UserError, check_choice, check_positive
+from ddpkit.gc_pause import import_paused
 from ddpkit.launch.failure import LaunchError, record_for_launcher
 from ddpkit.launch.local import LaunchSpec, launch_local
 from ddpkit.log import rank_prefix
@@ -108,6 +111,10 @@ from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 START_METHODS = ("auto", "fork", "forkserver")
 """``start_method`` of :func:`launch`: auto forks where it is safe, else uses the worker server where fn is importable."""
+
+FORK_PRELOAD = ("torch._dynamo",)
+"""Imported here before the first fork, so that forked workers inherit it: what a worker's first optimizer step
+imports (about 1 s of a core), which every worker of every launch would import again otherwise."""
 
 OUTPUT_POLL_S = 0.05
 """Seconds between two looks at the workers' output files."""
@@ -153,6 +160,8 @@ def launch(
     if not callable(fn):
         raise UserError(f"fn={fn!r} is not callable; pass the function each worker runs, e.g. ddpkit.launch(train)")
     method = choose_start_method(start_method, fn)
+    if method == "fork":
+        import_paused(*FORK_PRELOAD)  # once per process; a no-op after
     spec = LaunchSpec(nproc, master_port=master_port, max_restarts=max_restarts, start_method=method)
     with tempfile.TemporaryDirectory(prefix="ddpkit-output-") as folder:
         worker = _Worker(fn, folder, os.getpid() if method == "fork" else 0)
