@@ -17,7 +17,8 @@ Your own script, made distributed and resumable::
             loss.backward(); opt.step(); opt.zero_grad()
             ckpt.step()
 
-Launch it with ``ddpkit run nproc=2 train.py``, or unchanged under torchrun, srun or mpirun.
+Launch it with ``ddpkit run nproc=2 train.py``, or unchanged under torchrun, srun or mpirun; from
+Python, a REPL or a notebook cell, ``ddpkit.launch(train, nproc=2)`` runs a function ``train`` so.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _PUBLIC = {
     "init": "ddpkit.distributed",
     "main_process_first": "ddpkit.distributed",
     "shutdown": "ddpkit.distributed",
+    # starting the workers from Python: a script, a REPL, a notebook cell
+    "launch": "ddpkit.launch.function",
     # the model and its gradients
     "prepare_model": "ddpkit.prepare",
     "no_sync": "ddpkit.prepare",
@@ -85,6 +88,7 @@ if TYPE_CHECKING:
     from ddpkit.data.sampler import GlobalBatchSampler
     from ddpkit.distributed import Context, context, init, main_process_first, shutdown
     from ddpkit.errors import UserError
+    from ddpkit.launch.function import launch
     from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE
     from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
     from ddpkit.reduce import reduce_sums

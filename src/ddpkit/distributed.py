@@ -320,6 +320,11 @@ def worker_device() -> torch.device | None:
     return None
 
 
+def joined() -> bool:
+    """True between ``ddpkit.init()`` and ``ddpkit.shutdown()`` in this process."""
+    return _context is not None
+
+
 def local_ranks() -> tuple[int, int]:
     """(local_rank, local_world_size) of this process: its place among the workers of its node.
 

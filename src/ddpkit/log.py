@@ -8,10 +8,15 @@ import sys
 _LOGGER_NAME = "ddpkit"
 
 
+def rank_prefix(rank: int, world_size: int) -> str:
+    """``[rank r/w]``, the start of every line a worker logs (and of its output under ``ddpkit.launch``)."""
+    return f"[rank {rank}/{world_size}]"
+
+
 class _RankFilter(logging.Filter):
     def __init__(self, rank: int, world_size: int):
         super().__init__()
-        self.prefix = f"[rank {rank}/{world_size}]"
+        self.prefix = rank_prefix(rank, world_size)
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank_prefix = self.prefix

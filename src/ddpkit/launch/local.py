@@ -27,6 +27,13 @@ the command lacks:
 Pipeline: LaunchSpec -> LaunchConfig (torch) -> elastic_launch -> results
 by rank, or LaunchError carrying the root cause.
 
+``LaunchSpec(start_method="fork")`` forks the workers from this process
+instead, as it is, so that ``fn`` need not be importable (a function
+defined in a notebook cell or a REPL: :mod:`ddpkit.launch.function`, which
+also says when such a fork is safe). The agent then runs in a thread of its
+own, which forks every worker (see :func:`_in_a_thread_of_its_own`), while
+the caller's thread passes the job's signals on to the workers.
+
 Starting workers fast
 ---------------------
 A spawned worker is a fresh interpreter that imports torch again (about
@@ -65,6 +72,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -154,6 +162,9 @@ class LaunchSpec:
     """Host name or address of node 0 (nnodes > 1)."""
     rendezvous_timeout: float = 600.0
     """Seconds the nodes wait for each other at the rendezvous (nnodes > 1)."""
+    start_method: str = "forkserver"
+    """How workers start: "forkserver", forked from ddpkit's warm worker server (``fn`` and its arguments are
+    pickled, so ``fn`` must be importable), or "fork", forked from this process as it is (nothing is pickled)."""
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
@@ -373,6 +384,9 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (ignored in a background job: left so)
+        # Forked from the launcher itself (start_method "fork"), a worker inherits its handler of Ctrl-C.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setpgrp()
     worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
     os.environ.clear()
@@ -435,6 +449,65 @@ def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
         signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def _signals_passed_on(names: tuple[str, ...], failure_dir: str) -> Iterator[None]:
+    """For the block, pass each signal of ``names`` on to the workers instead of dying of it (main thread only).
+
+    torch's agent does so itself (:data:`AGENT_SIGNALS`) when it runs in the
+    main thread; with start_method "fork" it runs in a thread of its own,
+    where Python cannot handle signals. Like Ctrl-C, a signal passed on
+    leaves the marker that stops restarts: the job was asked to end.
+    """
+
+    def pass_on(signum: int, frame: Any) -> None:
+        open(os.path.join(failure_dir, INTERRUPTED_MARKER), "w").close()
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
+
+    previous = {}
+    try:
+        for name in names:
+            previous[name] = signal.signal(getattr(signal, name), pass_on)
+    except ValueError:  # not the main thread: leave the signals alone
+        pass
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def _in_a_thread_of_its_own(call: Callable[..., Any], *args: Any) -> Any:
+    """Return ``call(*args)`` run in a new thread (or raise what it raised); the caller's thread waits for it.
+
+    A forked worker is a copy of the thread that forked it. Where that thread
+    has run a parallel torch operator, GNU OpenMP (torch's CPU thread pool)
+    keeps a pool of threads for it, which a fork does not copy: the worker
+    then hangs in its first parallel operator (tests/launch/test_function.py
+    shows it). The pool belongs to the thread, so a worker forked from a
+    thread that never ran an operator (this one: torch's agent forks every
+    worker, restarts included, from the thread that runs it) starts clean.
+    The caller's thread keeps handling the signals meanwhile. A daemon: if
+    the caller's thread ends (the interpreter exits), the workers, which die
+    with the thread that forked them (:mod:`ddpkit.launch.function`), go too.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = call(*args)
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="ddpkit-launch-agent", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def _launch_config(spec: LaunchSpec) -> Any:
     """torch's LaunchConfig for ``spec``: one node's loopback rendezvous, or several nodes' static one."""
     from torch.distributed.launcher.api import LaunchConfig
@@ -444,7 +517,7 @@ def _launch_config(spec: LaunchSpec) -> Any:
         nproc_per_node=spec.nproc,
         max_restarts=spec.max_restarts,
         monitor_interval=spec.monitor_interval,
-        start_method="forkserver",
+        start_method=spec.start_method,
         **rendezvous,
     )
 
@@ -491,8 +564,10 @@ def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``spec.nproc`` workers here (of ``spec.nnodes`` nodes); return their results by rank.
 
-    ``fn`` must be picklable (a module-level function): workers are forked
-    from the worker server, which receives ``fn`` and ``args`` pickled.
+    With start_method "forkserver", ``fn`` must be picklable (a module-level
+    function): workers are forked from the worker server, which receives
+    ``fn`` and ``args`` pickled. With "fork", they are forked from this
+    process, from a thread of the agent's own, and nothing is pickled.
 
     Raises:
         ValueError: nproc < 1 or the port is taken.
@@ -504,11 +579,12 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     if spec.nproc < 1:
         raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
     config = _launch_config(spec)
+    names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in (*AGENT_SIGNALS, "SIGINT"))
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         # torch >= 2.7; older agents handle only their own list (SIGINT included: Ctrl-C then stops the
         # workers without a checkpoint).
-        names = AGENT_SIGNALS + tuple(s for s in spec.forward_signals if s not in (*AGENT_SIGNALS, "SIGINT"))
         config.signals_to_handle = ",".join(names)
+    forked = spec.start_method == "fork"  # the agent in a thread of its own: this thread passes the signals on
     _quiet_elastic_logs()
     _finish_workers_that_exit_without_returning()
     _announce_restarts()
@@ -516,13 +592,17 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with (
-                worker_server(),
+                contextlib.nullcontext() if forked else worker_server(),
                 _environ_restored(),
                 _fresh_store_per_restart(),
                 _environ(FAILURE_DIR_VARIABLE, failure_dir),
                 _ctrl_c_passed_on(failure_dir) as ctrl_c,
+                _signals_passed_on(names if forked else (), failure_dir),
             ):
-                return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
+                run = elastic_launch(config, _worker_main)
+                if forked:
+                    return _in_a_thread_of_its_own(run, dict(os.environ), fn, *args)
+                return run(dict(os.environ), fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:

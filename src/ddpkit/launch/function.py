@@ -1,0 +1,402 @@
+"""``ddpkit.launch(fn, *args, nproc=N)``: N workers from Python, a notebook cell or a REPL.
+
+::
+
+    import ddpkit
+
+    def train(epochs):
+        ctx = ddpkit.init()                  # rank, world_size, device: as under ddpkit run
+        ...
+        return final_loss
+
+    losses = ddpkit.launch(train, 3, nproc=2)   # [rank 0's, rank 1's]
+
+``fn(*args)`` runs in ``nproc`` workers on this machine, started by the
+launcher of ``ddpkit run`` and ``ddpkit train``
+(:func:`ddpkit.launch.local.launch_local`: torch's elastic agent, a
+rendezvous on loopback at a free port, torchrun's variables in every worker,
+so ``ddpkit.init()`` joins the job, one report of a failed rank, restarts).
+``fn`` is called with ``args`` only: a worker learns its rank from
+``ddpkit.init()`` (``ctx.rank``), as a script does. A script written for
+``mp.spawn(train, nprocs=N, args=(a, b))`` ports as
+``ddpkit.launch(train, a, b, nproc=N)`` with ``train(a, b)`` taking
+``rank = ddpkit.init().rank`` instead of its first parameter (README, "From
+Python and notebooks").
+
+What comes back
+---------------
+The workers' return values, in rank order (they travel pickled, so return
+tensors, numbers or containers of them). A failed rank raises one
+:class:`~ddpkit.launch.failure.LaunchError` naming the rank, its exit code,
+the error and its traceback (one line for a :class:`ddpkit.UserError`);
+``max_restarts=K`` restarts all workers up to K times first. Ctrl-C (in a
+notebook, the stop button) is passed on to the workers once: a loop with a
+``ddpkit.Checkpointer`` finishes its step, writes a checkpoint and stops
+(press again to stop at once); ``launch`` then raises ``KeyboardInterrupt``.
+SIGTERM, SIGHUP and SIGQUIT sent to the launcher (a preemption) are passed
+on too: such a loop checkpoints and exits 75, which ``launch`` raises as a
+LaunchError that says to call it again.
+
+Where the workers start from
+----------------------------
+``multiprocessing``'s spawn and forkserver start a worker by importing
+``fn`` by name, which fails for a function defined in a notebook cell or a
+REPL. Where it is safe, ``launch`` forks the workers from this process
+instead (``start_method="fork"``): nothing is pickled, and a worker starts
+with everything the notebook has defined. A fork is unsafe, and refused in
+one line naming the fix, where:
+
+- CUDA is initialized here (a forked worker cannot use it): restart the
+  kernel and call ``ddpkit.launch`` before any CUDA call;
+- this process has joined a process group (``ddpkit.init()``): the workers
+  would share it; call ``ddpkit.shutdown()`` first;
+- another thread of the program is running (not a daemon: a notebook
+  kernel's own threads are), so a worker would copy it half-way, with any
+  lock it holds: let it finish first.
+
+Wherever ``fn`` can be imported by name (a function of a module file, or of
+the script being run), an unsafe fork is avoided: the workers are forked
+from ddpkit's warm worker server instead, as under ``ddpkit run``
+(``start_method="forkserver"``; ``fn`` and ``args`` are then pickled).
+
+A worker is forked from a thread of the launcher's own, never from the
+caller's: where the notebook ran a parallel torch operator, torch's OpenMP
+thread pool belongs to the thread that ran it, and a worker forked from that
+thread would hang in its first one (see
+:func:`ddpkit.launch.local._in_a_thread_of_its_own`). A worker dies with
+the launcher (``PR_SET_PDEATHSIG``): a kernel that is restarted or killed
+leaves no worker behind. The first fork imports ``torch._dynamo`` here
+(:data:`FORK_PRELOAD`, about 1 s once), which each worker's first optimizer
+step would otherwise import again on every launch.
+
+Output
+------
+Each worker writes its ``stdout`` and ``stderr`` (Python's and the file
+descriptors', so C libraries' too) to files of its rank; a thread of the
+launcher prints them here as they grow, each line prefixed ``[rank r/w]``
+(lines that ddpkit's own logging prefixed already are left as they are).
+Here is the caller's ``sys.stdout`` and ``sys.stderr`` at the call: in a
+notebook, the cell. A forked worker cannot write to a notebook's streams
+itself: they are sockets served by threads of the kernel, which a fork does
+not copy.
+
+Pipeline: (fn, args, options) -> start method -> LaunchSpec -> launch_local
+(each worker: output to its files, ``fn(*args)``) -> results in rank order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import faulthandler
+import inspect
+import logging
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, TextIO
+
+from ddpkit.errors import UserError, check_choice, check_positive
+from ddpkit.gc_pause import import_paused
+from ddpkit.launch.failure import LaunchError, record_for_launcher
+from ddpkit.launch.local import LaunchSpec, launch_local
+from ddpkit.log import rank_prefix
+from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+START_METHODS = ("auto", "fork", "forkserver")
+"""``start_method`` of :func:`launch`: auto forks where it is safe, else uses the worker server where fn is importable."""
+
+FORK_PRELOAD = ("torch._dynamo",)
+"""Imported here before the first fork, so that forked workers inherit it: what a worker's first optimizer step
+imports (about 1 s of a core), which every worker of every launch would import again otherwise."""
+
+OUTPUT_POLL_S = 0.05
+"""Seconds between two looks at the workers' output files."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int = 1,
+    max_restarts: int = 0,
+    master_port: int = 0,
+    start_method: str = "auto",
+) -> list[Any]:
+    """Run ``fn(*args)`` in ``nproc`` workers on this machine and return their results in rank order.
+
+    Works from a script, a REPL and a notebook cell, with ``fn`` defined
+    there (see the module's documentation for how the workers start).
+
+    Args:
+        fn: the function every worker calls; it joins the job with ``ddpkit.init()``.
+        *args: its arguments, the same for every worker.
+        nproc: number of workers.
+        max_restarts: times all workers are started again after one fails.
+        master_port: rendezvous port on 127.0.0.1; 0 asks the OS for a free one.
+        start_method: auto, fork (from this process, as it is) or forkserver (from ddpkit's
+            worker server: ``fn`` must be importable by name, and ``fn`` and ``args`` are pickled).
+
+    Returns:
+        ``[fn's result on rank 0, on rank 1, ...]``.
+
+    Raises:
+        UserError: a bad option, or workers that cannot start from here (the message names the fix).
+        LaunchError: a worker failed (after the restarts): its rank, exit code and error; or the launcher
+            got SIGTERM (a preemption) and the workers stopped after a checkpoint (exit code 75).
+        KeyboardInterrupt: Ctrl-C (a notebook's stop button) stopped the workers.
+    """
+    __tracebackhide__ = True  # IPython and pytest show the caller's line, not this one
+    check_positive("nproc", nproc)
+    check_positive("max_restarts", max_restarts, allow_zero=True)
+    check_choice("start_method", start_method, START_METHODS)
+    if not callable(fn):
+        raise UserError(f"fn={fn!r} is not callable; pass the function each worker runs, e.g. ddpkit.launch(train)")
+    method = choose_start_method(start_method, fn)
+    if method == "fork":
+        import_paused(*FORK_PRELOAD)  # once per process; a no-op after
+    spec = LaunchSpec(nproc, master_port=master_port, max_restarts=max_restarts, start_method=method)
+    with tempfile.TemporaryDirectory(prefix="ddpkit-output-") as folder:
+        worker = _Worker(fn, folder, os.getpid() if method == "fork" else 0)
+        try:
+            with _rank_output(folder, nproc, sys.stdout, sys.stderr):
+                results = launch_local(spec, worker, *args)
+        except LaunchError as e:
+            if e.failure.exitcode == EXIT_INTERRUPTED:
+                raise KeyboardInterrupt("ddpkit.launch: the workers were stopped (Ctrl-C)") from None
+            if e.failure.exitcode == EXIT_PREEMPTED and not e.failure.traceback:  # SIGTERM, SIGUSR1...
+                preempted = "stopped by a signal after writing a checkpoint; call ddpkit.launch again to continue"
+                raise LaunchError(dataclasses.replace(e.failure, message=preempted)) from None
+            # Raised anew: its traceback ends at this call, not inside the launcher.
+            raise LaunchError(e.failure) from None
+    return [results[rank] for rank in range(nproc)]
+
+
+def choose_start_method(requested: str, fn: Callable[..., Any]) -> str:
+    """Return "fork" or "forkserver" for ``requested`` (one of :data:`START_METHODS`), or a UserError naming the fix.
+
+    auto: fork where :func:`fork_hazard` finds nothing, else the worker
+    server where ``fn`` is importable by name.
+    """
+    name = getattr(fn, "__qualname__", repr(fn))
+    module_fix = f"define {name} in a module file and import it from there (the workers then start fresh)"
+    if requested == "forkserver":
+        if not importable(fn):
+            raise UserError(
+                f"start_method='forkserver' needs a function the workers can import by name, and {name} is "
+                f"defined here ({getattr(fn, '__module__', '?')}); {module_fix}, or use start_method='fork'"
+            )
+        return "forkserver"
+    hazard = fork_hazard()
+    if hazard is None:
+        return "fork"
+    if requested == "auto" and importable(fn):
+        return "forkserver"
+    problem, fix = hazard
+    alternative = ", or use start_method='auto'" if importable(fn) else f", or {module_fix}"
+    raise UserError(f"ddpkit.launch cannot fork its workers from this process: {problem}; {fix}{alternative}")
+
+
+def fork_hazard() -> tuple[str, str] | None:
+    """Why forking workers from this process is unsafe, as (problem, fix), or None where it is safe."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return (
+            "CUDA is initialized in it, and a forked worker cannot use CUDA",
+            "restart the kernel (or the interpreter) and call ddpkit.launch before any CUDA call",
+        )
+    distributed = sys.modules.get("ddpkit.distributed")
+    joined = distributed is not None and distributed.joined()
+    if joined or (torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return (
+            "it has joined a process group, which the workers would share",
+            "call ddpkit.shutdown() (or torch.distributed.destroy_process_group()) first",
+        )
+    current, main = threading.current_thread(), threading.main_thread()
+    running = [t for t in threading.enumerate() if t not in (current, main) and not t.daemon and t.is_alive()]
+    if running:
+        return (
+            f"thread {running[0].name!r} is running, and a worker would copy it half-way, with any lock it holds",
+            "let it finish first (thread.join())",
+        )
+    return None
+
+
+def importable(fn: Callable[..., Any]) -> bool:
+    """True if a fresh process can import ``fn`` by name: a module-level function of a module, or of the script run."""
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not qualname or "<" in qualname or module is None:  # a lambda, a closure, a callable object
+        return False
+    if module == "__main__":  # multiprocessing imports the script again in the worker: only a real script
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
+        try:
+            source = inspect.getsourcefile(fn)
+        except TypeError:
+            return False
+        if not main_file or not source or os.path.realpath(source) != os.path.realpath(main_file):
+            return False
+    try:
+        pickle.dumps(fn)
+    except Exception:
+        return False
+    return True
+
+
+class _Worker:
+    """What each worker runs: its output to its rank's files, then ``fn(*args)``, its result checked for the way back.
+
+    A class at module level, so that the worker server can unpickle it (with ``fn`` by name).
+    """
+
+    def __init__(self, fn: Callable[..., Any], output_folder: str, launcher_pid: int):
+        self.fn = fn
+        self.output_folder = output_folder
+        self.launcher_pid = launcher_pid
+        """The process that forks the workers (start_method fork), 0 where the worker server does."""
+
+    def __call__(self, *args: Any) -> Any:
+        _die_with_parent(self.launcher_pid)
+        rank = int(os.environ.get("RANK", "0"))
+        with _output_to_files(os.path.join(self.output_folder, f"rank-{rank}")):
+            try:
+                result = self.fn(*args)
+            except Exception as e:
+                # Recorded here, without this frame, so that the report's traceback starts in fn; the launcher's
+                # wrapper (run_reporting_failure) then finds it recorded and only exits.
+                if e.__traceback__ is not None:
+                    e.__traceback__ = e.__traceback__.tb_next
+                record_for_launcher(e)
+                raise
+            try:
+                ForkingPickler.dumps(result)  # as the agent's queue will send it
+            except Exception as e:
+                raise UserError(
+                    f"{getattr(self.fn, '__qualname__', 'fn')} returned a {type(result).__name__} that cannot be "
+                    f"sent back to the launcher ({type(e).__name__}: {e}); return tensors, numbers, strings, "
+                    "or lists and dicts of them"
+                ) from None
+            return result
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """Have the kernel kill this worker when the thread that forked it ends (Linux), so that none outlives a launcher.
+
+    A worker sits in a process group of its own (it must not get the
+    terminal's Ctrl-C twice), so a kill of the launcher's group, as Jupyter
+    does to a kernel it restarts, would miss it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if launcher_pid and os.getppid() != launcher_pid:
+        os._exit(1)  # the launcher died before the line above: no one will collect this worker
+
+
+@contextlib.contextmanager
+def _output_to_files(stem: str) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, and Python's streams) to ``stem``.out and .err.
+
+    Appended: a restarted worker continues its rank's files, which the launcher reads on.
+    """
+    previous = (sys.stdout, sys.stderr)
+    streams = []
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        target = os.open(stem + suffix, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+        streams.append(open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
+    sys.stdout, sys.stderr = streams
+    _rebind_logging(dict(zip(previous, streams)))
+    if faulthandler.is_enabled():  # (a kernel enables it on a stream of its own) a crash's stacks go to stderr
+        faulthandler.enable(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+
+
+def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
+    """Point the logging handlers that wrote to the replaced streams (inherited through a fork) at the new ones."""
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is not logging.FileHandler and isinstance(handler, logging.StreamHandler):
+                new = replacements.get(handler.stream)
+                if new is not None:
+                    handler.setStream(new)
+
+
+@contextlib.contextmanager
+def _rank_output(folder: str, nproc: int, stdout: TextIO, stderr: TextIO) -> Iterator[None]:
+    """For the block, print the workers' output files in ``folder`` to ``stdout`` and ``stderr``, lines prefixed by rank."""
+    reader = _RankOutput(folder, nproc, stdout, stderr)
+    thread = threading.Thread(target=reader.follow, name="ddpkit-launch-output", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        reader.done.set()
+        thread.join()
+
+
+class _RankOutput:
+    """Follows the files ``rank-R.out`` and ``rank-R.err`` of a folder and prints their whole lines, prefixed."""
+
+    def __init__(self, folder: str, nproc: int, stdout: TextIO, stderr: TextIO):
+        self.files = [
+            (os.path.join(folder, f"rank-{rank}{suffix}"), rank_prefix(rank, nproc), destination)
+            for rank in range(nproc)
+            for suffix, destination in ((".out", stdout), (".err", stderr))
+        ]
+        self.read: dict[str, int] = {}
+        """Bytes of each file printed (or held in ``partial``) so far."""
+        self.partial: dict[str, bytes] = {}
+        """Each file's last line, until its end arrives."""
+        self.done = threading.Event()
+        """Set when the workers are gone: read what is left, then stop."""
+
+    def follow(self) -> None:
+        """Print new lines until ``done``, then the rest (a last line without its newline included)."""
+        while not self.done.wait(OUTPUT_POLL_S):
+            self.print_new_lines()
+        self.print_new_lines(final=True)
+
+    def print_new_lines(self, final: bool = False) -> None:
+        """Print the whole lines that arrived since the last call (and, if ``final``, what is left)."""
+        for path, prefix, destination in self.files:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.read.get(path, 0))
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            self.read[path] = self.read.get(path, 0) + len(data)
+            *lines, rest = (self.partial.get(path, b"") + data).split(b"\n")
+            if final and rest:
+                lines, rest = [*lines, rest], b""
+            self.partial[path] = rest
+            if lines:
+                text = "".join(_prefixed(prefix, line.decode("utf-8", "backslashreplace")) for line in lines)
+                with contextlib.suppress(Exception):  # a closed notebook stream must not stop the launch
+                    destination.write(text)
+                    destination.flush()
+
+
+def _prefixed(prefix: str, line: str) -> str:
+    """``line`` as a terminal would leave it (after its last carriage return: progress bars), after ``prefix``."""
+    line = line.rstrip("\r").rsplit("\r", 1)[-1]
+    return f"{line}\n" if line.startswith(prefix) else f"{prefix} {line}\n"
