@@ -17,6 +17,11 @@ epochs:
                  scheduler stepped after it, GradScaler and gradient clipping (minGPT's trainer)
     compiled     torch.compile(prepare_model(net), backend="eager")
     big          a model with more than 1 MiB of gradients (DDP)
+    nanogpt      karpathy/nanoGPT's train.py: no loader, batches sampled from each rank's own generator,
+                 the next batch prefetched (per_rank=), gradient accumulation by toggling
+                 model.require_backward_grad_sync, iteration counters in a plain dict (extra=), no epochs
+    imagenet     pytorch/examples' imagenet/main.py: validate after each epoch, StepLR stepped after it,
+                 best_acc1 kept in a plain dict, epoch_end(metrics) for the best checkpoint
     rank0_save   a save under `if rank == 0` (the tutorials' pattern): refused
 
 Kill hooks, from the environment:
@@ -84,26 +89,56 @@ class Trainer:
             self.model = torch.compile(self.model, backend="eager")
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.scheduler = None
-        if shape in ("epoch_sched", "eval"):
+        if shape in ("epoch_sched", "eval", "imagenet"):
             self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
         elif shape == "step_sched":
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1 / (1 + step))
         self.scaler = torch.amp.GradScaler("cpu", enabled=shape == "eval")
         self.train_data = ddpkit.DataLoader(data(NUM_TRAIN, 1), global_batch_size=GLOBAL_BATCH, shuffle=True, seed=3)
         self.test_data = ddpkit.DataLoader(data(NUM_TEST, 2), global_batch_size=GLOBAL_BATCH, shuffle=False)
+        # nanoGPT's: each rank seeds its own stream, samples its batches from it and prefetches the next one.
+        self.progress = {"iter_num": 0, "best_acc1": 0.0}
+        self.batch: dict[str, torch.Tensor] = {}
+        if shape == "nanogpt":
+            torch.manual_seed(1337 + ctx.rank)
+            self.batch["x"], self.batch["y"] = self._get_batch()
         self.ckpt = ddpkit.Checkpointer(
             args.out,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             scaler=self.scaler if shape == "eval" else None,
-            loader=self.train_data,
+            loader=None if shape == "nanogpt" else self.train_data,
+            extra={"progress": self.progress} if shape in ("nanogpt", "imagenet") else None,
+            per_rank={"batch": self.batch} if shape == "nanogpt" else None,
             every_steps=args.every_steps,
             sync_seconds=0.005,
-            best_metric="accuracy" if shape == "eval" else "",
+            best_metric="accuracy" if shape in ("eval", "imagenet") else "",
         )
         self.start = self.ckpt.resume("auto", first_epoch=1 if shape == "from1" else 0)
         self.killer = Killer(ctx.rank, self.start.resumed)
+
+    def _get_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """nanoGPT's get_batch: a random batch of this rank's, drawn from torch's generator."""
+        train = self.train_data.dataset.tensors  # the TensorDataset (the loader indexes it directly)
+        index = torch.randint(len(train[0]), (GLOBAL_BATCH // self.ctx.world_size,))
+        return train[0][index], train[1][index]
+
+    def _train_nanogpt(self, iterations: int) -> None:
+        """nanoGPT's loop: accumulate over micro-steps, syncing gradients on the last, prefetching as it goes."""
+        micro_steps = 2
+        while self.progress["iter_num"] < iterations:
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro_step in range(micro_steps):
+                self.model.require_backward_grad_sync = micro_step == micro_steps - 1
+                loss = F.cross_entropy(self.model(self.batch["x"]), self.batch["y"]) / micro_steps
+                self.batch["x"], self.batch["y"] = self._get_batch()  # prefetch while the GPU would work
+                loss.backward()
+            self.optimizer.step()
+            self.progress["iter_num"] += 1
+            self.ckpt.step()
+            self.killer.at("step", self.ckpt.global_step)
+        self.ckpt.close()
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> None:
         self.optimizer.zero_grad()
@@ -153,6 +188,9 @@ class Trainer:
 
     def train(self, epochs: int) -> None:
         shape, start = self.args.shape, self.start
+        if shape == "nanogpt":
+            self._train_nanogpt(epochs * len(self.train_data))  # as many optimizer steps as the other shapes
+            return
         if shape == "from1":
             epoch_numbers = range(start.epoch, epochs + 1)
         elif shape == "from1_wrong":
@@ -167,6 +205,12 @@ class Trainer:
                 self.scheduler.step()  # after epoch_end: the checkpoint must still hold it
             elif shape == "epoch_sched":
                 self.scheduler.step()
+            elif shape == "imagenet":
+                acc1 = self._evaluate()["accuracy"]
+                self.scheduler.step()  # before the checkpoint, as main.py does
+                self.progress["best_acc1"] = max(acc1, self.progress["best_acc1"])
+                print(f"[rank {self.ctx.rank}] Epoch: [{epoch}] Acc@1 {acc1:.3f}", flush=True)
+                self.ckpt.epoch_end({"accuracy": acc1})
             self.killer.at("epoch_end", epoch)
         self.ckpt.close()
 
