@@ -428,14 +428,14 @@ def _save_then_resume_per_rank_state(rank: int, world_size: int, folder: str) ->
     batch = {"x": torch.full((2, 3), float(rank))}
     progress = {"iter_num": 0, "best_val_loss": 1e9}
     wrong = {"y": torch.full((2,), float(rank))}  # per-rank too, but passed as extra=
-    ckpt = Checkpointer(
-        folder,
-        model=_net(),
-        extra={"progress": progress, "wrong": wrong},
-        per_rank={"batch": batch},
-        every_steps=2,
-        preempt_signals=(),
-    )
+
+    def checkpointer() -> Checkpointer:
+        extra = {"progress": progress, "wrong": wrong}
+        return Checkpointer(
+            folder, model=_net(), extra=extra, per_rank={"batch": batch}, every_steps=2, preempt_signals=()
+        )
+
+    ckpt = checkpointer()
     ckpt.resume("auto")
     ckpt.step()
     progress["iter_num"], progress["best_val_loss"] = 2, 0.5
@@ -443,14 +443,7 @@ def _save_then_resume_per_rank_state(rank: int, world_size: int, folder: str) ->
     ckpt.close()
 
     batch["x"], progress["iter_num"], wrong["y"] = torch.zeros(1), 0, torch.zeros(1)
-    ckpt = Checkpointer(
-        folder,
-        model=_net(),
-        extra={"progress": progress, "wrong": wrong},
-        per_rank={"batch": batch},
-        every_steps=2,
-        preempt_signals=(),
-    )
+    ckpt = checkpointer()
     ckpt.resume("auto")
     ckpt.close()
     logging.getLogger("ddpkit").removeHandler(log)
