@@ -401,7 +401,8 @@ class Checkpointer:
             self._step_metrics = (values, improved or self._step_metrics[1])
             return None
         if self.loader is not None:
-            if self.schedule.pending_at(self.global_step) or improved:
+            # Written at the next boundary, once the code after this call has run too (a scheduler's step).
+            if self.schedule.pending_at(self.global_step) or improved or self.options.on_epoch_end:
                 reason = self.schedule.pending_reason or "epoch_end"
                 self.schedule.defer(self.global_step, self.loader.position().epoch, reason)
                 self._pending_metrics = (values, improved)
