@@ -176,9 +176,11 @@ def test_preempted_training_checkpoints_requeues_and_continues_from_that_step(
     assert Path(checkpoint).name == f"step-{step:09d}"
     # The requeued run starts where the first one stopped: the same checkpoint, the same step.
     epoch, in_epoch = divmod(step, STEPS_PER_EPOCH)
-    resumed = re.findall(r"resumed from (\S+) \(global step (\d+): epoch (\d+), step (\d+) of (\d+)\)", log)
+    resumed = re.findall(
+        r"resumed from (\S+) \(global step (\d+): (\d+) epoch\(s\) complete and (\d+) of (\d+) steps of the next\)", log
+    )
     assert [(Path(p).name, int(s), int(e), int(i), int(n)) for p, s, e, i, n in resumed] == [
-        (f"step-{step:09d}", step, epoch + 1, in_epoch, STEPS_PER_EPOCH)
+        (f"step-{step:09d}", step, epoch, in_epoch, STEPS_PER_EPOCH)
     ]
     assert log.index("preempted by SIGUSR1") < log.index("resumed from") < log.index("[rank 0/2] done:")
     # Both runs are the job's two tasks on this node, meeting at the same checked port, derived from the job id
