@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 import ddpkit.launch.local
 from ddpkit.cli import main
 from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
+from ddpkit.names import EXIT_PREEMPTED
 from tests.cli_runner import PYTHONPATH
 from tests.helpers.launch_in_process import Commands
 
@@ -189,3 +192,31 @@ def test_console_script_imports_model_from_the_current_folder_in_every_worker(tm
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "out" / "summary.json").is_file()
+
+
+def test_sigterm_to_the_launcher_of_a_checkpointing_script_exits_75_and_the_same_command_continues(tmp_path):
+    """A scheduler's SIGTERM to ``ddpkit run``: the workers checkpoint and exit 75, and so does the launcher,
+    with one line that says so; the same command again resumes and finishes."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPTS / "preemptible.py"), str(out)]
+    environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (out / "ready").exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    stdout, stderr = stdout.decode(), stderr.decode()
+    assert launcher.returncode == EXIT_PREEMPTED, stdout + stderr
+    assert stderr.splitlines()[-1] == (
+        "ddpkit: preempted by SIGTERM: the workers checkpointed and exited 75; run the same command again to continue"
+    ), stderr
+    assert "error:" not in stderr, stderr
+
+    again = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=TIMEOUT)
+    assert again.returncode == 0, again.stderr
+    assert "resumed=True" in again.stdout and "done" in again.stdout, again.stdout + again.stderr

@@ -22,10 +22,14 @@ the command lacks:
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below);
 - a worker that ends with ``os._exit(0)``, returning nothing, counts as
-  finished (torch's agent would wait for its return value forever).
+  finished (torch's agent would wait for its return value forever);
+- a signal to the launcher (SIGTERM from a scheduler) is passed on to the
+  workers as torchrun does, and :class:`StoppedBySignal` then says how each
+  worker ended, so that the command's exit status can say whether they
+  checkpointed (all exited 75) or died.
 
 Pipeline: LaunchSpec -> LaunchConfig (torch) -> elastic_launch -> results
-by rank, or LaunchError carrying the root cause.
+by rank, or LaunchError carrying the root cause, or StoppedBySignal.
 
 Starting workers fast
 ---------------------
@@ -83,7 +87,7 @@ from ddpkit.launch.failure import (
     root_cause,
     run_reporting_failure,
 )
-from ddpkit.names import EXIT_INTERRUPTED
+from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
@@ -154,6 +158,31 @@ class LaunchSpec:
     """Host name or address of node 0 (nnodes > 1)."""
     rendezvous_timeout: float = 600.0
     """Seconds the nodes wait for each other at the rendezvous (nnodes > 1)."""
+
+
+class StoppedBySignal(RuntimeError):
+    """The launcher received ``signal_name``, passed it on to the workers and waited for them (torch's agent).
+
+    ``exit_codes`` says how each worker ended, by global rank (negative: killed by that signal; empty when the
+    signal came while no worker ran).
+    """
+
+    def __init__(self, signal_name: str, exit_codes: Mapping[int, int | None]):
+        self.signal_name = signal_name
+        self.exit_codes = dict(exit_codes)
+        super().__init__(f"stopped by {signal_name}; the workers' exit codes: {self.exit_codes}")
+
+    @property
+    def checkpointed_status(self) -> int | None:
+        """EXIT_PREEMPTED (or EXIT_INTERRUPTED) when every worker that had not finished exited with it, else None.
+
+        Workers exit so only after their preemption checkpoint is complete (ddpkit.Checkpointer), so this
+        status means "the work is saved: run the same command again".
+        """
+        ended = {code for code in self.exit_codes.values() if code != 0}
+        if len(ended) == 1 and (code := ended.pop()) in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            return code
+        return None
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
@@ -332,6 +361,37 @@ def _host_outlives_the_exit_barrier() -> None:
     LocalElasticAgent._exit_barrier = exit_barrier
 
 
+def _exit_codes_at_shutdown() -> None:
+    """Make torch's agent note how its workers ended when a signal stopped it, for :class:`StoppedBySignal`.
+
+    On a signal the agent passes it on to the workers, waits for them (then
+    kills those left) and re-raises its ``SignalException``, which carries
+    only the signal. Its ``_shutdown`` runs inside that ``except`` block, so
+    the wrapper below finds the exception there and attaches the workers'
+    exit codes by global rank (read by :func:`launch_local` only). Installed
+    once, in the launcher's process only.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if getattr(LocalElasticAgent._shutdown, "ddpkit_notes_exit_codes", False):
+        return
+    torch_shutdown = LocalElasticAgent._shutdown
+
+    def shutdown(self: LocalElasticAgent, *args: Any, **kwargs: Any) -> None:
+        torch_shutdown(self, *args, **kwargs)
+        handled = sys.exc_info()[1]
+        processes = getattr(getattr(self._pcontext, "_pc", None), "processes", None)  # forkserver workers
+        if isinstance(handled, SignalException) and processes is not None:
+            ranks = {worker.local_rank: worker.global_rank for worker in self._worker_group.workers}
+            handled.ddpkit_exit_codes = {  # type: ignore[attr-defined]
+                ranks.get(local_rank, local_rank): process.exitcode for local_rank, process in enumerate(processes)
+            }
+
+    shutdown.ddpkit_notes_exit_codes = True
+    LocalElasticAgent._shutdown = shutdown
+
+
 def _first_failure(failures: Mapping[int, Any]) -> str:
     """'rank 1 was killed by SIGKILL' for the earliest of a round's failures (the root cause)."""
     if not failures:
@@ -497,7 +557,10 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     Raises:
         ValueError: nproc < 1 or the port is taken.
         LaunchError: a worker failed (after the allowed restarts).
+        StoppedBySignal: the launcher received a signal it passes on (SIGTERM, SIGHUP, SIGQUIT,
+            ``spec.forward_signals``); the workers were stopped with it.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -513,6 +576,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _finish_workers_that_exit_without_returning()
     _announce_restarts()
     _host_outlives_the_exit_barrier()
+    _exit_codes_at_shutdown()
     with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
         try:
             with (
@@ -530,3 +594,6 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
                 # starting), the user asked the job to stop: report that, not a failure.
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
             raise LaunchError(failure) from None
+        except SignalException as e:
+            name = signal.Signals(e.sigval).name
+            raise StoppedBySignal(name, getattr(e, "ddpkit_exit_codes", {})) from None
