@@ -249,11 +249,21 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
+        from ddpkit.config import shown_ranks
+        from ddpkit.launch.output import default_log_dir, where
+
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
+        log_dir = Path(cfg.output_dir) / "logs" if cfg.output_dir else default_log_dir("train")
+        print(f"ddpkit: {where(log_dir, shown_ranks(cfg.show_ranks))}", file=sys.stderr, flush=True)
+        spec = _launch_spec(
+            cfg,
+            forward_signals=signals,
+            rendezvous_timeout=cfg.timeout,
+            log_dir=str(log_dir),
+            title=shlex.join(["train", *args]),
+        )
         with _stack_files_in(Path(cfg.output_dir) / "stacks" if cfg.output_dir else None):
-            code, signal_name = _launch(
-                _launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout), run_worker, cfg, export_dir
-            )
+            code, signal_name = _launch(spec, run_worker, cfg, export_dir)
     except Preempted as stop:  # the one worker, in this process
         code, signal_name = int(stop.code), ""
     except LaunchError as e:
@@ -314,16 +324,25 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
+    from ddpkit.config import shown_ranks
+    from ddpkit.launch.output import default_log_dir, where
     from ddpkit.launch.script import describe, parse_run_command, run_script
 
     config, target = parse_run_command(args)
-    print(describe(config, target), file=sys.stderr)
+    if not config.log_dir:
+        name = Path(target.path).stem if target.path else target.module
+        config = dataclasses.replace(config, log_dir=str(default_log_dir(name)))
+    print(f"{describe(config, target)}; {where(config.log_dir, shown_ranks(config.show_ranks))}", file=sys.stderr)
     # Always through the launcher, even for nproc=1 without restarts (where
     # `ddpkit train` runs in-process): a script expects what torchrun gives
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
     # may call sys.exit, os._exit or signal.signal as it likes. The spawn costs
     # about a second; behaviour does not change with nproc.
-    code, signal_name = _launch(_launch_spec(config, forward_signals=DEFAULT_PREEMPT_SIGNALS), run_script, target)
+    program = [target.path] if target.path else ["-m", target.module]
+    spec = _launch_spec(
+        config, forward_signals=DEFAULT_PREEMPT_SIGNALS, log_dir=config.log_dir, title=shlex.join(program + list(target.args))
+    )
+    code, signal_name = _launch(spec, run_script, target)
     if code == EXIT_PREEMPTED and signal_name:
         print(
             f"ddpkit: preempted by {signal_name}: the workers checkpointed and exited {EXIT_PREEMPTED}; "
@@ -346,7 +365,9 @@ def run_command(args: Sequence[str]) -> int:
 
 
 def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
-    """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts), with ``options`` added."""
+    """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts, the ranks shown), with
+    ``options`` added."""
+    from ddpkit.config import shown_ranks
     from ddpkit.launch.local import LaunchSpec
 
     return LaunchSpec(
@@ -356,6 +377,7 @@ def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
         nnodes=config.nnodes,
         node_rank=config.node_rank,
         master_addr=config.master_addr,
+        show_ranks=shown_ranks(config.show_ranks),
         **options,
     )
 

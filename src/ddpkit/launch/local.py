@@ -23,6 +23,10 @@ the command lacks:
 - workers forked from a warm process instead of spawned (see below);
 - a worker that ends with ``os._exit(0)``, returning nothing, counts as
   finished (torch's agent would wait for its return value forever);
+- each worker's stdout and stderr in files of its own, the chosen ranks'
+  lines on the console prefixed ``[rank r/w]`` (:mod:`ddpkit.launch.output`),
+  and a process title that names the rank and the program
+  (:mod:`ddpkit.launch.proctitle`);
 - a signal to the launcher (SIGTERM from a scheduler) is passed on to the
   workers as torchrun does, and :class:`StoppedBySignal` then says how each
   worker ended, so that the command's exit status can say whether they
@@ -73,7 +77,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
 # server (below) before this process imports torch itself.
@@ -87,7 +92,11 @@ from ddpkit.launch.failure import (
     root_cause,
     run_reporting_failure,
 )
+from ddpkit.launch.proctitle import set_process_title
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from ddpkit.launch.output import ConsoleTee
 
 LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
@@ -158,6 +167,13 @@ class LaunchSpec:
     """Host name or address of node 0 (nnodes > 1)."""
     rendezvous_timeout: float = 600.0
     """Seconds the nodes wait for each other at the rendezvous (nnodes > 1)."""
+    log_dir: str = ""
+    """Folder of each worker's stdout and stderr files (ddpkit.launch.output); empty: the workers write to this
+    process's stdout and stderr, as they are."""
+    show_ranks: frozenset[int] | None = None
+    """With log_dir: the global ranks whose lines this process's stdout and stderr show; None: all."""
+    title: str = ""
+    """The program, as worker process titles name it after "ddpkit rank r/w: " (e.g. "train.py --lr 0.1")."""
 
 
 class StoppedBySignal(RuntimeError):
@@ -413,7 +429,7 @@ def _environ_restored() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any) -> Any:
     """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
 
     The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
@@ -429,6 +445,10 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     script.py`` or torchrun. ``fn`` runs with one failure report
     (:func:`run_reporting_failure`); a KeyboardInterrupt ends the worker with
     status 130 and no traceback.
+
+    With a ``title`` (the program), the process is titled ``ddpkit rank r/w:
+    TITLE``. Where the agent redirected stdout into a file, it is made
+    line-buffered, as on a terminal: a file would hold prints back until 8 KiB.
     """
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
@@ -438,6 +458,12 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     os.environ.clear()
     os.environ.update(launcher_environ)
     os.environ.update(worker_variables)
+    if title:
+        rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+        name = next((word for word in title.split() if not word.startswith("-")), title)
+        set_process_title(f"ddpkit rank {rank}/{world_size}: {title}", f"r{rank}:{os.path.basename(name)}")
+    if not sys.stdout.isatty():
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
     try:
         if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
@@ -548,6 +574,49 @@ def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     )
 
 
+@contextlib.contextmanager
+def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterator[ConsoleTee | None]:
+    """With ``spec.log_dir``: the workers' output into their files, the shown ranks' copied to the console.
+
+    Yields the tee (None without a log_dir). When the block ends, the console has shown everything the
+    workers wrote, and one line names the ranks not shown that wrote to stderr.
+    """
+    if not spec.log_dir:
+        yield None
+        return
+    from ddpkit.launch.output import ConsoleTee, RankLogs, hidden_stderr_note
+
+    error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
+    os.makedirs(error_dir)
+    os.makedirs(spec.log_dir, exist_ok=True)
+    tee = ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
+    config.logs_specs = RankLogs(spec.log_dir, error_dir, tee)
+    tee.start()
+    try:
+        yield tee
+    finally:
+        tee.stop()
+        if note := hidden_stderr_note(tee):
+            print(note, file=sys.stderr, flush=True)
+
+
+def _with_its_output(failure: WorkerFailure, log_dir: str, tee: ConsoleTee) -> WorkerFailure:
+    """``failure`` naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
+    restart = max(
+        (int(p.name.partition("-")[2]) for p in Path(log_dir).glob("restart-*") if p.name.partition("-")[2].isdigit()),
+        default=0,
+    )
+    from ddpkit.launch.output import last_lines, log_files
+
+    stdout, stderr = log_files(log_dir, failure.rank, restart)
+    message, traceback = failure.message, failure.traceback
+    if not tee.is_shown(failure.rank):  # its output is in its files, not above
+        message = message.replace(" (see its output above)", "")
+        if not traceback and (tail := last_lines(stderr)):
+            traceback = f"the last lines of its stderr:\n{tail}"
+    return dataclasses.replace(failure, message=message, traceback=traceback, output=f"{stdout}, {stderr}")
+
+
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``spec.nproc`` workers here (of ``spec.nnodes`` nodes); return their results by rank.
 
@@ -577,7 +646,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _announce_restarts()
     _host_outlives_the_exit_barrier()
     _exit_codes_at_shutdown()
-    with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
+    with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir, _output_to_files(spec, config, failure_dir) as tee:
         try:
             with (
                 worker_server(),
@@ -586,13 +655,15 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
                 _environ(FAILURE_DIR_VARIABLE, failure_dir),
                 _ctrl_c_passed_on(failure_dir) as ctrl_c,
             ):
-                return elastic_launch(config, _worker_main)(dict(os.environ), fn, *args)
+                return elastic_launch(config, _worker_main)(dict(os.environ), spec.title, fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:
                 # Whatever a worker died of after Ctrl-C (e.g. the interrupt hit it while it was still
                 # starting), the user asked the job to stop: report that, not a failure.
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
+            elif tee is not None:
+                failure = _with_its_output(failure, spec.log_dir, tee)
             raise LaunchError(failure) from None
         except SignalException as e:
             name = signal.Signals(e.sigval).name
