@@ -249,12 +249,10 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
-        from ddpkit.config import shown_ranks
-        from ddpkit.launch.output import default_log_dir, where
+        from ddpkit.launch.output import default_log_dir
 
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
         log_dir = Path(cfg.output_dir) / "logs" if cfg.output_dir else default_log_dir("train")
-        print(f"ddpkit: {where(log_dir, shown_ranks(cfg.show_ranks))}", file=sys.stderr, flush=True)
         spec = _launch_spec(
             cfg,
             forward_signals=signals,
@@ -324,15 +322,14 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
-    from ddpkit.config import shown_ranks
-    from ddpkit.launch.output import default_log_dir, where
+    from ddpkit.launch.output import default_log_dir
     from ddpkit.launch.script import describe, parse_run_command, run_script
 
     config, target = parse_run_command(args)
     if not config.log_dir:
         name = Path(target.path).stem if target.path else target.module
         config = dataclasses.replace(config, log_dir=str(default_log_dir(name)))
-    print(f"{describe(config, target)}; {where(config.log_dir, shown_ranks(config.show_ranks))}", file=sys.stderr)
+    print(describe(config, target), file=sys.stderr)
     # Always through the launcher, even for nproc=1 without restarts (where
     # `ddpkit train` runs in-process): a script expects what torchrun gives
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
@@ -340,7 +337,10 @@ def run_command(args: Sequence[str]) -> int:
     # about a second; behaviour does not change with nproc.
     program = [target.path] if target.path else ["-m", target.module]
     spec = _launch_spec(
-        config, forward_signals=DEFAULT_PREEMPT_SIGNALS, log_dir=config.log_dir, title=shlex.join(program + list(target.args))
+        config,
+        forward_signals=DEFAULT_PREEMPT_SIGNALS,
+        log_dir=config.log_dir,
+        title=shlex.join(program + list(target.args)),
     )
     code, signal_name = _launch(spec, run_script, target)
     if code == EXIT_PREEMPTED and signal_name:

@@ -175,9 +175,10 @@ def test_workers_ending_with_os_exit_0_finish_the_launch(launched):
 def test_the_console_shows_rank_0_as_it_printed_and_every_rank_has_its_files(launched, tmp_path_factory):
     out = launched["output"]
     assert out.returncode == 0, out.stderr
-    logs = Path(out.stderr.splitlines()[0].rpartition(" is in ")[2])
-    assert out.stderr.splitlines()[0].endswith(
-        "the console shows rank 0's output (show_ranks=all: every rank's), each rank's whole output is in " + str(logs)
+    logs = Path(out.stderr.splitlines()[1].rpartition(" is in ")[2])
+    assert out.stderr.splitlines()[1] == (
+        "ddpkit: the console shows rank 0's output (show_ranks=all: every rank's), each rank's whole output is in "
+        + str(logs)
     ), out.stderr
     # Rank 0's lines as it wrote them (no prefix: one rank shown), its progress bar as a terminal ends it.
     title = f"ddpkit rank 0/2: {SCRIPTS / 'output.py'} | name: r0:output.py"
@@ -212,7 +213,7 @@ def test_a_hidden_rank_that_fails_is_reported_with_its_last_lines_and_its_files(
     out = launched["hidden fails"]
     assert out.returncode == 1, out.stderr
     report = out.stderr[out.stderr.index("error: ") :]
-    logs = Path(out.stderr.splitlines()[0].rpartition(" is in ")[2])
+    logs = Path(out.stderr.splitlines()[1].rpartition(" is in ")[2])
     assert report == (
         "error: worker rank 1 failed (exit code 3): exited without an error message\n"
         "the last lines of its stderr:\na warning from rank 1\nrank 1 progress 100%\nrank 1 stops here\n"

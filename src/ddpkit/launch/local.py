@@ -584,13 +584,14 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
     if not spec.log_dir:
         yield None
         return
-    from ddpkit.launch.output import ConsoleTee, RankLogs, hidden_stderr_note
+    from ddpkit.launch.output import ConsoleTee, RankLogs, hidden_stderr_note, where
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
     os.makedirs(spec.log_dir, exist_ok=True)
     tee = ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
     config.logs_specs = RankLogs(spec.log_dir, error_dir, tee)
+    print(f"ddpkit: {where(spec.log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
     tee.start()
     try:
         yield tee
@@ -646,7 +647,10 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _announce_restarts()
     _host_outlives_the_exit_barrier()
     _exit_codes_at_shutdown()
-    with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir, _output_to_files(spec, config, failure_dir) as tee:
+    with (
+        tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir,
+        _output_to_files(spec, config, failure_dir) as tee,
+    ):
         try:
             with (
                 worker_server(),

@@ -81,6 +81,8 @@ class _Source:
     file: IO[bytes] | None = None
     pending: bytes = b""
     """Read, but not yet ended by a newline."""
+    drawn: bytes = b""
+    """The unfinished line as the terminal shows it already (not to be shown again at the end)."""
 
 
 class ConsoleTee:
@@ -138,26 +140,33 @@ class ConsoleTee:
         with self._lock:
             return [(rank, path) for rank, path in self._hidden if path.is_file() and path.stat().st_size]
 
-    def _run(self) -> None:
-        while True:
-            stopping = self._stop.is_set()  # read before the last pass, so nothing written before stop() is missed
-            with self._lock:
-                sources = list(self._sources)
-            for source in sources:
-                self._pump(source)
-            for console in self._consoles:
-                console.flush()
-            if stopping:
-                break
-            self._stop.wait(INTERVAL_S)
+    def poll(self) -> None:
+        """Show what the followed files gained since the last call (the thread calls it every INTERVAL_S)."""
+        with self._lock:
+            sources = list(self._sources)
         for source in sources:
-            if source.pending:
+            self._pump(source)
+        for console in self._consoles:
+            console.flush()
+
+    def finish(self) -> None:
+        """Show what the files hold to their end, an unfinished last line as a line, and close them."""
+        self.poll()
+        for source in self._sources:
+            if source.pending and source.pending != source.drawn:
                 self._show(source, source.pending, ended=True)
+                source.pending = b""
             if source.file is not None:
                 source.file.close()
+                source.file = None
         self._end_open_line()
         for console in self._consoles:
             console.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            self.poll()
+        self.finish()  # after stop(): nothing written before it is missed
 
     def _pump(self, source: _Source) -> None:
         """Show the lines written to ``source`` since the last read."""
@@ -172,12 +181,15 @@ class ConsoleTee:
         *lines, source.pending = (source.pending + data).split(b"\n")
         for line in lines:
             self._show(source, line, ended=True)
+            source.drawn = b""
         if source.pending and source.terminal:  # an unfinished line (a progress bar): show it as it is now
             self._show(source, source.pending, ended=False)
         # Of an unfinished line only its last part after a carriage return will be shown: keep no more.
         cut = source.pending.rfind(b"\r")
         if cut > 0:
             source.pending = source.pending[cut:]
+        if source.pending and source.terminal:
+            source.drawn = source.pending
 
     def _show(self, source: _Source, raw: bytes, ended: bool) -> None:
         """Write one line of ``source`` (``ended``: with its newline), as a terminal would show it."""
