@@ -258,7 +258,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
             forward_signals=signals,
             rendezvous_timeout=cfg.timeout,
             log_dir=str(log_dir),
-            title=shlex.join(["train", *args]),
+            title=shlex.join(["ddpkit", "train", *args]),
         )
         with _stack_files_in(Path(cfg.output_dir) / "stacks" if cfg.output_dir else None):
             code, signal_name = _launch(spec, run_worker, cfg, export_dir)

@@ -127,3 +127,17 @@ def test_show_ranks_names_ranks_or_all(text, ranks):
 def test_show_ranks_refuses_anything_else_in_one_line(text):
     with pytest.raises(ConfigError, match=rf"show_ranks='{text}' is not valid; use show_ranks=all, one rank"):
         shown_ranks(text)
+
+
+@pytest.mark.parametrize(
+    "title,name",
+    [
+        ("/home/me/train.py --lr 0.1", "train.py"),
+        ("-m pkg.train --lr 0.1", "pkg.train"),
+        ("ddpkit train nproc=2 model=cnn", "ddpkit-train"),
+    ],
+)
+def test_a_workers_name_is_its_program_short(title, name):
+    from ddpkit.launch.local import _program_name
+
+    assert _program_name(title) == name

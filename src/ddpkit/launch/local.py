@@ -460,8 +460,7 @@ def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[.
     os.environ.update(worker_variables)
     if title:
         rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-        name = next((word for word in title.split() if not word.startswith("-")), title)
-        set_process_title(f"ddpkit rank {rank}/{world_size}: {title}", f"r{rank}:{os.path.basename(name)}")
+        set_process_title(f"ddpkit rank {rank}/{world_size}: {title}", f"r{rank}:{_program_name(title)}")
     if not sys.stdout.isatty():
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
@@ -474,6 +473,16 @@ def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[.
         sys.exit(EXIT_INTERRUPTED)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
     return result
+
+
+def _program_name(title: str) -> str:
+    """The program a title names, short: ``train.py`` (a script), ``pkg.train`` (``-m pkg.train``), ``ddpkit-train``."""
+    words = title.split()
+    if script := next((word for word in words if word.endswith(".py")), ""):
+        return os.path.basename(script)
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    return "-".join(words[:2])
 
 
 class _CtrlC:

@@ -164,9 +164,12 @@ class ConsoleTee:
             console.flush()
 
     def _run(self) -> None:
-        while not self._stop.wait(INTERVAL_S):
-            self.poll()
-        self.finish()  # after stop(): nothing written before it is missed
+        try:
+            while not self._stop.wait(INTERVAL_S):
+                self.poll()
+            self.finish()  # after stop(): nothing written before it is missed
+        except OSError:  # the console is gone (`ddpkit run ... | head`): the files still hold everything
+            pass
 
     def _pump(self, source: _Source) -> None:
         """Show the lines written to ``source`` since the last read."""
