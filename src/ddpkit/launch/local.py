@@ -77,7 +77,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
@@ -447,8 +446,9 @@ def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[.
     status 130 and no traceback.
 
     With a ``title`` (the program), the process is titled ``ddpkit rank r/w:
-    TITLE``. Where the agent redirected stdout into a file, it is made
-    line-buffered, as on a terminal: a file would hold prints back until 8 KiB.
+    TITLE``. A stdout that is not a terminal (the agent redirected it into
+    its file) is made line-buffered, as on a terminal: Python would hold
+    prints back until 8 KiB.
     """
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
@@ -610,15 +610,14 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
             print(note, file=sys.stderr, flush=True)
 
 
-def _with_its_output(failure: WorkerFailure, log_dir: str, tee: ConsoleTee) -> WorkerFailure:
+def _with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
     """``failure`` naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
-    restart = max(
-        (int(p.name.partition("-")[2]) for p in Path(log_dir).glob("restart-*") if p.name.partition("-")[2].isdigit()),
-        default=0,
-    )
-    from ddpkit.launch.output import last_lines, log_files
+    from ddpkit.launch.output import last_lines
 
-    stdout, stderr = log_files(log_dir, failure.rank, restart)
+    files = tee.files_of(failure.rank)
+    if files is None:  # not a rank of this node
+        return failure
+    stdout, stderr = files
     message, traceback = failure.message, failure.traceback
     if not tee.is_shown(failure.rank):  # its output is in its files, not above
         message = message.replace(" (see its output above)", "")
@@ -676,7 +675,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
                 # starting), the user asked the job to stop: report that, not a failure.
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
             elif tee is not None:
-                failure = _with_its_output(failure, spec.log_dir, tee)
+                failure = _with_its_output(failure, tee)
             raise LaunchError(failure) from None
         except SignalException as e:
             name = signal.Signals(e.sigval).name

@@ -100,6 +100,7 @@ class ConsoleTee:
         """Where a worker's progress bar goes, so ddpkit train's rank 0 shows one (DDPKIT_TERMINAL)."""
         self._sources: list[_Source] = []
         self._hidden: list[tuple[int, Path]] = []  # (rank, stderr file) of the ranks not shown
+        self._files: dict[int, tuple[Path, Path]] = {}  # the newest round's files of each rank
         self._open: _Source | None = None  # whose unfinished line the terminal shows last
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,6 +117,7 @@ class ConsoleTee:
     def follow(self, rank: int, world_size: int, stdout: Path, stderr: Path) -> None:
         """Show ``rank``'s files from now on, if it is shown (else remember its stderr for :meth:`hidden_stderr`)."""
         with self._lock:
+            self._files[rank] = (stdout, stderr)
             if not self.is_shown(rank):
                 self._hidden.append((rank, stderr))
                 return
@@ -124,6 +126,11 @@ class ConsoleTee:
                 _Source(rank, path, console, prefix, _is_terminal(console))
                 for path, console in zip((stdout, stderr), self._consoles)
             ]
+
+    def files_of(self, rank: int) -> tuple[Path, Path] | None:
+        """The stdout and stderr files of ``rank``'s newest round (after restarts, the last); None: not a rank here."""
+        with self._lock:
+            return self._files.get(rank)
 
     def start(self) -> ConsoleTee:
         """Start following (a thread of this process)."""
