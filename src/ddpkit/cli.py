@@ -14,6 +14,7 @@ import importlib
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,7 +253,12 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         from ddpkit.launch.output import default_log_dir
 
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
-        log_dir = Path(cfg.output_dir) / "logs" if cfg.output_dir else default_log_dir("train")
+        # One folder per launch: a resumed run (resume=auto, a requeued job) keeps the earlier launches' output.
+        log_dir = (
+            Path(cfg.output_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
+            if cfg.output_dir
+            else default_log_dir("train")
+        )
         spec = _launch_spec(
             cfg,
             forward_signals=signals,

@@ -469,8 +469,8 @@ class TrainConfig:
     runs/latest points to; with resume=auto, the newest run of this model and dataset."""
     show_ranks: str = SHOW_RANKS_DEFAULT
     """Workers whose output this console shows, each line prefixed [rank r/w]: 0 (rank 0, which speaks for the
-    run), a list (0,1) or all; every rank's whole stdout and stderr are in <output_dir>/logs/rank-N.stdout.log and
-    rank-N.stderr.log either way (nproc workers here only)."""
+    run), a list (0,1) or all; every rank's whole stdout and stderr are in <output_dir>/logs/<date-time>/
+    rank-N.stdout.log and rank-N.stderr.log either way, a folder per launch (nproc workers here only)."""
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     logger: str = "jsonl"

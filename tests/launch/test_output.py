@@ -141,3 +141,19 @@ def test_a_workers_name_is_its_program_short(title, name):
     from ddpkit.launch.local import _program_name
 
     assert _program_name(title) == name
+
+
+def test_an_earlier_launchs_files_in_the_same_folder_are_not_shown_again(tmp_path):
+    # torch's redirect truncates a file that exists; a tee that opened it first would read the old lines, then
+    # miss the new ones up to the old length (a resumed run in the same folder).
+    stdout, stderr = log_files(tmp_path, 0)
+    stdout.write_text("the earlier launch's line\n")
+    console = Console(False)
+    tee = ConsoleTee(None, console, Console(False))
+    RankLogs(str(tmp_path), str(tmp_path / "errors"), tee).reify(
+        {0: {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "0"}}
+    )
+    assert not stdout.exists() and not stderr.exists()
+    stdout.write_text("this launch's line\n")
+    tee.finish()
+    assert console.getvalue() == "this launch's line\n"

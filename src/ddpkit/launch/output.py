@@ -247,6 +247,8 @@ class RankLogs(LogsSpecs):
             restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             stdout, stderr = log_files(self.log_dir, rank, restart)
             stdout.parent.mkdir(parents=True, exist_ok=True)
+            for old in (stdout, stderr):  # an earlier launch's, in the same folder: the tee must not read them
+                old.unlink(missing_ok=True)
             dest.stdouts[local_rank], dest.stderrs[local_rank] = str(stdout), str(stderr)
             error_file = os.path.join(self.error_dir, f"restart-{restart}-rank-{rank}.json")
             dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
