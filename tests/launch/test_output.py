@@ -157,3 +157,17 @@ def test_an_earlier_launchs_files_in_the_same_folder_are_not_shown_again(tmp_pat
     stdout.write_text("this launch's line\n")
     tee.finish()
     assert console.getvalue() == "this launch's line\n"
+
+
+def test_a_progress_bar_ends_before_the_line_printed_after_it(tmp_path):
+    terminal = Console(True)  # stdout and stderr on one terminal
+    tee = ConsoleTee(frozenset({0}), terminal, terminal)
+    stdout, stderr = log_files(tmp_path, 0)
+    tee.follow(0, 2, stdout, stderr)
+    with stdout.open("wb", buffering=0) as out, stderr.open("wb", buffering=0) as err:
+        err.write(b"\r 50%")
+        tee.poll()
+        err.write(b"\r100%\n")  # the bar's end, then a print, within one interval
+        out.write(b"after the bar\n")
+        tee.finish()
+    assert terminal.getvalue() == f" 50%\r100%{CLEAR_TO_END_OF_LINE}\nafter the bar\n", repr(terminal.getvalue())

@@ -151,6 +151,9 @@ class ConsoleTee:
         """Show what the followed files gained since the last call (the thread calls it every INTERVAL_S)."""
         with self._lock:
             sources = list(self._sources)
+        # The unfinished line on the terminal first: a progress bar's end, then the print that followed it (the
+        # order of two files' lines written within one interval is not known otherwise).
+        sources.sort(key=lambda source: source is not self._open)
         for source in sources:
             self._pump(source)
         for console in self._consoles:
