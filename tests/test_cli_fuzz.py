@@ -135,8 +135,8 @@ class Workers:
         self.configs.append(cfg)
         return {}
 
-    def launch(self, spec, fn, cfg, export_dir) -> int:
-        return self.run_worker(cfg) or 0
+    def launch(self, spec, fn, cfg, export_dir) -> tuple[int, str]:
+        return self.run_worker(cfg) or 0, ""  # the status, and no signal reached the launcher
 
 
 @pytest.fixture

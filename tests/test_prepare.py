@@ -164,6 +164,119 @@ def _single_worker(rank: int, world_size: int) -> dict:
         ddpkit.distributed.shutdown()
 
 
+ACCUMULATION_STYLES = ("require_backward_grad_sync", "model.no_sync", "ddpkit.no_sync")
+"""How a loop keeps the first micro-batches' gradients local: nanoGPT's attribute, DDP's method, ddpkit's."""
+
+
+def _accumulate(model: nn.Module, style: str, rank: int, num_micro: int = 3) -> list[torch.Tensor]:
+    """Two SGD steps of ``num_micro`` micro-batches each, accumulation said in ``style``.
+
+    Returns the gradients after every backward (local ones in the accumulating backwards: averaging them
+    too would only cost messages and rounding, since the mean is linear), then the parameters after."""
+    seen: list[torch.Tensor] = []
+    from ddpkit.prepare import no_sync
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(4 * num_micro, 6, generator=g), torch.randn(4 * num_micro, 3, generator=g)
+        for i, (xs, ys) in enumerate(zip(x.chunk(num_micro), y.chunk(num_micro))):
+            last = i == num_micro - 1
+            if style == "require_backward_grad_sync":  # nanoGPT's train.py, as written for DDP
+                model.require_backward_grad_sync = last
+                block = contextlib.nullcontext()
+            elif last or style == "none":
+                block = contextlib.nullcontext()
+            else:
+                block = model.no_sync() if style == "model.no_sync" else no_sync(model)
+            with block:
+                (F.mse_loss(model(xs), ys) / num_micro).backward()
+            seen += [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return seen + [p.detach().clone() for p in model.parameters()]
+
+
+def _ddp_switches_match_stock_ddp(rank: int, world_size: int) -> dict:
+    """Each mode trained with DDP's switches (attribute, method, .module) against stock DDP; what differs."""
+    import ddpkit.distributed
+    from ddpkit.prepare import gradient_sync, prepare_model
+
+    ddpkit.distributed.init()
+    failures: list[str] = []
+    try:
+        for style in ACCUMULATION_STYLES:
+            reference = DDP(_net(rank, "set_to_none"))  # ddpkit.no_sync takes prepared modules only
+            expected = _accumulate(reference, "model.no_sync" if style == "ddpkit.no_sync" else style, rank)
+            for mode in MODES:
+                net = _net(rank, "set_to_none")
+                model = prepare_model(net, grad_sync=mode)
+                assert gradient_sync(model).mode == mode
+                if model.module is not net:
+                    failures.append(f"{mode}: model.module is {type(model.module).__name__}, not the plain module")
+                got = _accumulate(model, style, rank)
+                if model.require_backward_grad_sync is not True:
+                    failures.append(
+                        f"{mode}/{style}: require_backward_grad_sync left {model.require_backward_grad_sync}"
+                    )
+                for i, (a, e) in enumerate(zip(got, expected)):
+                    if not torch.allclose(a, e, rtol=1e-5, atol=1e-7):
+                        failures.append(f"{mode}/{style}: tensor {i} differs by {(a - e).abs().max():.3g}")
+        # Without the switch, the same loop averages every micro-batch: its gradients must differ from the above.
+        model = prepare_model(_net(rank, "set_to_none"), grad_sync="flat")
+        if all(torch.allclose(a, e, rtol=1e-5, atol=1e-7) for a, e in zip(_accumulate(model, "none", rank), expected)):
+            failures.append("flat: the loop without the switch gave the switch's gradients; the test cannot tell")
+    finally:
+        ddpkit.distributed.shutdown()
+    return {"failures": failures}
+
+
+class OwnsModule(nn.Module):
+    """A model with a child named ``module``, as wrappers have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _ddp_switches_with_one_worker(rank: int, world_size: int) -> dict:
+    """One worker: the switches exist and change nothing; the module still copies, pickles and saves as before."""
+    import io
+
+    import ddpkit.distributed
+    from ddpkit.prepare import prepare_model
+
+    ddpkit.distributed.init()
+    try:
+        results = {}
+        for style in ACCUMULATION_STYLES:
+            net = _net(0, "set_to_none")
+            plain = copy.deepcopy(net)
+            model = prepare_model(net)
+            assert model.module is model and model.require_backward_grad_sync is True
+            got = _accumulate(model, style, rank)
+            results[style] = all(torch.equal(g, e) for g, e in zip(got, _accumulate(plain, "none", rank)))
+        twin = copy.deepcopy(model)  # an EMA copy: its own switch, its own module
+        assert twin.module is twin and twin is not model
+        with twin.no_sync():
+            assert twin.require_backward_grad_sync is False and model.require_backward_grad_sync is True
+        assert list(model.state_dict()) == list(plain.state_dict())
+        assert len(list(model.modules())) == len(list(plain.modules()))
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert loaded.module is loaded
+        owner = prepare_model(OwnsModule())  # keeps its own child, with a warning
+        results["own module kept"] = isinstance(owner.module, nn.Linear)
+        return results
+    finally:
+        ddpkit.distributed.shutdown()
+
+
 class Twice(nn.Module):
     """One layer applied twice in one forward (its weights used twice)."""
 
@@ -268,6 +381,8 @@ JOBS = {
         {},
     ),
     "test_flat_gradients_are_averaged_whatever_the_loop_calls": (_flat_gradients_are_averaged, 2, (), {}),
+    "test_ddps_switches_have_ddps_effect_in_every_mode": (_ddp_switches_match_stock_ddp, 2, (), {}),
+    "test_ddps_switches_with_one_worker": (_ddp_switches_with_one_worker, 1, (), {"init_process_group": False}),
     "test_one_worker_returns_the_model_itself_and_trains_as_plain_torch": (
         _single_worker,
         1,
@@ -305,6 +420,18 @@ def test_flat_gradients_are_averaged_whatever_the_loop_calls(jobs):
 def test_one_worker_returns_the_model_itself_and_trains_as_plain_torch(jobs):
     results = jobs["test_one_worker_returns_the_model_itself_and_trains_as_plain_torch"].get()
     assert results == [{"set_to_none": True, "accumulate": True}]
+
+
+def test_ddps_switches_have_ddps_effect_in_every_mode(jobs):
+    """nanoGPT's ``model.require_backward_grad_sync = last``, ``with model.no_sync():`` and ``model.module``:
+    the gradients after every backward and the weights of stock DDP (to float rounding) in ddp, flat and manual."""
+    for rank, result in enumerate(jobs["test_ddps_switches_have_ddps_effect_in_every_mode"].get()):
+        assert result["failures"] == [], f"rank {rank}: " + "\n".join(result["failures"])
+
+
+def test_ddps_switches_with_one_worker(jobs):
+    results = jobs["test_ddps_switches_with_one_worker"].get()
+    assert results == [{**dict.fromkeys(ACCUMULATION_STYLES, True), "own module kept": True}]
 
 
 def test_prepare_model_before_init_says_to_call_init():

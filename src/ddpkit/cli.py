@@ -14,6 +14,7 @@ import importlib
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,14 @@ from ddpkit.errors import UserError
 from ddpkit.launch.failure import LaunchError, record_for_launcher
 from ddpkit.launch.script import wants_run_help
 from ddpkit.launch.slurm_cli import SLURM_HELP
-from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USER_ERROR, EXIT_WORKER_FAILED
+from ddpkit.names import (
+    DEFAULT_PREEMPT_SIGNALS,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USER_ERROR,
+    EXIT_WORKER_FAILED,
+)
 from ddpkit.version import __version__
 
 if TYPE_CHECKING:
@@ -53,6 +61,21 @@ class Command:
     """What the command does, in one line of the top-level usage."""
 
 
+LAUNCHER_EXIT_STATUSES = (
+    ("0", "every worker finished"),
+    (str(EXIT_WORKER_FAILED), "a worker failed; one report names its rank, exit code and traceback"),
+    (str(EXIT_USER_ERROR), "bad input: one line names the fix, before any worker starts"),
+    (str(EXIT_STORAGE), "a checkpoint could not be written (no space, read-only folder): fix it, then run again"),
+    (
+        str(EXIT_PREEMPTED),
+        "preempted: a signal (SIGTERM, SIGUSR1, SIGUSR2) reached the launcher or a worker, and the workers "
+        "wrote a checkpoint and exited 75; run the same command again to continue (requeue)",
+    ),
+    (str(EXIT_INTERRUPTED), "Ctrl-C: the workers wrote a checkpoint and stopped; the same command continues"),
+    ("128+N", "the launcher received signal N and the workers did not checkpoint (143: SIGTERM); one line says so"),
+)
+"""What the exit status of ``ddpkit train`` and ``ddpkit run`` means (their --help lists it)."""
+
 TRAIN_HELP = CommandHelp(
     usage="ddpkit train [key=value ...] [config.yaml ...]",
     summary="Train a model data-parallel: nproc=N workers on this machine, or one worker of a torchrun, "
@@ -68,6 +91,7 @@ TRAIN_HELP = CommandHelp(
         "ddpkit train nproc=2 resume=auto             # continue the latest run of this model and data",
         "torchrun --nproc-per-node 2 -m ddpkit train",
     ),
+    exit_statuses=LAUNCHER_EXIT_STATUSES,
 )
 
 RUN_HELP = CommandHelp(
@@ -82,6 +106,7 @@ RUN_HELP = CommandHelp(
         ("-m MODULE [ARGS ...]", "or a module, as python -m runs it"),
     ),
     examples=("ddpkit run nproc=2 train.py --lr 0.1", "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"),
+    exit_statuses=LAUNCHER_EXIT_STATUSES,
 )
 
 DOCTOR_HELP = CommandHelp(
@@ -225,13 +250,26 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
+        from ddpkit.launch.output import default_log_dir
+
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
+        # One folder per launch: a resumed run (resume=auto, a requeued job) keeps the earlier launches' output.
+        log_dir = (
+            Path(cfg.output_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
+            if cfg.output_dir
+            else default_log_dir("train")
+        )
+        spec = _launch_spec(
+            cfg,
+            forward_signals=signals,
+            rendezvous_timeout=cfg.timeout,
+            log_dir=str(log_dir),
+            title=shlex.join(["ddpkit", "train", *args]),
+        )
         with _stack_files_in(Path(cfg.output_dir) / "stacks" if cfg.output_dir else None):
-            code = _launch(
-                _launch_spec(cfg, forward_signals=signals, rendezvous_timeout=cfg.timeout), run_worker, cfg, export_dir
-            )
+            code, signal_name = _launch(spec, run_worker, cfg, export_dir)
     except Preempted as stop:  # the one worker, in this process
-        code = int(stop.code)
+        code, signal_name = int(stop.code), ""
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
         newest = _newest_checkpoint(cfg)
@@ -240,7 +278,8 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         return _failed_status(e)
     if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         what = "interrupted" if code == EXIT_INTERRUPTED else "preempted"
-        print(f"ddpkit: {what}: {_how_to_continue(cfg, args, _newest_checkpoint(cfg))}", file=sys.stderr)
+        by = f" by {signal_name}: the workers checkpointed and exited {code};" if signal_name else ":"
+        print(f"ddpkit: {what}{by} {_how_to_continue(cfg, args, _newest_checkpoint(cfg))}", file=sys.stderr)
     return code
 
 
@@ -291,19 +330,36 @@ def run_command(args: Sequence[str]) -> int:
         return 0
     import torch
 
+    from ddpkit.launch.output import default_log_dir
     from ddpkit.launch.script import describe, parse_run_command, run_script, worker_environ
 
     config, target = parse_run_command(args)
     extra = worker_environ(config, torch.cuda.device_count())  # NVML's count: the launcher leaves CUDA uninitialized
+    if not config.log_dir:
+        name = Path(target.path).stem if target.path else target.module
+        config = dataclasses.replace(config, log_dir=str(default_log_dir(name)))
     print(describe(config, target), file=sys.stderr)
     # Always through the launcher, even for nproc=1 without restarts (where
     # `ddpkit train` runs in-process): a script expects what torchrun gives
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and
     # may call sys.exit, os._exit or signal.signal as it likes. The spawn costs
     # about a second; behaviour does not change with nproc.
+    program = [target.path] if target.path else ["-m", target.module]
+    spec = _launch_spec(
+        config,
+        forward_signals=DEFAULT_PREEMPT_SIGNALS,
+        log_dir=config.log_dir,
+        title=shlex.join(program + list(target.args)),
+    )
     with _environ_set(extra):  # the workers take the launcher's environment at launch
-        code = _launch(_launch_spec(config), run_script, target)
-    if code == EXIT_PREEMPTED:
+        code, signal_name = _launch(spec, run_script, target)
+    if code == EXIT_PREEMPTED and signal_name:
+        print(
+            f"ddpkit: preempted by {signal_name}: the workers checkpointed and exited {EXIT_PREEMPTED}; "
+            "run the same command again to continue",
+            file=sys.stderr,
+        )
+    elif code == EXIT_PREEMPTED:
         print(
             f"ddpkit: preempted: a worker exited with status {EXIT_PREEMPTED}; run the same command to continue "
             "(a script with a ddpkit.Checkpointer resumes from its checkpoint)",
@@ -334,7 +390,9 @@ def _environ_set(variables: Mapping[str, str]) -> Iterator[None]:
 
 
 def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
-    """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts), with ``options`` added."""
+    """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts, the ranks shown), with
+    ``options`` added."""
+    from ddpkit.config import shown_ranks
     from ddpkit.launch.local import LaunchSpec
 
     return LaunchSpec(
@@ -344,46 +402,62 @@ def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
         nnodes=config.nnodes,
         node_rank=config.node_rank,
         master_addr=config.master_addr,
+        show_ranks=shown_ranks(config.show_ranks),
         **options,
     )
 
 
-def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> int:
-    """Run ``fn(*args)`` in ``spec.nproc`` local workers; the exit status of the command.
+def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> tuple[int, str]:
+    """Run ``fn(*args)`` in ``spec.nproc`` local workers; the exit status of the command, and the signal that ended it.
 
-    0 when every worker succeeded; EXIT_PREEMPTED when a worker exited with it
-    or the launcher received one of ``spec.forward_signals`` (the workers
-    checkpoint on their way out); EXIT_INTERRUPTED after Ctrl-C; 128 + the
-    number of another signal the launcher received.
+    The status: 0 when every worker succeeded; EXIT_PREEMPTED when a worker
+    exited with it, or when the launcher received a signal, passed it on, and
+    every worker still running exited with it (they checkpointed on their way
+    out); EXIT_INTERRUPTED after Ctrl-C; 128 + the signal's number when the
+    launcher received a signal and the workers did not checkpoint (one line
+    says so). The signal: its name when the launcher received one, else "".
 
     Raises:
         LaunchError: a worker failed (after the allowed restarts).
     """
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from ddpkit.launch.local import launch_local
+    from ddpkit.launch.local import StoppedBySignal, launch_local
 
     try:
         launch_local(spec, fn, *args)
     except LaunchError as e:
         if e.failure.exitcode in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
-            return e.failure.exitcode
+            return e.failure.exitcode, ""
         if spec.max_restarts:
             print(
                 f"error: the job failed after {spec.max_restarts} restart(s) (max_restarts={spec.max_restarts})",
                 file=sys.stderr,
             )
         raise
-    except SignalException as e:  # the launcher itself got the signal and passed it on to the workers
-        name = signal.Signals(e.sigval).name
-        if name in spec.forward_signals:
-            print(f"ddpkit: stopped by {name}: the workers finished their step and wrote a checkpoint", file=sys.stderr)
-            return EXIT_PREEMPTED
-        print(f"error: stopped by {name}", file=sys.stderr)
-        return 128 + int(e.sigval)
-    return 0
+    except StoppedBySignal as e:  # the launcher itself got the signal and passed it on to the workers
+        if e.checkpointed_status is not None:
+            return e.checkpointed_status, e.signal_name
+        print(f"error: stopped by {e.signal_name}{_how_workers_ended(e.exit_codes)}", file=sys.stderr)
+        return 128 + int(signal.Signals[e.signal_name]), e.signal_name
+    return 0, ""
+
+
+def _how_workers_ended(exit_codes: Mapping[int, int | None]) -> str:
+    """'; the workers were killed by it (no checkpoint)' or '; rank 0 exited 1, rank 1 ...', for the line above."""
+    import signal
+
+    if not exit_codes:
+        return " before the workers started"
+    if len({code for code in exit_codes.values()}) == 1 and (code := next(iter(exit_codes.values()))):
+        if code < 0:
+            return f": the workers were killed by {signal.Signals(-code).name} (no checkpoint)"
+        return f": the workers exited with status {code}"
+    ends = [
+        f"rank {rank} {'exited ' + str(code) if code is None or code >= 0 else 'killed by ' + signal.Signals(-code).name}"
+        for rank, code in sorted(exit_codes.items())
+    ]
+    return ": " + ", ".join(ends)
 
 
 def run() -> NoReturn:

@@ -56,6 +56,8 @@ class CommandHelp:
     """(NAME, meaning) of the words that are not key=value."""
     examples: tuple[str, ...] = ()
     """Example command lines."""
+    exit_statuses: tuple[tuple[str, str], ...] = ()
+    """(status, meaning) of the command's exit statuses, for schedulers and scripts."""
 
 
 def wants_help(words: Sequence[str]) -> bool:
@@ -112,13 +114,15 @@ def load_schema(path: str) -> type:
 
 
 def render_help(help: CommandHelp) -> str:
-    """The text of ``--help``: usage, summary, positional words, options by group, examples."""
+    """The text of ``--help``: usage, summary, positional words, options by group, exit statuses, examples."""
     parts = [f"usage: {help.usage}", "", _wrap(help.summary, "")]
     if help.positional:
         parts += ["", "arguments:"] + [_entry(name, meaning) for name, meaning in help.positional]
     if help.schema:
         for title, group in _grouped(options(load_schema(help.schema)), help.groups):
             parts += ["", f"{title}:"] + [_option_entry(option) for option in group]
+    if help.exit_statuses:
+        parts += ["", "exit status:"] + [_entry(status, meaning) for status, meaning in help.exit_statuses]
     if help.examples:
         parts += ["", "examples:"] + [f"  {line}" for line in help.examples]
     return "\n".join(parts)

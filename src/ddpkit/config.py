@@ -223,6 +223,31 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     errors.check_positive(name, value, allow_zero, ConfigError)
 
 
+def shown_ranks(show_ranks: str) -> frozenset[int] | None:
+    """The ranks ``show_ranks`` names: None for ``all``, else the comma-separated ranks (``0``, ``0,2``).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    text = show_ranks.strip().lower()
+    if text == "all":
+        return None
+    words = [word.strip() for word in text.split(",")]
+    if not all(word.isdigit() for word in words):
+        raise ConfigError(
+            f"show_ranks={show_ranks!r} is not valid; use show_ranks=all, one rank (show_ranks=0) "
+            "or a list (show_ranks=0,1)"
+        )
+    return frozenset(int(word) for word in words)
+
+
+def describe_ranks(ranks: frozenset[int] | None) -> str:
+    """'rank 0', 'ranks 0, 2' or 'every rank': what the console shows, for the lines that say so."""
+    if ranks is None:
+        return "every rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+
+
 def check_port(master_port: int) -> None:
     """Raise ConfigError unless ``master_port`` is a TCP port or 0 (a free one)."""
     if not 0 <= master_port <= 65535:
@@ -293,6 +318,9 @@ class CheckpointConfig(CheckpointOptions):
         return CheckpointOptions(**values)
 
 
+SHOW_RANKS_DEFAULT = "0"
+"""The workers whose output ``ddpkit train`` and ``ddpkit run`` show: rank 0 (README, "Your own script")."""
+
 TRAIN_OPTION_GROUPS = (
     (
         "model and data",
@@ -350,7 +378,7 @@ TRAIN_OPTION_GROUPS = (
         ),
     ),
     ("checkpoints", ("checkpoint", "resume")),
-    ("output", ("output_dir", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
+    ("output", ("output_dir", "show_ranks", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
 )
 """The groups of ``ddpkit train --help`` (a field in none is listed under "other options")."""
 
@@ -439,6 +467,10 @@ class TrainConfig:
     """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
     runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
     runs/latest points to; with resume=auto, the newest run of this model and dataset."""
+    show_ranks: str = SHOW_RANKS_DEFAULT
+    """Workers whose output this console shows, each line prefixed [rank r/w]: 0 (rank 0, which speaks for the
+    run), a list (0,1) or all; every rank's whole stdout and stderr are in <output_dir>/logs/<date-time>/
+    rank-N.stdout.log and rank-N.stderr.log either way, a folder per launch (nproc workers here only)."""
     log_every: int = 50
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     logger: str = "jsonl"
@@ -490,6 +522,7 @@ class TrainConfig:
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
         check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
+        shown_ranks(self.show_ranks)
 
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:

@@ -1,22 +1,40 @@
-"""Rank-aware logging: every line says ``[rank r/w]``; rank 0 speaks by default."""
+"""Rank-aware logging: every line says ``[rank r/w]``; rank 0 speaks by default.
+
+Under ``ddpkit run`` and ``ddpkit train nproc=N`` (several workers) the
+launcher prefixes every line a worker writes with the same ``[rank r/w]``
+(:mod:`ddpkit.launch.output`) and says so in :data:`PREFIXED_VARIABLE`; the
+logger then leaves its own out, so that a line carries one prefix.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
 
 _LOGGER_NAME = "ddpkit"
 
+PREFIXED_VARIABLE = "DDPKIT_PREFIXED"
+"""Set to 1 by ddpkit's launcher for workers whose every output line it prefixes with ``[rank r/w]``."""
+TERMINAL_VARIABLE = "DDPKIT_TERMINAL"
+"""Set to 1 by ddpkit's launcher for workers whose stderr it shows on a terminal (their own is a file)."""
+
 
 def rank_prefix(rank: int, world_size: int) -> str:
-    """``[rank r/w]``, the start of every line a worker logs (and of its output under ``ddpkit.launch``)."""
-    return f"[rank {rank}/{world_size}]"
+    """``[rank r/w] ``: how a line of rank r of w starts, on the console and in ddpkit's log messages."""
+    return f"[rank {rank}/{world_size}] "
+
+
+def stderr_is_terminal(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process's stderr ends on a terminal: its own, or the launcher's that shows it."""
+    return sys.stderr.isatty() or environ.get(TERMINAL_VARIABLE) == "1"
 
 
 class _RankFilter(logging.Filter):
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, environ: Mapping[str, str] = os.environ):
         super().__init__()
-        self.prefix = rank_prefix(rank, world_size)
+        self.prefix = "" if environ.get(PREFIXED_VARIABLE) == "1" else rank_prefix(rank, world_size)
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank_prefix = self.prefix
@@ -35,7 +53,7 @@ def setup_logging(rank: int, world_size: int, all_ranks: bool = False) -> loggin
     logger = logging.getLogger(_LOGGER_NAME)
     logger.handlers.clear()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(rank_prefix)s %(message)s"))
+    handler.setFormatter(logging.Formatter("%(rank_prefix)s%(message)s"))
     handler.addFilter(_RankFilter(rank, world_size))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
@@ -63,7 +81,7 @@ def show_messages(rank: int, world_size: int) -> None:
     if logger.handlers:
         return
     handler = _UnlessConfigured(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(rank_prefix)s %(message)s"))
+    handler.setFormatter(logging.Formatter("%(rank_prefix)s%(message)s"))
     handler.addFilter(_RankFilter(rank, world_size))
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:

@@ -14,7 +14,8 @@ EXIT_WORKER_FAILED = 1
 EXIT_USER_ERROR = 2
 """Exit status after a :class:`ddpkit.UserError`: a one-line message names the fix."""
 EXIT_PREEMPTED = 75
-"""Exit status of a worker (and of ``ddpkit train``) after a preemption checkpoint (EX_TEMPFAIL): restart me."""
+"""Exit status of a worker after a preemption checkpoint (EX_TEMPFAIL): restart me; and of ``ddpkit train`` and
+``ddpkit run`` when their workers exited with it (also after a signal to the launcher, which passes it on)."""
 EXIT_INTERRUPTED = 130
 """Exit status after a checkpoint made for Ctrl-C (SIGINT): 128 + 2, what shells report for an interrupted command."""
 EXIT_STORAGE = 74

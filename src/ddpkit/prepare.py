@@ -25,6 +25,15 @@ the last inside ``ddpkit.no_sync(model)``::
             (loss_fn(model(x), y) / len(micro_batches)).backward()
     optimizer.step()
 
+A script written for DDP runs as it is, whichever synchronisation was
+chosen: the module returned answers what scripts ask of DDP's.
+``model.require_backward_grad_sync = False`` (nanoGPT's gradient
+accumulation) makes the next backward only accumulate, ``with
+model.no_sync():`` does the same for a block, and ``model.module`` is the
+plain module (for ``flat``, ``manual`` and one worker, the module itself).
+A module that has its own ``module`` or ``no_sync`` keeps it, with one
+warning (``ddpkit.unwrap_model`` and ``ddpkit.no_sync`` then do the same).
+
 Mixed precision works unchanged (``torch.autocast``, ``GradScaler``: the
 scaled gradients are averaged, then unscaled alike on every rank). Freeze
 parameters (``requires_grad_(False)``) before ``prepare_model``.
@@ -33,15 +42,17 @@ parameters (``requires_grad_(False)``) before ``prepare_model``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit.comm.grad_sync import GradientSync, choose_allreduce, choose_grad_sync, wrap_ddp
+from ddpkit.comm.grad_sync import GradientSync, choose_allreduce, choose_grad_sync, no_sync_of, wrap_ddp
 from ddpkit.distributed import context
 from ddpkit.errors import UserError
+from ddpkit.log import get_logger
 from ddpkit.names import GRAD_SYNC_MODES
 
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, GradientSync] = weakref.WeakKeyDictionary()
@@ -68,7 +79,9 @@ def prepare_model(
 
     Returns:
         The module to train and call: for ddp, torch's ``DistributedDataParallel``
-        around ``model``; for flat and manual, and with one worker, ``model`` itself.
+        around ``model``; for flat and manual, and with one worker, ``model`` itself,
+        given DDP's ``module`` (itself), ``no_sync()`` and ``require_backward_grad_sync``,
+        each with DDP's effect.
 
     Raises:
         RuntimeError: ``ddpkit.init()`` has not been called.
@@ -106,7 +119,33 @@ def prepare_model(
         model = wrap_ddp(model, ctx, algorithm)
         _keys_of_the_plain_module(model)
     _SYNCS[model] = GradientSync(model, ctx, algorithm, mode)
+    if not isinstance(model, DDP):
+        _answer_like_ddp(model)
     return model
+
+
+def _answer_like_ddp(model: nn.Module) -> None:
+    """Give ``model`` (not wrapped: flat, manual, one worker) DDP's ``module`` and ``no_sync()``.
+
+    Scripts written for DDP call them (``raw_model = model.module``, ``with
+    model.no_sync():``); on a plain module they would raise AttributeError. Both
+    are plain instance attributes, so the module keeps its class, its
+    ``state_dict`` and its children: ``module`` is set past ``nn.Module``'s
+    ``__setattr__`` (it is not a child: ``parameters()`` and ``state_dict()``
+    do not see it), and ``no_sync`` is a partial of a module-level function,
+    so ``copy.deepcopy(model)`` and ``torch.save(model)`` still work.
+    ``require_backward_grad_sync`` is set by :class:`GradientSync`, which reads it.
+    """
+    taken = [name for name in ("module", "no_sync") if hasattr(model, name)]
+    for name in taken:
+        get_logger().warning(
+            f"{type(model).__name__} has its own {name!r}: model.{name} is yours, not DDP's; "
+            f"use ddpkit.{'unwrap_model(model)' if name == 'module' else 'no_sync(model)'} for DDP's"
+        )
+    if "module" not in taken:
+        object.__setattr__(model, "module", model)
+    if "no_sync" not in taken:
+        object.__setattr__(model, "no_sync", functools.partial(no_sync_of, model))
 
 
 def _keys_of_the_plain_module(ddp: DDP) -> None:

@@ -383,7 +383,7 @@ def test_a_two_node_run_listens_on_the_chosen_interface_or_loopback_only(netns_h
     (tmp_path / "script.py").write_text(WATCHED_SCRIPT)
     port = free_port()
     argvs = [
-        [sys.executable, "-m", "ddpkit", "run", "nproc=2", "nnodes=2", f"node_rank={node_rank}"]
+        [sys.executable, "-m", "ddpkit", "run", "nproc=2", "nnodes=2", f"node_rank={node_rank}", "show_ranks=all"]
         + [f"master_addr={netns_hosts.a.address}", f"master_port={port}", "script.py"]
         for node_rank in (0, 1)
     ]

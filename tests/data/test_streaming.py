@@ -234,6 +234,7 @@ def launched(tmp_path_factory):
             out = commands.run(
                 "run",
                 nproc,
+                "show_ranks=all",  # what every rank says is read
                 str(OWN_DATA_SCRIPT),
                 "--data",
                 data,

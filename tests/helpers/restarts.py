@@ -54,7 +54,8 @@ def command(launcher: str, job_name: str = "ddpkit-restarts") -> list[str]:
     if launcher == "torchrun-static":
         return [*torchrun, "--master-port", str(free_port("127.0.0.1")), str(SCRIPT)]
     if launcher == "ddpkit-run":
-        return [sys.executable, "-m", "ddpkit", "run", "nproc=2", "max_restarts=1", str(SCRIPT)]
+        # show_ranks=all: the tests read what rank 1 prints, as torchrun shows every rank.
+        return [sys.executable, "-m", "ddpkit", "run", "nproc=2", "max_restarts=1", "show_ranks=all", str(SCRIPT)]
     if launcher == "srun-torchrun":
         # As the script of `ddpkit slurm launch=torchrun` has it (ddpkit.launch.sbatch), for one node: the
         # rendezvous endpoint is the node's host name, the job's id the rendezvous id.

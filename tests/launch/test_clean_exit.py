@@ -33,6 +33,7 @@ def test_a_restarted_run_ends_without_traceback_or_leftover_processes(tmp_path):
         "run",
         "nproc=2",
         "max_restarts=1",
+        "show_ranks=all",
         str(SCRIPTS / "stuck_loader_worker.py"),
         str(pids),
         cwd=tmp_path,

@@ -149,7 +149,7 @@ def test_the_output_reader_prints_whole_lines_prefixed_by_rank(tmp_path):
         "[rank 1/2] 100%",  # a progress bar's last state, as a terminal shows it
         "[rank 1/2] no newline at the end",
     ]
-    assert _prefixed("[rank 0/1]", "x\r") == "[rank 0/1] x\n"
+    assert _prefixed("[rank 0/1] ", "x\r") == "[rank 0/1] x\n"
 
 
 # -- launches forked from this process -----------------------------------------------------------------

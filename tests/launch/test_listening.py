@@ -122,7 +122,7 @@ def test_ddpkit_train_listens_on_loopback_only_and_keeps_its_files_private(tmp_p
 
 def test_ddpkit_run_restart_of_a_plain_torch_script_listens_on_loopback_only(tmp_path):
     (tmp_path / "script.py").write_text(RESTARTED_SCRIPT)
-    out, listening, _ = watch(["run", "nproc=2", "max_restarts=1", "script.py"], tmp_path)
+    out, listening, _ = watch(["run", "nproc=2", "max_restarts=1", "show_ranks=all", "script.py"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "rank 0 restart 1 sum 4" in out.stdout and "rank 1 restart 1 sum 4" in out.stdout, out.stdout
     assert "Traceback" not in out.stdout + out.stderr, out.stderr

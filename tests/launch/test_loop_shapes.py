@@ -72,7 +72,8 @@ def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[
 
 
 def _launcher_and_worker_lines(result, capsys) -> str:
-    """The workers' stderr (captured by Commands) and the launcher's own lines (captured by pytest)."""
+    """The launcher's stderr: captured by Commands, and by pytest once the test runs (capsys replaces sys.stderr
+    after the fixtures started); the workers' lines reach it through the launcher (ddpkit.launch.output)."""
     return result.stderr + capsys.readouterr().err
 
 
@@ -118,7 +119,7 @@ def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, co
     term = {"KILLS": f"0:step:{TERM_STEP}", "SIGNAL": "SIGTERM"}
     first = _run(commands, tmp_path / "preempted", shape, env=term)
     assert first.returncode == 75, first.stdout + first.stderr
-    assert "run the same command again to continue" in first.stderr
+    assert "run the same command again to continue" in _launcher_and_worker_lines(first, capsys)
     again = _run(commands, tmp_path / "preempted", shape, env=term)
     assert again.returncode == 0, again.stdout + again.stderr
     _assert_same(_final(tmp_path / "preempted"), expected)

@@ -88,6 +88,7 @@ def test_resume_at_another_world_size_and_num_workers_trains_every_sample_once_w
             out = commands.run(
                 "run",
                 nproc,
+                "show_ranks=all",  # the start lines of every rank are read
                 str(SCRIPT),
                 "--out",
                 str(tmp_path / "ckpt"),

@@ -38,6 +38,7 @@ def _run(
 ):
     return commands.run(
         "run",
+        "show_ranks=all",  # the start lines of every rank are read
         *options,
         str(SCRIPT),
         "--out",

@@ -83,7 +83,7 @@ def test_dataloader_workers_of_a_killed_round_leave_no_traceback_after_a_quick_r
     # after that in every run. Output is read to its end: a process still holding the pipe is waited for.
     (tmp_path / "script.py").write_text(ORPHANS_SCRIPT)
     out = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "run", "nproc=2", "max_restarts=1", "script.py"],
+        [sys.executable, "-m", "ddpkit", "run", "nproc=2", "max_restarts=1", "show_ranks=all", "script.py"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": PYTHONPATH},
         capture_output=True,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 import ddpkit.launch.local
 from ddpkit.cli import main
 from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
+from ddpkit.names import EXIT_PREEMPTED
 from tests.cli_runner import PYTHONPATH
 from tests.helpers.launch_in_process import Commands
 
@@ -92,24 +95,31 @@ def launched(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     all of them; the command's own process is what the console-script tests below start.
     """
     folder = tmp_path_factory.mktemp("run")
+    # show_ranks=all where a test reads what every rank prints (by default the console shows rank 0).
     launches = {
-        "all_reduce": ["nproc=2", str(SCRIPTS / "all_reduce.py"), "--lr", "0.1"],
+        "all_reduce": ["nproc=2", "show_ranks=all", str(SCRIPTS / "all_reduce.py"), "--lr", "0.1"],
         "raise": ["nproc=2", str(SCRIPTS / "fails.py"), "raise"],
         # nproc=1 also goes through the launcher (a spawned worker with RANK set), as nproc=2 does.
         "exit 3": [str(SCRIPTS / "fails.py"), "exit", "3"],
         "exit 75": [str(SCRIPTS / "fails.py"), "exit", "75"],
-        "restarts": ["nproc=2", "max_restarts=1", str(SCRIPTS / "restarts.py")],
-        "os._exit": ["nproc=2", str(SCRIPTS / "os_exit.py")],
+        "restarts": ["nproc=2", "max_restarts=1", "show_ranks=all", str(SCRIPTS / "restarts.py")],
+        "os._exit": ["nproc=2", "show_ranks=all", str(SCRIPTS / "os_exit.py")],
+        "output": ["nproc=2", f"log_dir={folder / 'logs'}", str(SCRIPTS / "output.py")],
+        "output all": ["nproc=3", "show_ranks=all", f"log_dir={folder / 'logs-all'}", str(SCRIPTS / "output.py")],
+        "hidden fails": ["nproc=2", f"log_dir={folder / 'logs-fails'}", str(SCRIPTS / "output.py"), "1"],
     }
     with Commands() as commands:
         return {name: commands.run("run", *words, cwd=folder) for name, words in launches.items()}
 
 
 def test_plain_torch_distributed_script_gets_torchruns_environment_and_its_arguments(launched):
-    # Workers share stdout: one rank's line may run into the other's, hence the patterns.
     out = launched["all_reduce"]
     assert out.returncode == 0, out.stderr  # the script ends with `raise SystemExit`: success, as for python
-    lines = re.findall(r"rank (\d)/2 sum=(\d+) argv=(\[.*?\]) name=(\S+) path0=(\S+) env=([A-Z_,]+)", out.stdout)
+    lines = re.findall(
+        r"^\[rank \d/2\] rank (\d)/2 sum=(\d+) argv=(\[.*?\]) name=(\S+) path0=(\S+) env=([A-Z_,]+)$",
+        out.stdout,
+        re.MULTILINE,
+    )
     assert sorted(rank for rank, *_ in lines) == ["0", "1"], out.stdout + out.stderr
     for _, total, argv, name, path0, env in lines:
         assert total == "3" and argv == "['--lr', '0.1']" and name == "__main__"
@@ -118,7 +128,7 @@ def test_plain_torch_distributed_script_gets_torchruns_environment_and_its_argum
 
 
 def test_module_from_the_current_folder_with_ddpkit_init_through_the_console_script():
-    out = run_console_script("run", "nproc=2", "-m", "with_ddpkit", "--x", "1", cwd=SCRIPTS)
+    out = run_console_script("run", "nproc=2", "show_ranks=all", "-m", "with_ddpkit", "--x", "1", cwd=SCRIPTS)
     assert out.returncode == 0, out.stderr
     for rank in (0, 1):
         assert f"ddpkit rank {rank}/2 sum=1 argv=['--x', '1']" in out.stdout, out.stdout + out.stderr
@@ -160,6 +170,55 @@ def test_workers_ending_with_os_exit_0_finish_the_launch(launched):
     out = launched["os._exit"]
     assert out.returncode == 0, out.stderr
     assert sorted(re.findall(r"rank (\d) ends with os._exit", out.stdout)) == ["0", "1"], out.stdout
+
+
+def test_the_console_shows_rank_0_as_it_printed_and_every_rank_has_its_files(launched, tmp_path_factory):
+    out = launched["output"]
+    assert out.returncode == 0, out.stderr
+    logs = Path(out.stderr.splitlines()[1].rpartition(" is in ")[2])
+    assert out.stderr.splitlines()[1] == (
+        "ddpkit: the console shows rank 0's output (show_ranks=all: every rank's), each rank's whole output is in "
+        + str(logs)
+    ), out.stderr
+    # Rank 0's lines as it wrote them (no prefix: one rank shown), its progress bar as a terminal ends it.
+    title = f"ddpkit rank 0/2: {SCRIPTS / 'output.py'} | name: r0:output.py"
+    assert out.stdout.splitlines() == [
+        "hello from rank 0",
+        f"title of rank 0: {title}",
+        "rank 0 ends without a newline",
+    ], out.stdout
+    assert "a warning from rank 0\nrank 0 progress 100%\n" in out.stderr and "rank 1" not in out.stdout
+    # Rank 1 wrote to stderr: one line says so, and where; its files hold all it wrote.
+    assert (
+        f"ddpkit: rank 1 also wrote to stderr, not shown here (the console shows rank 0; show_ranks=all shows "
+        f"every rank): {logs / 'rank-1.stderr.log'}" in out.stderr
+    ), out.stderr
+    assert (logs / "rank-1.stdout.log").read_text().startswith("hello from rank 1\ntitle of rank 1: ddpkit rank 1/2: ")
+    assert (logs / "rank-1.stderr.log").read_bytes().startswith(b"a warning from rank 1\n\rrank 1 progress 0%\r")
+
+
+def test_show_ranks_all_prefixes_every_line_with_its_rank(launched):
+    out = launched["output all"]
+    assert out.returncode == 0, out.stderr
+    for rank in range(3):
+        assert f"[rank {rank}/3] hello from rank {rank}\n" in out.stdout, out.stdout
+        assert f"[rank {rank}/3] title of rank {rank}: ddpkit rank {rank}/3: " in out.stdout, out.stdout
+        assert f"[rank {rank}/3] rank {rank} ends without a newline\n" in out.stdout, out.stdout
+        assert f"[rank {rank}/3] rank {rank} progress 100%\n" in out.stderr, out.stderr
+    assert "progress 50%" not in out.stderr  # not a terminal: a redrawn line shows as it ended
+    assert all(line.startswith("[rank ") for line in out.stdout.splitlines()), out.stdout
+
+
+def test_a_hidden_rank_that_fails_is_reported_with_its_last_lines_and_its_files(launched):
+    out = launched["hidden fails"]
+    assert out.returncode == 1, out.stderr
+    report = out.stderr[out.stderr.index("error: ") :]
+    logs = Path(out.stderr.splitlines()[1].rpartition(" is in ")[2])
+    assert report == (
+        "error: worker rank 1 failed (exit code 3): exited without an error message\n"
+        "the last lines of its stderr:\na warning from rank 1\nrank 1 progress 100%\nrank 1 stops here\n"
+        f"ddpkit: rank 1's whole output: {logs / 'rank-1.stdout.log'}, {logs / 'rank-1.stderr.log'}\n"
+    ), out.stderr
 
 
 def test_missing_script_through_the_console_script_is_one_line(tmp_path):
@@ -236,8 +295,36 @@ def test_device_cpu_hides_the_gpus_from_the_workers_only(tmp_path, monkeypatch):
 
     def launch(spec, fn, *args):
         seen["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return 0
+        return 0, ""
 
     monkeypatch.setattr(cli, "_launch", launch)
     assert main(["run", "device=cpu", "a.py"]) == 0
     assert seen == {"CUDA_VISIBLE_DEVICES": ""} and "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_sigterm_to_the_launcher_of_a_checkpointing_script_exits_75_and_the_same_command_continues(tmp_path):
+    """A scheduler's SIGTERM to ``ddpkit run``: the workers checkpoint and exit 75, and so does the launcher,
+    with one line that says so; the same command again resumes and finishes."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPTS / "preemptible.py"), str(out)]
+    environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (out / "ready").exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    stdout, stderr = stdout.decode(), stderr.decode()
+    assert launcher.returncode == EXIT_PREEMPTED, stdout + stderr
+    assert stderr.splitlines()[-1] == (
+        "ddpkit: preempted by SIGTERM: the workers checkpointed and exited 75; run the same command again to continue"
+    ), stderr
+    assert "error:" not in stderr, stderr
+
+    again = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=TIMEOUT)
+    assert again.returncode == 0, again.stderr
+    assert "resumed=True" in again.stdout and "done" in again.stdout, again.stdout + again.stderr

@@ -122,7 +122,8 @@ def test_sigterm_to_the_launcher_stops_with_75_and_resume_auto_continues(jobs):
     # Rank 1 sends SIGTERM to the launcher during step 6; torch's agent passes it to the workers.
     folder, out, saved, again = jobs["launcher"]
     assert out.returncode == EXIT_PREEMPTED, out.stderr
-    assert "stopped by SIGTERM" in out.stderr and "resume=auto" in out.stderr, out.stderr
+    assert "ddpkit: preempted by SIGTERM: the workers checkpointed and exited 75;" in out.stderr, out.stderr
+    assert "resume=auto" in out.stderr, out.stderr
     preempted = [m for m in saved if m["reason"] == "preempted"]
     assert len(preempted) == 1 and 6 <= preempted[0]["global_step"] < 32, out.stderr
     step = preempted[0]["global_step"]

@@ -49,7 +49,13 @@ gradient for it (zero where no rank used it), so the ranks step alike. (DDP
 with its defaults raises on such a parameter instead.)
 
 Gradient accumulation: backwards run inside ``no_sync()`` only accumulate;
-the first backward outside it averages everything accumulated. Limits, as
+the first backward outside it averages everything accumulated. As with DDP,
+the switch is the module's ``require_backward_grad_sync`` (:data:`SYNC_FLAG`,
+DDP's own attribute, which its ``no_sync()`` turns off for the block and
+nanoGPT sets per micro-batch): ``flat`` and ``manual`` keep it on the module
+they synchronise and read it once per backward, when its first gradient
+arrives (DDP reads it in the forward; a loop that sets it between a forward
+and its backward is the only one that tells the two apart). Limits, as
 with DDP: every rank runs the same number of backwards; parameters frozen
 (``requires_grad=False``) before construction are left out for good; double
 backward (``create_graph=True``) and reentrant activation checkpointing
@@ -72,6 +78,10 @@ from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.distributed import Context, control_device
 from ddpkit.env import shared_memory
 from ddpkit.log import get_logger
+
+SYNC_FLAG = "require_backward_grad_sync"
+"""DDP's attribute that turns the synchronisation of the next backward off (False) and on (True); honoured in
+every mode: on the DDP module for ddp, on the module itself for flat, manual and a single worker."""
 
 AllReduce = Callable[..., None]
 """``fn(tensor, op=ReduceOp.SUM, group=None)``, reducing ``tensor`` in place."""
@@ -177,7 +187,6 @@ class GradientSync:
         self.nbytes = gradient_bytes(model)  # of the gradients averaged per step
         self.flat: FlatGradients | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._accumulating = False
         self._graph_task = -1  # the backward whose end is already taken care of
         # The module to train, held weakly: prepare_model's registry is keyed by it. What
         # this object wraps itself it also holds (for callers that take it from `.model`).
@@ -185,6 +194,8 @@ class GradientSync:
         if self.mode == "ddp" and not isinstance(model, DDP):
             model = self._wrapper = wrap_ddp(model, ctx, allreduce, all_reduce_fn)
         self._model = weakref.ref(model)
+        if not isinstance(model, DDP) and not hasattr(model, SYNC_FLAG):
+            setattr(model, SYNC_FLAG, True)  # DDP's attribute and default, read by _on_gradient
         if self.mode not in ("flat", "manual"):
             return
         from ddpkit.comm.hooks import broadcast_parameters
@@ -206,18 +217,10 @@ class GradientSync:
         assert model is not None, "the module this GradientSync synchronises no longer exists"
         return model
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backwards inside only accumulate gradients; the next backward outside averages them."""
-        if self.mode == "ddp":
-            with self.model.no_sync():
-                yield
-            return
-        accumulating, self._accumulating = self._accumulating, True
-        try:
-            yield
-        finally:
-            self._accumulating = accumulating
+        model = self.model
+        return model.no_sync() if isinstance(model, DDP) else no_sync_of(model)
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -234,7 +237,7 @@ class GradientSync:
         """After a gradient is accumulated: in the first of a backward, have its end synchronise (unless accumulating)."""
         if _graph_task_id() != self._graph_task:
             self._graph_task = _graph_task_id()
-            if not self._accumulating:
+            if getattr(self._model(), SYNC_FLAG, True):  # DDP's switch (no_sync() sets it False)
                 _queue_callback(self._average_flat if self.flat is not None else self._average_each)
 
     def _average_flat(self) -> None:
@@ -249,6 +252,17 @@ class GradientSync:
                 param.grad = torch.zeros_like(param)
             self._all_reduce(param.grad, op=ReduceOp.SUM)
             divide(param.grad, world_size)
+
+
+@contextlib.contextmanager
+def no_sync_of(model: nn.Module) -> Iterator[None]:
+    """DDP's ``no_sync()`` for a module that is not DDP: :data:`SYNC_FLAG` off for the block, then as it was."""
+    previous = getattr(model, SYNC_FLAG, True)
+    setattr(model, SYNC_FLAG, False)
+    try:
+        yield
+    finally:
+        setattr(model, SYNC_FLAG, previous)
 
 
 def _resolve(name: str) -> AllReduce:

@@ -50,11 +50,14 @@ class WorkerFailure:
     """The one-line error message."""
     traceback: str
     """The traceback, empty for errors in the user's input or signals."""
+    output: str = ""
+    """Where the rank's whole stdout and stderr are (its log files), empty where they are not in files."""
 
     def report(self) -> str:
-        """The text shown to the user: one line, plus the traceback when it helps."""
+        """The text shown to the user: one line, plus the traceback when it helps, and where its output is."""
         line = f"error: worker rank {self.rank} failed (exit code {self.exitcode}): {self.message}"
-        return line + ("\n" + self.traceback.rstrip() if self.traceback else "")
+        line += "\n" + self.traceback.rstrip() if self.traceback else ""
+        return line + (f"\nddpkit: rank {self.rank}'s whole output: {self.output}" if self.output else "")
 
 
 class LaunchError(RuntimeError):

@@ -399,4 +399,4 @@ class _RankOutput:
 def _prefixed(prefix: str, line: str) -> str:
     """``line`` as a terminal would leave it (after its last carriage return: progress bars), after ``prefix``."""
     line = line.rstrip("\r").rsplit("\r", 1)[-1]
-    return f"{line}\n" if line.startswith(prefix) else f"{prefix} {line}\n"
+    return f"{line}\n" if line.startswith(prefix) else f"{prefix}{line}\n"

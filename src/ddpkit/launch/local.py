@@ -22,10 +22,18 @@ the command lacks:
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below);
 - a worker that ends with ``os._exit(0)``, returning nothing, counts as
-  finished (torch's agent would wait for its return value forever).
+  finished (torch's agent would wait for its return value forever);
+- each worker's stdout and stderr in files of its own, the chosen ranks'
+  lines on the console prefixed ``[rank r/w]`` (:mod:`ddpkit.launch.output`),
+  and a process title that names the rank and the program
+  (:mod:`ddpkit.launch.proctitle`);
+- a signal to the launcher (SIGTERM from a scheduler) is passed on to the
+  workers as torchrun does, and :class:`StoppedBySignal` then says how each
+  worker ended, so that the command's exit status can say whether they
+  checkpointed (all exited 75) or died.
 
 Pipeline: LaunchSpec -> LaunchConfig (torch) -> elastic_launch -> results
-by rank, or LaunchError carrying the root cause.
+by rank, or LaunchError carrying the root cause, or StoppedBySignal.
 
 ``LaunchSpec(start_method="fork")`` forks the workers from this process
 instead, as it is, so that ``fn`` need not be importable (a function
@@ -64,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import io
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -77,7 +86,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
 # server (below) before this process imports torch itself.
@@ -91,7 +100,11 @@ from ddpkit.launch.failure import (
     root_cause,
     run_reporting_failure,
 )
-from ddpkit.names import EXIT_INTERRUPTED
+from ddpkit.launch.proctitle import set_process_title
+from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from ddpkit.launch.output import ConsoleTee
 
 LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
@@ -165,6 +178,38 @@ class LaunchSpec:
     start_method: str = "forkserver"
     """How workers start: "forkserver", forked from ddpkit's warm worker server (``fn`` and its arguments are
     pickled, so ``fn`` must be importable), or "fork", forked from this process as it is (nothing is pickled)."""
+    log_dir: str = ""
+    """Folder of each worker's stdout and stderr files (ddpkit.launch.output); empty: the workers write to this
+    process's stdout and stderr, as they are."""
+    show_ranks: frozenset[int] | None = None
+    """With log_dir: the global ranks whose lines this process's stdout and stderr show; None: all."""
+    title: str = ""
+    """The program, as worker process titles name it after "ddpkit rank r/w: " (e.g. "train.py --lr 0.1")."""
+
+
+class StoppedBySignal(RuntimeError):
+    """The launcher received ``signal_name``, passed it on to the workers and waited for them (torch's agent).
+
+    ``exit_codes`` says how each worker ended, by global rank (negative: killed by that signal; empty when the
+    signal came while no worker ran).
+    """
+
+    def __init__(self, signal_name: str, exit_codes: Mapping[int, int | None]):
+        self.signal_name = signal_name
+        self.exit_codes = dict(exit_codes)
+        super().__init__(f"stopped by {signal_name}; the workers' exit codes: {self.exit_codes}")
+
+    @property
+    def checkpointed_status(self) -> int | None:
+        """EXIT_PREEMPTED (or EXIT_INTERRUPTED) when every worker that had not finished exited with it, else None.
+
+        Workers exit so only after their preemption checkpoint is complete (ddpkit.Checkpointer), so this
+        status means "the work is saved: run the same command again".
+        """
+        ended = {code for code in self.exit_codes.values() if code != 0}
+        if len(ended) == 1 and (code := ended.pop()) in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            return code
+        return None
 
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
@@ -343,6 +388,37 @@ def _host_outlives_the_exit_barrier() -> None:
     LocalElasticAgent._exit_barrier = exit_barrier
 
 
+def _exit_codes_at_shutdown() -> None:
+    """Make torch's agent note how its workers ended when a signal stopped it, for :class:`StoppedBySignal`.
+
+    On a signal the agent passes it on to the workers, waits for them (then
+    kills those left) and re-raises its ``SignalException``, which carries
+    only the signal. Its ``_shutdown`` runs inside that ``except`` block, so
+    the wrapper below finds the exception there and attaches the workers'
+    exit codes by global rank (read by :func:`launch_local` only). Installed
+    once, in the launcher's process only.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if getattr(LocalElasticAgent._shutdown, "ddpkit_notes_exit_codes", False):
+        return
+    torch_shutdown = LocalElasticAgent._shutdown
+
+    def shutdown(self: LocalElasticAgent, *args: Any, **kwargs: Any) -> None:
+        torch_shutdown(self, *args, **kwargs)
+        handled = sys.exc_info()[1]
+        processes = getattr(getattr(self._pcontext, "_pc", None), "processes", None)  # forkserver workers
+        if isinstance(handled, SignalException) and processes is not None:
+            ranks = {worker.local_rank: worker.global_rank for worker in self._worker_group.workers}
+            handled.ddpkit_exit_codes = {  # type: ignore[attr-defined]
+                ranks.get(local_rank, local_rank): process.exitcode for local_rank, process in enumerate(processes)
+            }
+
+    shutdown.ddpkit_notes_exit_codes = True
+    LocalElasticAgent._shutdown = shutdown
+
+
 def _first_failure(failures: Mapping[int, Any]) -> str:
     """'rank 1 was killed by SIGKILL' for the earliest of a round's failures (the root cause)."""
     if not failures:
@@ -364,7 +440,7 @@ def _environ_restored() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any) -> Any:
     """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
 
     The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
@@ -380,6 +456,11 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     script.py`` or torchrun. ``fn`` runs with one failure report
     (:func:`run_reporting_failure`); a KeyboardInterrupt ends the worker with
     status 130 and no traceback.
+
+    With a ``title`` (the program), the process is titled ``ddpkit rank r/w:
+    TITLE``. A stdout that is not a terminal (the agent redirected it into
+    its file) is made line-buffered, as on a terminal: Python would hold
+    prints back until 8 KiB.
     """
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
@@ -392,6 +473,11 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
     os.environ.clear()
     os.environ.update(launcher_environ)
     os.environ.update(worker_variables)
+    if title:
+        rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+        set_process_title(f"ddpkit rank {rank}/{world_size}: {title}", f"r{rank}:{_program_name(title)}")
+    if isinstance(sys.stdout, io.TextIOWrapper) and not sys.stdout.isatty():  # (a notebook's stream is neither)
+        sys.stdout.reconfigure(line_buffering=True)
     folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
     try:
         if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
@@ -402,6 +488,16 @@ def _worker_main(launcher_environ: Mapping[str, str], fn: Callable[..., Any], *a
         sys.exit(EXIT_INTERRUPTED)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
     return result
+
+
+def _program_name(title: str) -> str:
+    """The program a title names, short: ``train.py`` (a script), ``pkg.train`` (``-m pkg.train``), ``ddpkit-train``."""
+    words = title.split()
+    if script := next((word for word in words if word.endswith(".py")), ""):
+        return os.path.basename(script)
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    return "-".join(words[:2])
 
 
 class _CtrlC:
@@ -561,6 +657,49 @@ def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     )
 
 
+@contextlib.contextmanager
+def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterator[ConsoleTee | None]:
+    """With ``spec.log_dir``: the workers' output into their files, the shown ranks' copied to the console.
+
+    Yields the tee (None without a log_dir). When the block ends, the console has shown everything the
+    workers wrote, and one line names the ranks not shown that wrote to stderr.
+    """
+    if not spec.log_dir:
+        yield None
+        return
+    from ddpkit.launch.output import ConsoleTee, RankLogs, hidden_stderr_note, where
+
+    error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
+    os.makedirs(error_dir)
+    os.makedirs(spec.log_dir, exist_ok=True)
+    tee = ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
+    config.logs_specs = RankLogs(spec.log_dir, error_dir, tee)
+    print(f"ddpkit: {where(spec.log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
+    tee.start()
+    try:
+        yield tee
+    finally:
+        tee.stop()
+        if note := hidden_stderr_note(tee):
+            print(note, file=sys.stderr, flush=True)
+
+
+def _with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
+    """``failure`` naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
+    from ddpkit.launch.output import last_lines
+
+    files = tee.files_of(failure.rank)
+    if files is None:  # not a rank of this node
+        return failure
+    stdout, stderr = files
+    message, traceback = failure.message, failure.traceback
+    if not tee.is_shown(failure.rank):  # its output is in its files, not above
+        message = message.replace(" (see its output above)", "")
+        if not traceback and (tail := last_lines(stderr)):
+            traceback = f"the last lines of its stderr:\n{tail}"
+    return dataclasses.replace(failure, message=message, traceback=traceback, output=f"{stdout}, {stderr}")
+
+
 def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``spec.nproc`` workers here (of ``spec.nnodes`` nodes); return their results by rank.
 
@@ -572,7 +711,10 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     Raises:
         ValueError: nproc < 1 or the port is taken.
         LaunchError: a worker failed (after the allowed restarts).
+        StoppedBySignal: the launcher received a signal it passes on (SIGTERM, SIGHUP, SIGQUIT,
+            ``spec.forward_signals``); the workers were stopped with it.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -589,7 +731,11 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _finish_workers_that_exit_without_returning()
     _announce_restarts()
     _host_outlives_the_exit_barrier()
-    with tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir:
+    _exit_codes_at_shutdown()
+    with (
+        tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir,
+        _output_to_files(spec, config, failure_dir) as tee,
+    ):
         try:
             with (
                 contextlib.nullcontext() if forked else worker_server(),
@@ -601,12 +747,17 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
             ):
                 run = elastic_launch(config, _worker_main)
                 if forked:
-                    return _in_a_thread_of_its_own(run, dict(os.environ), fn, *args)
-                return run(dict(os.environ), fn, *args)
+                    return _in_a_thread_of_its_own(run, dict(os.environ), spec.title, fn, *args)
+                return run(dict(os.environ), spec.title, fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:
                 # Whatever a worker died of after Ctrl-C (e.g. the interrupt hit it while it was still
                 # starting), the user asked the job to stop: report that, not a failure.
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
+            elif tee is not None:
+                failure = _with_its_output(failure, tee)
             raise LaunchError(failure) from None
+        except SignalException as e:
+            name = signal.Signals(e.sigval).name
+            raise StoppedBySignal(name, getattr(e, "ddpkit_exit_codes", {})) from None

@@ -46,7 +46,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpkit.config import ConfigError, check_choice, check_nodes, check_positive, parse
+from ddpkit.config import SHOW_RANKS_DEFAULT, ConfigError, check_choice, check_nodes, check_positive, parse, shown_ranks
 
 USAGE = (
     "usage: ddpkit run [nproc=N] [device=auto|cpu] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
@@ -72,12 +72,19 @@ class RunConfig:
     """With nnodes > 1: host name or address of node 0, the same on every node."""
     device: str = "auto"
     """auto: ddpkit.init() gives each worker a GPU of its own where CUDA is available (nproc at most the GPUs); cpu: the workers see no GPU (CUDA_VISIBLE_DEVICES empty)."""
+    show_ranks: str = SHOW_RANKS_DEFAULT
+    """Workers whose output this console shows, each line prefixed [rank r/w]: 0, a list (0,1) or all (as
+    torchrun's --local-ranks-filter, by global rank); every rank's whole output is in log_dir either way."""
+    log_dir: str = ""
+    """Folder of each rank's whole stdout and stderr (rank-N.stdout.log, rank-N.stderr.log; a restart k's in
+    restart-k/); empty: a new folder under <tmp>/ddpkit-logs-<uid>/, named on the first line."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("auto", "cpu"))
         check_positive("nproc", self.nproc)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
+        shown_ranks(self.show_ranks)
 
 
 @dataclass(frozen=True)
@@ -199,5 +206,8 @@ def worker_environ(config: RunConfig, num_gpus: int) -> dict[str, str]:
 def describe(config: RunConfig, target: ScriptTarget) -> str:
     """One line for the start of a run: the program and the options."""
     program = target.path or f"-m {target.module}"
-    options = " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
+    said_after = ("show_ranks", "log_dir")  # the launcher's line says what the console shows, and where the rest is
+    options = " ".join(
+        f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config) if f.name not in said_after
+    )
     return f"ddpkit run: {program} on {config.nproc} worker(s) ({options})"

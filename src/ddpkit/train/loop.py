@@ -31,7 +31,7 @@ from ddpkit.checkpoint.manager import Checkpointer
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader
 from ddpkit.distributed import Context
-from ddpkit.log import get_logger
+from ddpkit.log import get_logger, stderr_is_terminal
 from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
 from ddpkit.reduce import reduce_sums
 from ddpkit.train.metrics_file import MetricsWriter
@@ -188,7 +188,7 @@ class Trainer:
         return now, 0, torch.zeros((), device=self.ctx.device)
 
     def _progress_bar(self):
-        if not (self.ctx.is_main_process and self.cfg.progress and sys.stderr.isatty()):
+        if not (self.ctx.is_main_process and self.cfg.progress and stderr_is_terminal()):
             return None
         return tqdm(
             total=self.loader.steps_per_epoch,

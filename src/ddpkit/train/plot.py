@@ -39,7 +39,7 @@ PANELS = {
 TEST_METRICS = ("accuracy", "mse", "loss")
 """The test metric of the ``test`` panel: the first of these the runs' eval lines hold."""
 
-NOT_COMPARED = ("output_dir", "checkpoint.dir", "progress", "master_port", "resume", "logger", "nproc")
+NOT_COMPARED = ("output_dir", "checkpoint.dir", "progress", "master_port", "resume", "logger", "nproc", "show_ranks")
 """Config keys left out of the legend: they name where or how a run was written, not what it computed
 (``nproc`` is replaced by the summary's ``world_size``, which is also right under torchrun, srun and mpirun)."""
 
