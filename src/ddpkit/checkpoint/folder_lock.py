@@ -52,6 +52,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ddpkit.errors import UserError
+from ddpkit.names import EXIT_USER_ERROR
 
 LOCK_FILE = ".ddpkit.lock"
 """The lock file inside a locked folder."""
@@ -61,6 +62,9 @@ HOLDER_FILE = ".ddpkit.lock.json"
 
 class FolderInUseError(UserError):
     """Another live run holds the folder; the message names it (host, pid, since when) and the fix."""
+
+    exit_status = EXIT_USER_ERROR
+    """The exit status of a worker refused its folder, and of the command (a launcher passes it on)."""
 
 
 _HELD: dict[str, tuple[FileLock, int]] = {}

@@ -43,8 +43,11 @@ from ddpkit import (
     Checkpointer,
     Context,
     DataLoader,
+    FolderInUseError,
+    FolderLock,
     ResumePoint,
     Tracker,
+    UserError,
     apply_transfer,
     export_checkpoint,
     prepare_model,
@@ -235,8 +238,10 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
     # (a worker forked from the worker server has it already).
     import_paused("torch._dynamo")
     ctx = ddpkit.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
+    locks: list[FolderLock] = []
     try:
         cfg = _with_run_folder(cfg, ctx)
+        locks = _lock_run_folder(cfg, ctx)  # before anything is written there
         log = setup_logging(ctx.rank, ctx.world_size)
         log.info(
             f"{ctx.env.source}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
@@ -269,7 +274,42 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
             exit_process(getattr(error, "exit_status", 1), leave_group=False)
         raise
     finally:
+        for lock in reversed(locks):
+            lock.release()
         ddpkit.shutdown()
+
+
+def _lock_run_folder(cfg: TrainConfig, ctx: Context) -> list[FolderLock]:
+    """Rank 0 (the process that writes) takes the lock of the run folder, and of checkpoint.dir when that lies
+    elsewhere, for the run's life; every rank raises the same one-line error when another run holds one.
+
+    (A collective when world_size > 1: rank 0's outcome is broadcast, so no rank trains on alone.)
+    """
+    folders = [Path(cfg.output_dir)]
+    if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(folders[0].resolve()):
+        folders.append(Path(cfg.checkpoint.dir))
+    locks: list[FolderLock] = []
+    box = ["", ""]  # (the error's kind, its message)
+    if ctx.is_main_process:
+        for folder, fix in zip(folders, ("output_dir=...", "checkpoint.dir=...")):
+            try:
+                locks.append(FolderLock(folder, fix=fix).acquire())
+            except FolderInUseError as e:
+                box = ["in use", str(e)]
+                break
+            except OSError as e:
+                box = [
+                    "io",
+                    f"cannot write to {folder} ({e.strerror or e}); choose a folder this user can write ({fix})",
+                ]
+                break
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0, device=control_device())
+    if box[0]:
+        for lock in reversed(locks):
+            lock.release()
+        raise FolderInUseError(box[1]) if box[0] == "in use" else UserError(box[1])
+    return locks
 
 
 def _with_run_folder(cfg: TrainConfig, ctx: Context) -> TrainConfig:
