@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import warnings
+from pathlib import Path
 
 _LOGGER_NAME = "ddpkit"
 
@@ -35,7 +38,19 @@ def setup_logging(rank: int, world_size: int, all_ranks: bool = False) -> loggin
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     logger.propagate = False
+    prefix = f"[rank {rank}/{world_size}]"
+    warnings.formatwarning = functools.partial(_one_line_warning, prefix)
     return logger
+
+
+def _one_line_warning(
+    prefix: str, message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """A Python warning (torch's, a library's) as one line with the rank, like ddpkit's own lines: the message and
+    where it came from, without the source line and path that the default format adds."""
+    text = " ".join(str(message).split())
+    origin = Path(filename).name
+    return f"{prefix} warning: {text} ({category.__name__}, {origin}:{lineno})\n"
 
 
 class _UnlessConfigured(logging.StreamHandler):
