@@ -26,9 +26,9 @@ from torch import nn
 
 from ddpkit.checkpoint.finite import nonfinite_tensors
 from ddpkit.checkpoint.format import (
-    MANIFEST,
     CheckpointError,
     folder_mode,
+    has_manifest,
     load_file,
     verify_checkpoint,
     write_file_atomic,
@@ -61,7 +61,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
     check_choice("readable_by", readable_by, tuple(READABLE_BY))
     mode = READABLE_BY[readable_by]
     source = Path(checkpoint)
-    if not (source / MANIFEST).exists():
+    if not has_manifest(source):
         source = newest_verified(source)
     loaded = verify_checkpoint(source)  # every file, checksummed and loaded safely, as resume does
     manifest = loaded["manifest"]

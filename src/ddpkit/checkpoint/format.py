@@ -357,7 +357,11 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: no such folder, no manifest (the write never finished), or an unreadable one.
     """
-    if not _is_dir(Path(folder)):
+    try:
+        is_folder = _is_dir(Path(folder))
+    except OSError as e:  # a parent that cannot be searched
+        raise CheckpointError(unreadable_message(Path(folder), e)) from None
+    if not is_folder:
         raise CheckpointError(f"checkpoint {folder} does not exist; pass a checkpoint folder (e.g. .../step-000000120)")
     path = Path(folder) / MANIFEST
     try:
@@ -387,6 +391,14 @@ def unreadable_message(folder: Path, error: OSError) -> str:
         f"checkpoint {folder} cannot be read ({reason}); make it readable by this user (chmod, chown), "
         "or use an earlier checkpoint"
     )
+
+
+def has_manifest(folder: str | Path) -> bool:
+    """True when ``folder`` holds a manifest; a folder that cannot be read says so (CheckpointError), in one line."""
+    try:
+        return (Path(folder) / MANIFEST).exists()
+    except OSError as e:
+        raise CheckpointError(unreadable_message(Path(folder), e)) from None
 
 
 def _is_dir(path: Path) -> bool:
@@ -455,6 +467,10 @@ def load_file(path: str | Path, map_location: str | torch.device | None = "cpu",
         return torch.load(source, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist; pass an existing checkpoint") from None
+    except PermissionError as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({e.strerror or e}); make it readable by this user (chmod, chown)"
+        ) from None
     except pickle.UnpicklingError as e:
         reason = _unpickling_reason(str(e))
         raise CheckpointError(

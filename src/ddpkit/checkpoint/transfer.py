@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ddpkit.checkpoint.format import (
-    MANIFEST,
     CheckpointError,
+    has_manifest,
     list_checkpoints,
     load_file,
     resolve_checkpoint_dir,
@@ -85,8 +85,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         CheckpointError: nothing usable there, a damaged file, or a refused (unsafe) one.
     """
     path = Path(path)
-    if path.is_dir():
-        if (path / MANIFEST).exists():
+    try:
+        is_folder, is_file = path.is_dir(), path.is_file()
+    except OSError as e:
+        raise CheckpointError(
+            f"init_from={path} cannot be read ({e.strerror or e}); make it readable by this user"
+        ) from None
+    if is_folder:
+        if has_manifest(path):
             state = verify_checkpoint(path)["model.pt"]
             _refuse_nonfinite(path, state)
         elif (path / EXPORT_INFO).exists():
@@ -97,7 +103,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
             newest = newest_verified(path)
             state = verify_checkpoint(newest)["model.pt"]
             _refuse_nonfinite(newest, state)
-    elif path.is_file():
+    elif is_file:
         state = load_file(path)
         if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
             state = state["state_dict"]
