@@ -8,6 +8,7 @@ import torch
 
 from ddpkit.checkpoint.finite import (
     FINITE_KEY,
+    finite_marker,
     is_finite_number,
     is_marked_nonfinite,
     last_finite_checkpoint,
@@ -27,6 +28,14 @@ def test_nonfinite_tensors_names_the_floating_tensors_with_nan_or_inf():
     assert nonfinite_tensors(state) == ["model.b", "optimizer.state.0.exp_avg"]
     assert nonfinite_tensors(torch.nn.Linear(2, 2).state_dict()) == []
     assert nonfinite_tensors({}) == []
+
+
+def test_finite_marker_is_what_a_writer_adds_to_the_manifest(tmp_path):
+    assert finite_marker({"model.pt": {"w": torch.ones(2)}}) == {}
+    marker = finite_marker({"model.pt": {"w": torch.tensor([math.nan])}, "train.pt": {"step": 3}})
+    assert marker == {FINITE_KEY: False, "nonfinite_tensors": ["model.pt.w"]}
+    path = _write(tmp_path, 1, math.nan, **marker)
+    assert not list_checkpoints(tmp_path)[0].finite and path.is_dir()
 
 
 def test_finite_numbers_and_manifest_marks():

@@ -10,7 +10,8 @@ small parts keep the good ones:
   tensor, read together in one host transfer), for a writer to refuse or set
   apart a save;
 - :data:`FINITE_KEY`: a manifest key, ``"finite": false``, that a writer
-  passes through ``write_checkpoint``'s ``meta`` for such a checkpoint;
+  passes through ``write_checkpoint``'s ``meta`` for such a checkpoint
+  (:func:`finite_marker` builds it);
   :func:`ddpkit.checkpoint.format.prune` never counts a checkpoint so marked
   toward ``keep`` and resume never picks it (:func:`is_marked_nonfinite`);
 - :func:`last_finite_checkpoint`: after a run stopped on a non-finite loss,
@@ -69,6 +70,18 @@ def _collect(value: Any, name: str, names: list[str], flags: list[torch.Tensor])
             _collect(item, f"{name}.{i}" if name else str(i), names, flags)
 
 
+def finite_marker(state: Any) -> dict[str, Any]:
+    """The manifest facts a writer adds through ``write_checkpoint``'s ``meta`` for ``state``: ``{}`` when every
+    floating tensor is finite, else ``{"finite": False, "nonfinite_tensors": [the first 10 names]}``.
+
+    ::
+
+        meta = {**meta, **finite_marker(objects)}     # objects: file name -> state_dict, as write_checkpoint takes
+    """
+    bad = nonfinite_tensors(state)
+    return {FINITE_KEY: False, "nonfinite_tensors": bad[:10]} if bad else {}
+
+
 def is_finite_number(value: Any) -> bool:
     """True for a real number that is neither NaN nor infinite (a metric that may become the best)."""
     try:
@@ -114,6 +127,7 @@ def last_finite_checkpoint(root: str | Path, suspect_from: int | None = None) ->
 __all__ = [
     "FINITE_KEY",
     "NONFINITE_SUFFIX",
+    "finite_marker",
     "is_finite_number",
     "is_marked_nonfinite",
     "last_finite_checkpoint",
