@@ -102,9 +102,11 @@ def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
     plant_payload(path, sentinel)
     with pytest.raises(CheckpointError, match="refused to load .*model.pt.*weights_only=True"):
         verify_checkpoint(path)
-    with pytest.raises(CheckpointError, match="refused to load"):
+    with pytest.raises(CheckpointError, match="refused to load") as refused:
         load_file(path / "model.pt")
     assert not sentinel.exists()
+    # What the file holds, without torch's advice to load it with weights_only=False (which would run it).
+    assert "GLOBAL io.open" in str(refused.value) and "weights_only=False" not in str(refused.value)
 
 
 def test_failed_write_leaves_no_file(tmp_path):

@@ -484,12 +484,16 @@ def load_file(path: str | Path, map_location: str | torch.device | None = "cpu",
 
 
 def _unpickling_reason(text: str) -> str:
-    """What torch's refusal says the file holds (e.g. "unsupported GLOBAL posix.system"), without its
+    """What torch's refusal says the file holds (e.g. "Unsupported global: GLOBAL posix.system"), without its
     advice to load with weights_only=False, which would run the code ddpkit refuses."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
     for line in lines:
-        if not line.startswith(("Weights only load failed", "Check the documentation", "Please file an issue")):
-            return line.removeprefix("Trying to load ").rstrip(".")
+        if "GLOBAL" in line or "Unpickler error" in line:
+            reason = line.split("Unpickler error:", 1)[-1].split(". Please use")[0].strip()
+            return reason.removeprefix("Trying to load ").rstrip(".")
+    for line in lines:
+        if line and "weights_only" not in line and not line.startswith(("Weights only load failed", "Check the")):
+            return line.rstrip(".")
     return "unsupported content"
 
 
