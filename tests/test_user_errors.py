@@ -140,3 +140,11 @@ def test_a_value_error_in_the_user_s_model_shows_its_traceback_and_rank(tmp_path
     ), out.stderr
     assert "Traceback (most recent call last)" in out.stderr and "broken_model.py" in out.stderr, out.stderr
     assert 'raise ValueError("my model cannot take a batch of "' in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0.0])
+def test_an_own_script_s_init_refuses_a_timeout_that_is_not_a_finite_positive_number(timeout):
+    import ddpkit
+
+    with pytest.raises(UserError, match=r"^timeout=\S+ is not valid; it must be"):
+        ddpkit.init(timeout=timeout)
