@@ -89,3 +89,18 @@ def test_the_holder_record_is_beside_the_lock_file_never_in_it(tmp_path):
 
 def test_the_lock_is_public():
     assert ddpkit.FolderLock is FolderLock and ddpkit.FolderInUseError is FolderInUseError
+
+
+def test_a_restarted_run_waits_for_its_predecessor_s_lock(tmp_path):
+    import threading
+    import time
+
+    from ddpkit.train.run_folder import lock_wait_seconds
+
+    assert lock_wait_seconds({}) == 0 and lock_wait_seconds({"TORCHELASTIC_RESTART_COUNT": "1"}) > 10
+    holder = _holder(tmp_path)  # a dying predecessor's DataLoader worker, say
+    threading.Timer(1.0, holder.kill).start()
+    start = time.monotonic()
+    with FolderLock(tmp_path).acquire(timeout=30) as lock:
+        assert lock.held and 0.5 < time.monotonic() - start < 30
+    holder.wait()

@@ -95,8 +95,13 @@ class FolderLock:
         """True between a successful :meth:`acquire` and its :meth:`release`."""
         return bool(self._key)
 
-    def acquire(self) -> FolderLock:
-        """Take the lock now, or fail at once.
+    def acquire(self, timeout: float = 0) -> FolderLock:
+        """Take the lock now, or fail at once (or after waiting ``timeout`` seconds for it).
+
+        Args:
+            timeout: seconds to wait for a holder to go; 0 for a new run. A restarted worker waits a
+                little: processes its dead predecessor forked (DataLoader workers) hold the lock until
+                they notice and exit.
 
         Returns:
             ``self``, holding the lock.
@@ -115,7 +120,7 @@ class FolderLock:
                 _HELD[key] = (lock, count + 1)
                 self._key = key
                 return self
-            lock = FileLock(key, timeout=0, thread_local=False)
+            lock = FileLock(key, timeout=timeout, thread_local=False)
             try:
                 lock.acquire()
             except Timeout:

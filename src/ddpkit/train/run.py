@@ -63,7 +63,7 @@ from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
-from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
+from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import build_scheduler
 from ddpkit.train.state import TrainState
 from ddpkit.train.task import resolve_task
@@ -307,7 +307,7 @@ def _lock_run_folder(cfg: TrainConfig, ctx: Context) -> list[FolderLock]:
     if ctx.is_main_process:
         for folder, fix in zip(folders, ("output_dir=...", "checkpoint.dir=...")):
             try:
-                locks.append(FolderLock(folder, fix=fix).acquire())
+                locks.append(FolderLock(folder, fix=fix).acquire(lock_wait_seconds(os.environ)))
             except FolderInUseError as e:
                 box = ["in use", str(e)]
                 break

@@ -80,6 +80,17 @@ def claim_run_folder(folder: Path) -> Path:
     return folder
 
 
+RESTART_LOCK_WAIT_SECONDS = 60.0
+"""How long a restarted run waits for its run folder's lock: DataLoader workers its dead rank 0 forked hold it
+until they notice their parent is gone (torch's watchdog checks every few seconds) and exit."""
+
+
+def lock_wait_seconds(environ: Mapping[str, str]) -> float:
+    """Seconds to wait for the run folder's lock: 0 for a new run (a run in the way is refused at once), a
+    minute for a restarted one (torch elastic, a Slurm requeue), whose predecessor's processes are ending."""
+    return RESTART_LOCK_WAIT_SECONDS if restart_count(environ) else 0.0
+
+
 def check_run_folder(folder: Path) -> None:
     """Raise UserError, in one line, when ``folder`` cannot be a run folder: an existing file, or under one.
 
