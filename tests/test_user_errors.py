@@ -75,6 +75,23 @@ def test_a_user_error_is_reported_as_its_line_and_any_other_with_its_traceback(c
             ["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "batch_size=34"],
             "error: global batch size 34 does not divide among 4 workers",
         ),
+        # NaN passes every bound (each comparison with it is false); infinity passes lr > 0
+        (["lr=nan"], "error: lr=nan is not valid; it must be a finite number (not nan or inf)"),
+        (["lr=inf"], "error: lr=inf is not valid; it must be a finite number (not nan or inf)"),
+        (["lr=-.inf"], "error: lr=-inf is not valid; it must be a finite number (not nan or inf)"),
+        (["timeout=nan"], "error: timeout=nan is not valid; it must be a finite number (not nan or inf)"),
+        (["momentum=nan"], "error: momentum=nan is not valid; it must be a finite number (not nan or inf)"),
+        (["weight_decay=inf"], "error: weight_decay=inf is not valid; it must be a finite number (not nan or inf)"),
+        (["lr_gamma=nan"], "error: lr_gamma=nan is not valid; it must be a finite number (not nan or inf)"),
+        (
+            ["checkpoint.every_seconds=nan"],
+            "error: checkpoint.every_seconds=nan is not valid; it must be a finite number (not nan or inf)",
+        ),
+        (
+            ["checkpoint.sync_seconds=inf"],
+            "error: checkpoint.sync_seconds=inf is not valid; it must be a finite number (not nan or inf)",
+        ),
+        (["momentum=-0.5"], "error: momentum=-0.5 is not valid; it must be >= 0"),
     ],
 )
 def test_bad_names_and_combinations_fail_before_any_worker_starts(tmp_path, monkeypatch, capsys, words, message):
@@ -123,3 +140,11 @@ def test_a_value_error_in_the_user_s_model_shows_its_traceback_and_rank(tmp_path
     ), out.stderr
     assert "Traceback (most recent call last)" in out.stderr and "broken_model.py" in out.stderr, out.stderr
     assert 'raise ValueError("my model cannot take a batch of "' in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0.0])
+def test_an_own_script_s_init_refuses_a_timeout_that_is_not_a_finite_positive_number(timeout):
+    import ddpkit
+
+    with pytest.raises(UserError, match=r"^timeout=\S+ is not valid; it must be"):
+        ddpkit.init(timeout=timeout)

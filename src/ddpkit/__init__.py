@@ -54,6 +54,8 @@ _PUBLIC = {
     "Preempted": "ddpkit.checkpoint.preemption",
     "list_checkpoints": "ddpkit.checkpoint.format",
     "CheckpointInfo": "ddpkit.checkpoint.format",
+    "FolderLock": "ddpkit.checkpoint.folder_lock",
+    "FolderInUseError": "ddpkit.checkpoint.folder_lock",
     # repeatable runs, trained weights in and out
     "seed_everything": "ddpkit.checkpoint.rng",
     "export_checkpoint": "ddpkit.checkpoint.export",
@@ -63,6 +65,7 @@ _PUBLIC = {
     "EXIT_PREEMPTED": "ddpkit.names",
     "EXIT_INTERRUPTED": "ddpkit.names",
     "EXIT_STORAGE": "ddpkit.names",
+    "EXIT_DIVERGED": "ddpkit.names",
     # exact metrics
     "reduce_sums": "ddpkit.reduce",
     # experiment tracking (CSV, TensorBoard, MLflow, W&B), continued across restarts
@@ -77,6 +80,7 @@ if TYPE_CHECKING:
     # What editors and type checkers read (the lazy loading below is invisible to them); a test checks
     # that these imports and _PUBLIC name the same objects.
     from ddpkit.checkpoint.export import export_checkpoint
+    from ddpkit.checkpoint.folder_lock import FolderInUseError, FolderLock
     from ddpkit.checkpoint.format import CheckpointError, CheckpointInfo, list_checkpoints
     from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
     from ddpkit.checkpoint.options import CheckpointOptions
@@ -89,7 +93,7 @@ if TYPE_CHECKING:
     from ddpkit.distributed import Context, context, init, main_process_first, shutdown
     from ddpkit.errors import UserError
     from ddpkit.launch.function import launch
-    from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE
+    from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE
     from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
     from ddpkit.reduce import reduce_sums
     from ddpkit.tracking.tracker import Tracker

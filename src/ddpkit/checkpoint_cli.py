@@ -53,7 +53,8 @@ EXPORT_HELP = CommandHelp(
 CHECKPOINTS_HELP = CommandHelp(
     usage="ddpkit checkpoints DIR [key=value ...]",
     summary="List the checkpoints of a folder, one line each: step, epoch, metric, size and whether it verifies "
-    "(newest, best, incomplete or corrupt).",
+    "(newest, best, incomplete, corrupt, unreadable or non-finite). Exit status 1 when the newest one is not "
+    "usable; 'newest' tags the one resume=auto would take.",
     schema="ddpkit.checkpoint_cli:CheckpointsConfig",
     positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
     examples=("ddpkit checkpoints runs/latest", "ddpkit checkpoints runs/latest verify=false"),
@@ -81,7 +82,13 @@ def export_command(args: Sequence[str]) -> int:
 
 
 def checkpoints_command(args: Sequence[str]) -> int:
-    """``ddpkit checkpoints DIR``: one line per checkpoint: step, epoch, metric, size, whether it verifies."""
+    """``ddpkit checkpoints DIR``: one line per checkpoint: step, epoch, metric, size, whether it verifies.
+
+    Exits 1 (after the table, with one line on stderr) when the newest ``step-*`` folder is not a good
+    checkpoint (incomplete, corrupt, unreadable or of non-finite weights): "newest" tags the newest one
+    that is, the one ``resume=auto`` takes.
+    """
+    import sys
     from pathlib import Path
 
     from ddpkit.checkpoint.format import (
@@ -94,34 +101,44 @@ def checkpoints_command(args: Sequence[str]) -> int:
 
     (folder,), words = _split(args, CHECKPOINTS_HELP, 1)
     verify = parse(CheckpointsConfig, words).verify
-    if not Path(folder).is_dir():
+    try:
+        is_folder = Path(folder).is_dir()
+    except OSError:
+        is_folder = True  # not searchable: list_checkpoints says so in one line
+    if not is_folder:
         raise UserError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
     root = resolve_checkpoint_dir(folder)
     infos = list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
     if not infos:
         print(f"no checkpoints in {root}")
         return 0
-    newest_complete = max(
-        (i.global_step for i in infos if i.manifest and i.path.name.startswith("step-")), default=None
-    )
-    rows = [("checkpoint", "step", "epoch", "metric", "size", "status")]
+    statuses = {}
     for info in infos:
-        manifest = info.manifest or {}
         if not info.complete:
-            status = "incomplete (interrupted write; ignored)"
+            status = "incomplete (no manifest: an interrupted write or a copy in progress; not used)"
         elif info.problem:
-            status = "CORRUPT: " + info.problem
+            status = ("UNREADABLE: " if info.unreadable else "CORRUPT: ") + info.problem
+        elif not info.finite:
+            status = "NON-FINITE weights (NaN or infinity; not used)"
         elif verify:
             try:
                 verify_checkpoint(info.path)
                 status = "ok"
             except CheckpointError as e:
-                status = "CORRUPT: " + str(e)
+                status = ("UNREADABLE: " if "cannot be read" in str(e) else "CORRUPT: ") + str(e)
         else:
             status = "complete (not verified)"
+        statuses[info.path] = status
+    good = [i for i in infos if statuses[i.path] in ("ok", "complete (not verified)")]
+    steps = [i for i in infos if not i.path.name.startswith(BEST_PREFIX)]
+    newest_good = max((i for i in good if i in steps), key=lambda i: i.global_step, default=None)
+    rows = [("checkpoint", "step", "epoch", "metric", "size", "status")]
+    for info in infos:
+        manifest = info.manifest or {}
+        status = statuses[info.path]
         if info.path.name.startswith(BEST_PREFIX):
             status += ", best"
-        elif info.global_step == newest_complete and info.manifest:
+        elif info is newest_good:
             status += ", newest"
         rows.append(
             (info.path.name, str(info.global_step), _epoch(manifest), _metric(manifest), _size(info.size), status)
@@ -137,6 +154,20 @@ def checkpoints_command(args: Sequence[str]) -> int:
             + "  "
             + row[5]
         )
+    newest = steps[-1] if steps else None
+    if newest is not None and newest is not newest_good:
+        fallback = max(good, key=lambda i: i.global_step, default=None)
+        then = (
+            f"resume=auto would continue from {fallback.path.name}"
+            if fallback is not None
+            else "no checkpoint here can be resumed"
+        )
+        print(
+            f"ddpkit: the newest checkpoint {newest.path.name} is not usable "
+            f"({statuses[newest.path].split(':')[0].split(' (')[0]}); {then}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -35,6 +35,7 @@ from ddpkit.launch.script import wants_run_help
 from ddpkit.launch.slurm_cli import SLURM_HELP
 from ddpkit.names import (
     DEFAULT_PREEMPT_SIGNALS,
+    EXIT_DIVERGED,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     EXIT_STORAGE,
@@ -272,7 +273,9 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         code, signal_name = int(stop.code), ""
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
-        newest = _newest_checkpoint(cfg)
+        # Not for a run refused its folder (the checkpoints there are another run's) or one that diverged
+        # (its own line names the last good checkpoint; continuing as it was would diverge again).
+        newest = _newest_checkpoint(cfg) if e.failure.exitcode not in (EXIT_USER_ERROR, EXIT_DIVERGED) else None
         if newest is not None:  # the work so far is not lost: say how to go on from it
             print(f"ddpkit: {_how_to_continue(cfg, args, newest)}", file=sys.stderr)
         return _failed_status(e)
@@ -523,8 +526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _failed_status(error: LaunchError) -> int:
-    """The exit status of a command whose workers failed: EXIT_STORAGE where a checkpoint could not be written."""
-    return EXIT_STORAGE if error.failure.exitcode == EXIT_STORAGE else EXIT_WORKER_FAILED
+    """The exit status of a command whose workers failed: the root cause's where it has a meaning of its own
+    (EXIT_STORAGE: a checkpoint could not be written; EXIT_DIVERGED: the loss became NaN; EXIT_USER_ERROR: the
+    run folder is another run's), else EXIT_WORKER_FAILED."""
+    code = error.failure.exitcode
+    return code if code in (EXIT_STORAGE, EXIT_DIVERGED, EXIT_USER_ERROR) else EXIT_WORKER_FAILED
 
 
 def load_function(path: str) -> Callable[[Sequence[str]], int]:

@@ -62,6 +62,7 @@ def parse(
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise ConfigError(_explain(e, schema, word)) from None
+    _check_finite(merged, schema)  # before the dataclasses' own checks, which compare (NaN passes any bound)
     try:
         return OmegaConf.to_object(merged)  # resolves interpolations (${oc.env:NAME}), then validates
     except OmegaConfBaseException as e:
@@ -70,6 +71,27 @@ def parse(
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(str(e)) from None  # the check of a group the core declares (CheckpointOptions)
+
+
+def _check_finite(merged: DictConfig, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError at the first number option of every command that is NaN or infinite.
+
+    YAML reads ``nan``, ``inf`` and ``.inf`` as floats, and every comparison with NaN is false, so
+    a NaN would pass each option's own bound (``lr > 0``) and reach torch.
+    """
+    for field in dataclasses.fields(schema):
+        if field.name not in merged:
+            continue
+        kind = _field_type(schema, field.name)
+        if dataclasses.is_dataclass(kind):
+            _check_finite(merged[field.name], kind, f"{prefix}{field.name}.")
+        elif kind is float:
+            try:
+                value = merged[field.name]
+            except OmegaConfBaseException:
+                continue  # an interpolation that does not resolve: to_object names it
+            if isinstance(value, float):
+                errors.check_finite(prefix + field.name, value, ConfigError)
 
 
 def peek(args: Sequence[str], key: str) -> str | None:
@@ -515,6 +537,8 @@ class TrainConfig:
             check_positive(name, getattr(self, name))
         for name in ("lr", "timeout"):
             check_positive(name, getattr(self, name))
+        check_positive("momentum", self.momentum, allow_zero=True)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("threads", self.threads, allow_zero=True)
         check_positive("max_steps", self.max_steps, allow_zero=True)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)

@@ -45,7 +45,7 @@ from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
 from ddpkit.env.network import gloo_interface_environ
 from ddpkit.env.torchrun import uses_agent_store
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, check_positive
 from ddpkit.log import get_logger, show_messages
 
 BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
@@ -206,6 +206,7 @@ def init(
     global _context, _joined_multiprocess_job, _owns_group
     if _context is not None:
         return _context
+    check_positive("timeout", timeout)  # NaN or infinity would reach timedelta (a traceback) or wait forever
     if not faulthandler.is_enabled():
         # A worker that dies in C++ (abort, segfault) then prints every thread's
         # Python stack, which the launcher's failure report passes on.

@@ -8,13 +8,14 @@ a ``ValueError`` from torch or from the user's own model included, is a bug
 somewhere and is reported with its traceback and rank.
 
 It derives from ``ValueError`` so that code catching ``ValueError`` around
-ddpkit calls keeps working. :func:`check_choice` and :func:`check_positive`
-word the two commonest checks of an option once, for the core's options
+ddpkit calls keeps working. :func:`check_choice`, :func:`check_positive` and :func:`check_finite`
+word the commonest checks of an option once, for the core's options
 (the Checkpointer's) and the commands' (``ddpkit.config``) alike.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -28,8 +29,17 @@ def check_choice(name: str, value: str, choices: Sequence[str], error: type[User
         raise error(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
+def check_finite(name: str, value: float, error: type[UserError] = UserError) -> None:
+    """Raise ``error`` when ``value`` is NaN or infinite: "name=nan is not valid; it must be a finite number"."""
+    if not math.isfinite(value):
+        raise error(f"{name}={value} is not valid; it must be a finite number (not nan or inf)")
+
+
 def check_positive(name: str, value: float, allow_zero: bool = False, error: type[UserError] = UserError) -> None:
-    """Raise ``error`` unless ``value`` > 0 (or >= 0 with ``allow_zero``): "name=value is not valid; it must be > 0"."""
+    """Raise ``error`` unless ``value`` > 0 (or >= 0 with ``allow_zero``) and finite (NaN and infinity are
+    refused: every comparison with NaN is false, so it would pass any bound): "name=value is not valid; it must
+    be > 0"."""
+    check_finite(name, value, error)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise error(f"{name}={value} is not valid; it must be {bound}")

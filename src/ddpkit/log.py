@@ -8,10 +8,13 @@ logger then leaves its own out, so that a line carries one prefix.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Mapping
+from pathlib import Path
 
 _LOGGER_NAME = "ddpkit"
 
@@ -58,7 +61,19 @@ def setup_logging(rank: int, world_size: int, all_ranks: bool = False) -> loggin
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     logger.propagate = False
+    prefix = f"[rank {rank}/{world_size}]"
+    warnings.formatwarning = functools.partial(_one_line_warning, prefix)
     return logger
+
+
+def _one_line_warning(
+    prefix: str, message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """A Python warning (torch's, a library's) as one line with the rank, like ddpkit's own lines: the message and
+    where it came from, without the source line and path that the default format adds."""
+    text = " ".join(str(message).split())
+    origin = Path(filename).name
+    return f"{prefix} warning: {text} ({category.__name__}, {origin}:{lineno})\n"
 
 
 class _UnlessConfigured(logging.StreamHandler):

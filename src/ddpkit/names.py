@@ -21,6 +21,9 @@ EXIT_INTERRUPTED = 130
 EXIT_STORAGE = 74
 """Exit status of a worker (and of ``ddpkit train``/``ddpkit run``) whose checkpoint could not be written
 (no space, read-only or vanished folder, quota): EX_IOERR. A restart would fail the same way until it is fixed."""
+EXIT_DIVERGED = 65
+"""Exit status of a worker (and of ``ddpkit train``) whose training loss became NaN or infinite (EX_DATAERR):
+the last good checkpoint is kept and named; a restart would diverge the same way with the same settings."""
 
 # -- signals ------------------------------------------------------------------
 

@@ -92,6 +92,11 @@ def prepare_model(
         ctx = context()
     except RuntimeError as e:
         raise RuntimeError("ddpkit.prepare_model() needs the process group: call ddpkit.init() first") from e
+    if not isinstance(model, nn.Module):
+        raise UserError(
+            f"prepare_model() takes a torch.nn.Module, got a {type(model).__name__}; pass the model itself "
+            "(a function building it must return the module)"
+        )
     if grad_sync not in GRAD_SYNC_MODES:
         raise UserError(f"grad_sync={grad_sync!r} is not valid; choose one of: {', '.join(GRAD_SYNC_MODES)}")
     if allreduce != "auto":

@@ -187,3 +187,18 @@ def test_full_disk_under_ddpkit_train_stops_with_74_and_resume_after_freeing_is_
             assert_same_weights(
                 verify_checkpoint(newest.path)["model.pt"], final_weights(reference), "resumed after a full disk"
             )
+
+
+def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_untouched(tmp_path):
+    import errno
+
+    from ddpkit.checkpoint.format import checkpoint_name, write_checkpoint
+    from ddpkit.checkpoint.storage import explain_write_error
+
+    write_checkpoint(tmp_path, checkpoint_name(5), {"model.pt": {"w": torch.ones(2)}}, {}, {"global_step": 5})
+    line = explain_write_error(
+        tmp_path, checkpoint_name(5), OSError(errno.ENOSPC, "No space left on device"), needed=10_000
+    )
+    assert f"the incomplete new copy of {checkpoint_name(5)} was removed" in line
+    assert f"the complete {checkpoint_name(5)} written earlier is untouched" in line
+    assert line.count(checkpoint_name(5)) == 3 and "\n" not in line  # the attempted path, removed, untouched

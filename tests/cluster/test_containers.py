@@ -148,7 +148,7 @@ def test_two_containers_train_as_two_nodes_on_a_bridge_network(image: Image, tmp
         podman.run("network", "rm", "--force", network, check=False)
 
     assert codes == ["0", "0"], logs[0][-3000:] + logs[1][-3000:]
-    assert f"[rank 0/4] torchrun: world_size 4 on 2 node(s), master {master}:{PORT}" in logs[0], logs[0]
+    assert f"[rank 0/4] ddpkit launcher: world_size 4 on 2 node(s), master {master}:{PORT}" in logs[0], logs[0]
     # Shared memory inside each container, gloo between them.
     assert "[rank 0/4] gradients: flat of 155 KiB with all_reduce=hierarchical over gloo" in logs[0], logs[0]
     assert "[rank 0/4] done: mlp on synthetic, 4 worker(s)" in logs[0]

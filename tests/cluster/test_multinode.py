@@ -214,7 +214,7 @@ def test_ddpkit_train_with_nnodes_on_two_hosts(netns_hosts: TwoHosts, tmp_path, 
     a, b = run_both(netns_hosts, argvs, tmp_path, timeout=540, env=worker_environment())
 
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-3000:] + b.stderr[-3000:]
-    assert f"[rank 0/4] torchrun: world_size 4 on 2 node(s), master {netns_hosts.a.address}:{port}" in a.stderr
+    assert f"[rank 0/4] ddpkit launcher: world_size 4 on 2 node(s), master {netns_hosts.a.address}:{port}" in a.stderr
     runs = list((tmp_path / "runs" / "mlp-fashion-mnist").iterdir())
     assert len(runs) == 1, runs
     summary = json.loads((runs[0] / "summary.json").read_text())

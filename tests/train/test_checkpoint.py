@@ -102,9 +102,11 @@ def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
     plant_payload(path, sentinel)
     with pytest.raises(CheckpointError, match="refused to load .*model.pt.*weights_only=True"):
         verify_checkpoint(path)
-    with pytest.raises(CheckpointError, match="refused to load"):
+    with pytest.raises(CheckpointError, match="refused to load") as refused:
         load_file(path / "model.pt")
     assert not sentinel.exists()
+    # What the file holds, without torch's advice to load it with weights_only=False (which would run it).
+    assert "GLOBAL io.open" in str(refused.value) and "weights_only=False" not in str(refused.value)
 
 
 def test_failed_write_leaves_no_file(tmp_path):
@@ -117,15 +119,27 @@ def test_failed_write_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_prune_keeps_newest_complete_and_spares_newer_leftovers(tmp_path):
+def test_prune_keeps_newest_complete_and_never_deletes_folders_without_a_manifest(tmp_path):
     for step in (1, 2, 3, 4):
         _write(tmp_path, step)
-    (tmp_path / checkpoint_name(2) / MANIFEST).unlink()  # an interrupted write older than what is kept
-    (tmp_path / checkpoint_name(9)).mkdir()  # an interrupted write newer than everything
+    (tmp_path / checkpoint_name(2) / MANIFEST).unlink()  # an interrupted write, or a copy still in progress
+    (tmp_path / checkpoint_name(9)).mkdir()  # the same, newer than everything
     deleted = prune(tmp_path, keep=2)
     names = [info.path.name for info in list_checkpoints(tmp_path)]
-    assert names == [checkpoint_name(3), checkpoint_name(4), checkpoint_name(9)]
-    assert sorted(p.name for p in deleted) == [checkpoint_name(1), checkpoint_name(2)]
+    assert names == [checkpoint_name(2), checkpoint_name(3), checkpoint_name(4), checkpoint_name(9)]
+    assert sorted(p.name for p in deleted) == [checkpoint_name(1)]
+
+
+def test_prune_never_counts_a_checkpoint_marked_non_finite(tmp_path):
+    for step in (1, 2):
+        _write(tmp_path, step)
+    for step in (3, 4, 5):  # a diverged run goes on saving NaN weights
+        _write(tmp_path, step, finite=False)
+    assert prune(tmp_path, keep=2) == []
+    names = [info.path.name for info in list_checkpoints(tmp_path) if info.finite]
+    assert names == [checkpoint_name(1), checkpoint_name(2)]  # the last good ones are kept
+    _write(tmp_path, 6)
+    assert [p.name for p in prune(tmp_path, keep=2)] == [checkpoint_name(1)]
 
 
 def test_rewriting_an_interrupted_step_replaces_it(tmp_path):

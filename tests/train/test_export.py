@@ -107,8 +107,13 @@ def test_checkpoints_listing_shows_step_epoch_metric_size_and_verification(train
     model_file = root / checkpoint_name(5) / "model.pt"
     model_file.write_bytes(model_file.read_bytes()[:-10])
     (root / checkpoint_name(13)).mkdir()  # an interrupted write
-    assert main(["checkpoints", str(tmp_path)]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert main(["checkpoints", str(tmp_path)]) == 1  # the newest folder is not a checkpoint (yet)
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == (
+        f"ddpkit: the newest checkpoint {checkpoint_name(13)} is not usable (incomplete); "
+        f"resume=auto would continue from {checkpoint_name(12)}"
+    )
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert lines[checkpoint_name(12)].split()[1:3] == ["12", "1"], lines
     assert "accuracy" in lines[checkpoint_name(12)] and "KB" in lines[checkpoint_name(12)]
     assert lines[checkpoint_name(12)].endswith("ok, newest")

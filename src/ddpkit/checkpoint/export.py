@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from ddpkit.checkpoint.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
+from ddpkit.checkpoint.finite import nonfinite_tensors
 from ddpkit.checkpoint.format import (
-    MANIFEST,
+    CheckpointError,
     folder_mode,
-    load_file,
-    read_manifest,
+    has_manifest,
     verify_checkpoint,
     write_file_atomic,
 )
@@ -56,11 +56,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
     check_choice("readable_by", readable_by, tuple(READABLE_BY))
     mode = READABLE_BY[readable_by]
     source = Path(checkpoint)
-    if not (source / MANIFEST).exists():
+    if not has_manifest(source):
         source = newest_verified(source)
-    verify_checkpoint(source, load=False)
-    manifest = read_manifest(source)
-    state = load_file(source / WEIGHTS)
+    loaded = verify_checkpoint(source)  # every file, checksummed and loaded safely, as resume does
+    manifest = loaded["manifest"]
+    state = loaded[WEIGHTS]
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise CheckpointError(
+            f"{source} holds NaN or infinite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+            "export an earlier checkpoint of that run"
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_INFO).exists())):
         raise UserError(f"{out} exists and is not a ddpkit export; choose a new or empty folder for the export")

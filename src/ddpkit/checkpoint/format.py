@@ -22,10 +22,17 @@ How a write cannot corrupt (one writer: rank 0):
 2. the folder is fsynced, so the renames are on disk;
 3. ``manifest.json`` is written the same way, then the folder and its parent
    are fsynced. A crash at any point leaves either no manifest (the folder is
-   an incomplete leftover, ignored and later removed) or a complete one.
+   an incomplete leftover, never loaded) or a complete one.
 
-Only then are older checkpoints deleted, counting complete ones only, so the
-last ``keep`` complete checkpoints always exist.
+Only then are older checkpoints deleted, counting complete ones only (and of
+those, none whose manifest says its weights are not finite: see
+:mod:`ddpkit.checkpoint.finite`), so the last ``keep`` complete checkpoints
+always exist.
+
+Nothing that may be data is deleted on a guess: a folder without a manifest
+(an interrupted write, or a copy or sync still in progress) and a folder that
+cannot be read are renamed aside (:func:`set_aside`: ``step-....incomplete``,
+``.unreadable``, ``.corrupt``), never removed.
 
 Reads trust nothing: :func:`verify_checkpoint` checks every file's size and
 SHA-256 against the manifest and loads it with ``torch.load(weights_only=True)``
@@ -45,6 +52,7 @@ import pickle
 import platform
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -63,6 +71,8 @@ MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
 BEST_PREFIX = "best-"
 CORRUPT_SUFFIX = ".corrupt"
+INCOMPLETE_SUFFIX = ".incomplete"
+UNREADABLE_SUFFIX = ".unreadable"
 _NAME = re.compile(r"^(step|best)-(\d{9,})$")
 _CHUNK = 1 << 20
 
@@ -183,10 +193,11 @@ def write_checkpoint(
     final = root / name
     replacing = (final / MANIFEST).exists()
     # A complete checkpoint of the same step (the state changed since: see Checkpointer.save) is replaced
-    # only once its successor is complete, written aside; an incomplete leftover of a crash is removed.
+    # only once its successor is complete, written aside; a folder of that name without a manifest (a
+    # crash's leftover, or a copy in progress) is renamed aside, never removed.
     folder = root / f".{name}.tmp-{uuid.uuid4().hex[:8]}" if replacing else final
     if not replacing and folder.exists():
-        shutil.rmtree(folder)
+        set_aside(folder, INCOMPLETE_SUFFIX)
     folder.mkdir(mode=folder_mode(mode))
     try:
         _write_folder(folder, name, objects, texts, meta, mode)
@@ -307,10 +318,18 @@ class CheckpointInfo:
     problem: str = ""
     """Why the manifest could not be read, if it exists but is unreadable."""
 
+    unreadable: bool = False
+    """True when the folder or its manifest cannot be read (permissions, I/O error): ``problem`` says why."""
+
     @property
     def complete(self) -> bool:
-        """True when a manifest marks the write as finished."""
+        """True when a manifest marks the write as finished (or one is there but cannot be read)."""
         return self.manifest is not None or bool(self.problem)
+
+    @property
+    def finite(self) -> bool:
+        """False when the manifest says the checkpoint's tensors hold NaN or infinity (``"finite": false``)."""
+        return not (self.manifest and self.manifest.get("finite", True) is False)
 
     @property
     def size(self) -> int:
@@ -318,7 +337,10 @@ class CheckpointInfo:
         if self.manifest:
             listed = sum(int(f["bytes"]) for f in self.manifest.get("files", {}).values())
             return listed + _file_size(self.path / MANIFEST)
-        return sum(_file_size(p) for p in self.path.iterdir()) if self.path.is_dir() else 0
+        try:
+            return sum(_file_size(p) for p in self.path.iterdir())
+        except OSError:
+            return 0
 
 
 def _file_size(path: Path) -> int:
@@ -334,7 +356,11 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: no such folder, no manifest (the write never finished), or an unreadable one.
     """
-    if not Path(folder).is_dir():
+    try:
+        is_folder = _is_dir(Path(folder))
+    except OSError as e:  # a parent that cannot be searched
+        raise CheckpointError(unreadable_message(Path(folder), e)) from None
+    if not is_folder:
         raise CheckpointError(f"checkpoint {folder} does not exist; pass a checkpoint folder (e.g. .../step-000000120)")
     path = Path(folder) / MANIFEST
     try:
@@ -342,8 +368,10 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(
             f"{folder} is not a complete checkpoint: it has no {MANIFEST} "
-            "(its write never finished); use an earlier checkpoint"
+            "(its write never finished, or a copy of it is still in progress); use an earlier checkpoint"
         ) from None
+    except PermissionError as e:
+        raise CheckpointError(unreadable_message(Path(folder), e)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is damaged ({e}); use an earlier checkpoint") from None
     if (
@@ -355,26 +383,69 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def unreadable_message(folder: Path, error: OSError) -> str:
+    """One line for a checkpoint folder (or its manifest) that cannot be read."""
+    reason = error.strerror or type(error).__name__
+    return (
+        f"checkpoint {folder} cannot be read ({reason}); make it readable by this user (chmod, chown), "
+        "or use an earlier checkpoint"
+    )
+
+
+def has_manifest(folder: str | Path) -> bool:
+    """True when ``folder`` holds a manifest; a folder that cannot be read says so (CheckpointError), in one line."""
+    try:
+        return (Path(folder) / MANIFEST).exists()
+    except OSError as e:
+        raise CheckpointError(unreadable_message(Path(folder), e)) from None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def list_checkpoints(root: str | Path, prefix: str = STEP_PREFIX) -> list[CheckpointInfo]:
     """The checkpoint folders of ``root`` named ``<prefix><step>``, oldest first.
 
-    Incomplete folders (no manifest) are listed too, with ``manifest=None``.
+    Incomplete folders (no manifest) are listed too, with ``manifest=None``; a
+    folder that cannot be read is listed with ``unreadable=True`` and its
+    ``problem``, never raised (one bad folder must not hide the good ones).
+
+    Raises:
+        CheckpointError: ``root`` itself exists but cannot be read.
     """
     root = Path(root)
-    if not root.is_dir():
-        return []
+    try:
+        if not _is_dir(root):
+            return []
+        entries = list(root.iterdir())
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoints folder {root} cannot be read ({e.strerror or type(e).__name__}); "
+            "make it readable by this user (chmod, chown)"
+        ) from None
     found = []
-    for path in root.iterdir():
+    for path in entries:
         match = _NAME.match(path.name)
-        if not match or not path.name.startswith(prefix) or not path.is_dir():
+        if not match or not path.name.startswith(prefix):
             continue
-        manifest, problem = None, ""
-        if (path / MANIFEST).exists():
+        manifest, problem, unreadable = None, "", False
+        try:
+            if not _is_dir(path):
+                continue
+            has_manifest = (path / MANIFEST).exists()
+        except OSError as e:
+            has_manifest, problem, unreadable = False, unreadable_message(path, e), True
+        if has_manifest:
             try:
                 manifest = read_manifest(path)
             except CheckpointError as e:
                 problem = str(e)
-        found.append(CheckpointInfo(path, int(match.group(2)), manifest, problem))
+                unreadable = "cannot be read" in problem
+        found.append(CheckpointInfo(path, int(match.group(2)), manifest, problem, unreadable))
     return sorted(found, key=lambda info: info.global_step)
 
 
@@ -395,8 +466,12 @@ def load_file(path: str | Path, map_location: str | torch.device | None = "cpu",
         return torch.load(source, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist; pass an existing checkpoint") from None
+    except PermissionError as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({e.strerror or e}); make it readable by this user (chmod, chown)"
+        ) from None
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+        reason = _unpickling_reason(str(e))
         raise CheckpointError(
             f"refused to load {path}: it holds objects other than tensors and plain containers "
             f"({reason}); ddpkit loads only weights_only=True files and never runs code from a checkpoint. "
@@ -405,6 +480,20 @@ def load_file(path: str | Path, map_location: str | torch.device | None = "cpu",
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is damaged and cannot be loaded ({reason}); use an earlier checkpoint") from None
+
+
+def _unpickling_reason(text: str) -> str:
+    """What torch's refusal says the file holds (e.g. "Unsupported global: GLOBAL posix.system"), without its
+    advice to load with weights_only=False, which would run the code ddpkit refuses."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    for line in lines:
+        if "GLOBAL" in line or "Unpickler error" in line:
+            reason = line.split("Unpickler error:", 1)[-1].split(". Please use")[0].strip()
+            return reason.removeprefix("Trying to load ").rstrip(".")
+    for line in lines:
+        if line and "weights_only" not in line and not line.startswith(("Weights only load failed", "Check the")):
+            return line.rstrip(".")
+    return "unsupported content"
 
 
 def _sha256(path: Path) -> str:
@@ -431,32 +520,45 @@ def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
     manifest = read_manifest(folder)
     loaded: dict[str, Any] = {"manifest": manifest}
     for name, expected in manifest["files"].items():
-        path = folder / name
-        size = _file_size(path) if path.exists() else None
-        if size is None:
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete; use an earlier checkpoint")
-        if size != expected["bytes"]:
+        try:
+            loaded.update(_verify_file(folder / name, name, expected, load))
+        except OSError as e:  # e.g. a file of mode 000: named, never a traceback
             raise CheckpointError(
-                f"{path} is truncated or damaged: {size} bytes on disk, "
-                f"{expected['bytes']} in the manifest; use an earlier checkpoint"
-            )
-        # .pt files are read once: the bytes checksummed are the bytes loaded.
-        data = path.read_bytes() if load and name.endswith(".pt") else None
-        digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(path)
-        if digest != expected["sha256"]:
-            raise CheckpointError(
-                f"{path} is damaged: its SHA-256 does not match the manifest; use an earlier checkpoint"
-            )
-        if data is not None:
-            loaded[name] = load_file(path, data=data)
+                f"{folder / name} cannot be read ({e.strerror or type(e).__name__}); make it readable by this "
+                "user (chmod, chown), or use an earlier checkpoint"
+            ) from None
     return loaded
+
+
+def _verify_file(path: Path, name: str, expected: Mapping[str, Any], load: bool) -> dict[str, Any]:
+    """Check one file of a checkpoint against its manifest entry; its loaded contents by name when ``load``."""
+    size = _file_size(path) if path.exists() else None
+    if size is None:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete; use an earlier checkpoint")
+    if size != expected["bytes"]:
+        raise CheckpointError(
+            f"{path} is truncated or damaged: {size} bytes on disk, "
+            f"{expected['bytes']} in the manifest; use an earlier checkpoint"
+        )
+    # .pt files are read once: the bytes checksummed are the bytes loaded.
+    data = path.read_bytes() if load and name.endswith(".pt") else None
+    digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(path)
+    if digest != expected["sha256"]:
+        raise CheckpointError(f"{path} is damaged: its SHA-256 does not match the manifest; use an earlier checkpoint")
+    return {name: load_file(path, data=data)} if data is not None else {}
 
 
 # -- retention ----------------------------------------------------------------
 
 
 def prune(root: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete leftovers older than them.
+    """Delete all but the newest ``keep`` complete, finite, readable checkpoints.
+
+    Only those count toward ``keep`` and only those are deleted: a checkpoint
+    whose manifest marks its weights non-finite (``"finite": false``, see
+    :mod:`ddpkit.checkpoint.finite`) never pushes a finite one out, and a folder
+    without a manifest or that cannot be read is left where it is (it may be a
+    copy in progress; a resume sets it aside).
 
     Args:
         root: the checkpoints folder.
@@ -469,28 +571,27 @@ def prune(root: str | Path, keep: int, protect: Path | None = None) -> list[Path
     infos = list_checkpoints(root)
     for hidden in Path(root).glob(f".{STEP_PREFIX}*"):  # aside-written or replaced folders a crash left behind
         shutil.rmtree(hidden, ignore_errors=True)
-    complete = [info for info in infos if info.complete]
-    kept = {info.path for info in complete[-keep:]} | ({protect} if protect else set())
-    oldest_kept = min((info.global_step for info in complete if info.path in kept), default=None)
+    counted = [info for info in infos if info.manifest is not None and info.finite]
+    kept = {info.path for info in counted[-keep:]} | ({protect} if protect else set())
     deleted = []
-    for info in infos:
-        if info.path in kept:
-            continue
-        # Complete ones beyond `keep`, and incomplete leftovers of crashed writes older than what is kept
-        # (a newer leftover is removed when that step is saved again).
-        if info.complete or (oldest_kept is not None and info.global_step < oldest_kept):
+    for info in counted:
+        if info.path not in kept:
             shutil.rmtree(info.path, ignore_errors=True)
             deleted.append(info.path)
     return deleted
 
 
-def set_aside(folder: Path) -> Path:
-    """Rename a corrupt checkpoint to ``<name>.corrupt`` (kept for inspection, never loaded again)."""
-    target = folder.with_name(folder.name + CORRUPT_SUFFIX)
+def set_aside(folder: Path, suffix: str = CORRUPT_SUFFIX) -> Path:
+    """Rename a checkpoint folder to ``<name><suffix>`` (kept for inspection, never loaded again).
+
+    The suffixes say why: ``.corrupt`` (a file fails its checksum or the safe load), ``.incomplete``
+    (no manifest), ``.unreadable`` (permissions), ``.nonfinite`` (NaN or infinite weights).
+    """
+    target = folder.with_name(folder.name + suffix)
     n = 1
     while target.exists():
         n += 1
-        target = folder.with_name(f"{folder.name}{CORRUPT_SUFFIX}{n}")
+        target = folder.with_name(f"{folder.name}{suffix}{n}")
     os.rename(folder, target)
     return target
 

@@ -1,15 +1,23 @@
 """Which checkpoint a run resumes from: ``resume=never``, ``auto`` or a path.
 
 - ``never``: start fresh. A folder that already holds complete checkpoints
-  is refused (two runs' checkpoints would mix): continue it with ``auto`` or
-  choose another folder.
+  (``step-*`` or ``best-*``) is refused (two runs' checkpoints would mix):
+  continue it with ``auto`` or choose another folder.
 - ``auto``: the newest complete checkpoint that verifies (sizes, SHA-256,
-  safe load). A newer one that is corrupt is named in a warning and set
-  aside (``step-....corrupt``) and the previous good one is used; leftovers of
-  interrupted writes are removed. With no checkpoint at all the run starts
-  fresh and says so; when checkpoints exist but none verifies, it stops with
-  an error rather than starting silently from scratch.
+  safe load), among the ``step-*`` ones and the ``best-*`` one (taken, and
+  said in one line, when no newer ``step-*`` is complete). A newer one that
+  is corrupt, unreadable or marked as holding non-finite weights is named in
+  a warning and set aside (renamed ``step-....corrupt``, ``.unreadable``,
+  ``.nonfinite``) and the previous good one is used. With no checkpoint at all
+  the run starts fresh and says so; when checkpoints exist but none verifies,
+  it stops with an error rather than starting silently from scratch.
 - a path: that checkpoint, strictly (any problem is an error).
+
+Nothing is deleted here: a folder without a manifest newer than the
+checkpoint resumed from (an interrupted write, or a copy or sync still in
+progress) is renamed ``step-....incomplete`` and reported, so that the run's
+next checkpoints cannot collide with it and its files stay for whoever put
+them there.
 
 A restarted worker (``TORCHELASTIC_RESTART_COUNT`` or ``SLURM_RESTART_COUNT``
 above 0) resumes as with ``auto`` whatever was asked, when the folder holds a
@@ -20,12 +28,16 @@ Only rank 0 runs these functions; the Checkpointer shares the outcome.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpkit.checkpoint.finite import NONFINITE_SUFFIX
 from ddpkit.checkpoint.format import (
+    BEST_PREFIX,
+    CORRUPT_SUFFIX,
+    INCOMPLETE_SUFFIX,
+    UNREADABLE_SUFFIX,
     CheckpointError,
     CheckpointInfo,
     list_checkpoints,
@@ -50,6 +62,13 @@ def holds_checkpoints(root: Path, complete: list[CheckpointInfo]) -> CheckpointE
     )
 
 
+def candidates(root: str | Path) -> list[CheckpointInfo]:
+    """The complete (or unreadable) ``step-*`` and ``best-*`` checkpoints of ``root``, oldest first; at one
+    step, the ``best-*`` before the ``step-*`` (its hard-linked twin), so the ``step-*`` is tried first."""
+    found = [i for i in list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX) if i.complete]
+    return sorted(found, key=lambda info: (info.global_step, not info.path.name.startswith(BEST_PREFIX)))
+
+
 def check_resume(root: str | Path, resume: str) -> None:
     """Fail early, before any worker starts, when ``resume`` cannot work (the workers check again, fully).
 
@@ -58,7 +77,7 @@ def check_resume(root: str | Path, resume: str) -> None:
             ``resume=PATH`` that is not a complete checkpoint.
     """
     if resume == "never":
-        complete = [info for info in list_checkpoints(root) if info.complete]
+        complete = candidates(root)
         if complete:
             raise holds_checkpoints(Path(root), complete)
     elif resume != "auto":
@@ -78,17 +97,17 @@ def choose_checkpoint(root: str | Path, resume: str, restarts: int = 0) -> tuple
     """
     root = Path(root)
     infos = list_checkpoints(root)
-    complete = [info for info in infos if info.complete]
+    complete = candidates(root)
     if restarts and resume != "auto" and complete:
         get_logger().info(f"restart {restarts}: resuming from the newest checkpoint in {root}")
         resume = "auto"
     if resume == "never":
         if complete:
             raise holds_checkpoints(root, complete)
-        remove_incomplete(infos)
+        set_aside_incomplete(infos)
         return None, None
     if resume == "auto":
-        return _newest_good(root, infos)
+        return _newest_good(root, infos, complete)
     return _strict(root, Path(resume), infos)
 
 
@@ -102,41 +121,77 @@ def _strict(root: Path, path: Path, infos: list[CheckpointInfo]) -> tuple[Path, 
             "from the older one there would mix two runs: move the newer ones away, "
             "or write this run's checkpoints to another folder"
         )
-    remove_incomplete([i for i in infos if i.global_step > step])
+    set_aside_incomplete([i for i in infos if i.global_step > step])
     return path, loaded
 
 
-def _newest_good(root: Path, infos: list[CheckpointInfo]) -> tuple[Path | None, dict[str, Any] | None]:
+def _newest_good(
+    root: Path, infos: list[CheckpointInfo], complete: list[CheckpointInfo]
+) -> tuple[Path | None, dict[str, Any] | None]:
     log = get_logger()
-    bad: list[CheckpointInfo] = []
-    for info in reversed([info for info in infos if info.complete]):
+    bad: list[tuple[CheckpointInfo, str]] = []
+    for info in reversed(complete):
+        if not info.finite:
+            log.warning(f"resume=auto: skipping checkpoint {info.path.name}: its weights are NaN or infinite")
+            bad.append((info, NONFINITE_SUFFIX))
+            continue
         try:
             loaded = verify_checkpoint(info.path)
         except CheckpointError as e:
             log.warning(f"resume=auto: skipping checkpoint {info.path.name}: {e}")
-            bad.append(info)
+            bad.append((info, UNREADABLE_SUFFIX if info.unreadable or "cannot be read" in str(e) else CORRUPT_SUFFIX))
             continue
         if bad:
+            what = {CORRUPT_SUFFIX: "corrupt", UNREADABLE_SUFFIX: "unreadable", NONFINITE_SUFFIX: "non-finite"}
             log.warning(
-                f"resume=auto: newest checkpoint {bad[0].path} is corrupt; using the previous good one, {info.path}"
+                f"resume=auto: newest checkpoint {bad[0][0].path} is {what[bad[0][1]]}; "
+                f"using the previous good one, {info.path}"
             )
-            for info_bad in bad:
-                log.warning(f"set aside as {set_aside(info_bad.path)}")
-        remove_incomplete([i for i in infos if i.global_step > info.global_step])
+            for info_bad, suffix in bad:
+                _set_aside(info_bad.path, suffix)
+        if info.path.name.startswith(BEST_PREFIX):
+            log.warning(
+                f"resume=auto: no complete step-* checkpoint is newer than {info.path.name}; "
+                f"resuming from the best checkpoint {info.path}"
+            )
+        set_aside_incomplete([i for i in infos if i.global_step > info.global_step])
         return info.path, loaded
     if bad:
         raise CheckpointError(
-            f"no checkpoint in {root} verifies ({', '.join(i.path.name for i in bad)} are corrupt); "
+            f"no checkpoint in {root} verifies ({', '.join(i.path.name for i, _ in bad)} are not usable); "
             "restore them from a backup, or start over with resume=never in another folder"
         )
     log.info(f"resume=auto: no checkpoint in {root} yet; starting from the beginning")
-    remove_incomplete(infos)
+    set_aside_incomplete(infos)
     return None, None
 
 
-def remove_incomplete(infos: list[CheckpointInfo]) -> None:
-    """Delete the folders of interrupted writes (no manifest) among ``infos``."""
+def set_aside_incomplete(infos: list[CheckpointInfo]) -> list[Path]:
+    """Rename the folders without a manifest among ``infos`` to ``<name>.incomplete``; returns the new paths.
+
+    Never deleted: an interrupted write looks the same as a copy or sync still in progress.
+    """
+    moved = []
     for info in infos:
         if not info.complete:
-            get_logger().warning(f"removing {info.path}: an interrupted checkpoint write (it has no manifest)")
-            shutil.rmtree(info.path, ignore_errors=True)
+            target = _set_aside(
+                info.path,
+                INCOMPLETE_SUFFIX,
+                "it has no manifest: an interrupted write, or a copy "
+                "still in progress; delete it once nothing is writing there",
+            )
+            if target is not None:
+                moved.append(target)
+    return moved
+
+
+def _set_aside(path: Path, suffix: str, why: str = "") -> Path | None:
+    """Rename ``path`` aside with ``suffix`` and say so in one line; a failed rename is a warning too."""
+    log = get_logger()
+    try:
+        target = set_aside(path, suffix)
+    except OSError as e:
+        log.warning(f"could not set {path} aside ({e.strerror or e}); it is left where it is and not used")
+        return None
+    log.warning(f"set {path} aside as {target.name}" + (f": {why}" if why else ""))
+    return target

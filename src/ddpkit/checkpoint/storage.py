@@ -108,14 +108,18 @@ def explain_write_error(root: Path, name: str, error: OSError, needed: int) -> s
     reason = error.strerror or str(error)
     free = free_bytes(root)
     complete = [info for info in list_checkpoints(root) if info.manifest is not None]
-    newest = (
-        f"the newest complete checkpoint {complete[-1].path} is untouched"
-        if complete
-        else "no complete checkpoint exists yet"
-    )
+    removed = f"the incomplete {name} was removed"
+    if complete and complete[-1].path.name == name:
+        # A rewrite of a step already saved (see Checkpointer.save): its earlier, complete copy is untouched.
+        removed = f"the incomplete new copy of {name} was removed"
+        newest = f"the complete {name} written earlier is untouched"
+    elif complete:
+        newest = f"the newest complete checkpoint {complete[-1].path} is untouched"
+    else:
+        newest = "no complete checkpoint exists yet"
     return (
         f"cannot write checkpoint {root / name}: {reason} ({format_bytes(free)} free on the file system of "
-        f"{root}, a checkpoint needs about {format_bytes(needed)}); the incomplete {name} was removed; "
+        f"{root}, a checkpoint needs about {format_bytes(needed)}); {removed}; "
         f"{newest}; {_fix(root, error, max(needed - free, 0))}"
     )
 

@@ -23,14 +23,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ddpkit.checkpoint.export_folder import EXPORT_INFO, read_export
 from ddpkit.checkpoint.format import (
-    MANIFEST,
     CheckpointError,
+    has_manifest,
     list_checkpoints,
     load_file,
     resolve_checkpoint_dir,
@@ -82,14 +83,23 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         CheckpointError: nothing usable there, a damaged file, or a refused (unsafe) one.
     """
     path = Path(path)
-    if path.is_dir():
-        if (path / MANIFEST).exists():
+    try:
+        is_folder, is_file = path.is_dir(), path.is_file()
+    except OSError as e:
+        raise CheckpointError(
+            f"init_from={path} cannot be read ({e.strerror or e}); make it readable by this user"
+        ) from None
+    if is_folder:
+        if has_manifest(path):
             state = verify_checkpoint(path)["model.pt"]
+            _refuse_nonfinite(path, state)
         elif (path / EXPORT_INFO).exists():
             state = read_export(path)[1]
         else:
-            state = verify_checkpoint(newest_verified(path))["model.pt"]
-    elif path.is_file():
+            newest = newest_verified(path)
+            state = verify_checkpoint(newest)["model.pt"]
+            _refuse_nonfinite(newest, state)
+    elif is_file:
         state = load_file(path)
         if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
             state = state["state_dict"]
@@ -104,21 +114,48 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def newest_verified(folder: str | Path) -> Path:
-    """The newest checkpoint of a checkpoints folder (or output_dir) that verifies.
+    """The newest checkpoint of a checkpoints folder (or output_dir) that verifies, as ``resume=auto`` takes it.
+
+    Every file is checked and loaded safely (as resume does); a newer checkpoint that is incomplete,
+    corrupt, unreadable or marked as holding non-finite weights is named in a warning and skipped (not set
+    aside: the folder may be another run's, read here only).
 
     Raises:
         CheckpointError: the folder holds no complete, verified checkpoint.
     """
+    from ddpkit.checkpoint.finite import is_marked_nonfinite
+    from ddpkit.log import get_logger
+
     root = resolve_checkpoint_dir(folder)
     problems = []
-    for info in reversed([i for i in list_checkpoints(root) if i.complete]):
+    infos = list_checkpoints(root)
+    for info in reversed(infos):
+        if not info.complete:
+            problems.append(f"{info.path.name} is incomplete (no manifest)")
+            continue
         try:
-            verify_checkpoint(info.path, load=False)
-            return info.path
+            if is_marked_nonfinite(info.manifest):
+                raise CheckpointError(f"{info.path} holds NaN or infinite weights")
+            verify_checkpoint(info.path)
         except CheckpointError as e:
             problems.append(str(e))
+            continue
+        for problem in problems:
+            get_logger().warning(f"skipping a newer checkpoint than {info.path.name}: {problem}")
+        return info.path
     detail = f" ({'; '.join(problems)})" if problems else ""
     raise CheckpointError(f"{folder} holds no complete, verified checkpoint{detail}; pass a checkpoint folder")
+
+
+def _refuse_nonfinite(path: Path, state: Any) -> None:
+    from ddpkit.checkpoint.finite import nonfinite_tensors
+
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise CheckpointError(
+            f"{path} holds NaN or infinite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+            "start from an earlier checkpoint of that run"
+        )
 
 
 def load_matching(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> TransferReport:

@@ -13,6 +13,28 @@ from ``ddpkit.reduce_sums``. Each optimizer step::
 
 Per step the loop does no host synchronisation: the running loss stays a
 tensor and is read every ``log_every`` steps.
+
+A loss that turns NaN or infinite stops the run (:class:`TrainingDiverged`,
+exit status ``EXIT_DIVERGED``) with one line naming the steps and the last
+good checkpoint, which is kept; no checkpoint of the non-finite state is
+written. Two checks, each where the loop synchronises anyway:
+
+- every ``log_every`` steps, the running loss of the window (a sum: one
+  NaN or infinity in any of its steps makes it non-finite), agreed by all
+  ranks with one all_reduce of one number;
+- at a step where a checkpoint is due by the loop's own clock (an epoch's
+  last step, a multiple of ``checkpoint.every_steps``, ``max_steps``), the
+  model's tensors themselves (one ``isfinite`` per tensor, one transfer to
+  the host: a checkpoint copies them to the host right after anyway). The
+  weights are the same on every rank, so every rank decides alike. This
+  also catches weights that overflowed in the very step before the save,
+  whose loss was still finite.
+
+Saves the loop cannot foresee (``every_seconds``, a preemption) are guarded
+by the Checkpointer, which marks a checkpoint of non-finite weights so that
+it never counts toward ``keep`` nor is resumed. With fp16's gradient scaler
+(CUDA) an infinite loss is part of its normal work (the step is skipped and
+the scale lowered), so there the run stops only when the weights are non-finite.
 """
 
 from __future__ import annotations
@@ -24,14 +46,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
+from ddpkit.checkpoint.format import set_aside
 from ddpkit.checkpoint.manager import Checkpointer
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader
-from ddpkit.distributed import Context
+from ddpkit.distributed import Context, control_device
+from ddpkit.errors import UserError
 from ddpkit.log import get_logger, stderr_is_terminal
+from ddpkit.names import EXIT_DIVERGED
 from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
 from ddpkit.reduce import reduce_sums
 from ddpkit.train.metrics_file import MetricsWriter
@@ -41,6 +68,14 @@ from ddpkit.train.task import Task, split_batch
 
 class StopTraining(Exception):
     """Raised inside the loop to end training after the current step (fit returns its summary)."""
+
+
+class TrainingDiverged(UserError):
+    """The training loss (or the weights) became NaN or infinite; the message names the steps, the last good
+    checkpoint and the fix."""
+
+    exit_status = EXIT_DIVERGED
+    """The exit status of the worker and of ``ddpkit train``."""
 
 
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
@@ -79,6 +114,8 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.module = unwrap_model(self.model)
+        self._finite_at = 0
+        """The global step up to which the weights are known finite (a resumed checkpoint's, a passed check)."""
         self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, tracker=self.state.tracker)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
         sync = gradient_sync(self.model)
@@ -152,7 +189,10 @@ class Trainer:
                 state.global_step += 1
                 state.samples_seen += count
                 window_samples += count
+                if self._save_due():
+                    self._check_weights()
                 if state.global_step % cfg.log_every == 0:
+                    self._check_loss(running)
                     window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
                 if self.checkpointer is not None:
                     clock.update()  # a checkpoint written now holds the train time up to this step
@@ -167,6 +207,61 @@ class Trainer:
             clock.update()
             if bar is not None:
                 bar.close()
+
+    # -- non-finite loss (see the module docstring) ---------------------------
+
+    def _save_due(self) -> bool:
+        """True at a step where a checkpoint is due by the loop's clock: an epoch's last step, every_steps, max_steps."""
+        if self.checkpointer is None or not self.cfg.checkpoint.enabled:
+            return False
+        step, every, loader = self.state.global_step, self.cfg.checkpoint.every_steps, self.loader
+        return (
+            loader.step_in_epoch >= loader.steps_per_epoch
+            or bool(every and step % every == 0)
+            or bool(self.cfg.max_steps and step >= self.cfg.max_steps)
+        )
+
+    def _check_weights(self) -> None:
+        """Stop (TrainingDiverged) when the model's tensors hold NaN or infinity; else they are good up to here."""
+        bad = nonfinite_tensors(self.module.state_dict())
+        if bad:
+            self._diverged(f"the weights hold NaN or infinity ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        self._finite_at = self.state.global_step
+
+    def _check_loss(self, running: torch.Tensor) -> None:
+        """Stop (TrainingDiverged) when the window's running loss is NaN or infinite on some rank."""
+        flag = (~torch.isfinite(running)).to(torch.float32)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        if self.scaler is not None and self.scaler.is_enabled():
+            self._check_weights()  # fp16's scaler skips steps of infinite gradients: only NaN weights stop
+            return
+        loss = running.item() / self.cfg.log_every
+        self._diverged(f"the training loss became {loss}")
+
+    def _diverged(self, what: str) -> None:
+        """Raise TrainingDiverged naming the steps and the last good checkpoint (rank 0 sets later ones aside)."""
+        cfg, step = self.cfg, self.state.global_step
+        window = max(self._finite_at, step - cfg.log_every)
+        box = ["no checkpoint was written before; start over"]
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # (a collective) a write in flight is complete before its files are judged
+            if self.ctx.is_main_process:
+                path, bad = last_finite_checkpoint(self.checkpointer.root, suspect_from=max(window - 1, 0))
+                for folder in bad:
+                    aside = set_aside(folder, NONFINITE_SUFFIX)
+                    get_logger().warning(f"set {folder} aside as {aside.name}: its weights are NaN or infinite")
+                if path is not None:
+                    box = [f"the last good checkpoint, {path}, is kept; continue from it with resume=auto lr=..."]
+            if self.ctx.world_size > 1:
+                dist.broadcast_object_list(box, src=0, device=control_device())
+        good = box[0]
+        raise TrainingDiverged(
+            f"{what} between global steps {window} and {step} (epoch {self.loader.epoch + 1}); lower lr "
+            f"(now {cfg.lr}) or check the data and the model: {good}"
+        )
 
     def _log_window(self, bar, running, window_samples, window_start):
         now = time.perf_counter()
@@ -224,6 +319,7 @@ class Trainer:
         log.info(sync.describe() if sync is not None else "single worker: no gradient synchronisation")
         test: dict[str, float] = {}
         tested_at = -1
+        self._finite_at = self.state.global_step  # resumed from a verified checkpoint
         if self.loader.epoch >= cfg.epochs:
             log.info(
                 f"this run is finished: all {cfg.epochs} epochs are complete; nothing to train "

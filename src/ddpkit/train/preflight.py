@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ddpkit.checkpoint.options import RESUME_MODES
@@ -18,6 +20,7 @@ from ddpkit.models.registry import get_model_spec
 from ddpkit.train.loop import global_batch_size
 from ddpkit.train.metrics_file import check_logger
 from ddpkit.train.run import checkpoint_root, data_options
+from ddpkit.train.run_folder import check_run_folder
 from ddpkit.train.task import resolve_task
 
 _FILE_DATASETS = {"fashion-mnist": FASHION_MNIST, "mnist": MNIST}
@@ -54,6 +57,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
             f"global batch size {batch} does not divide among {world_size} workers; "
             f"use a multiple of {world_size} (batch_size=...) or batch_scope=per_worker"
         )
+    if cfg.output_dir:
+        check_run_folder(Path(cfg.output_dir))
     # (checkpoints off: only a path to check; no run folder: node 0's launcher checks it)
     if (cfg.checkpoint.enabled or cfg.resume not in RESUME_MODES) and (cfg.output_dir or cfg.checkpoint.dir):
         check_resume(checkpoint_root(cfg), cfg.resume)

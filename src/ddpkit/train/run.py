@@ -19,7 +19,9 @@ the imports to this list):
   collection paused, a start-up cost of the command;
 - ``ddpkit.launch.failure.record_for_launcher``: the error file that torchrun
   and ddpkit's launcher read for their one failure report (torch's
-  ``@record`` does this for a script);
+  ``@record`` does this for a script); ``ddpkit.launch.failure.FAILURE_DIR_VARIABLE``,
+  which only ddpkit's launcher sets, so that its workers (torch's elastic
+  agent starts them, with torchrun's variables) name it rather than torchrun;
 - ``ddpkit.distributed.exit_process``: a failed rank leaves at once, so that
   the launcher takes it for the root cause rather than the peers it fails;
 - ``ddpkit.distributed.control_device``: where the broadcast of the run
@@ -43,8 +45,11 @@ from ddpkit import (
     Checkpointer,
     Context,
     DataLoader,
+    FolderInUseError,
+    FolderLock,
     ResumePoint,
     Tracker,
+    UserError,
     apply_transfer,
     export_checkpoint,
     prepare_model,
@@ -54,11 +59,11 @@ from ddpkit.config import TrainConfig, to_dict
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
 from ddpkit.gc_pause import import_paused
-from ddpkit.launch.failure import record_for_launcher
+from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
-from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
+from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import build_scheduler
 from ddpkit.train.state import TrainState
 from ddpkit.train.task import resolve_task
@@ -109,6 +114,11 @@ def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: An
     """Every part of a run from the public API, resumed as ``cfg.resume`` asks."""
     seed_everything(cfg.seed)
     model = spec.build()
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(
+            f"model={cfg.model} returned a {type(model).__name__}, not a torch.nn.Module; make the function "
+            "return the model itself"
+        )
     if cfg.init_from or cfg.freeze:
         # Before preparing: the gradient sync must not expect gradients of frozen parameters.
         for line in apply_transfer(model, cfg.init_from, cfg.freeze).lines():
@@ -235,11 +245,13 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
     # (a worker forked from the worker server has it already).
     import_paused("torch._dynamo")
     ctx = ddpkit.init(cfg.backend, cfg.device, cfg.timeout, cfg.threads)
+    locks: list[FolderLock] = []
     try:
         cfg = _with_run_folder(cfg, ctx)
+        locks = _lock_run_folder(cfg, ctx)  # before anything is written there
         log = setup_logging(ctx.rank, ctx.world_size)
         log.info(
-            f"{ctx.env.source}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
+            f"{_launcher_name(ctx)}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
             f"master {ctx.env.master_addr}:{ctx.env.master_port}, backend {ctx.backend}, device {ctx.device}"
         )
         log.info("config: " + " ".join(f"{k}={v}" for k, v in to_dict(cfg).items()))
@@ -269,7 +281,49 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
             exit_process(getattr(error, "exit_status", 1), leave_group=False)
         raise
     finally:
+        for lock in reversed(locks):
+            lock.release()
         ddpkit.shutdown()
+
+
+def _launcher_name(ctx: Context) -> str:
+    """Who started this worker, as the start-up line names it: ddpkit's own launcher is not torchrun."""
+    if ctx.env.source == "torchrun" and FAILURE_DIR_VARIABLE in os.environ:
+        return "ddpkit launcher"
+    return ctx.env.source
+
+
+def _lock_run_folder(cfg: TrainConfig, ctx: Context) -> list[FolderLock]:
+    """Rank 0 (the process that writes) takes the lock of the run folder, and of checkpoint.dir when that lies
+    elsewhere, for the run's life; every rank raises the same one-line error when another run holds one.
+
+    (A collective when world_size > 1: rank 0's outcome is broadcast, so no rank trains on alone.)
+    """
+    folders = [Path(cfg.output_dir)]
+    if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(folders[0].resolve()):
+        folders.append(Path(cfg.checkpoint.dir))
+    locks: list[FolderLock] = []
+    box = ["", ""]  # (the error's kind, its message)
+    if ctx.is_main_process:
+        for folder, fix in zip(folders, ("output_dir=...", "checkpoint.dir=...")):
+            try:
+                locks.append(FolderLock(folder, fix=fix).acquire(lock_wait_seconds(os.environ)))
+            except FolderInUseError as e:
+                box = ["in use", str(e)]
+                break
+            except OSError as e:
+                box = [
+                    "io",
+                    f"cannot write to {folder} ({e.strerror or e}); choose a folder this user can write ({fix})",
+                ]
+                break
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0, device=control_device())
+    if box[0]:
+        for lock in reversed(locks):
+            lock.release()
+        raise FolderInUseError(box[1]) if box[0] == "in use" else UserError(box[1])
+    return locks
 
 
 def _with_run_folder(cfg: TrainConfig, ctx: Context) -> TrainConfig:

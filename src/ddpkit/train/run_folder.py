@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ddpkit.checkpoint.select import restart_count
 from ddpkit.config import TrainConfig
+from ddpkit.errors import UserError
 
 RUNS_DIR = Path("runs")
 """Where the run folders go, relative to the current folder."""
@@ -61,11 +62,50 @@ def newest_run(series: Path) -> Path | None:
 
 
 def claim_run_folder(folder: Path) -> Path:
-    """Create ``folder`` and, for a folder under runs/, point ``runs/latest`` to it; returns ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Create ``folder`` and, for a folder under runs/, point ``runs/latest`` to it; returns ``folder``.
+
+    Raises:
+        UserError: ``folder`` names an existing file, or cannot be created (permissions, read-only).
+    """
+    check_run_folder(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create output_dir {folder} ({e.strerror or e}); choose a folder this user can write "
+            "(output_dir=...)"
+        ) from None
     if folder.resolve().is_relative_to(RUNS_DIR.resolve()) and folder.resolve() != LATEST.resolve():
         _point_latest(folder)
     return folder
+
+
+RESTART_LOCK_WAIT_SECONDS = 60.0
+"""How long a restarted run waits for its run folder's lock: DataLoader workers its dead rank 0 forked hold it
+until they notice their parent is gone (torch's watchdog checks every few seconds) and exit."""
+
+
+def lock_wait_seconds(environ: Mapping[str, str]) -> float:
+    """Seconds to wait for the run folder's lock: 0 for a new run (a run in the way is refused at once), a
+    minute for a restarted one (torch elastic, a Slurm requeue), whose predecessor's processes are ending."""
+    return RESTART_LOCK_WAIT_SECONDS if restart_count(environ) else 0.0
+
+
+def check_run_folder(folder: Path) -> None:
+    """Raise UserError, in one line, when ``folder`` cannot be a run folder: an existing file, or under one.
+
+    (Whether it can be written is known only by writing: :func:`claim_run_folder` and the run's lock say so.)
+    """
+    for path in (folder, *folder.parents):
+        try:
+            if path.exists() and not path.is_dir():
+                what = "" if path == folder else f" (its parent {path} is a file)"
+                raise UserError(
+                    f"output_dir {folder} is not a folder{what}; choose a folder (output_dir=...), "
+                    "or move that file away"
+                )
+        except OSError:
+            return  # not searchable: the mkdir or the lock names the problem
 
 
 def _point_latest(folder: Path) -> None:

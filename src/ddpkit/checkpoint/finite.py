@@ -1,0 +1,135 @@
+"""Non-finite weights never replace finite ones: find them, mark them, never count them.
+
+A run whose loss became NaN or infinite (a learning rate of ``inf`` or
+``1e300``, an overflow, a bad batch) goes on producing checkpoints of NaN
+weights; counted toward ``keep``, they would prune the last good ones. Three
+small parts keep the good ones:
+
+- :func:`nonfinite_tensors`: which floating tensors of a ``state_dict``-like
+  structure hold NaN or infinity (one ``torch.isfinite(t).all()`` per
+  tensor, read together in one host transfer), for a writer to refuse or set
+  apart a save;
+- :data:`FINITE_KEY`: a manifest key, ``"finite": false``, that a writer
+  passes through ``write_checkpoint``'s ``meta`` for such a checkpoint
+  (:func:`finite_marker` builds it);
+  :func:`ddpkit.checkpoint.format.prune` never counts a checkpoint so marked
+  toward ``keep`` and resume never picks it (:func:`is_marked_nonfinite`);
+- :func:`last_finite_checkpoint`: after a run stopped on a non-finite loss,
+  the newest complete checkpoint whose weights are finite (those a marker
+  does not vouch for are loaded and checked).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.checkpoint.format import CheckpointError, list_checkpoints, load_file
+
+FINITE_KEY = "finite"
+"""Manifest key: False when the checkpoint's tensors hold NaN or infinity (absent: finite, or not checked)."""
+NONFINITE_SUFFIX = ".nonfinite"
+"""What a checkpoint of non-finite weights is renamed to when it is set aside (never loaded by resume=auto)."""
+
+
+def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """The names (dotted paths) of the floating tensors in ``state`` that hold NaN or infinity.
+
+    Args:
+        state: a tensor, or mappings, lists and tuples of them (a ``state_dict``, an optimizer's,
+            a dict of several); other values are ignored.
+        prefix: prepended to every name.
+
+    Returns:
+        The names, in the order found; empty when every floating tensor is finite.
+    """
+    names: list[str] = []
+    flags: list[torch.Tensor] = []
+    _collect(state, prefix, names, flags)
+    if not flags:
+        return []
+    # One host transfer for all of them (on a GPU, one synchronisation rather than one per tensor).
+    finite = torch.stack([flag.to("cpu", non_blocking=False) for flag in flags]).tolist()
+    return [name for name, ok in zip(names, finite) if not ok]
+
+
+def _collect(value: Any, name: str, names: list[str], flags: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        if (value.is_floating_point() or value.is_complex()) and value.numel():
+            names.append(name or "tensor")
+            flags.append(torch.isfinite(value.detach()).all())
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _collect(item, f"{name}.{key}" if name else str(key), names, flags)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _collect(item, f"{name}.{i}" if name else str(i), names, flags)
+
+
+def finite_marker(state: Any) -> dict[str, Any]:
+    """The manifest facts a writer adds through ``write_checkpoint``'s ``meta`` for ``state``: ``{}`` when every
+    floating tensor is finite, else ``{"finite": False, "nonfinite_tensors": [the first 10 names]}``.
+
+    ::
+
+        meta = {**meta, **finite_marker(objects)}     # objects: file name -> state_dict, as write_checkpoint takes
+    """
+    bad = nonfinite_tensors(state)
+    return {FINITE_KEY: False, "nonfinite_tensors": bad[:10]} if bad else {}
+
+
+def is_finite_number(value: Any) -> bool:
+    """True for a real number that is neither NaN nor infinite (a metric that may become the best)."""
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def is_marked_nonfinite(manifest: Mapping[str, Any] | None) -> bool:
+    """True when a manifest says its checkpoint holds NaN or infinity (``"finite": false``)."""
+    return bool(manifest) and manifest.get(FINITE_KEY, True) is False  # type: ignore[union-attr]
+
+
+def last_finite_checkpoint(root: str | Path, suspect_from: int | None = None) -> tuple[Path | None, list[Path]]:
+    """The newest complete checkpoint of ``root`` whose weights are finite, and the non-finite ones newer than it.
+
+    Args:
+        root: the checkpoints folder.
+        suspect_from: checkpoints at this global step or later are loaded and checked (their weights may
+            have diverged before the loss said so); older ones are trusted unless their manifest marks them.
+            None checks every one that is not marked.
+
+    Returns:
+        (the checkpoint or None, the newer checkpoints found non-finite, newest first).
+    """
+    bad: list[Path] = []
+    for info in reversed([i for i in list_checkpoints(root) if i.manifest is not None]):
+        if is_marked_nonfinite(info.manifest):
+            bad.append(info.path)
+            continue
+        if suspect_from is None or info.global_step >= suspect_from:
+            try:
+                weights = load_file(info.path / "model.pt")
+            except CheckpointError:
+                continue  # damaged: not a good one, and not ours to judge here (resume sets it aside)
+            if nonfinite_tensors(weights):
+                bad.append(info.path)
+                continue
+        return info.path, bad
+    return None, bad
+
+
+__all__ = [
+    "FINITE_KEY",
+    "NONFINITE_SUFFIX",
+    "finite_marker",
+    "is_finite_number",
+    "is_marked_nonfinite",
+    "last_finite_checkpoint",
+    "nonfinite_tensors",
+]
