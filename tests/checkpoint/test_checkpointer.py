@@ -16,6 +16,8 @@ import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -645,3 +647,53 @@ def test_an_epoch_end_is_written_once_also_with_a_scheduler_stepped_after_the_ba
     assert one_each <= written <= 1.15 * one_each, (written, one_each)
     # Each holds the scheduler's step after its epoch: a resume continues at the next epoch's lr.
     assert [verify_checkpoint(info.path)["scheduler.pt"]["last_epoch"] for info in checkpoints] == [1, 2, 3]
+
+
+def test_a_second_run_into_a_folder_in_use_stops_at_start_naming_the_holder(tmp_path):
+    from ddpkit.checkpoint.folder_lock import FolderInUseError
+    from tests.cli_runner import PYTHONPATH
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, torch, ddpkit\n"
+            f"ckpt = ddpkit.Checkpointer({str(tmp_path)!r}, model=torch.nn.Linear(2, 2), preempt_signals=())\n"
+            "ckpt.start(); print('holding', flush=True); time.sleep(60)",
+        ],
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        ckpt = Checkpointer(tmp_path, model=nn.Linear(2, 2), preempt_signals=())
+        with pytest.raises(FolderInUseError) as error:
+            ckpt.resume("auto")
+        message = _one_line(error)
+        assert f"is in use by another run (host {os.uname().nodename}, pid {holder.pid}" in message, message
+        assert _steps(tmp_path) == []  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    again = Checkpointer(tmp_path, model=nn.Linear(2, 2), preempt_signals=())
+    assert not again.resume("auto").resumed  # the holder is gone: its lock went with it
+    again.close()
+
+
+def test_a_save_of_non_finite_weights_is_kept_apart_and_never_prunes_a_finite_one(tmp_path, checkpointers, ddpkit_log):
+    model = nn.Linear(4, 4)
+    ckpt = checkpointers(tmp_path, model=model, keep=1, best_metric="loss", best_mode="min")
+    ckpt.resume("auto")
+    ckpt.step()
+    ckpt.epoch_end({"loss": 0.5})
+    good = ckpt.save()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    ckpt.step()
+    ckpt.epoch_end({"loss": float("nan")})  # a NaN metric never becomes the best
+    bad = ckpt.save()
+    assert read_manifest(bad)["finite"] is False and read_manifest(bad)["nonfinite_tensors"] == ["model.pt.weight"]
+    assert good.exists()  # keep=1 counts finite checkpoints only
+    assert [info.global_step for info in list_checkpoints(tmp_path, prefix="best-")] == [1]
+    assert "holds NaN or infinity (model.pt.weight)" in ddpkit_log.text(logging.WARNING)

@@ -74,10 +74,12 @@ from ddpkit.checkpoint.async_save import copy_state
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
+from ddpkit.checkpoint.folder_lock import FolderLock
 from ddpkit.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     checkpoint_name,
+    folder_mode,
     list_checkpoints,
 )
 from ddpkit.checkpoint.objects import collect_objects, is_collective, model_devices, tensor_digest
@@ -206,6 +208,7 @@ class Checkpointer:
         """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.checkin`)."""
         self._started = False
         self._preempted = self._closed = False
+        self._lock: FolderLock | None = None
         self.schedule.plan(self.global_step, self.agreement.next_step)
 
     def _make_writer(self) -> FolderWriter:
@@ -233,6 +236,9 @@ class Checkpointer:
             needed = checkpoint_bytes(self.root, self.objects, self.world_size)
             if warning := room_warning(self.root, self.options.keep, needed):
                 get_logger().warning(warning)
+            # A run owns its folder for its life: a second run into it stops here, before writing. Rank 0 alone
+            # (no collective: start() may come first in a save some ranks never reach); its exit ends the job.
+            self._lock_folder()
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
@@ -241,6 +247,16 @@ class Checkpointer:
             if progress := self.check_ins.follow_loop(default_store):
                 atexit.register(progress.stop)
         atexit.register(_say_if_unwritten, weakref.ref(self))
+
+    def _lock_folder(self) -> None:
+        """Rank 0: take the checkpoint folder's lock (a restarted worker waits for its predecessor's to go)."""
+        wait = RESTART_LOCK_WAIT_S if select.restart_count(self.environ) else 0.0
+        try:
+            # Created as a checkpoint write would create it: private to the user unless readable_by says otherwise.
+            self.root.mkdir(parents=True, exist_ok=True, mode=folder_mode(READABLE_BY[self.options.readable_by]))
+            self._lock = FolderLock(self.root, fix="dir=... (checkpoint.dir=...)").acquire(wait)
+        except OSError:
+            self._lock = None  # a folder this process cannot write: the first save says so, in one line
 
     # -- resuming ----------------------------------------------------------------
 
@@ -633,6 +649,8 @@ class Checkpointer:
             if self.writer is not None:
                 self.writer.close(failed)
             self.check_ins.stop()
+            if self._lock is not None:
+                self._lock.release()
             if self.loader is not None:
                 self.loader.step_boundary.unregister(self._at_boundary)
             self.signals.close()
@@ -641,6 +659,9 @@ class Checkpointer:
         """The reason of a checkpoint due but not yet written ("" when none): ``close()`` writes it."""
         return self.schedule.pending_reason if self.schedule.pending_at(self.global_step) else ""
 
+
+RESTART_LOCK_WAIT_S = 60.0
+"""How long a restarted worker waits for its folder's lock: processes its dead predecessor forked may hold it."""
 
 _INSTANCES = itertools.count()
 """Checkpointers made by this process, numbered in order (the same on every rank)."""

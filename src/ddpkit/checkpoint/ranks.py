@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.errors import UserError
 
 __all__ = ["default_store", "on_rank_zero", "rank_and_size"]
 
@@ -29,12 +29,13 @@ def default_store() -> Any:
 
 
 def on_rank_zero(fn: Callable[[], Any], rank: int, world_size: int) -> Any:
-    """Run ``fn`` on rank 0 and share its result, or its CheckpointError, with every rank (a collective)."""
+    """Run ``fn`` on rank 0 and share its result, or its UserError (a CheckpointError...), with every rank (a
+    collective): every rank then fails with the same line."""
     box: list[Any] = [None, None]
     if rank == 0:
         try:
             box[0] = fn()
-        except CheckpointError as e:
+        except UserError as e:
             box[1] = (type(e), str(e))  # the class too: a StorageError has its own exit status
     if world_size > 1:
         dist.broadcast_object_list(box, src=0)

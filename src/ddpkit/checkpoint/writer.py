@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
+from ddpkit.checkpoint.finite import finite_marker
 from ddpkit.checkpoint.format import MANIFEST, mark_best, prune, rewrite_manifest, write_checkpoint
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.log import get_logger
@@ -132,7 +133,15 @@ class FolderWriter:
         return self.root / request.name
 
     def _write_files(self, request: WriteRequest) -> Path | None:
-        """The checkpoint folder, the best mark, pruning (on the writer's thread when in the background)."""
+        """The checkpoint folder, the best mark, pruning (on the writer's thread when in the background).
+
+        A state holding NaN or infinity (a diverged run) is written marked as such: it never counts toward
+        ``keep``, never becomes the best, and ``resume="auto"`` sets it aside for the newest finite one.
+        """
+        marker = finite_marker(request.objects)
+        if marker:
+            request.meta = {**request.meta, **marker}
+            request.best = False
         try:
             path = write_checkpoint(self.root, request.name, request.objects, request.texts, request.meta, self.mode)
         except OSError as e:
@@ -141,7 +150,14 @@ class FolderWriter:
         if request.best:
             mark_best(self.root, path, self.mode)
         prune(self.root, self.keep, protect=path)
-        get_logger().info(f"checkpoint {path} ({request.why})")
+        if marker:
+            get_logger().warning(
+                f"checkpoint {path} ({request.reason}) holds NaN or infinity ({', '.join(marker['nonfinite_tensors'])}): "
+                "it is kept apart, never counted toward keep, and resume=auto continues from the newest finite one; "
+                "lower the learning rate or check the data"
+            )
+        else:
+            get_logger().info(f"checkpoint {path} ({request.why})")
         return path
 
     def _saved(self, path: Path | None, reason: str) -> None:
