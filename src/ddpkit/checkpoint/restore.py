@@ -55,8 +55,13 @@ def load_files(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def restore_objects(path: Path, objects: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+def restore_objects(
+    path: Path, objects: dict[str, Any], loaded: dict[str, Any], restored: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Load every object's state from ``loaded`` (file name -> state); return the Checkpointer's counters.
+
+    Args:
+        restored: objects restored already (a sharded checkpoint's model and optimizer), checked only.
 
     Raises:
         CheckpointError: the checkpoint holds other objects, or a state does not fit its object.
@@ -65,6 +70,8 @@ def restore_objects(path: Path, objects: dict[str, Any], loaded: dict[str, Any])
     if saved != given:
         raise CheckpointError(_mismatch(path, saved, given))
     for name, obj in objects.items():
+        if name in restored:
+            continue
         try:
             obj.load_state_dict(loaded[f"{name}.pt"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:

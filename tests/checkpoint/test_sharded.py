@@ -1,0 +1,182 @@
+"""Sharded checkpoints (shard=True): every rank writes its shards, resume is exact, and reshards to another size.
+
+Real gloo runs: 2 ranks trained without a stop and with one (a new
+Checkpointer resuming from the folder), which must end bit-equal; a
+checkpoint written by 4 ranks, resumed by 2 that train on; then, in this
+process, what rank 0 checks on disk: the manifest lists every rank's files,
+a folder without its manifest or with a damaged shard is never resumed, and
+a plain model (no process group) resumes a sharded checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddpkit.checkpoint.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest, verify_checkpoint
+from tests.comm.test_fsdp import Tower
+from tests.helpers.module_runs import run_side_by_side
+from tests.helpers.workers import run_on_ranks
+
+SEED = 37
+TOTAL_STEPS = 8
+
+
+class DropTower(Tower):
+    """Tower with dropout: the resumed run must continue every rank's RNG stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.dropout(x, 0.2, self.training))
+
+
+def _parts(world_size: int):
+    import ddpkit
+
+    torch.manual_seed(SEED)
+    model = ddpkit.prepare_model(DropTower(), shard=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after prepare_model: the sharded parameters
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def _train_to(model, optimizer, scheduler, ckpt, rank: int, world_size: int, last_step: int) -> None:
+    """Steps up to ``last_step``: the global batch of step s depends on s alone; each rank takes its slice."""
+    while ckpt.global_step < last_step:
+        g = torch.Generator().manual_seed(SEED + ckpt.global_step)
+        x = torch.randn(8, 10, generator=g)
+        mine = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+        F.mse_loss(model(x[mine]), x[mine, :4]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        ckpt.step()
+
+
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _run(rank: int, world_size: int, folder: str, stop_at: int | None, last_step: int) -> dict:
+    """Train to ``last_step`` in ``folder`` (saving every 4 steps), resuming what is there; ``stop_at``: a run
+    that stops there (its Checkpointer closed) and a second that resumes and finishes."""
+    import ddpkit
+    import ddpkit.distributed
+
+    ddpkit.distributed.init()
+    try:
+        segments = [stop_at, last_step] if stop_at else [last_step]
+        resumed_at = []
+        for end in segments:
+            model, optimizer, scheduler = _parts(world_size)
+            ckpt = ddpkit.Checkpointer(
+                folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
+            )
+            start = ckpt.resume("auto")
+            resumed_at.append(start.global_step)
+            _train_to(model, optimizer, scheduler, ckpt, rank, world_size, end)
+            ckpt.close()
+        return {"params": _full(model), "resumed_at": resumed_at, "rng": torch.rand(2)}
+    finally:
+        ddpkit.distributed.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    jobs = {
+        "whole": (_run, 2, (str(root / "whole"), None, TOTAL_STEPS), {}),
+        "stopped": (_run, 2, (str(root / "stopped"), 5, TOTAL_STEPS), {}),
+        "four": (_run, 4, (str(root / "four"), None, 4), {}),
+    }
+    outcomes = run_side_by_side(jobs, timeout=240)
+    # The 4 ranks' checkpoint (step 4), resumed by 2 ranks that train 2 steps more.
+    shutil.copytree(root / "four", root / "four_to_two")
+    outcomes["four_to_two"] = run_on_ranks(_run, 2, str(root / "four_to_two"), None, 6, timeout=240)
+    return root, outcomes
+
+
+def test_a_stopped_run_resumed_ends_bit_equal(runs) -> None:
+    _, outcomes = runs
+    whole, stopped = outcomes["whole"].get(), outcomes["stopped"].get()
+    for rank in range(2):
+        assert stopped[rank]["resumed_at"] == [0, 4]  # the checkpoint of step 4, not the stop at 5
+        for a, b in zip(whole[rank]["params"], stopped[rank]["params"]):
+            assert torch.equal(a, b), rank
+        assert torch.equal(whole[rank]["rng"], stopped[rank]["rng"])  # each rank's generator continued
+
+
+def test_every_rank_wrote_its_shards_and_the_manifest_lists_them(runs) -> None:
+    root, _ = runs
+    infos = [info for info in list_checkpoints(root / "whole") if info.complete]
+    assert [info.global_step for info in infos] == [4, 8]
+    manifest = read_manifest(infos[-1].path)
+    assert manifest["sharded"] == {
+        "format": "torch.distributed.checkpoint",
+        "objects": ["model", "optimizer"],
+        "world_size": 2,
+    }
+    assert sorted(manifest["files"]) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng.pt",
+        "scheduler.pt",
+        "train.pt",
+    ]  # no model.pt: no rank gathered the full model
+    assert set(verify_checkpoint(infos[-1].path)) == {"manifest", "rng.pt", "scheduler.pt", "train.pt"}
+    assert not [p for p in (root / "whole").iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_a_checkpoint_of_4_ranks_resumes_at_2_and_trains_on(runs) -> None:
+    _, outcomes = runs
+    four, two = outcomes["four"].get(), outcomes["four_to_two"]
+    assert [r["resumed_at"] for r in two] == [[4], [4]]
+    for a, b in zip(two[0]["params"], four[0]["params"]):
+        assert a.shape == b.shape and not torch.equal(a, b)  # trained on from the 4 ranks' weights
+    assert all(torch.equal(a, b) for a, b in zip(two[0]["params"], two[1]["params"]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_plain_model_resumes_a_sharded_checkpoint_to_the_same_weights(runs, tmp_path) -> None:
+    import ddpkit
+
+    root, outcomes = runs
+    torch.manual_seed(0)
+    model = DropTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    ckpt = ddpkit.Checkpointer(
+        root / "four", model=model, optimizer=optimizer, scheduler=scheduler, preempt_signals=()
+    )
+    try:
+        assert ckpt.resume("auto").global_step == 4
+    finally:
+        ckpt.close()
+    for a, b in zip(model.parameters(), outcomes["four"].get()[0]["params"]):
+        assert torch.equal(a.detach(), b)
+    assert len(optimizer.state) == len(list(model.parameters()))  # Adam's moments, whole
+
+
+def test_a_folder_without_manifest_or_with_a_damaged_shard_is_not_resumed(runs, tmp_path) -> None:
+    from ddpkit.checkpoint import select
+
+    root, _ = runs
+    folder = tmp_path / "ckpts"
+    shutil.copytree(root / "whole", folder)
+    (folder / "step-000000008" / MANIFEST).unlink()
+    path, _ = select.choose_checkpoint(folder, "auto")
+    assert path == folder / "step-000000004"
+    shard = folder / "step-000000004" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    os.chmod(shard, 0o600)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="__1_0.distcp is damaged: its SHA-256 does not match"):
+        verify_checkpoint(folder / "step-000000004")
