@@ -82,7 +82,11 @@ def _run(rank: int, world_size: int, folder: str, stop_at: int | None, last_step
             resumed_at.append(start.global_step)
             _train_to(model, optimizer, scheduler, ckpt, rank, world_size, end)
             ckpt.close()
-        return {"params": _full(model), "resumed_at": resumed_at, "rng": torch.rand(2)}
+        params = _full(model)  # before a forward, which leaves the root's parameters gathered
+        model.eval()
+        with torch.no_grad():
+            out = model(torch.randn(5, 10, generator=torch.Generator().manual_seed(1)))
+        return {"params": params, "resumed_at": resumed_at, "rng": torch.rand(2), "out": out}
     finally:
         ddpkit.distributed.shutdown()
 
@@ -180,3 +184,22 @@ def test_a_folder_without_manifest_or_with_a_damaged_shard_is_not_resumed(runs, 
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="__1_0.distcp is damaged: its SHA-256 does not match"):
         verify_checkpoint(folder / "step-000000004")
+
+
+def test_the_export_loads_into_the_plain_module_and_gives_the_sharded_models_outputs(runs, tmp_path) -> None:
+    import ddpkit
+
+    root, outcomes = runs
+    out = ddpkit.export_checkpoint(root / "whole", tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.pt"]  # the scratch buffers are gone
+    state = torch.load(out / "model.pt", weights_only=True)
+    model = DropTower()
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        got = model(torch.randn(5, 10, generator=torch.Generator().manual_seed(1)))
+    whole = outcomes["whole"].get()[0]
+    assert all(torch.equal(a.detach(), b) for a, b in zip(model.parameters(), whole["params"]))  # bit for bit
+    # The same outputs (up to the summation order of this process's threads; the ranks ran one thread each).
+    torch.testing.assert_close(got, whole["out"], rtol=1e-6, atol=1e-6)
+    assert all(t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes for t in state.values())
