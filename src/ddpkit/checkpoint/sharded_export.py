@@ -15,6 +15,7 @@ and ``init_from`` read as they read any export.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,4 +78,6 @@ def _load(checkpoint: Path, group: dict[str, torch.Tensor]) -> None:
     """Fill ``group``'s tensors in place from the checkpoint's slices (one process, no process group)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load({"model": group}, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": group}, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)

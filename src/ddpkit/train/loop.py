@@ -32,6 +32,7 @@ from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader
 from ddpkit.distributed import Context
 from ddpkit.log import get_logger
+from ddpkit.comm.fsdp import is_sharded
 from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
 from ddpkit.reduce import reduce_sums
 from ddpkit.train.metrics_file import MetricsWriter
@@ -82,7 +83,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, tracker=self.state.tracker)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
         sync = gradient_sync(self.model)
-        self.grad_sync = sync.mode if sync is not None else "none"
+        self.grad_sync = sync.mode if sync is not None else ("fsdp" if is_sharded(self.model) else "none")
         self.allreduce = sync.allreduce if sync is not None else "none"
 
     # -- one step -------------------------------------------------------------
@@ -216,7 +217,15 @@ class Trainer:
         """Train until ``cfg.epochs`` are complete (or ``max_steps``) and return the run summary."""
         log, cfg = get_logger(), self.cfg
         sync = gradient_sync(self.model)
-        log.info(sync.describe() if sync is not None else "single worker: no gradient synchronisation")
+        if sync is not None:
+            log.info(sync.describe())
+        elif is_sharded(self.model):
+            log.info(
+                f"sharded (FSDP2) over {self.ctx.world_size} worker(s): gradients reduce-scattered, each worker "
+                "keeps its shard of the parameters, gradients and optimizer state"
+            )
+        else:
+            log.info("single worker: no gradient synchronisation")
         test: dict[str, float] = {}
         tested_at = -1
         if self.loader.epoch >= cfg.epochs:
