@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -156,9 +155,7 @@ def test_a_plain_model_resumes_a_sharded_checkpoint_to_the_same_weights(runs, tm
     model = DropTower()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-    ckpt = ddpkit.Checkpointer(
-        root / "four", model=model, optimizer=optimizer, scheduler=scheduler, preempt_signals=()
-    )
+    ckpt = ddpkit.Checkpointer(root / "four", model=model, optimizer=optimizer, scheduler=scheduler, preempt_signals=())
     try:
         assert ckpt.resume("auto").global_step == 4
     finally:

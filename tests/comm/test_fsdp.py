@@ -22,10 +22,11 @@ from tests.helpers.module_runs import run_side_by_side, selected_tests
 
 NUM_STEPS = 12
 FP32_TOLERANCE = 1e-5
-"""Largest difference between FSDP's and DDP's loss at any step in float32 (observed: about 1e-7; the
-reduce_scatter and the all_reduce sum in different orders)."""
-BF16_TOLERANCE = 3e-2
-"""Largest relative difference of the loss with bf16 compute (fp32 reduction and optimizer) against fp32 DDP."""
+"""Largest difference between FSDP's and DDP's loss (about 5) at any step in float32 (observed: 4.8e-7, one
+float32 ulp of the loss: the reduce_scatter and the all_reduce sum in different orders)."""
+BF16_TOLERANCE = 1e-2
+"""Largest relative difference of the loss with bf16 compute (fp32 reduction and optimizer) against fp32 DDP
+(observed: 1.1e-3)."""
 
 
 class Block(nn.Module):
@@ -120,9 +121,9 @@ def _curve(model: nn.Module, rank: int, world_size: int, no_sync, clip: bool) ->
 
 
 def _fsdp_against_ddp(rank: int, world_size: int) -> dict:
-    import ddpkit.distributed
     from torch.distributed.fsdp import FSDPModule
 
+    import ddpkit.distributed
     from ddpkit.prepare import no_sync, prepare_model, unwrap_model
 
     ddpkit.distributed.init()

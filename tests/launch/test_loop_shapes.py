@@ -7,7 +7,8 @@ pytorch/examples' tutorials are written) runs under ``ddpkit run nproc=2``:
 - killed twice under ``max_restarts=2``: SIGKILL of rank 1 mid-epoch in the
   first round, then right after the code that follows an epoch's batch loop in
   the second (the checkpoint of that epoch's last step is the newest then);
-- SIGTERM at an epoch's last step, then the same command again.
+- SIGTERM at an epoch's last step, then the same command again;
+- the same again with the model sharded (``--shard``: FSDP2, sharded checkpoints).
 
 Each must end with the reference's weights (``torch.equal``) and global step.
 Where the kill steps fall is drawn from ``random.Random(SEED)``.
@@ -28,6 +29,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "loop_shapes.py"
 SEED = 2311
 STEPS_PER_EPOCH, EPOCHS = 6, 3
 EXACT = ["readme", "step_sched", "epoch_sched", "peek", "from1", "no_set_epoch", "accum", "eval", "compiled", "big"]
+SHARDED = ["readme", "step_sched", "epoch_sched", "peek", "from1", "no_set_epoch", "accum", "eval", "compiled", "big"]
+"""The shapes run again with the model sharded (FSDP2); torch.compile of a sharded model is not covered yet."""
 
 _rng = random.Random(SEED)
 MID_STEP = _rng.choice([s for s in range(2, STEPS_PER_EPOCH * 2) if s % STEPS_PER_EPOCH])
@@ -38,7 +41,14 @@ TERM_STEP = STEPS_PER_EPOCH * _rng.randint(1, EPOCHS - 1)
 """The epoch's last global step at which rank 1 gets SIGTERM."""
 
 
-def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[str, str] | None = None):
+def _run(
+    commands: Commands,
+    folder: Path,
+    shape: str,
+    *options: str,
+    env: dict[str, str] | None = None,
+    script_args: tuple[str, ...] = (),
+):
     folder.mkdir(exist_ok=True)
     return commands.run(
         "run",
@@ -53,6 +63,7 @@ def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[
         str(folder / "final.pt"),
         "--every-steps",
         "4",
+        *script_args,
         cwd=folder,
         env=env,
     )
@@ -83,8 +94,18 @@ def commands():
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", EXACT)
 def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, commands, tmp_path, capsys):
+    _kills_and_a_preemption(shape, commands, tmp_path, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHARDED)
+def test_a_sharded_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, commands, tmp_path, capsys):
+    _kills_and_a_preemption(shape, commands, tmp_path, capsys, "--shard")
+
+
+def _kills_and_a_preemption(shape: str, commands: Commands, tmp_path: Path, capsys, *script_args: str) -> None:
     print(f"seed {SEED}: SIGKILL after step {MID_STEP}, after epoch {END_EPOCH}'s code; SIGTERM at step {TERM_STEP}")
-    reference = _run(commands, tmp_path / "reference", shape)
+    reference = _run(commands, tmp_path / "reference", shape, script_args=script_args)
     assert reference.returncode == 0, reference.stdout + reference.stderr
     expected = _final(tmp_path / "reference")
     assert expected["global_step"] == STEPS_PER_EPOCH * EPOCHS
@@ -93,7 +114,7 @@ def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, co
     if shape == "peek":  # a look at the loader in an epoch re-entered after its last batch finds none (README)
         second = f"step:{MID_STEP + STEPS_PER_EPOCH}"
     kills = {"KILLS": f"0:step:{MID_STEP},1:{second}"}
-    killed = _run(commands, tmp_path / "killed", shape, "max_restarts=2", env=kills)
+    killed = _run(commands, tmp_path / "killed", shape, "max_restarts=2", env=kills, script_args=script_args)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     lines = _launcher_and_worker_lines(killed, capsys)
     assert lines.count("ddpkit: rank 1 was killed by SIGKILL; restarting the workers") == 2, lines
@@ -101,10 +122,10 @@ def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, co
     _assert_same(_final(tmp_path / "killed"), expected)
 
     term = {"KILLS": f"0:step:{TERM_STEP}", "SIGNAL": "SIGTERM"}
-    first = _run(commands, tmp_path / "preempted", shape, env=term)
+    first = _run(commands, tmp_path / "preempted", shape, env=term, script_args=script_args)
     assert first.returncode == 75, first.stdout + first.stderr
     assert "run the same command again to continue" in first.stderr
-    again = _run(commands, tmp_path / "preempted", shape, env=term)
+    again = _run(commands, tmp_path / "preempted", shape, env=term, script_args=script_args)
     assert again.returncode == 0, again.stdout + again.stderr
     _assert_same(_final(tmp_path / "preempted"), expected)
 

@@ -22,8 +22,8 @@ import os
 import shutil
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch

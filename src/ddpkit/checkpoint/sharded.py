@@ -85,7 +85,8 @@ class ShardedState:
             name: the checkpoint's folder name.
             mode: permission bits of the files.
         """
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
 
         def make_staging() -> str:
             root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
@@ -95,8 +96,8 @@ class ShardedState:
             return str(folder)
 
         staging = Path(on_rank_zero(make_staging, self.rank, self.world_size))
-        writer = dcp.FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
-        dcp.save(self._state(), storage_writer=writer)
+        writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
+        save(self._state(), storage_writer=writer)
         # Each rank hashes the files it wrote (in parallel; none reads another's), rank 0 gathers the digests.
         mine = {p.name: _digest(p, mode) for p in sorted(staging.glob(f"__{self.rank}_*"))}
         if self.rank == 0:
@@ -115,12 +116,12 @@ class ShardedState:
         Raises:
             CheckpointError: the checkpoint's tensors do not fit this run's model or optimizer.
         """
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         state = self._state()
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            load(state, checkpoint_id=str(path))
             set_model_state_dict(self.model, state["model"])
             if self.optimizer is not None:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])

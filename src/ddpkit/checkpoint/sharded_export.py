@@ -44,10 +44,10 @@ def sharded_weights(checkpoint: Path, scratch: Path) -> Iterator[dict[str, torch
     Raises:
         CheckpointError: the checkpoint's model holds entries other than tensors.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(checkpoint))
+    reader = FileSystemReader(str(checkpoint))
     metadata = reader.read_metadata()
     state: dict[str, torch.Tensor] = {}
     group: dict[str, torch.Tensor] = {}
@@ -76,8 +76,9 @@ def sharded_weights(checkpoint: Path, scratch: Path) -> Iterator[dict[str, torch
 
 def _load(checkpoint: Path, group: dict[str, torch.Tensor]) -> None:
     """Fill ``group``'s tensors in place from the checkpoint's slices (one process, no process group)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": group}, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
+        load({"model": group}, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)

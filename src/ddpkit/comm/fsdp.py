@@ -73,7 +73,7 @@ _AUTO_FRACTION = 0.5
 """shard=auto shards when parameters + gradients + Adam's two states exceed this share of the device memory."""
 
 
-def is_sharded(model: nn.Module) -> bool:
+def is_sharded(model: object) -> bool:
     """True when ``model`` (or the module torch.compile wrapped) was sharded by ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -217,7 +217,10 @@ def shard_model(
 @contextlib.contextmanager
 def sharded_no_sync(model: nn.Module) -> Iterator[None]:
     """Backwards inside only accumulate gradients; the next backward outside reduces them all (FSDP2's switch)."""
+    from torch.distributed.fsdp import FSDPModule
+
     inner = getattr(model, "_orig_mod", model)
+    assert isinstance(inner, FSDPModule), "called for sharded models only"
     inner.set_requires_gradient_sync(False)
     try:
         yield

@@ -28,11 +28,11 @@ from torch import nn
 from tqdm import tqdm
 
 from ddpkit.checkpoint.manager import Checkpointer
+from ddpkit.comm.fsdp import is_sharded
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader
 from ddpkit.distributed import Context
 from ddpkit.log import get_logger
-from ddpkit.comm.fsdp import is_sharded
 from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
 from ddpkit.reduce import reduce_sums
 from ddpkit.train.metrics_file import MetricsWriter
