@@ -29,8 +29,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "loop_shapes.py"
 SEED = 2311
 STEPS_PER_EPOCH, EPOCHS = 6, 3
 EXACT = ["readme", "step_sched", "epoch_sched", "peek", "from1", "no_set_epoch", "accum", "eval", "compiled", "big"]
-SHARDED = ["readme", "step_sched", "epoch_sched", "peek", "from1", "no_set_epoch", "accum", "eval", "compiled", "big"]
-"""The shapes run again with the model sharded (FSDP2); torch.compile of a sharded model is not covered yet."""
+SHARDED = EXACT
+"""The shapes run again with the model sharded (FSDP2, sharded checkpoints)."""
 
 _rng = random.Random(SEED)
 MID_STEP = _rng.choice([s for s in range(2, STEPS_PER_EPOCH * 2) if s % STEPS_PER_EPOCH])
