@@ -97,8 +97,9 @@ def prepare_model(
 
     Raises:
         RuntimeError: ``ddpkit.init()`` has not been called.
-        ValueError: unknown ``allreduce`` or ``grad_sync``, SyncBatchNorm without
-            DDP or on the CPU, or ``model`` already prepared or wrapped in DDP.
+        ValueError: unknown ``allreduce``, ``grad_sync``, ``shard`` or ``mixed_precision``,
+            ``shard_blocks`` matching no module, SyncBatchNorm without DDP or on the CPU,
+            or ``model`` already prepared or wrapped in DDP.
     """
     try:
         ctx = context()

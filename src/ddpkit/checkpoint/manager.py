@@ -41,7 +41,9 @@ at once and a checkpoint inside an epoch holds only how many of its steps
 were done (``ResumePoint.step_in_epoch``, for the loop to skip).
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
-points, rank 0 writes. A save reached by some ranks only is an error naming
+points, rank 0 writes; for a sharded model (``prepare_model(shard=True)``)
+every rank writes its shards of the model and optimizer and rank 0 the rest
+(:mod:`~ddpkit.checkpoint.sharded`). A save reached by some ranks only is an error naming
 the missing ranks once ``timeout`` has passed, never a hang; a save called on
 some ranks while the others went on training (``if rank == 0: save()``) is
 refused within about a second (:mod:`ddpkit.checkpoint.checkin`).
@@ -234,6 +236,11 @@ class Checkpointer:
             needed = checkpoint_bytes(self.root, self.objects, self.world_size)
             if warning := room_warning(self.root, self.options.keep, needed):
                 get_logger().warning(warning)
+        if self.shards is not None and self.options.async_save == "true" and self.rank == 0:
+            get_logger().warning(
+                "async_save=true: the model is sharded, and sharded checkpoints are written synchronously "
+                "(every rank writes its shards, then rank 0 completes the folder); training waits for each save"
+            )
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
