@@ -200,3 +200,13 @@ def test_the_export_loads_into_the_plain_module_and_gives_the_sharded_models_out
     # The same outputs (up to the summation order of this process's threads; the ranks ran one thread each).
     torch.testing.assert_close(got, whole["out"], rtol=1e-6, atol=1e-6)
     assert all(t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes for t in state.values())
+
+
+def test_init_from_a_sharded_checkpoint_reads_its_full_weights(runs) -> None:
+    from ddpkit.checkpoint.transfer import read_weights
+
+    root, outcomes = runs
+    state = read_weights(root / "whole")  # a checkpoints folder: its newest verified checkpoint
+    model = DropTower()
+    model.load_state_dict(state)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(model.parameters(), outcomes["whole"].get()[0]["params"]))

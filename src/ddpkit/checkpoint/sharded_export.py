@@ -15,6 +15,7 @@ and ``init_from`` read as they read any export.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 
 from ddpkit.checkpoint.format import CheckpointError
 
-__all__ = ["GROUP_BYTES", "sharded_weights"]
+__all__ = ["GROUP_BYTES", "full_weights", "sharded_weights"]
 
 GROUP_BYTES = 256 << 20
 """Bytes of tensors read by one ``dcp.load`` (fewer calls, each re-reading the checkpoint's index)."""
@@ -72,6 +73,13 @@ def sharded_weights(checkpoint: Path, scratch: Path) -> Iterator[dict[str, torch
     if group:
         _load(checkpoint, group)
     yield state
+
+
+def full_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's full state_dict from a sharded checkpoint, in memory (``init_from``: for a full model)."""
+    with tempfile.TemporaryDirectory(prefix="ddpkit-weights-") as scratch:
+        with sharded_weights(checkpoint, Path(scratch)) as state:
+            return {name: tensor.clone() for name, tensor in state.items()}
 
 
 def _load(checkpoint: Path, group: dict[str, torch.Tensor]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +37,8 @@ from ddpkit.checkpoint.format import (
     resolve_checkpoint_dir,
     verify_checkpoint,
 )
+from ddpkit.checkpoint.sharded import sharded_names
+from ddpkit.checkpoint.sharded_export import full_weights
 from ddpkit.errors import UserError
 
 
@@ -84,11 +87,11 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if path.is_dir():
         if (path / MANIFEST).exists():
-            state = verify_checkpoint(path)["model.pt"]
+            state = _checkpoint_weights(path)
         elif (path / EXPORT_INFO).exists():
             state = read_export(path)[1]
         else:
-            state = verify_checkpoint(newest_verified(path))["model.pt"]
+            state = _checkpoint_weights(newest_verified(path))
     elif path.is_file():
         state = load_file(path)
         if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
@@ -101,6 +104,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
             "pass a checkpoint, an export or a file saved with torch.save(model.state_dict())"
         )
     return dict(state)
+
+
+def _checkpoint_weights(checkpoint: Path) -> Any:
+    """A verified checkpoint's model state: its model.pt, or a sharded checkpoint's full weights."""
+    loaded = verify_checkpoint(checkpoint)
+    if "model" in sharded_names(loaded["manifest"]):
+        return full_weights(checkpoint)
+    return loaded["model.pt"]
 
 
 def newest_verified(folder: str | Path) -> Path:
