@@ -210,3 +210,14 @@ def test_init_from_a_sharded_checkpoint_reads_its_full_weights(runs) -> None:
     model = DropTower()
     model.load_state_dict(state)
     assert all(torch.equal(a.detach(), b) for a, b in zip(model.parameters(), outcomes["whole"].get()[0]["params"]))
+
+
+def test_the_best_mark_of_a_sharded_checkpoint_holds_every_file(runs, tmp_path) -> None:
+    from ddpkit.checkpoint.format import mark_best
+
+    root, _ = runs
+    folder = tmp_path / "ckpts"
+    shutil.copytree(root / "whole", folder)
+    best = mark_best(folder, folder / "step-000000008")
+    assert (best / ".metadata").is_file()  # hidden, but listed by the manifest: linked with the rest
+    verify_checkpoint(best)

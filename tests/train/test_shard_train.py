@@ -51,3 +51,21 @@ def test_a_sharded_run_stopped_anywhere_and_resumed_is_bit_exact(tmp_path):
     assert results[0] == results[1] == [checkpoint_name(s) for s in stops]
     manifests = list((tmp_path / "full" / "checkpoints").glob("step-*/manifest.json"))
     assert manifests and all('"sharded"' in path.read_text() for path in manifests)
+
+
+def _four_then_two(rank, world_size, tmp, stop):
+    """4 ranks (the last global batch of 2 samples leaves 2 ranks empty rows) stop at ``stop``; 2 ranks resume."""
+    if world_size == 4:
+        trainer, _ = train(rank, world_size, [*SHARDED, f"output_dir={tmp}", f"max_steps={stop}"])
+        return trainer.state.global_step
+    trainer, start = train(rank, world_size, [*SHARDED, f"output_dir={tmp}", "resume=auto"])
+    return trainer.state.global_step, start.name, trainer.loader.epoch
+
+
+@pytest.mark.slow
+def test_a_sharded_run_of_4_ranks_continues_on_2(tmp_path):
+    stop = STEPS_PER_EPOCH + 3
+    with warm_workers(DYNAMO):
+        assert run_on_ranks(_four_then_two, 4, str(tmp_path), stop, timeout=300) == [stop] * 4
+        resumed = run_on_ranks(_four_then_two, 2, str(tmp_path), stop, timeout=300)
+    assert resumed == [(2 * STEPS_PER_EPOCH, checkpoint_name(stop), 1)] * 2
