@@ -221,3 +221,48 @@ def test_the_best_mark_of_a_sharded_checkpoint_holds_every_file(runs, tmp_path) 
     best = mark_best(folder, folder / "step-000000008")
     assert (best / ".metadata").is_file()  # hidden, but listed by the manifest: linked with the rest
     verify_checkpoint(best)
+
+
+def _a_rank_cannot_write(rank: int, world_size: int, folder: str) -> str:
+    """Rank 1's shards hit a full disk when step 4's checkpoint is saved again (replaced): every rank stops with
+    the same one-line error, and the checkpoint written before is untouched."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    import ddpkit
+    import ddpkit.distributed
+    from ddpkit.checkpoint.storage import StorageError
+
+    ddpkit.distributed.init()
+    try:
+        model, optimizer, scheduler = _parts(world_size)
+        ckpt = ddpkit.Checkpointer(
+            folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
+        )
+        ckpt.resume("never")
+        _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 4)
+        if rank == 1:
+
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            FileSystemWriter.write_data = full
+        try:
+            ckpt.save()
+        except StorageError as e:
+            return str(e)
+        finally:
+            ckpt.close()
+        return "saved"
+    finally:
+        ddpkit.distributed.shutdown()
+
+
+def test_a_rank_that_cannot_write_its_shards_stops_every_rank_with_one_line(tmp_path) -> None:
+    messages = run_on_ranks(_a_rank_cannot_write, 2, str(tmp_path), timeout=120)
+    for message in messages:
+        assert message.startswith(f"cannot write checkpoint {tmp_path / 'step-000000004'}: No space left"), message
+    assert messages[0] == messages[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004"]  # no staging folder left
+    verify_checkpoint(tmp_path / "step-000000004")

@@ -475,7 +475,12 @@ class Checkpointer:
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
         self.check_ins.check_in(default_store, self.global_step, lambda: bool(self.signals.received))
         if self.shards is not None:  # every rank writes its shards; rank 0 completes the folder below
-            self.shards.save(self.root, checkpoint_name(self.global_step), READABLE_BY[self.options.readable_by])
+            self.shards.save(
+                self.root,
+                checkpoint_name(self.global_step),
+                READABLE_BY[self.options.readable_by],
+                lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
+            )
         # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
         # is asked on every rank; rank 0 writes what it returned.
         collective = {name: obj.state_dict() for name, obj in self.objects.items() if is_collective(obj)}

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from torch import nn
 
 from ddpkit.checkpoint.format import CheckpointError, folder_mode
 from ddpkit.checkpoint.ranks import on_rank_zero
+from ddpkit.checkpoint.storage import StorageError, explain_write_error
 
 __all__ = ["SHARDED_KEY", "ShardedState", "sharded_names"]
 
@@ -77,14 +80,19 @@ class ShardedState:
         """The manifest's entry for what DCP holds."""
         return {SHARDED_KEY: {"format": _FORMAT, "objects": list(self.names), "world_size": self.world_size}}
 
-    def save(self, root: Path, name: str, mode: int) -> None:
+    def save(self, root: Path, name: str, mode: int, needed_bytes: Callable[[], int]) -> None:
         """Every rank writes its shards into a new staging folder (a collective); see the module docstring.
 
         Args:
             root: the checkpoints folder.
             name: the checkpoint's folder name.
             mode: permission bits of the files.
+            needed_bytes: the expected size of a checkpoint, for a failed write's message.
+
+        Raises:
+            StorageError: some rank could not write its shards (on every rank; the staging folder is removed).
         """
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -97,7 +105,16 @@ class ShardedState:
 
         staging = Path(on_rank_zero(make_staging, self.rank, self.world_size))
         writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
-        save(self._state(), storage_writer=writer)
+        try:
+            save(self._state(), storage_writer=writer)
+        except CheckpointException as e:  # DCP raises it on every rank, with each failed rank's error
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            errors = [failure[0] for failure in e.failures.values()]
+            error = next((x for x in errors if isinstance(x, OSError)), None)
+            if error is None:
+                error = OSError(f"rank(s) {sorted(e.failures)} failed: {errors[0] if errors else e}")
+            raise StorageError(explain_write_error(root, name, error, needed_bytes())) from None
         # Each rank hashes the files it wrote (in parallel; none reads another's), rank 0 gathers the digests.
         mine = {p.name: _digest(p, mode) for p in sorted(staging.glob(f"__{self.rank}_*"))}
         if self.rank == 0:
