@@ -11,7 +11,9 @@ a plain model (no process group) resumes a sharded checkpoint.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +268,49 @@ def test_a_rank_that_cannot_write_its_shards_stops_every_rank_with_one_line(tmp_
     assert messages[0] == messages[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004"]  # no staging folder left
     verify_checkpoint(tmp_path / "step-000000004")
+
+
+class _Payload:
+    """Unpickling it would create ``path`` (what a crafted checkpoint's code could do)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_crafted_index_is_refused_never_run(runs, tmp_path) -> None:
+    import hashlib
+    import json
+
+    import ddpkit
+
+    root, _ = runs
+    folder = tmp_path / "ckpts"
+    shutil.copytree(root / "four", folder)
+    checkpoint, sentinel = folder / "step-000000004", tmp_path / "sentinel"
+    index = checkpoint / ".metadata"
+    os.chmod(index, 0o600)
+    index.write_bytes(pickle.dumps(_Payload(sentinel)))
+    # A forger rewrites the manifest's checksum too: verification passes, the unpickler must refuse.
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][".metadata"] = {
+        "bytes": index.stat().st_size,
+        "sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
+    }
+    os.chmod(checkpoint / MANIFEST, 0o600)
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    model = DropTower()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+    ckpt = ddpkit.Checkpointer(folder, model=model, optimizer=optimizer, scheduler=scheduler, preempt_signals=())
+    try:
+        with pytest.raises(CheckpointError, match="refused to load .*is not allowed in a checkpoint's index"):
+            ckpt.resume(checkpoint)
+    finally:
+        ckpt.close()
+    with pytest.raises(CheckpointError, match="refused to load"):
+        ddpkit.export_checkpoint(checkpoint, tmp_path / "export")
+    assert not sentinel.exists()

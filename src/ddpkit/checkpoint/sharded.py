@@ -28,7 +28,11 @@ A crash before the rename leaves only the hidden folder, never resumed and
 removed by the next pruning. Resuming verifies every file against the
 manifest (rank 0) before any rank reads; each rank then reads the slices of
 its own shards (``dcp.load``), at the world size that wrote the checkpoint
-or at any other (DCP reshards). Models and optimizers are taken through
+or at any other (DCP reshards). DCP's index (``.metadata``) is a pickle,
+and its non-tensor entries are pickles loaded unrestricted by torch: ddpkit
+reads both through unpicklers that refuse anything that could run code
+(:class:`SafeReader`, :class:`SafeLoadPlanner`), as it loads any checkpoint
+file with ``weights_only=True``. Models and optimizers are taken through
 torch's ``get_state_dict``/``set_state_dict`` (keys by parameter name, not
 by position), so a plain or DDP model can resume a sharded checkpoint too.
 """
@@ -36,7 +40,9 @@ by position), so a plain or DDP model can resume a sharded checkpoint too.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import pickle
 import shutil
 import uuid
 from collections.abc import Callable
@@ -45,12 +51,14 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from ddpkit.checkpoint.format import CheckpointError, folder_mode
 from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 
-__all__ = ["SHARDED_KEY", "ShardedState", "sharded_names"]
+__all__ = ["SHARDED_KEY", "SafeLoadPlanner", "SafeReader", "ShardedState", "refused", "sharded_names", "unreadable"]
 
 SHARDED_KEY = "sharded"
 """The manifest's key for what DCP holds: ``{"format": ..., "objects": ["model", "optimizer"]}``."""
@@ -133,15 +141,20 @@ class ShardedState:
         Raises:
             CheckpointError: the checkpoint's tensors do not fit this run's model or optimizer.
         """
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
         state = self._state()
         try:
-            load(state, checkpoint_id=str(path))
+            load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
             set_model_state_dict(self.model, state["model"])
             if self.optimizer is not None:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        except CheckpointException as e:  # raised on every rank, with each failed rank's error
+            raise CheckpointError(unreadable(path, e)) from None
+        except pickle.UnpicklingError as e:  # without a process group DCP raises it as it is
+            raise CheckpointError(refused(path, e)) from None
         except (RuntimeError, ValueError, KeyError) as e:
             detail = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())[:500]
             raise CheckpointError(
@@ -156,6 +169,87 @@ class ShardedState:
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
+
+
+def refused(path: Path, error: BaseException) -> str:
+    """The message for a checkpoint whose DCP files hold what could run code."""
+    return (
+        f"refused to load {path}: its DCP files hold objects other than tensors, plain containers and DCP's "
+        f"own index ({str(error).strip().splitlines()[0] if str(error).strip() else 'unsupported content'}); "
+        "ddpkit never runs code from a checkpoint. Use a checkpoint written by ddpkit"
+    )
+
+
+def unreadable(path: Path, error: BaseException) -> str:
+    """The message for DCP's CheckpointException: a refused pickle (our unpicklers' words), or the first error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    errors = [failure[0] for failure in error.failures.values()] if isinstance(error, CheckpointException) else []
+    for failure in errors:
+        if isinstance(failure, pickle.UnpicklingError) or _NOT_ALLOWED in str(failure):
+            parts = str(failure).split("; ")
+            detail = next((part for part in parts if _NOT_ALLOWED in part), parts[0])
+            return refused(path, pickle.UnpicklingError(detail.split("failed: ")[-1]))
+    return f"checkpoint {path} could not be read ({errors[0] if errors else error}); use an earlier checkpoint"
+
+
+_NOT_ALLOWED = "is not allowed in a checkpoint's index"
+
+_INDEX_TYPES = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
+"""Globals DCP's index (``.metadata``) may name besides the classes of its own modules and torch's dtypes."""
+_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles DCP's index and nothing else: its dataclasses, torch.Size, dtypes, paths (no code to run)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        found = (
+            super().find_class(module, name) if module.split(".")[0] in ("torch", "pathlib", "collections") else None
+        )
+        if (module, name) in _INDEX_TYPES:
+            return found
+        if module in _INDEX_MODULES and isinstance(found, type):
+            return found
+        if module == "torch" and isinstance(found, torch.dtype):
+            return found
+        raise pickle.UnpicklingError(f"global '{module}.{name}' {_NOT_ALLOWED}")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, whose index (``.metadata``, a pickle) is read by an unpickler that runs no code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, whose non-tensor entries (``torch.load(weights_only=False)`` in torch's) must pass
+    ``weights_only=True`` first."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        import torch
+
+        torch.load(value, weights_only=True)  # raises UnpicklingError on anything but plain values
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def sharded_names(manifest: dict[str, Any]) -> tuple[str, ...]:

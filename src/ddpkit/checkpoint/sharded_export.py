@@ -15,6 +15,7 @@ and ``init_from`` read as they read any export.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.sharded import SafeLoadPlanner, SafeReader, refused, unreadable
 
 __all__ = ["GROUP_BYTES", "full_weights", "sharded_weights"]
 
@@ -45,11 +47,12 @@ def sharded_weights(checkpoint: Path, scratch: Path) -> Iterator[dict[str, torch
     Raises:
         CheckpointError: the checkpoint's model holds entries other than tensors.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(str(checkpoint))
-    metadata = reader.read_metadata()
+    try:
+        metadata = SafeReader(str(checkpoint)).read_metadata()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(refused(checkpoint, e)) from None
     state: dict[str, torch.Tensor] = {}
     group: dict[str, torch.Tensor] = {}
     group_bytes = 0
@@ -84,9 +87,14 @@ def full_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def _load(checkpoint: Path, group: dict[str, torch.Tensor]) -> None:
     """Fill ``group``'s tensors in place from the checkpoint's slices (one process, no process group)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load({"model": group}, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
+        try:
+            load({"model": group}, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(), no_dist=True)
+        except (pickle.UnpicklingError, CheckpointException) as e:
+            raise CheckpointError(
+                refused(checkpoint, e) if isinstance(e, pickle.UnpicklingError) else unreadable(checkpoint, e)
+            ) from None
