@@ -394,6 +394,7 @@ TRAIN_OPTION_GROUPS = (
             "allreduce",
             "grad_sync",
             "sync_batchnorm",
+            "shard",
             "timeout",
             "threads",
             "max_restarts",
@@ -479,6 +480,9 @@ class TrainConfig:
     grad_sync: str = "auto"
     """auto (flat for gradients <= 1 MiB, else ddp), ddp (DistributedDataParallel with the all_reduce as its hook),
     flat (one all_reduce of all gradients after backward) or manual (per-parameter all_reduce)."""
+    shard: bool = False
+    """Shard parameters, gradients and optimizer state over the workers (torch's FSDP2 on the model's repeated
+    blocks): for models larger than one device; checkpoints are written by every worker, export gives full weights."""
     timeout: float = 300.0
     """Seconds a collective or the rendezvous may wait for a peer before failing."""
     threads: int = 0

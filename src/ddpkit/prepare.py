@@ -34,6 +34,10 @@ plain module (for ``flat``, ``manual`` and one worker, the module itself).
 A module that has its own ``module`` or ``no_sync`` keeps it, with one
 warning (``ddpkit.unwrap_model`` and ``ddpkit.no_sync`` then do the same).
 
+Models larger than one device: ``prepare_model(model, shard=True)`` shards
+parameters, gradients and optimizer state over the ranks (torch's FSDP2; see
+:mod:`ddpkit.comm.fsdp`); build the optimizer after it, ``no_sync`` works as above.
+
 Mixed precision works unchanged (``torch.autocast``, ``GradScaler``: the
 scaled gradients are averaged, then unscaled alike on every rank). Freeze
 parameters (``requires_grad_(False)``) before ``prepare_model``.
@@ -44,13 +48,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit.comm.fsdp import is_sharded, shard_model, sharded_no_sync, wants_sharding
 from ddpkit.comm.grad_sync import GradientSync, choose_allreduce, choose_grad_sync, no_sync_of, wrap_ddp
-from ddpkit.distributed import context
+from ddpkit.distributed import Context, context
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
 from ddpkit.names import GRAD_SYNC_MODES
@@ -60,7 +66,15 @@ _SYNCS: weakref.WeakKeyDictionary[nn.Module, GradientSync] = weakref.WeakKeyDict
 
 
 def prepare_model(
-    model: nn.Module, *, allreduce: str = "auto", grad_sync: str = "auto", sync_batchnorm: bool = False
+    model: nn.Module,
+    *,
+    allreduce: str = "auto",
+    grad_sync: str = "auto",
+    sync_batchnorm: bool = False,
+    shard: bool | str = False,
+    shard_blocks: Sequence[type | str] | None = None,
+    mixed_precision: Any = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Make ``model`` train data-parallel: on this worker's device, from rank 0's weights, gradients averaged.
 
@@ -76,17 +90,28 @@ def prepare_model(
             hook unless builtin), flat (one all_reduce of one buffer at the end of
             backward) or manual (one all_reduce per parameter at the end of backward).
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm (needs ddp or auto, and CUDA).
+        shard: True: shard parameters, gradients and optimizer state over the ranks (torch's FSDP2,
+            :mod:`ddpkit.comm.fsdp`; build the optimizer after this call); "auto": when a replica's
+            training state would not fit in half of a worker's share of device memory; False: replicate.
+        shard_blocks: with ``shard``, the block classes (classes or class names) sharded one by one;
+            None: every class that occurs twice or more (a transformer's layers).
+        mixed_precision: with ``shard``, "bf16" or "fp16" (gathered and computed in it, gradients
+            reduced in fp32), or an FSDP ``MixedPrecisionPolicy``; None: the parameters' dtype.
+        reshard_after_forward: with ``shard``, free each block's gathered parameters after its
+            forward (less memory; gathered again in backward).
 
     Returns:
         The module to train and call: for ddp, torch's ``DistributedDataParallel``
         around ``model``; for flat and manual, and with one worker, ``model`` itself,
         given DDP's ``module`` (itself), ``no_sync()`` and ``require_backward_grad_sync``,
-        each with DDP's effect.
+        each with DDP's effect; sharded, ``model`` itself as an ``FSDPModule`` (torch's
+        mixin added to its class).
 
     Raises:
         RuntimeError: ``ddpkit.init()`` has not been called.
-        ValueError: unknown ``allreduce`` or ``grad_sync``, SyncBatchNorm without
-            DDP or on the CPU, or ``model`` already prepared or wrapped in DDP.
+        ValueError: unknown ``allreduce``, ``grad_sync``, ``shard`` or ``mixed_precision``,
+            ``shard_blocks`` matching no module, SyncBatchNorm without DDP or on the CPU,
+            or ``model`` already prepared or wrapped in DDP.
     """
     try:
         ctx = context()
@@ -112,9 +137,11 @@ def prepare_model(
             f"sync_batchnorm=True needs DDP (torch runs SyncBatchNorm inside DDP only) but "
             f"grad_sync={grad_sync!r}; pass grad_sync='ddp' or 'auto'"
         )
-    if isinstance(model, DDP) or _uncompiled(model) in _SYNCS:
+    if isinstance(model, DDP) or _uncompiled(model) in _SYNCS or is_sharded(model):
         raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
     model = model.to(ctx.device)
+    if wants_sharding(shard, model, ctx.device, ctx.local_world_size):
+        return _shard(model, ctx, shard_blocks, mixed_precision, reshard_after_forward, sync_batchnorm)
     if sync_batchnorm and ctx.world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     algorithm = choose_allreduce(allreduce, ctx)
@@ -151,6 +178,31 @@ def _answer_like_ddp(model: nn.Module) -> None:
         object.__setattr__(model, "module", model)
     if "no_sync" not in taken:
         object.__setattr__(model, "no_sync", functools.partial(no_sync_of, model))
+
+
+def _shard(
+    model: nn.Module,
+    ctx: Context,
+    blocks: Sequence[type | str] | None,
+    mixed_precision: Any,
+    reshard_after_forward: bool,
+    sync_batchnorm: bool,
+) -> nn.Module:
+    """prepare_model with ``shard``: FSDP2 on the blocks and the root; one log line says which blocks."""
+    if sync_batchnorm:
+        raise UserError("sync_batchnorm=True needs DDP; it cannot be combined with shard=True")
+    model, classes = shard_model(
+        model,
+        ctx.device,
+        ctx.world_size,
+        blocks=blocks,
+        mixed_precision=mixed_precision,
+        reshard_after_forward=reshard_after_forward,
+    )
+    if ctx.rank == 0:
+        what = f"blocks {', '.join(classes)} then the root" if classes else "the root only (no repeated block)"
+        get_logger().info(f"sharded (FSDP2) over {ctx.world_size} rank(s): {what}")
+    return model
 
 
 def _keys_of_the_plain_module(ddp: DDP) -> None:
@@ -196,6 +248,8 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     Raises:
         ValueError: ``model`` was not returned by :func:`prepare_model`.
     """
+    if is_sharded(model):
+        return sharded_no_sync(model)
     sync = _SYNCS.get(_uncompiled(model))
     if sync is None:
         raise UserError("no_sync(model) needs the module that ddpkit.prepare_model returned")

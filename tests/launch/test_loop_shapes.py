@@ -7,7 +7,8 @@ pytorch/examples' tutorials are written) runs under ``ddpkit run nproc=2``:
 - killed twice under ``max_restarts=2``: SIGKILL of rank 1 mid-epoch in the
   first round, then right after the code that follows an epoch's batch loop in
   the second (the checkpoint of that epoch's last step is the newest then);
-- SIGTERM at an epoch's last step, then the same command again.
+- SIGTERM at an epoch's last step, then the same command again;
+- the same again with the model sharded (``--shard``: FSDP2, sharded checkpoints).
 
 Each must end with the reference's weights (``torch.equal``) and global step.
 Where the kill steps fall is drawn from ``random.Random(SEED)``.
@@ -41,6 +42,9 @@ EXACT = [
     "nanogpt",
     "imagenet",
 ]
+SHARDED = EXACT[:10]
+"""The shapes run again with the model sharded (FSDP2, sharded checkpoints); nanoGPT's and imagenet's are
+DDP scripts."""
 
 _rng = random.Random(SEED)
 MID_STEP = _rng.choice([s for s in range(2, STEPS_PER_EPOCH * 2) if s % STEPS_PER_EPOCH])
@@ -51,7 +55,14 @@ TERM_STEP = STEPS_PER_EPOCH * _rng.randint(1, EPOCHS - 1)
 """The epoch's last global step at which rank 1 gets SIGTERM."""
 
 
-def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[str, str] | None = None):
+def _run(
+    commands: Commands,
+    folder: Path,
+    shape: str,
+    *options: str,
+    env: dict[str, str] | None = None,
+    script_args: tuple[str, ...] = (),
+):
     folder.mkdir(exist_ok=True)
     return commands.run(
         "run",
@@ -66,6 +77,7 @@ def _run(commands: Commands, folder: Path, shape: str, *options: str, env: dict[
         str(folder / "final.pt"),
         "--every-steps",
         "4",
+        *script_args,
         cwd=folder,
         env=env,
     )
@@ -97,8 +109,18 @@ def commands():
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", EXACT)
 def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, commands, tmp_path, capsys):
+    _kills_and_a_preemption(shape, commands, tmp_path, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHARDED)
+def test_a_sharded_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, commands, tmp_path, capsys):
+    _kills_and_a_preemption(shape, commands, tmp_path, capsys, "--shard")
+
+
+def _kills_and_a_preemption(shape: str, commands: Commands, tmp_path: Path, capsys, *script_args: str) -> None:
     print(f"seed {SEED}: SIGKILL after step {MID_STEP}, after epoch {END_EPOCH}'s code; SIGTERM at step {TERM_STEP}")
-    reference = _run(commands, tmp_path / "reference", shape)
+    reference = _run(commands, tmp_path / "reference", shape, script_args=script_args)
     assert reference.returncode == 0, reference.stdout + reference.stderr
     expected = _final(tmp_path / "reference")
     assert expected["global_step"] == STEPS_PER_EPOCH * EPOCHS
@@ -107,7 +129,7 @@ def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, co
     if shape in ("peek", "nanogpt"):  # peek: a re-entered epoch has no batch to look at (README); nanogpt: no epochs
         second = f"step:{MID_STEP + STEPS_PER_EPOCH}"
     kills = {"KILLS": f"0:step:{MID_STEP},1:{second}"}
-    killed = _run(commands, tmp_path / "killed", shape, "max_restarts=2", env=kills)
+    killed = _run(commands, tmp_path / "killed", shape, "max_restarts=2", env=kills, script_args=script_args)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     lines = _launcher_and_worker_lines(killed, capsys)
     assert lines.count("ddpkit: rank 1 was killed by SIGKILL; restarting the workers") == 2, lines
@@ -117,10 +139,10 @@ def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, co
     _assert_same(_final(tmp_path / "killed"), expected)
 
     term = {"KILLS": f"0:step:{TERM_STEP}", "SIGNAL": "SIGTERM"}
-    first = _run(commands, tmp_path / "preempted", shape, env=term)
+    first = _run(commands, tmp_path / "preempted", shape, env=term, script_args=script_args)
     assert first.returncode == 75, first.stdout + first.stderr
     assert "run the same command again to continue" in _launcher_and_worker_lines(first, capsys)
-    again = _run(commands, tmp_path / "preempted", shape, env=term)
+    again = _run(commands, tmp_path / "preempted", shape, env=term, script_args=script_args)
     assert again.returncode == 0, again.stdout + again.stderr
     _assert_same(_final(tmp_path / "preempted"), expected)
 

@@ -7,16 +7,22 @@
       model.json    model name, task, input normalization, the checkpoint it came from
                     (step, epoch, metrics), the training config, and the SHA-256 of model.pt
 
-Optimizer, RNG and train state stay behind: an export is for inference and
+A sharded checkpoint (``shard=True``) is exported the same way: its slices
+are assembled a tensor at a time into a ``model.pt`` of the full weights
+(:mod:`ddpkit.checkpoint.sharded_export`). Optimizer, RNG and train state stay behind: an export is for inference and
 for ``init_from``. :func:`load_exported` rebuilds the model from the registry
 and loads the weights in one call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +35,14 @@ from ddpkit.checkpoint.format import (
     CheckpointError,
     folder_mode,
     has_manifest,
+    load_file,
+    read_manifest,
     verify_checkpoint,
     write_file_atomic,
 )
 from ddpkit.checkpoint.options import READABLE_BY
+from ddpkit.checkpoint.sharded import sharded_names
+from ddpkit.checkpoint.sharded_export import sharded_weights
 from ddpkit.checkpoint.transfer import newest_verified
 from ddpkit.errors import UserError, check_choice
 
@@ -58,26 +68,26 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
     source = Path(checkpoint)
     if not has_manifest(source):
         source = newest_verified(source)
-    loaded = verify_checkpoint(source)  # every file, checksummed and loaded safely, as resume does
-    manifest = loaded["manifest"]
-    state = loaded[WEIGHTS]
-    bad = nonfinite_tensors(state)
-    if bad:
-        raise CheckpointError(
-            f"{source} holds NaN or infinite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
-            "export an earlier checkpoint of that run"
-        )
+    verify_checkpoint(source, load=False)  # every file checksummed, as resume does; the weights loaded below
+    manifest = read_manifest(source)
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_INFO).exists())):
         raise UserError(f"{out} exists and is not a ddpkit export; choose a new or empty folder for the export")
     out.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
-    weights = write_file_atomic(out, WEIGHTS, lambda f: torch.save(state, f), mode)
+    with _weights(source, manifest, out) as state:
+        if bad := nonfinite_tensors(state):
+            raise CheckpointError(
+                f"{source} holds NaN or infinite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                "export an earlier checkpoint of that run"
+            )
+        weights = write_file_atomic(out, WEIGHTS, lambda f: torch.save(state, f), mode)
+        num_parameters = int(sum(t.numel() for t in state.values()))
     info = {
         "format": EXPORT_FORMAT,
         "created": time.time(),
         "model": manifest.get("model", {}),
         "files": {WEIGHTS: weights},
-        "num_parameters": int(sum(t.numel() for t in state.values())),
+        "num_parameters": num_parameters,
         "source": {
             "checkpoint": str(source.resolve()),
             "global_step": manifest.get("global_step"),
@@ -95,6 +105,22 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
     finally:
         os.close(fd)
     return out
+
+
+@contextlib.contextmanager
+def _weights(source: Path, manifest: dict[str, Any], out: Path) -> Iterator[dict[str, Any]]:
+    """The model's state_dict: its ``model.pt``, or a sharded checkpoint's slices assembled a tensor at a time
+    (:mod:`ddpkit.checkpoint.sharded_export`) in a scratch folder beside the export, removed after."""
+    if "model" not in sharded_names(manifest):
+        yield load_file(source / WEIGHTS)
+        return
+    scratch = out / f".weights-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
+    try:
+        with sharded_weights(source, scratch) as state:
+            yield state
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_exported(folder: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:

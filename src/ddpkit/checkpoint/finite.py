@@ -28,6 +28,11 @@ from typing import Any
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch before 2.5
+    from torch.distributed._tensor import DTensor
+
 from ddpkit.checkpoint.format import CheckpointError, list_checkpoints, load_file
 
 FINITE_KEY = "finite"
@@ -45,7 +50,8 @@ def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
         prefix: prepended to every name.
 
     Returns:
-        The names, in the order found; empty when every floating tensor is finite.
+        The names, in the order found; empty when every floating tensor is finite. A sharded tensor
+        (DTensor) is judged by this rank's shard.
     """
     names: list[str] = []
     flags: list[torch.Tensor] = []
@@ -59,6 +65,8 @@ def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
 
 def _collect(value: Any, name: str, names: list[str], flags: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
+        if isinstance(value, DTensor):  # a sharded model's: this rank's shard (the caller agrees across ranks)
+            value = value.to_local()
         if (value.is_floating_point() or value.is_complex()) and value.numel():
             names.append(name or "tensor")
             flags.append(torch.isfinite(value.detach()).all())

@@ -210,13 +210,56 @@ def write_checkpoint(
     return final
 
 
+def finish_checkpoint(
+    root: str | Path,
+    folder: Path,
+    name: str,
+    objects: Mapping[str, Any],
+    texts: Mapping[str, str],
+    meta: Mapping[str, Any],
+    written: Mapping[str, Mapping[str, Any]],
+    mode: int = 0o600,
+) -> Path:
+    """Complete a checkpoint whose other files are already in the hidden folder ``folder`` (a sharded write).
+
+    Like :func:`write_checkpoint`, with ``written`` (file name -> size and SHA-256: the files others wrote
+    into ``folder``, fsynced) listed in the manifest: the objects and texts, the manifest last, then the
+    folder is renamed to ``root/name`` (replacing a complete checkpoint of the same step as
+    :func:`write_checkpoint` does).
+
+    Raises:
+        OSError: a file could not be written or the folder renamed; ``folder`` is removed first.
+    """
+    root = Path(root)
+    final = root / name
+    try:
+        _write_folder(folder, name, objects, texts, meta, mode, written)
+        if (final / MANIFEST).exists():
+            _swap_in(folder, final)
+        else:
+            if final.exists():  # an incomplete leftover of a crashed write of this step
+                shutil.rmtree(final)
+            os.rename(folder, final)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    _fsync_folder(root)
+    return final
+
+
 def _write_folder(
-    folder: Path, name: str, objects: Mapping[str, Any], texts: Mapping[str, str], meta: Mapping[str, Any], mode: int
+    folder: Path,
+    name: str,
+    objects: Mapping[str, Any],
+    texts: Mapping[str, str],
+    meta: Mapping[str, Any],
+    mode: int,
+    written: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Write the files of ``folder`` (created) for checkpoint ``name``, then its manifest; see
-    :func:`write_checkpoint`."""
+    :func:`write_checkpoint` (``written``: files already there, see :func:`finish_checkpoint`)."""
     os.chmod(folder, folder_mode(mode))
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, dict[str, Any]] = {file: dict(facts) for file, facts in (written or {}).items()}
     for file_name, obj in objects.items():
         files[file_name] = write_file_atomic(folder, file_name, functools.partial(torch.save, obj), mode)
     for file_name, text in texts.items():
@@ -286,8 +329,10 @@ def mark_best(root: str | Path, checkpoint: str | Path, mode: int = 0o600) -> Pa
     staging = root / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     staging.mkdir(mode=folder_mode(mode))
     os.chmod(staging, folder_mode(mode))
-    # The manifest last, so the best folder is complete only once all its files are there.
-    names = sorted(p.name for p in checkpoint.iterdir() if not p.name.startswith("."))
+    # The manifest last, so the best folder is complete only once all its files are there. Hidden files
+    # are a crash's temporary files, unless the manifest lists them (a sharded checkpoint's .metadata).
+    listed = set(read_manifest(checkpoint)["files"])
+    names = sorted(p.name for p in checkpoint.iterdir() if not p.name.startswith(".") or p.name in listed)
     for file_name in sorted(names, key=lambda n: n == MANIFEST):
         try:
             os.link(checkpoint / file_name, staging / file_name)

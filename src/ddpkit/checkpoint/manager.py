@@ -41,7 +41,9 @@ at once and a checkpoint inside an epoch holds only how many of its steps
 were done (``ResumePoint.step_in_epoch``, for the loop to skip).
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
-points, rank 0 writes. A save reached by some ranks only is an error naming
+points, rank 0 writes; for a sharded model (``prepare_model(shard=True)``)
+every rank writes its shards of the model and optimizer and rank 0 the rest
+(:mod:`~ddpkit.checkpoint.sharded`). A save reached by some ranks only is an error naming
 the missing ranks once ``timeout`` has passed, never a hang; a save called on
 some ranks while the others went on training (``if rank == 0: save()``) is
 refused within about a second (:mod:`ddpkit.checkpoint.checkin`).
@@ -96,8 +98,11 @@ from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
 from ddpkit.checkpoint.restore import ResumePoint, load_files, log_resume, restore_objects, restore_rng
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
+from ddpkit.checkpoint.sharded import ShardedState, sharded_names
+from ddpkit.checkpoint.sharded_writer import ShardedWriter
 from ddpkit.checkpoint.storage import checkpoint_bytes, room_warning
-from ddpkit.checkpoint.writer import FolderWriter, WriteRequest
+from ddpkit.checkpoint.writer import CheckpointWriter, FolderWriter, WriteRequest
+from ddpkit.comm.fsdp import is_sharded
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import check_positive
@@ -190,10 +195,14 @@ class Checkpointer:
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
         )
-        self.background = self.options.background_writes(model_devices(self.objects))
+        self.shards = self._sharded_state() if is_sharded(self.objects.get("model")) else None
+        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
+        # Sharded writes are synchronous (every rank writes its shards before rank 0 completes the folder).
+        self.background = self.shards is None and self.options.background_writes(model_devices(self.objects))
         """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
         self.writer = self._make_writer() if self.rank == 0 else None
-        """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`); None on the other ranks."""
+        """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`, or
+        :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` for a sharded model); None on the other ranks."""
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
         self._unsaid_position: tuple[int, int, int] | None = None  # a checkpoint inside an epoch, not yet told
@@ -211,16 +220,24 @@ class Checkpointer:
         self._lock: FolderLock | None = None
         self.schedule.plan(self.global_step, self.agreement.next_step)
 
-    def _make_writer(self) -> FolderWriter:
-        return FolderWriter(
-            self.root,
-            mode=READABLE_BY[self.options.readable_by],
-            keep=self.options.keep,
-            background=self.background,
-            on_write_error=self.options.on_write_error,
-            needed_bytes=lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
-            on_save=self._saved,
-        )
+    def _make_writer(self) -> CheckpointWriter:
+        options: dict[str, Any] = {
+            "mode": READABLE_BY[self.options.readable_by],
+            "keep": self.options.keep,
+            "on_write_error": self.options.on_write_error,
+            "needed_bytes": lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
+            "on_save": self._saved,
+        }
+        if self.shards is not None:
+            return ShardedWriter(self.root, staged=self._staged, **options)
+        return FolderWriter(self.root, background=self.background, **options)
+
+    def _sharded_state(self) -> ShardedState:
+        return ShardedState(self.objects["model"], self.objects.get("optimizer"), self.rank, self.world_size)
+
+    def _staged(self) -> tuple[Path, dict[str, Any]]:
+        assert self.shards is not None and self.shards.staged is not None, "rank 0, after the ranks wrote shards"
+        return self.shards.staged
 
     def start(self) -> None:
         """Begin: install the preemption signal handlers, follow the loader's step boundaries, check the room.
@@ -239,6 +256,11 @@ class Checkpointer:
             # A run owns its folder for its life: a second run into it stops here, before writing. Rank 0 alone
             # (no collective: start() may come first in a save some ranks never reach); its exit ends the job.
             self._lock_folder()
+        if self.shards is not None and self.options.async_save == "true" and self.rank == 0:
+            get_logger().warning(
+                "async_save=true: the model is sharded, and sharded checkpoints are written synchronously "
+                "(every rank writes its shards, then rank 0 completes the folder); training waits for each save"
+            )
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
@@ -308,7 +330,15 @@ class Checkpointer:
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _restore(self, path: Path, loaded: dict[str, Any], first_epoch: int) -> None:
-        counters = restore_objects(path, self.objects, loaded, self.per_rank, self.rank)
+        sharded = sharded_names(loaded["manifest"])
+        if sharded:  # every rank reads its slices (a plain model reads them all)
+            (self.shards or self._sharded_state()).load(path)
+        elif self.shards is not None:
+            raise CheckpointError(
+                f"checkpoint {path} holds a replicated model and this run's model is sharded (shard=True); "
+                "resume it without shard, or start a new run in another folder"
+            )
+        counters = restore_objects(path, self.objects, loaded, self.per_rank, self.rank, restored=sharded)
         self.global_step = int(counters["global_step"])
         self.completed_epochs = int(counters["completed_epochs"])
         self._epoch_start_step = int(counters.get("epoch_start_step", self.global_step))
@@ -481,6 +511,13 @@ class Checkpointer:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
         self.check_ins.check_in(default_store, self.global_step, lambda: bool(self.signals.received))
+        if self.shards is not None:  # every rank writes its shards; rank 0 completes the folder below
+            self.shards.save(
+                self.root,
+                checkpoint_name(self.global_step),
+                READABLE_BY[self.options.readable_by],
+                lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
+            )
         # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
         # is asked on every rank; rank 0 writes what it returned.
         collective = {name: obj.state_dict() for name, obj in self.objects.items() if is_collective(obj)}
@@ -527,7 +564,8 @@ class Checkpointer:
             "epoch_start_step": self._epoch_start_step,
         }
         assert rank_states is not None, "rank 0 gathered every rank's states"
-        files = checkpoint_files(self.objects, collective, counters, rank_states, self.per_rank, self.world_size)
+        in_files = {name: obj for name, obj in self.objects.items() if not self.shards or name not in self.shards.names}
+        files = checkpoint_files(in_files, collective, counters, rank_states, self.per_rank, self.world_size)
         position = self._loader_position()
         meta = manifest_facts(
             reason=reason,
@@ -540,7 +578,7 @@ class Checkpointer:
             metrics=metrics,
             best=self.best.info(),
             config=self.config,
-            meta=self.meta,
+            meta={**self.meta, **(self.shards.facts() if self.shards else {})},
         )
         why = reason
         if best and self.best.value is not None:

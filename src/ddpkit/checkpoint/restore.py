@@ -59,13 +59,19 @@ def load_files(path: Path) -> dict[str, Any]:
 
 
 def restore_objects(
-    path: Path, objects: dict[str, Any], loaded: dict[str, Any], per_rank: list[str], rank: int
+    path: Path,
+    objects: dict[str, Any],
+    loaded: dict[str, Any],
+    per_rank: list[str],
+    rank: int,
+    restored: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Load every object's state from ``loaded`` (file name -> state); return the Checkpointer's counters.
 
     A ``per_rank`` object gets this rank's own state; on a rank the
     checkpoint did not have (a larger world size) it keeps its own, and rank 0
-    says so.
+    says so. ``restored``: objects restored already (a sharded checkpoint's
+    model and optimizer), checked only.
 
     Raises:
         CheckpointError: the checkpoint holds other objects, or a state does not fit its object.
@@ -81,6 +87,8 @@ def restore_objects(
             f"passes per_rank={sorted(per_rank) or '{}'}; pass the same objects as per_rank= as when it was written"
         )
     for name, obj in objects.items():
+        if name in restored:
+            continue
         state = loaded[f"{name}.pt"]
         if name in per_rank:
             ranks = state["ranks"]

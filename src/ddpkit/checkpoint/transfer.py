@@ -37,6 +37,8 @@ from ddpkit.checkpoint.format import (
     resolve_checkpoint_dir,
     verify_checkpoint,
 )
+from ddpkit.checkpoint.sharded import sharded_names
+from ddpkit.checkpoint.sharded_export import full_weights
 from ddpkit.errors import UserError
 
 
@@ -91,13 +93,13 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         ) from None
     if is_folder:
         if has_manifest(path):
-            state = verify_checkpoint(path)["model.pt"]
+            state = _checkpoint_weights(path)
             _refuse_nonfinite(path, state)
         elif (path / EXPORT_INFO).exists():
             state = read_export(path)[1]
         else:
             newest = newest_verified(path)
-            state = verify_checkpoint(newest)["model.pt"]
+            state = _checkpoint_weights(newest)
             _refuse_nonfinite(newest, state)
     elif is_file:
         state = load_file(path)
@@ -111,6 +113,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
             "pass a checkpoint, an export or a file saved with torch.save(model.state_dict())"
         )
     return dict(state)
+
+
+def _checkpoint_weights(checkpoint: Path) -> Any:
+    """A verified checkpoint's model state: its model.pt, or a sharded checkpoint's full weights."""
+    loaded = verify_checkpoint(checkpoint)
+    if "model" in sharded_names(loaded["manifest"]):
+        return full_weights(checkpoint)
+    return loaded["model.pt"]
 
 
 def newest_verified(folder: str | Path) -> Path:

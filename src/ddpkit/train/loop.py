@@ -53,6 +53,7 @@ from tqdm import tqdm
 from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
 from ddpkit.checkpoint.format import set_aside
 from ddpkit.checkpoint.manager import Checkpointer
+from ddpkit.comm.fsdp import is_sharded
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader
 from ddpkit.distributed import Context, control_device
@@ -119,7 +120,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.cfg.output_dir, enabled=self.ctx.is_main_process, tracker=self.state.tracker)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
         sync = gradient_sync(self.model)
-        self.grad_sync = sync.mode if sync is not None else "none"
+        self.grad_sync = sync.mode if sync is not None else ("fsdp" if is_sharded(self.model) else "none")
         self.allreduce = sync.allreduce if sync is not None else "none"
 
     # -- one step -------------------------------------------------------------
@@ -222,8 +223,16 @@ class Trainer:
         )
 
     def _check_weights(self) -> None:
-        """Stop (TrainingDiverged) when the model's tensors hold NaN or infinity; else they are good up to here."""
+        """Stop (TrainingDiverged) when the model's tensors hold NaN or infinity; else they are good up to here.
+
+        Replicated weights are the same on every rank; a sharded model's ranks each check their shards and agree.
+        """
         bad = nonfinite_tensors(self.module.state_dict())
+        if self.grad_sync == "fsdp" and self.ctx.world_size > 1:
+            flag = torch.tensor([float(bool(bad))], device=control_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not bad:
+                bad = ["another rank's shards"]
         if bad:
             self._diverged(f"the weights hold NaN or infinity ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         self._finite_at = self.state.global_step
@@ -316,7 +325,15 @@ class Trainer:
         """Train until ``cfg.epochs`` are complete (or ``max_steps``) and return the run summary."""
         log, cfg = get_logger(), self.cfg
         sync = gradient_sync(self.model)
-        log.info(sync.describe() if sync is not None else "single worker: no gradient synchronisation")
+        if sync is not None:
+            log.info(sync.describe())
+        elif is_sharded(self.model):
+            log.info(
+                f"sharded (FSDP2) over {self.ctx.world_size} worker(s): gradients reduce-scattered, each worker "
+                "keeps its shard of the parameters, gradients and optimizer state"
+            )
+        else:
+            log.info("single worker: no gradient synchronisation")
         test: dict[str, float] = {}
         tested_at = -1
         self._finite_at = self.state.global_step  # resumed from a verified checkpoint

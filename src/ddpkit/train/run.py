@@ -123,7 +123,9 @@ def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: An
         # Before preparing: the gradient sync must not expect gradients of frozen parameters.
         for line in apply_transfer(model, cfg.init_from, cfg.freeze).lines():
             get_logger().info(line)
-    model = prepare_model(model, allreduce=cfg.allreduce, grad_sync=cfg.grad_sync, sync_batchnorm=cfg.sync_batchnorm)
+    model = prepare_model(
+        model, allreduce=cfg.allreduce, grad_sync=cfg.grad_sync, sync_batchnorm=cfg.sync_batchnorm, shard=cfg.shard
+    )
     optimizer = build_optimizer(cfg, model.parameters(), ctx.world_size)
     batch = global_batch_size(cfg, ctx.world_size)
     loader = DataLoader(

@@ -30,7 +30,9 @@ Kill hooks, from the environment:
         (after ckpt.step()), ``epoch_end`` after the code following epoch n's batch loop.
     SIGNAL=SIGTERM: sent only by a run that did not resume (so the same command again completes).
 
-At the end rank 0 saves {"weights", "global_step"} to --final.
+--shard: the model sharded (``prepare_model(shard=True)``, FSDP2), its checkpoints written by every rank.
+
+At the end rank 0 saves {"weights", "global_step"} to --final (full weights, gathered when sharded).
 """
 
 import argparse
@@ -84,7 +86,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, ctx: ddpkit.Context):
         self.args, self.ctx, shape = args, ctx, args.shape
         torch.manual_seed(0)
-        self.model = ddpkit.prepare_model(network(shape))
+        self.model = ddpkit.prepare_model(network(shape), shard=args.shard)
         if shape == "compiled":
             self.model = torch.compile(self.model, backend="eager")
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
@@ -222,6 +224,7 @@ def main() -> None:
     parser.add_argument("--final", required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--every-steps", type=int, default=0)
+    parser.add_argument("--shard", action="store_true")
     args = parser.parse_args()
     ctx = ddpkit.init()
     trainer = Trainer(args, ctx)
@@ -231,8 +234,10 @@ def main() -> None:
         flush=True,
     )
     trainer.train(args.epochs)
+    weights = ddpkit.unwrap_model(trainer.model).state_dict()
+    if args.shard:  # every rank takes part in gathering the full weights
+        weights = {name: tensor.full_tensor() for name, tensor in weights.items()}
     if ctx.is_main_process:
-        weights = ddpkit.unwrap_model(trainer.model).state_dict()
         torch.save({"weights": weights, "global_step": trainer.ckpt.global_step}, args.final)
         print(f"done after global step {trainer.ckpt.global_step}", flush=True)
 

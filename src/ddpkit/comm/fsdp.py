@@ -1,0 +1,228 @@
+"""Sharded data parallelism: torch's FSDP2 (``fully_shard``) on a model's repeated blocks and its root.
+
+With ``ddpkit.prepare_model(model, shard=True)`` each rank keeps ``1/world_size``
+of every parameter, of its gradient and of the optimizer's state for it
+(parameters become ``DTensor`` shards on a one-dimensional device mesh of
+the job's device type: CPU with gloo, CUDA with nccl). A block's full
+parameters exist only while it runs::
+
+    forward of block i:   all_gather(shards of block i) -> full weights -> compute -> free (reshard)
+    backward of block i:  all_gather again (unless reshard_after_forward=False kept them)
+                          -> gradients -> reduce_scatter -> this rank's gradient shard
+
+Per rank and step, for P parameter bytes: about 2 P gathered and P/world_size
+kept (parameters), one reduce_scatter of P (gradients), and the optimizer
+steps P/world_size of state. The unit of gathering is a *block*: every
+module whose class occurs at least twice among the modules holding
+parameters and never inside another such class (the layers of a
+transformer, not their Linears), found automatically (torch's containers, ``Sequential``,
+``ModuleList``, ``ModuleDict``, are walked into, never taken as blocks) or
+named with ``shard_blocks`` (classes or class names). The root is sharded
+last and holds what no block holds (embeddings, the head).
+
+What changes for a training loop:
+
+- build the optimizer after ``prepare_model``: the parameters it must hold are the sharded ones;
+- gradient accumulation: ``ddpkit.no_sync(model)`` (FSDP2's ``set_requires_gradient_sync(False)``
+  inside it): the micro-batches' gradients accumulate unsharded-reduced, the last backward reduces them;
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works as it is (the norm is a DTensor,
+  reduced over the ranks);
+- ``model.state_dict()`` holds shards: save with the :class:`ddpkit.Checkpointer` (each rank writes its
+  shards) and get full weights with ``ddpkit export``.
+
+Mixed precision (``mixed_precision="bf16"``): parameters gathered and
+computed in bfloat16, gradients reduced in float32, the optimizer's
+parameters and state kept in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.errors import UserError
+
+__all__ = [
+    "SHARD_CHOICES",
+    "find_blocks",
+    "is_sharded",
+    "mixed_precision_policy",
+    "shard_model",
+    "sharded_no_sync",
+    "wants_sharding",
+]
+
+SHARD_CHOICES = (True, False, "auto")
+"""``shard=``: True (FSDP), False (replicated parameters: DDP or ddpkit's all_reduce), auto (FSDP when a
+replica's training state would take more than half of a worker's share of device memory)."""
+
+MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``mixed_precision=`` names: the dtype parameters are gathered and computed in (gradients reduced in fp32)."""
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+"""torch's containers: their class says nothing of a model's structure, so they are walked into."""
+
+_AUTO_FRACTION = 0.5
+"""shard=auto shards when parameters + gradients + Adam's two states exceed this share of the device memory."""
+
+
+def is_sharded(model: object) -> bool:
+    """True when ``model`` (or the module torch.compile wrapped) was sharded by ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = getattr(model, "_orig_mod", None)
+    return isinstance(inner if isinstance(inner, nn.Module) else model, FSDPModule)
+
+
+def wants_sharding(shard: bool | str, model: nn.Module, device: torch.device, local_world_size: int) -> bool:
+    """Whether ``shard`` (True, False or "auto") shards ``model`` on ``device``.
+
+    Raises:
+        ValueError: ``shard`` is none of True, False, "auto".
+    """
+    if isinstance(shard, str) and shard.lower() in ("true", "false"):
+        shard = shard.lower() == "true"
+    if shard not in SHARD_CHOICES:
+        raise UserError(f"shard={shard!r} is not valid; choose True, False or 'auto'")
+    if shard != "auto":
+        return bool(shard)
+    state_bytes = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + grads, Adam's 2 states
+    return state_bytes > _AUTO_FRACTION * _device_memory(device) / max(1, local_world_size)
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def find_blocks(model: nn.Module, names: Sequence[type | str] | None = None) -> list[nn.Module]:
+    """The modules to shard one by one before the root, outermost first.
+
+    Args:
+        model: the plain module.
+        names: the block classes (classes or class names); None: every class that occurs at least twice
+            among the modules holding parameters (torch's containers excepted).
+
+    Raises:
+        ValueError: ``names`` matches no module of ``model``.
+    """
+    if names is None:
+        counts = Counter(
+            type(m) for m in model.modules() if m is not model and not isinstance(m, _CONTAINERS) and _has_params(m)
+        )
+        repeated = {cls for cls, n in counts.items() if n >= 2}
+        # A repeated class found inside another one's instances (the Linears of a transformer's layers)
+        # is part of the block, not the block.
+        inner = {cls for cls in repeated for m in _inside(model, repeated) if type(m) is cls}
+        chosen = repeated - inner
+
+        def is_block(m: nn.Module) -> bool:
+            return type(m) in chosen
+
+    else:
+        wanted = {n for n in names if isinstance(n, str)}
+        classes = tuple(n for n in names if isinstance(n, type))
+
+        def is_block(m: nn.Module) -> bool:
+            return type(m).__name__ in wanted or isinstance(m, classes)
+
+    blocks = list(_outermost(model, is_block, root=True))
+    if names is not None and not blocks:
+        spelled = ", ".join(n if isinstance(n, str) else n.__name__ for n in names)
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise UserError(f"shard_blocks={spelled} matches no module of the model; its classes: {', '.join(present)}")
+    return blocks
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _inside(model: nn.Module, classes: set[type]) -> Iterator[nn.Module]:
+    """The modules below an instance of ``classes`` (descendants of a block, not the block)."""
+    for m in model.modules():
+        if type(m) in classes:
+            yield from (d for d in m.modules() if d is not m)
+
+
+def _outermost(module: nn.Module, is_block: Any, root: bool = False) -> Iterator[nn.Module]:
+    if not root and is_block(module):
+        yield module
+        return
+    for child in module.children():
+        yield from _outermost(child, is_block)
+
+
+def mixed_precision_policy(mixed_precision: Any) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``mixed_precision``: None, "bf16", "fp16", or a policy as it is.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision is None or isinstance(mixed_precision, MixedPrecisionPolicy):
+        return mixed_precision or MixedPrecisionPolicy()
+    if mixed_precision not in MIXED_PRECISION:
+        raise UserError(
+            f"mixed_precision={mixed_precision!r} is not valid; choose one of {', '.join(MIXED_PRECISION)}, "
+            "None, or a torch.distributed.fsdp.MixedPrecisionPolicy"
+        )
+    return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32)
+
+
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    world_size: int,
+    *,
+    blocks: Sequence[type | str] | None = None,
+    mixed_precision: Any = None,
+    reshard_after_forward: bool = True,
+) -> tuple[nn.Module, list[str]]:
+    """Shard ``model`` (already on ``device``) from rank 0's weights: each block, then the root.
+
+    Returns:
+        The same module, now an ``FSDPModule`` (its class gains torch's mixin), and the block classes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if world_size > 1:
+        # Every rank starts from rank 0's weights, as with DDP: a model initialised with a per-rank seed
+        # would otherwise hold a mix of initialisations.
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                dist.broadcast(tensor, src=0)
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = mixed_precision_policy(mixed_precision)
+    found = find_blocks(model, blocks)
+    classes = sorted({type(b).__name__ for b in found})  # before fully_shard renames them (FSDP<name>)
+    for block in found:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root's parameters are gathered first in forward and needed last in backward: kept unsharded
+    # between the two, as torch's examples do.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False if found else reshard_after_forward)
+    return model, classes
+
+
+@contextlib.contextmanager
+def sharded_no_sync(model: nn.Module) -> Iterator[None]:
+    """Backwards inside only accumulate gradients; the next backward outside reduces them all (FSDP2's switch)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = getattr(model, "_orig_mod", model)
+    assert isinstance(inner, FSDPModule), "called for sharded models only"
+    inner.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        inner.set_requires_gradient_sync(True)
