@@ -76,7 +76,7 @@ def test_trains_into_sagemakers_folders_and_resumes_from_the_checkpoints(tmp_pat
     assert "--epochs" in args  # the hyperparameters arrive as --key value
 
     output = run_entry_point(base, environ, args)
-    checkpoints = sorted(p.name for p in (base / "checkpoints").iterdir())
+    checkpoints = _checkpoint_names(base / "checkpoints")
     assert checkpoints, output  # /opt/ml/checkpoints: what SageMaker syncs to checkpoint_s3_uri
     summary = json.loads((base / "output/data/summary.json").read_text())
     assert summary["global_steps"] == STEPS_PER_EPOCH and summary["config"]["data_dir"] == str(
@@ -105,7 +105,7 @@ def test_one_worker_per_gpu_and_the_export_is_of_the_last_step_when_no_checkpoin
     output = run_entry_point(base, {**environ, "SM_NUM_GPUS": "2"}, args)
     summary = json.loads((base / "output/data/summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_steps"] == STEPS_PER_EPOCH, output
-    assert sorted(p.name for p in (base / "checkpoints").iterdir()) == [f"step-{STEPS_PER_EPOCH:09d}"], output
+    assert _checkpoint_names(base / "checkpoints") == [f"step-{STEPS_PER_EPOCH:09d}"], output
     _, info = load_exported(base / "model")
     assert info["source"]["global_step"] == STEPS_PER_EPOCH
 
@@ -191,3 +191,8 @@ def test_two_hosts_one_process_each(tmp_path):
     assert summary["world_size"] == 2 and summary["global_steps"] == STEPS_PER_EPOCH
     load_exported(first / "model")  # rank 0's host exports; the other's model folder stays empty
     assert not any((second / "model").iterdir())
+
+
+def _checkpoint_names(folder: Path) -> list[str]:
+    """The checkpoint folders of ``folder`` (the run's lock files, .ddpkit.lock*, aside)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".ddpkit.lock"))

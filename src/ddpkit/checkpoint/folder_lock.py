@@ -78,11 +78,15 @@ class FolderLock:
     Args:
         folder: the folder a run writes into.
         fix: how the refusal says to write elsewhere, e.g. "output_dir=..." (default: either option).
+        mode: permission bits of the lock and holder files (private to the user by default, as checkpoints).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], fix: str = "output_dir=... or checkpoint.dir=..."):
+    def __init__(
+        self, folder: str | os.PathLike[str], fix: str = "output_dir=... or checkpoint.dir=...", mode: int = 0o600
+    ):
         self.folder = Path(folder)
         self.fix = fix
+        self.mode = mode
         self._key = ""
 
     @property
@@ -120,7 +124,7 @@ class FolderLock:
                 _HELD[key] = (lock, count + 1)
                 self._key = key
                 return self
-            lock = FileLock(key, timeout=timeout, thread_local=False)
+            lock = FileLock(key, timeout=timeout, mode=self.mode, thread_local=False)
             try:
                 lock.acquire()
             except Timeout:
@@ -128,7 +132,7 @@ class FolderLock:
             _HELD[key] = (lock, 1)
             self._key = key
         try:
-            _write_holder(self.folder / HOLDER_FILE)
+            _write_holder(self.folder / HOLDER_FILE, self.mode)
         except OSError:
             pass  # the lock holds without it; a refused run then names no holder
         return self
@@ -185,7 +189,7 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
     return f"{text}: {command}" if command else text
 
 
-def _write_holder(path: Path) -> None:
+def _write_holder(path: Path, mode: int) -> None:
     record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -193,7 +197,10 @@ def _write_holder(path: Path) -> None:
         "command": _command_line(),
     }
     temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    temporary.write_text(json.dumps(record) + "\n")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(file.fileno(), mode)  # whatever the umask
+        file.write(json.dumps(record) + "\n")
     os.replace(temporary, path)
 
 

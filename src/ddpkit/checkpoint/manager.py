@@ -275,8 +275,9 @@ class Checkpointer:
         wait = RESTART_LOCK_WAIT_S if select.restart_count(self.environ) else 0.0
         try:
             # Created as a checkpoint write would create it: private to the user unless readable_by says otherwise.
-            self.root.mkdir(parents=True, exist_ok=True, mode=folder_mode(READABLE_BY[self.options.readable_by]))
-            self._lock = FolderLock(self.root, fix="dir=... (checkpoint.dir=...)").acquire(wait)
+            mode = READABLE_BY[self.options.readable_by]
+            self.root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
+            self._lock = FolderLock(self.root, fix="dir=... (checkpoint.dir=...)", mode=mode).acquire(wait)
         except OSError:
             self._lock = None  # a folder this process cannot write: the first save says so, in one line
 
