@@ -1,7 +1,7 @@
 """What a loop is told once, on rank 0, when its checkpoints would not resume it exactly.
 
 Each function returns the line to log, or "" when there is nothing to say;
-the Checkpointer decides when to ask and says each at most once.
+the Checkpointer decides when to ask, and :class:`SaidOnce` says each at most once.
 """
 
 from __future__ import annotations
@@ -12,7 +12,46 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["differing_extras", "no_position", "unheld_scheduler", "unwritten_at_exit"]
+from ddpkit.log import get_logger
+
+__all__ = ["SaidOnce", "differing_extras", "no_position", "unheld_scheduler", "unwritten_at_exit"]
+
+
+class SaidOnce:
+    """The once-only warnings of one Checkpointer: rank 0 says each at most once; every rank records it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.said: set[str] = set()
+        """The keys of the warnings already given (or found to have nothing to say)."""
+        self._unsaid_position: tuple[int, int, int] | None = None  # a checkpoint inside an epoch, not yet told
+
+    def say(self, key: str, message: str) -> None:
+        """Log ``message`` on rank 0 unless ``key`` was said; an empty message says nothing (and settles it)."""
+        if message and self.rank == 0 and key not in self.said:
+            get_logger().warning(message)
+        self.said.add(key)
+
+    def scheduler_not_held(self, objects: Mapping[str, Any]) -> None:
+        """:func:`unheld_scheduler`, once."""
+        if "scheduler" not in self.said:
+            self.say("scheduler", unheld_scheduler(objects))
+
+    def position_not_held(self, global_step: int, resume_point: tuple[int, int], completed_epochs: int) -> None:
+        """Without a loader, a checkpoint inside an epoch holds no data position: :func:`no_position`, once.
+
+        Only a loop with epochs is told: one that calls ``epoch_end()`` (``completed_epochs`` above 0). A
+        checkpoint taken before the first ``epoch_end()`` is told of then; a loop that never calls it
+        (iterations over batches it samples itself, from the generators the checkpoint restores) has
+        nothing to skip.
+        """
+        if "no_position" in self.said:
+            return
+        epoch, step = resume_point
+        if step and self._unsaid_position is None:
+            self._unsaid_position = (global_step, epoch, step)
+        if completed_epochs > 0 and self._unsaid_position is not None:
+            self.say("no_position", no_position(*self._unsaid_position))
 
 
 def unheld_scheduler(objects: Mapping[str, Any]) -> str:

@@ -51,6 +51,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from ddpkit.checkpoint.format import folder_mode
 from ddpkit.errors import UserError
 from ddpkit.names import EXIT_USER_ERROR
 
@@ -214,3 +215,24 @@ def _command_line(limit: int = 160) -> str:
 
 
 __all__ = ["FolderInUseError", "FolderLock", "HOLDER_FILE", "LOCK_FILE", "describe_holder", "read_holder"]
+
+
+RESTART_LOCK_WAIT_S = 60.0
+"""How long a restarted worker waits for its folder's lock: processes its dead predecessor forked may hold it."""
+
+
+def lock_checkpoint_folder(root: Path, mode: int, restarted: bool) -> FolderLock | None:
+    """Rank 0's lock of a Checkpointer's folder (a restarted worker waits for its predecessor's to go).
+
+    The folder is created as a checkpoint write would create it (``mode``: private to the user unless
+    ``readable_by`` says otherwise). None when this process cannot write it: the first save says so, in one line.
+
+    Raises:
+        FolderInUseError: another live run holds the folder.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
+        lock = FolderLock(root, fix="dir=... (checkpoint.dir=...)", mode=mode)
+        return lock.acquire(RESTART_LOCK_WAIT_S if restarted else 0.0)
+    except OSError:
+        return None

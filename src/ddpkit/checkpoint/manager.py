@@ -1,11 +1,8 @@
-"""The Checkpointer: save and resume any training loop's state, exactly.
+"""The Checkpointer: save and resume any training loop's state, exactly; a facade over the parts below.
 
 It is handed explicit objects, anything with ``state_dict()`` and
-``load_state_dict()``: the model (a DDP wrapper is unwrapped, so checkpoints
-do not depend on the gradient sync or the world size), the optimizer, the LR
-scheduler, the grad scaler, the :class:`ddpkit.DataLoader` (its position:
-epoch and step in epoch) and any extras of the user's. It never reads a
-trainer's attributes and never steps anything::
+``load_state_dict()`` (a DDP wrapper is unwrapped), never reads a trainer's
+attributes and never steps anything::
 
     ckpt = ddpkit.Checkpointer("runs/mine", model=model, optimizer=opt, scheduler=sched,
                                loader=loader, every_steps=500)
@@ -18,42 +15,22 @@ trainer's attributes and never steps anything::
         ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
     ckpt.close()                           # the last epoch's checkpoint, with what followed its batch loop
 
-The parts, each documented where it lives:
+The parts, each documented where it lives (the README's manual and "Design notes: layers"):
 
-- what a checkpoint holds: :mod:`~ddpkit.checkpoint.contents` (the objects, the
-  counters, every rank's RNG, the config); on disk, crash-safe and verified:
-  :mod:`~ddpkit.checkpoint.format`; which one a run resumes:
-  :mod:`~ddpkit.checkpoint.select`; restoring: :mod:`~ddpkit.checkpoint.restore`;
-- when (every ``every_steps`` steps, every ``every_seconds`` seconds, at each
-  epoch's end, on a preemption signal): :mod:`~ddpkit.checkpoint.schedule`, a
-  pure function of the step, the loader's position and the agreed signals
-  (:mod:`~ddpkit.checkpoint.preemption`: one tiny all_reduce about every
-  ``sync_seconds``; between agreements ``step()`` costs an integer compare);
-- how it is written (atomic, verified, in the background with ``async_save``,
-  best mark, pruning): :mod:`~ddpkit.checkpoint.writer`;
-- the options, one dataclass: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
-
-Where, with a ddpkit.DataLoader: at the loop's step boundaries, when it asks
-for its next batch, so a checkpoint holds what the body did after ``step()``;
-an epoch's checkpoint waits for the code after its batch loop and is written
-once (:mod:`~ddpkit.checkpoint.schedule`). Without a loader, ``step()`` saves
-at once and a checkpoint inside an epoch holds only how many of its steps
-were done (``ResumePoint.step_in_epoch``, for the loop to skip).
+- when: :mod:`~ddpkit.checkpoint.schedule` (pure; a ddpkit.DataLoader's step
+  boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.preemption`;
+- one save: :mod:`~ddpkit.checkpoint.saving`; what it holds:
+  :mod:`~ddpkit.checkpoint.contents`; on disk: :mod:`~ddpkit.checkpoint.writer`
+  (:mod:`~ddpkit.checkpoint.sharded` for a sharded model), :mod:`~ddpkit.checkpoint.format`;
+- resuming: :mod:`~ddpkit.checkpoint.select` (which one), :mod:`~ddpkit.checkpoint.restore`;
+- the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
-points, rank 0 writes; for a sharded model (``prepare_model(shard=True)``)
-every rank writes its shards of the model and optimizer and rank 0 the rest
-(:mod:`~ddpkit.checkpoint.sharded`). A save reached by some ranks only is an error naming
-the missing ranks once ``timeout`` has passed, never a hang; a save called on
-some ranks while the others went on training (``if rank == 0: save()``) is
-refused within about a second (:mod:`ddpkit.checkpoint.checkin`).
-
-Exactness: with the same world size a resumed run continues bit for bit
-(model, optimizer, scheduler, scaler, every RNG, the loader's position). With
-another world size, training continues at the same global batch of the same
-sample order (nothing skipped or repeated); per-rank RNG streams and the
-all_reduce order differ, so numbers are close but not bit-identical, and a
-warning says so.
+points and rank 0 writes (every rank its shards, for a sharded model); a save
+some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.checkin`).
+With the same world size a resumed run continues bit for bit; with another,
+at the same global batch of the same sample order, close but not bit-identical
+(a warning says so).
 """
 
 from __future__ import annotations
@@ -68,23 +45,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import differing_extras, no_position, unheld_scheduler, unwritten_at_exit
-from ddpkit.checkpoint.async_save import copy_state
+from ddpkit.checkpoint.advice import SaidOnce, unwritten_at_exit
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
-from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
 from ddpkit.checkpoint.folder_lock import FolderLock
-from ddpkit.checkpoint.format import (
-    MANIFEST,
-    CheckpointError,
-    checkpoint_name,
-    folder_mode,
-    list_checkpoints,
-)
-from ddpkit.checkpoint.objects import collect_objects, is_collective, model_devices, tensor_digest
+from ddpkit.checkpoint.format import MANIFEST, CheckpointError, list_checkpoints
+from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.preemption import (
     Agreement,
@@ -95,14 +62,11 @@ from ddpkit.checkpoint.preemption import (
     signal_name,
 )
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.restore import ResumePoint, load_files, log_resume, restore_objects, restore_rng
-from ddpkit.checkpoint.rng import capture_rng_state
+from ddpkit.checkpoint.restore import Restored, ResumePoint, choose_and_load, log_resume, restore_checkpoint
+from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
-from ddpkit.checkpoint.sharded import ShardedState, sharded_names
-from ddpkit.checkpoint.sharded_writer import ShardedWriter
-from ddpkit.checkpoint.storage import checkpoint_bytes, room_warning
-from ddpkit.checkpoint.writer import CheckpointWriter, FolderWriter, WriteRequest
-from ddpkit.comm.fsdp import is_sharded
+from ddpkit.checkpoint.sharded import sharded_state
+from ddpkit.checkpoint.writer import CheckpointWriter
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import check_positive
@@ -167,7 +131,6 @@ class Checkpointer:
         self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
         self.per_rank = sorted(per_rank or {})
         """The names of the objects saved for every rank (``per_rank=``)."""
-        self._extras = sorted(extra or {})
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
         self.timeout = timeout
@@ -195,49 +158,46 @@ class Checkpointer:
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
         )
-        self.shards = self._sharded_state() if is_sharded(self.objects.get("model")) else None
+        self.shards = sharded_state(self.objects, self.rank, self.world_size)
         """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
         # Sharded writes are synchronous (every rank writes its shards before rank 0 completes the folder).
         self.background = self.shards is None and self.options.background_writes(model_devices(self.objects))
         """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
-        self.writer = self._make_writer() if self.rank == 0 else None
+        self.writer: CheckpointWriter | None = None
         """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`, or
         :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` for a sharded model); None on the other ranks."""
+        if self.rank == 0:
+            self.writer = make_writer(
+                self.root, self.objects, self.world_size, self.options, self.shards, self.background, self._saved
+            )
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
-        self._unsaid_position: tuple[int, int, int] | None = None  # a checkpoint inside an epoch, not yet told
         self.finished = False
         """True when the checkpoint resumed from was written by a run that finished (``close()`` after it)."""
-        self._resume_checked = False
-        self._said: set[str] = set()  # the once-only warnings already given
+        self._told = SaidOnce(self.rank)  # the once-only warnings
         self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
         self._pending_metrics: tuple[dict[str, float], bool] = ({}, False)  # for the epoch's checkpoint to come
         restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.check_ins = SaveCheckIns(next(_INSTANCES), self.rank, self.world_size, restart, timeout)
         """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.checkin`)."""
+        self._saving = CheckpointSave(
+            self.root,
+            self.objects,
+            per_rank=self.per_rank,
+            extras=sorted(extra or {}),
+            shards=self.shards,
+            check_ins=self.check_ins,
+            writer=self.writer,
+            rank=self.rank,
+            world_size=self.world_size,
+            mode=READABLE_BY[self.options.readable_by],
+            config=self.config,
+            meta=self.meta,
+        )
         self._started = False
         self._preempted = self._closed = False
         self._lock: FolderLock | None = None
         self.schedule.plan(self.global_step, self.agreement.next_step)
-
-    def _make_writer(self) -> CheckpointWriter:
-        options: dict[str, Any] = {
-            "mode": READABLE_BY[self.options.readable_by],
-            "keep": self.options.keep,
-            "on_write_error": self.options.on_write_error,
-            "needed_bytes": lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
-            "on_save": self._saved,
-        }
-        if self.shards is not None:
-            return ShardedWriter(self.root, staged=self._staged, **options)
-        return FolderWriter(self.root, background=self.background, **options)
-
-    def _sharded_state(self) -> ShardedState:
-        return ShardedState(self.objects["model"], self.objects.get("optimizer"), self.rank, self.world_size)
-
-    def _staged(self) -> tuple[Path, dict[str, Any]]:
-        assert self.shards is not None and self.shards.staged is not None, "rank 0, after the ranks wrote shards"
-        return self.shards.staged
 
     def start(self) -> None:
         """Begin: install the preemption signal handlers, follow the loader's step boundaries, check the room.
@@ -249,18 +209,10 @@ class Checkpointer:
         if self._started:
             return
         self._started = True
-        if self.rank == 0:
-            needed = checkpoint_bytes(self.root, self.objects, self.world_size)
-            if warning := room_warning(self.root, self.options.keep, needed):
-                get_logger().warning(warning)
-            # A run owns its folder for its life: a second run into it stops here, before writing. Rank 0 alone
-            # (no collective: start() may come first in a save some ranks never reach); its exit ends the job.
-            self._lock_folder()
-        if self.shards is not None and self.options.async_save == "true" and self.rank == 0:
-            get_logger().warning(
-                "async_save=true: the model is sharded, and sharded checkpoints are written synchronously "
-                "(every rank writes its shards, then rank 0 completes the folder); training waits for each save"
-            )
+        if self.rank == 0:  # the room, and the folder's lock: a second run into it stops here
+            restarted = select.restart_count(self.environ) > 0
+            sharded = self.shards is not None
+            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted, sharded)
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
@@ -269,17 +221,6 @@ class Checkpointer:
             if progress := self.check_ins.follow_loop(default_store):
                 atexit.register(progress.stop)
         atexit.register(_say_if_unwritten, weakref.ref(self))
-
-    def _lock_folder(self) -> None:
-        """Rank 0: take the checkpoint folder's lock (a restarted worker waits for its predecessor's to go)."""
-        wait = RESTART_LOCK_WAIT_S if select.restart_count(self.environ) else 0.0
-        try:
-            # Created as a checkpoint write would create it: private to the user unless readable_by says otherwise.
-            mode = READABLE_BY[self.options.readable_by]
-            self.root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
-            self._lock = FolderLock(self.root, fix="dir=... (checkpoint.dir=...)", mode=mode).acquire(wait)
-        except OSError:
-            self._lock = None  # a folder this process cannot write: the first save says so, in one line
 
     # -- resuming ----------------------------------------------------------------
 
@@ -304,25 +245,22 @@ class Checkpointer:
                 objects given (the message names what differs and what to do).
         """
         self.start()
-        self._resume_checked = True
+        self._saving.folder_checked = True
         self._first_epoch = first_epoch
-        self._say_scheduler_not_held()
-        found: dict[str, Any] = {}
-
-        def choose() -> str:
-            self._wait_for_writes()
-            path, found["loaded"] = select.choose_checkpoint(
-                self.root, resume_choice(resume), select.restart_count(self.environ)
-            )
-            return str(path) if path else ""
-
-        chosen = self._on_rank_zero(choose)
-        path = Path(chosen) if chosen else None
-        loaded: dict[str, Any] = {}
+        self._told.scheduler_not_held(self.objects)
+        path, loaded = choose_and_load(
+            self.root,
+            resume_choice(resume),
+            select.restart_count(self.environ),
+            before=self._wait_for_writes,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         if path is not None:
-            # Rank 0 verified the files moments ago; the others read them.
-            loaded = found["loaded"] if found.get("loaded") is not None else load_files(path)
-            self._restore(path, loaded, first_epoch)
+            restored = restore_checkpoint(
+                path, loaded, self.objects, self.per_rank, self.shards, self.rank, self.world_size
+            )
+            self._apply(path, restored)
         self.agreement.start(self.global_step)
         self.schedule.plan(self.global_step, self.agreement.next_step)
         if path is None:
@@ -330,36 +268,24 @@ class Checkpointer:
         epoch, step = self._resume_point()
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
-    def _restore(self, path: Path, loaded: dict[str, Any], first_epoch: int) -> None:
-        sharded = sharded_names(loaded["manifest"])
-        if sharded:  # every rank reads its slices (a plain model reads them all)
-            (self.shards or self._sharded_state()).load(path)
-        elif self.shards is not None:
-            raise CheckpointError(
-                f"checkpoint {path} holds a replicated model and this run's model is sharded (shard=True); "
-                "resume it without shard, or start a new run in another folder"
-            )
-        counters = restore_objects(path, self.objects, loaded, self.per_rank, self.rank, restored=sharded)
-        self.global_step = int(counters["global_step"])
-        self.completed_epochs = int(counters["completed_epochs"])
-        self._epoch_start_step = int(counters.get("epoch_start_step", self.global_step))
-        saved_world_size = restore_rng(loaded, self.rank, self.global_step)
-        manifest = loaded["manifest"]
-        self.best.restore(manifest.get("best", {}))
+    def _apply(self, path: Path, restored: Restored) -> None:
+        """Take the counters and facts of the checkpoint restored; rank 0 says where training continues."""
+        self.global_step, self.completed_epochs = restored.global_step, restored.completed_epochs
+        self._epoch_start_step, self.finished = restored.epoch_start_step, restored.finished
+        self.best.restore(restored.best)
         self.last_path = path
         self.schedule.saved(self.global_step)
-        self._step_metrics = (dict(manifest.get("metrics") or {}), False)
-        self.finished = bool(manifest.get("finished"))
+        self._step_metrics = (restored.metrics, False)
         if self.rank == 0:
             log_resume(
                 path,
                 global_step=self.global_step,
                 resume_point=self._resume_point(),
-                first_epoch=first_epoch,
+                first_epoch=self._first_epoch,
                 position=self._loader_position(),
                 epochs_counted=self.completed_epochs > 0,
                 finished=self.finished,
-                saved_world_size=saved_world_size,
+                saved_world_size=restored.saved_world_size,
                 world_size=self.world_size,
             )
 
@@ -439,7 +365,8 @@ class Checkpointer:
         if self.loader is None:
             self.completed_epochs += 1
             self._epoch_start_step = self.global_step
-            self._say_no_position()  # a checkpoint inside an epoch before this first epoch_end()
+            # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
+            self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         values = dict(metrics or {})
         improved = self.best.improves(values)
         saved_here = self.schedule.saved_step == self.global_step and self.last_path is not None
@@ -505,36 +432,28 @@ class Checkpointer:
 
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
-        self._say_no_position()
-        self._say_scheduler_not_held()
+        if self.loader is None:  # a checkpoint inside an epoch holds no data position: said once
+            self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
+        self._told.scheduler_not_held(self.objects)
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
         if replacing and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
-        self.check_ins.check_in(default_store, self.global_step, lambda: bool(self.signals.received))
-        if self.shards is not None:  # every rank writes its shards; rank 0 completes the folder below
-            self.shards.save(
-                self.root,
-                checkpoint_name(self.global_step),
-                READABLE_BY[self.options.readable_by],
-                lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
-            )
-        # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
-        # is asked on every rank; rank 0 writes what it returned.
-        collective = {name: obj.state_dict() for name, obj in self.objects.items() if is_collective(obj)}
-        self._check_extras_agree()
-        # Every rank's own: its generators and its per_rank objects (on the CPU: rank 0 receives them).
-        mine = {"rng": capture_rng_state()}
-        for name in self.per_rank:
-            mine[name] = copy_state(self.objects[name].state_dict(), copy_cpu=True, pin_memory=False)
-        gathered: list[Any] | None = [mine]
-        if self.world_size > 1:
-            gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0)
         values = dict(metrics or {})
-        path: Path | None = self._on_rank_zero(
-            lambda: self._write_on_rank_zero(reason, gathered, values, best, collective, replacing)
+        position = self._loader_position()
+        facts = SaveFacts(
+            reason,
+            self.global_step,
+            self.completed_epochs,
+            self._epoch_start_step,
+            self._resume_point(),
+            position.steps_per_epoch if position is not None else None,
+            values,
+            best,
+            self.best.info(),
+            replacing,
         )
+        path = self._saving.save(facts, lambda: bool(self.signals.received))
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
             return None
         self.last_path = path
@@ -543,72 +462,6 @@ class Checkpointer:
         self.agreement.last_save = time.monotonic()
         self.save_seconds += time.perf_counter() - start
         return path
-
-    def _write_on_rank_zero(
-        self,
-        reason: str,
-        rank_states: list[Any] | None,
-        metrics: dict[str, float],
-        best: bool,
-        collective: dict[str, Any],
-        replacing: bool,
-    ) -> Path | None:
-        """Rank 0: hand the writer this checkpoint's files and manifest facts."""
-        assert self.writer is not None, "rank 0 has the writer"
-        self.writer.wait()  # at most one save in flight
-        if not self._resume_checked:
-            self._resume_checked = True
-            select.check_resume(self.root, "never")
-        counters = {
-            "global_step": self.global_step,
-            "completed_epochs": self.completed_epochs,
-            "epoch_start_step": self._epoch_start_step,
-        }
-        assert rank_states is not None, "rank 0 gathered every rank's states"
-        in_files = {name: obj for name, obj in self.objects.items() if not self.shards or name not in self.shards.names}
-        files = checkpoint_files(in_files, collective, counters, rank_states, self.per_rank, self.world_size)
-        position = self._loader_position()
-        meta = manifest_facts(
-            reason=reason,
-            global_step=self.global_step,
-            resume_point=self._resume_point(),
-            steps_per_epoch=position.steps_per_epoch if position is not None else None,
-            world_size=self.world_size,
-            object_names=list(self.objects),
-            per_rank=self.per_rank,
-            metrics=metrics,
-            best=self.best.info(),
-            config=self.config,
-            meta={**self.meta, **(self.shards.facts() if self.shards else {})},
-        )
-        why = reason
-        if best and self.best.value is not None:
-            why += f", best {self.best.metric} {self.best.value:.4f}"
-        if replacing:
-            why += "; replaces this step's earlier checkpoint with the state as it is now"
-        request = WriteRequest(
-            checkpoint_name(self.global_step),
-            files,
-            config_texts(self.config),
-            meta,
-            best=best,
-            reason=reason,
-            why=why,
-        )
-        return self.writer.write(request)
-
-    def _check_extras_agree(self) -> None:
-        """At the first save, every rank: warn (rank 0) when an extra's tensors differ between the ranks.
-
-        An ``extra`` is saved from rank 0 and restored on every rank; one whose
-        tensors differ (a prefetched batch) would hand rank 0's to the others.
-        """
-        if self.world_size == 1 or "extras" in self._said:
-            return
-        digests = {name: tensor_digest(self.objects[name].state_dict()) for name in self._extras}
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, digests)
-        self._say_once("extras", differing_extras(self._extras, every))
 
     def _saved(self, path: Path, reason: str) -> None:
         if self.on_save is not None:
@@ -634,33 +487,6 @@ class Checkpointer:
 
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
         return on_rank_zero(fn, self.rank, self.world_size)
-
-    # -- what a loop is told once (rank 0) -----------------------------------------------
-
-    def _say_once(self, key: str, message: str) -> None:
-        if message and self.rank == 0 and key not in self._said:
-            get_logger().warning(message)
-        self._said.add(key)
-
-    def _say_scheduler_not_held(self) -> None:
-        if "scheduler" not in self._said:
-            self._say_once("scheduler", unheld_scheduler(self.objects))
-
-    def _say_no_position(self) -> None:
-        """A checkpoint inside an epoch without a loader holds no data position: rank 0 says so once.
-
-        Only a loop with epochs is told: one that calls ``epoch_end()``. A
-        checkpoint taken before the first ``epoch_end()`` is told of then; a
-        loop that never calls it (iterations over batches it samples itself,
-        from the generators the checkpoint restores) has nothing to skip.
-        """
-        if self.loader is not None or "no_position" in self._said:
-            return
-        epoch, step = self._resume_point()
-        if step and self._unsaid_position is None:
-            self._unsaid_position = (self.global_step, epoch, step)
-        if self.completed_epochs > 0 and self._unsaid_position is not None:
-            self._say_once("no_position", no_position(*self._unsaid_position))
 
     # -- the end ----------------------------------------------------------------------
 
@@ -698,9 +524,6 @@ class Checkpointer:
         """The reason of a checkpoint due but not yet written ("" when none): ``close()`` writes it."""
         return self.schedule.pending_reason if self.schedule.pending_at(self.global_step) else ""
 
-
-RESTART_LOCK_WAIT_S = 60.0
-"""How long a restarted worker waits for its folder's lock: processes its dead predecessor forked may hold it."""
 
 _INSTANCES = itertools.count()
 """Checkpointers made by this process, numbered in order (the same on every rank)."""

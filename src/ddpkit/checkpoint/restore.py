@@ -1,5 +1,8 @@
 """Restoring a checkpoint into the Checkpointer's objects, and the one line that says where a run continues.
 
+Rank 0 chooses the checkpoint (:mod:`~ddpkit.checkpoint.select`) and every
+rank learns its choice (:func:`choose_and_load`); :func:`restore_checkpoint`
+puts it back and returns what the Checkpointer then applies (:class:`Restored`).
 Each object gets its ``<name>.pt`` through ``load_state_dict``; a checkpoint
 that holds other objects than the run passes, or whose state does not fit
 them, is refused in one line naming the difference and the fix. Each rank
@@ -9,17 +12,30 @@ larger world size) gets a stream of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.checkpoint import select
 from ddpkit.checkpoint.format import CheckpointError, load_file, read_manifest
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
+from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.rng import restore_rng_state, seed_everything
+from ddpkit.checkpoint.sharded import ShardedState, sharded_names
 from ddpkit.data.position import LoaderPosition
 from ddpkit.log import get_logger
 
-__all__ = ["ResumePoint", "load_files", "log_resume", "restore_objects", "restore_rng"]
+__all__ = [
+    "ResumePoint",
+    "Restored",
+    "choose_and_load",
+    "load_files",
+    "log_resume",
+    "restore_checkpoint",
+    "restore_objects",
+    "restore_rng",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,111 @@ class ResumePoint:
     def resumed(self) -> bool:
         """True when state was restored from a checkpoint."""
         return self.path is not None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What restoring a checkpoint hands back to the Checkpointer: its counters and manifest facts."""
+
+    global_step: int
+    completed_epochs: int
+    epoch_start_step: int
+    """Without a loader: the global step of the last ``epoch_end()`` before it."""
+    saved_world_size: int
+    """The world size that wrote it."""
+    finished: bool
+    """The run that wrote it had finished (``close()`` after it)."""
+    metrics: dict[str, float]
+    """The metrics of its step."""
+    best: Mapping[str, Any]
+    """The manifest's ``best`` entry."""
+
+
+def choose_and_load(
+    root: Path,
+    choice: str,
+    restart: int,
+    *,
+    before: Callable[[], None],
+    rank: int,
+    world_size: int,
+) -> tuple[Path | None, dict[str, Any]]:
+    """Rank 0 chooses the checkpoint to resume; every rank learns it and holds its files (a collective).
+
+    Args:
+        root: the checkpoints folder.
+        choice: "auto", "never" or the path of one checkpoint (:func:`ddpkit.checkpoint.select.choose_checkpoint`).
+        restart: the restart count (a restarted worker resumes the newest).
+        before: run on rank 0 before it chooses (the writes in flight are finished).
+        rank: this process's rank.
+        world_size: the number of ranks.
+
+    Returns:
+        The checkpoint (None: a fresh start) and its files by name with ``"manifest"`` ({} for a fresh start).
+    """
+    found: dict[str, Any] = {}
+
+    def choose() -> str:
+        before()
+        path, found["loaded"] = select.choose_checkpoint(root, choice, restart)
+        return str(path) if path else ""
+
+    chosen = on_rank_zero(choose, rank, world_size)
+    if not chosen:
+        return None, {}
+    path = Path(chosen)
+    # Rank 0 verified the files moments ago; the others read them.
+    loaded = found["loaded"] if found.get("loaded") is not None else load_files(path)
+    return path, loaded
+
+
+def restore_checkpoint(
+    path: Path,
+    loaded: dict[str, Any],
+    objects: dict[str, Any],
+    per_rank: list[str],
+    shards: ShardedState | None,
+    rank: int,
+    world_size: int,
+) -> Restored:
+    """Restore every object and this rank's generators from ``loaded`` (a collective for a sharded checkpoint).
+
+    Args:
+        path: the checkpoint.
+        loaded: its files by name, with ``"manifest"`` (:func:`choose_and_load`).
+        objects: the Checkpointer's objects by name.
+        per_rank: the names of the objects saved for every rank.
+        shards: this run's sharded model state; None for a replicated model.
+        rank: this process's rank.
+        world_size: the number of ranks.
+
+    Raises:
+        CheckpointError: the checkpoint does not fit the objects (replicated for a sharded model, other objects,
+            a state that does not fit).
+    """
+    sharded = sharded_names(loaded["manifest"])
+    if sharded:  # every rank reads its slices (a plain model reads them all)
+        (shards or ShardedState(objects["model"], objects.get("optimizer"), rank, world_size)).load(path)
+    elif shards is not None:
+        raise CheckpointError(
+            f"checkpoint {path} holds a replicated model and this run's model is sharded (shard=True); "
+            "resume it without shard, or start a new run in another folder"
+        )
+    counters = restore_objects(path, objects, loaded, per_rank, rank, restored=sharded)
+    global_step = int(counters["global_step"])
+    completed_epochs = int(counters["completed_epochs"])
+    epoch_start_step = int(counters.get("epoch_start_step", global_step))
+    saved_world_size = restore_rng(loaded, rank, global_step)
+    manifest: Mapping[str, Any] = loaded["manifest"]
+    return Restored(
+        global_step=global_step,
+        completed_epochs=completed_epochs,
+        epoch_start_step=epoch_start_step,
+        saved_world_size=saved_world_size,
+        finished=bool(manifest.get("finished")),
+        metrics=dict(manifest.get("metrics") or {}),
+        best=manifest.get("best", {}),
+    )
 
 
 def load_files(path: Path) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import os
 import pickle
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,18 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from ddpkit.checkpoint.format import CheckpointError, folder_mode
 from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
+from ddpkit.comm.fsdp import is_sharded
 
-__all__ = ["SHARDED_KEY", "SafeLoadPlanner", "SafeReader", "ShardedState", "refused", "sharded_names", "unreadable"]
+__all__ = [
+    "SHARDED_KEY",
+    "SafeLoadPlanner",
+    "SafeReader",
+    "ShardedState",
+    "refused",
+    "sharded_names",
+    "sharded_state",
+    "unreadable",
+]
 
 SHARDED_KEY = "sharded"
 """The manifest's key for what DCP holds: ``{"format": ..., "objects": ["model", "optimizer"]}``."""
@@ -169,6 +179,13 @@ class ShardedState:
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
+
+
+def sharded_state(objects: Mapping[str, Any], rank: int, world_size: int) -> ShardedState | None:
+    """The state of ``objects``' model (and optimizer) when the model is sharded (``prepare_model(shard=True)``)."""
+    if not is_sharded(objects.get("model")):
+        return None
+    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size)
 
 
 def refused(path: Path, error: BaseException) -> str:

@@ -1,0 +1,262 @@
+"""One save, step by step: what every rank contributes, and the request rank 0 hands its writer.
+
+The Checkpointer decides when (:mod:`ddpkit.checkpoint.schedule`) and
+tells a save its facts (:class:`SaveFacts`: why, the counters, where in
+the epochs, the metrics); :class:`CheckpointSave` carries it out over the
+parts it was given, never reading the Checkpointer:
+
+1. every rank checks in (:mod:`ddpkit.checkpoint.checkin`): a rank missing,
+   or one gone on past the save, fails it naming the ranks;
+2. a sharded model's ranks write their shards (:mod:`ddpkit.checkpoint.sharded`);
+3. every rank answers the collective ``state_dict()`` calls (a stream's
+   loader), checks once that the extras agree, and rank 0 gathers every
+   rank's generators and ``per_rank`` states;
+4. rank 0 builds the files and manifest facts (:mod:`ddpkit.checkpoint.contents`)
+   into a :class:`~ddpkit.checkpoint.writer.WriteRequest` for its writer;
+   every rank learns the folder, or rank 0's error (:func:`~ddpkit.checkpoint.ranks.on_rank_zero`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.checkpoint import select
+from ddpkit.checkpoint.advice import differing_extras
+from ddpkit.checkpoint.async_save import copy_state
+from ddpkit.checkpoint.checkin import SaveCheckIns
+from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
+from ddpkit.checkpoint.folder_lock import FolderLock, lock_checkpoint_folder
+from ddpkit.checkpoint.format import checkpoint_name
+from ddpkit.checkpoint.objects import is_collective, tensor_digest
+from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
+from ddpkit.checkpoint.ranks import default_store, on_rank_zero
+from ddpkit.checkpoint.rng import capture_rng_state
+from ddpkit.checkpoint.sharded import ShardedState
+from ddpkit.checkpoint.sharded_writer import ShardedWriter
+from ddpkit.checkpoint.storage import checkpoint_bytes, room_warning
+from ddpkit.checkpoint.writer import CheckpointWriter, FolderWriter, WriteRequest
+from ddpkit.log import get_logger
+
+__all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer"]
+
+
+@dataclass(frozen=True)
+class SaveFacts:
+    """What the Checkpointer tells one save: why, its counters, where in the epochs, metrics and best."""
+
+    reason: str
+    """Why it is written (every_steps, epoch_end, preempted, manual...)."""
+    global_step: int
+    completed_epochs: int
+    epoch_start_step: int
+    """Without a loader: the global step of the last ``epoch_end()``."""
+    resume_point: tuple[int, int]
+    """(epoch to train next, batches of it done), in the loop's numbering."""
+    steps_per_epoch: int | None
+    """The loader's, None without one."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    best: bool = False
+    """Make it the ``best-*`` checkpoint."""
+    best_info: dict[str, Any] = field(default_factory=dict)
+    """The manifest's ``best`` entry (metric, mode, value)."""
+    replacing: bool = False
+    """It replaces a checkpoint of the same step (said in the log line)."""
+
+    def counters(self) -> dict[str, int]:
+        """The Checkpointer's counters, as the checkpoint's train file holds them."""
+        return {
+            "global_step": self.global_step,
+            "completed_epochs": self.completed_epochs,
+            "epoch_start_step": self.epoch_start_step,
+        }
+
+
+def make_writer(
+    root: Path,
+    objects: Mapping[str, Any],
+    world_size: int,
+    options: CheckpointOptions,
+    shards: ShardedState | None,
+    background: bool,
+    on_save: Callable[[Path, str], None],
+) -> CheckpointWriter:
+    """Rank 0's writer: a :class:`~ddpkit.checkpoint.writer.FolderWriter` (in the background or not), or a
+    :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` completing the folder of ``shards``."""
+    settings: dict[str, Any] = {
+        "mode": READABLE_BY[options.readable_by],
+        "keep": options.keep,
+        "on_write_error": options.on_write_error,
+        "needed_bytes": lambda: checkpoint_bytes(root, objects, world_size),
+        "on_save": on_save,
+    }
+    if shards is not None:
+
+        def staged() -> tuple[Path, dict[str, Any]]:
+            assert shards.staged is not None, "rank 0, after the ranks wrote shards"
+            return shards.staged
+
+        return ShardedWriter(root, staged=staged, **settings)
+    return FolderWriter(root, background=background, **settings)
+
+
+def claim_folder(
+    root: Path, objects: Mapping[str, Any], world_size: int, options: CheckpointOptions, restarted: bool, sharded: bool
+) -> FolderLock | None:
+    """Rank 0, before its first save: warn when the folder lacks room, and take its lock (None: it cannot be
+    written, which the first save says in one line).
+
+    A run owns its folder for its life: a second run into it stops here, before writing. Rank 0 alone (no
+    collective: this may come first in a save some ranks never reach); its exit ends the job.
+
+    Raises:
+        FolderInUseError: another live run holds the folder.
+    """
+    if warning := room_warning(root, options.keep, checkpoint_bytes(root, objects, world_size)):
+        get_logger().warning(warning)
+    lock = lock_checkpoint_folder(root, READABLE_BY[options.readable_by], restarted)
+    if sharded and options.async_save == "true":
+        get_logger().warning(
+            "async_save=true: the model is sharded, and sharded checkpoints are written synchronously "
+            "(every rank writes its shards, then rank 0 completes the folder); training waits for each save"
+        )
+    return lock
+
+
+class CheckpointSave:
+    """Carries out each save over explicit parts; see the module docstring.
+
+    Args:
+        root: the checkpoints folder.
+        objects: the Checkpointer's objects by name.
+        per_rank: the names of the objects saved for every rank.
+        extras: the names of the ``extra`` objects (saved from rank 0; checked once to agree).
+        shards: a sharded model's state, which every rank writes; None for a replicated model.
+        check_ins: every rank's arrival at each save.
+        writer: rank 0's writer; None on the other ranks.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        mode: the files' permission bits.
+        config: the run's configuration, stored with every checkpoint.
+        meta: more facts for the manifest.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        objects: Mapping[str, Any],
+        *,
+        per_rank: list[str],
+        extras: list[str],
+        shards: ShardedState | None,
+        check_ins: SaveCheckIns,
+        writer: CheckpointWriter | None,
+        rank: int,
+        world_size: int,
+        mode: int,
+        config: Mapping[str, Any],
+        meta: Mapping[str, Any],
+    ) -> None:
+        self.root, self.objects, self.per_rank, self.extras = root, objects, per_rank, extras
+        self.shards, self.check_ins, self.writer = shards, check_ins, writer
+        self.rank, self.world_size, self.mode = rank, world_size, mode
+        self.config, self.meta = config, meta
+        self.folder_checked = False
+        """Rank 0: the folder was checked (by a resume, or the first save's ``check_resume(root, "never")``)."""
+        self._extras_checked = False
+
+    def save(self, facts: SaveFacts, stopping: Callable[[], bool]) -> Path | None:
+        """Write one checkpoint (a collective: every rank calls it); return its folder on every rank.
+
+        Args:
+            facts: what the Checkpointer tells of this save.
+            stopping: True when this rank received a preemption signal (a check-in that waits says so).
+
+        Returns:
+            The checkpoint folder; None when it could not be written and ``on_write_error`` is "warn".
+        """
+        self.check_ins.check_in(default_store, facts.global_step, stopping)
+        if self.shards is not None:  # every rank writes its shards; rank 0 completes the folder below
+            self.shards.save(
+                self.root,
+                checkpoint_name(facts.global_step),
+                self.mode,
+                lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
+            )
+        # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
+        # is asked on every rank; rank 0 writes what it returned.
+        collective = {name: obj.state_dict() for name, obj in self.objects.items() if is_collective(obj)}
+        self._check_extras_agree()
+        # Every rank's own: its generators and its per_rank objects (on the CPU: rank 0 receives them).
+        mine = {"rng": capture_rng_state()}
+        for name in self.per_rank:
+            mine[name] = copy_state(self.objects[name].state_dict(), copy_cpu=True, pin_memory=False)
+        gathered: list[Any] | None = [mine]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+        path: Path | None = on_rank_zero(
+            lambda: self._write_on_rank_zero(facts, gathered, collective), self.rank, self.world_size
+        )
+        return path
+
+    def _write_on_rank_zero(
+        self, facts: SaveFacts, rank_states: list[Any] | None, collective: dict[str, Any]
+    ) -> Path | None:
+        """Rank 0: hand the writer this checkpoint's files and manifest facts."""
+        assert self.writer is not None, "rank 0 has the writer"
+        self.writer.wait()  # at most one save in flight
+        if not self.folder_checked:
+            self.folder_checked = True
+            select.check_resume(self.root, "never")
+        assert rank_states is not None, "rank 0 gathered every rank's states"
+        in_files = {name: obj for name, obj in self.objects.items() if not self.shards or name not in self.shards.names}
+        files = checkpoint_files(in_files, collective, facts.counters(), rank_states, self.per_rank, self.world_size)
+        meta = manifest_facts(
+            reason=facts.reason,
+            global_step=facts.global_step,
+            resume_point=facts.resume_point,
+            steps_per_epoch=facts.steps_per_epoch,
+            world_size=self.world_size,
+            object_names=list(self.objects),
+            per_rank=self.per_rank,
+            metrics=facts.metrics,
+            best=facts.best_info,
+            config=self.config,
+            meta={**self.meta, **(self.shards.facts() if self.shards else {})},
+        )
+        why = facts.reason
+        if facts.best and facts.best_info.get("value") is not None:
+            why += f", best {facts.best_info['metric']} {facts.best_info['value']:.4f}"
+        if facts.replacing:
+            why += "; replaces this step's earlier checkpoint with the state as it is now"
+        request = WriteRequest(
+            checkpoint_name(facts.global_step),
+            files,
+            config_texts(self.config),
+            meta,
+            best=facts.best,
+            reason=facts.reason,
+            why=why,
+        )
+        return self.writer.write(request)
+
+    def _check_extras_agree(self) -> None:
+        """At the first save, every rank: warn (rank 0) when an extra's tensors differ between the ranks.
+
+        An ``extra`` is saved from rank 0 and restored on every rank; one whose
+        tensors differ (a prefetched batch) would hand rank 0's to the others.
+        """
+        if self.world_size == 1 or self._extras_checked:
+            return
+        digests = {name: tensor_digest(self.objects[name].state_dict()) for name in self.extras}
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, digests)
+        self._extras_checked = True
+        message = differing_extras(self.extras, every)
+        if message and self.rank == 0:
+            get_logger().warning(message)
