@@ -26,7 +26,7 @@ def run_epoch(schedule: SaveSchedule, epoch: int, first_step: int, signal_at: in
             schedule.saved(step) if save.reason else None
         step += 1
         sig = signal.SIGTERM if step == signal_at else 0
-        if schedule.needs_step_event(step, at(epoch, i + 1)) or sig:
+        if schedule.needs_step_event(step, at(epoch, i + 1).batches_exhausted) or sig:
             if (save := schedule.on_step(step, at(epoch, i + 1), sig, False)) is not None:
                 events.append(("step", step, save))
         schedule.plan(step, agreement_step=10**9)
@@ -94,14 +94,14 @@ def test_step_consults_the_schedule_only_at_agreements_cadences_and_epoch_ends()
     schedule = SaveSchedule(every_steps=100, on_epoch_end=True, at_boundaries=True)
     schedule.plan(0, agreement_step=40)
     assert schedule.next_check == 40
-    assert not schedule.needs_step_event(39, at(0, 2))
-    assert schedule.needs_step_event(40, at(0, 3))
-    assert schedule.needs_step_event(7, at(0, STEPS))  # an epoch's last batch, whatever the cadence
+    assert not schedule.needs_step_event(39, at(0, 2).batches_exhausted)
+    assert schedule.needs_step_event(40, at(0, 3).batches_exhausted)
+    assert schedule.needs_step_event(7, at(0, STEPS).batches_exhausted)  # an epoch's last batch, whatever the cadence
     schedule.plan(40, agreement_step=500)
     assert schedule.next_check == 100
     off = SaveSchedule(every_steps=0, on_epoch_end=False, at_boundaries=True)
     off.plan(0, agreement_step=10**6)
-    assert not off.needs_step_event(7, at(0, STEPS))
+    assert not off.needs_step_event(7, at(0, STEPS).batches_exhausted)
 
 
 def test_a_new_best_without_an_epoch_end_due_is_deferred_to_the_next_boundary():

@@ -310,9 +310,11 @@ class Checkpointer:
             Preempted: a preemption signal reached some rank; the checkpoint is complete.
         """
         self.global_step += 1
-        position = self.loader.position() if self.loader is not None else None
-        if self.schedule.needs_step_event(self.global_step, position):
-            self._step_event(position)
+        loader = self.loader
+        # The per-step path of every loop: two compares, no position built until something may be due.
+        exhausted = loader is not None and loader.step_in_epoch >= loader.steps_per_epoch
+        if self.schedule.needs_step_event(self.global_step, exhausted):
+            self._step_event(loader.position() if loader is not None else None)
 
     def _step_event(self, position: LoaderPosition | None) -> None:
         if not self._started:
@@ -330,6 +332,8 @@ class Checkpointer:
         if self.check_ins.progress is not None:
             self.check_ins.progress.count += 1
         assert self.loader is not None, "registered with a loader only"
+        if self.schedule.idle:  # the common case: nothing due, no position needed
+            return
         save = self.schedule.at_boundary(self.global_step, self.loader.position())
         if save is not None:
             self._carry_out(save)

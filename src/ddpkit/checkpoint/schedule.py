@@ -83,9 +83,15 @@ class SaveSchedule:
             due.append((global_step // self.every_steps + 1) * self.every_steps)
         self.next_check = min(due)
 
-    def needs_step_event(self, global_step: int, position: LoaderPosition | None) -> bool:
-        """True when ``step()`` must decide at this step (otherwise it costs an integer compare)."""
-        return global_step >= self.next_check or self._epoch_ended(position)
+    def needs_step_event(self, global_step: int, batches_exhausted: bool) -> bool:
+        """True when ``step()`` must decide at this step: an agreement or cadence is due, or an epoch's batches ran
+        out (``batches_exhausted``: the loader's, False without one). Otherwise a step costs two compares."""
+        return global_step >= self.next_check or (self.on_epoch_end and batches_exhausted)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing waits for a boundary (a boundary then needs no position)."""
+        return not self._due.reason and self._pending is None
 
     def _epoch_ended(self, position: LoaderPosition | None) -> bool:
         return self.on_epoch_end and position is not None and position.batches_exhausted

@@ -90,6 +90,16 @@ class PositionedLoader(Protocol):
 
     step_boundary: StepBoundary
 
+    @property
+    def step_in_epoch(self) -> int:
+        """``position().step_in_epoch``, read without building the value (a training step reads it)."""
+        ...
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """``position().steps_per_epoch``, read without building the value."""
+        ...
+
     def position(self) -> LoaderPosition:
         """Where the loader stands now."""
         ...
