@@ -10,40 +10,19 @@ samples in the same order whatever the world size (with ``global_batch_size``;
 The order is a permutation, 0, 1, 2, ..., or a user's sampler drawn from
 (seed, epoch) (:mod:`ddpkit.data.order`). An ``IterableDataset`` is sharded
 and resumed as :mod:`ddpkit.data.streaming` says. What it adds to torch's
-loader:
+loader (README, "The DataLoader"):
 
 - ``state_dict()`` / ``load_state_dict()``: the position in batches handed to
-  the loop (not the sampler's, which runs ahead with workers' prefetch); load
-  it into a loader of another world size or ``num_workers`` and the epoch goes
-  on with the samples not seen yet.
-- per-sample randomness: inside ``dataset[index]`` the python ``random``,
-  numpy and torch CPU generators are seeded from (seed, epoch, index), so an
-  augmentation draws the same for a sample at any world size or number of
-  workers; with ``num_workers=0`` the generators are restored after each
-  batch, so the loop's own draws (dropout) are as if no loader ran.
-- a rank whose share of a small last global batch is empty gets a batch with
-  zero rows, so every rank runs the same number of steps (the collectives of
-  backward need that).
-- ``global_mean`` makes the gradient the mean over the global batch, also for
-  an uneven last batch. Sum the loss on each rank; DDP (or ddpkit's gradient
-  sync) averages gradients over ranks::
-
-      for x, y in loader:
-          loss = loader.global_mean(F.cross_entropy(model(x), y, reduction="sum"))
-          loss.backward()
-
-- a fast path for a ``TensorDataset`` with the default collate and no
-  workers: each batch is one ``index_select`` per tensor, no per-sample Python.
-
-A training loop that resumes::
-
-    loader = ddpkit.DataLoader(dataset, global_batch_size=256, num_workers=2)
-    loader.load_state_dict(saved["loader"])          # when resuming
-    for epoch in range(loader.epoch, num_epochs):
-        loader.set_epoch(epoch)                      # keeps a restored mid-epoch step
-        for x, y in loader:
-            ...
-            saved["loader"] = loader.state_dict()
+  the loop (:mod:`ddpkit.data.epochs`), loadable at another world size or
+  ``num_workers``; the Checkpointer reads it through :mod:`ddpkit.data.position`;
+- per-sample randomness seeded from (seed, epoch, index)
+  (:mod:`ddpkit.data.sample_seeds`), and the readers of :mod:`ddpkit.data.adapters`;
+- a zero-row batch for a rank whose share of a small last global batch is
+  empty, so every rank runs the same steps; ``global_mean`` for the exact
+  mean over the global batch;
+- batches placed on the worker's GPU (:mod:`ddpkit.data.device`), and worker
+  processes that survive a preemption signal and die with their training
+  process (:mod:`ddpkit.data.workers`).
 """
 
 from __future__ import annotations
@@ -138,18 +117,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     :class:`~ddpkit.data.streaming.StreamShard` (``loader.dataset.dataset``).
     ``loader.sampler.set_epoch(n)`` is ``loader.set_epoch(n)``.
 
-    Epochs and the position: the loader is at (``epoch``, ``step_in_epoch``).
-    ``set_epoch(n)`` chooses the epoch, in any numbering; a loop that never
-    calls it gets a new epoch (a new order) at each complete pass, counted
-    from 0. Every iterator made during an epoch starts at the epoch's start,
-    or at the restored step after a resume, as torch's loader starts each
-    iterator at the epoch's start: a look at ``next(iter(loader))`` before
-    the batch loop takes nothing from the loop. The step counts the batches
-    handed to the loop by the newest iterator. A loop that never calls
-    ``set_epoch`` and leaves a pass early (a ``break`` after two batches or
-    more) gets the next epoch at its next pass, as torch's loader reshuffles.
-    With a Checkpointer, rank 0 warns once when a loop leaves an epoch early:
-    a run resumed inside such an epoch is handed the epoch's remaining batches.
+    Epochs and the position: the loader is at (``epoch``, ``step_in_epoch``);
+    the rules that move it (``set_epoch``, a new pass, a look at
+    ``next(iter(loader))``, a loop that leaves an epoch early) are
+    in :mod:`ddpkit.data.epochs`. With a Checkpointer, rank 0 warns once when a
+    loop leaves an epoch early: a run resumed inside such an epoch is handed
+    the epoch's remaining batches.
 
     Raises:
         ValueError: a dataset that is neither map-style nor iterable, a global
