@@ -97,7 +97,11 @@ def main() -> None:
         num_workers=2,
         persistent_workers=True,
     )
-    test_loader = ddpkit.DataLoader(test_set, global_batch_size=1000, shuffle=False, num_workers=2)  # ddpkit
+    # Persistent: its workers are started once, not again at every evaluation (no fork while another iterator's
+    # threads end, which can deadlock the forked worker in CPython 3.11).
+    test_loader = ddpkit.DataLoader(
+        test_set, global_batch_size=1000, shuffle=False, num_workers=2, persistent_workers=True
+    )  # ddpkit
     ckpt = ddpkit.Checkpointer(
         args.out,
         model=model,
