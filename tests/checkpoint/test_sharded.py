@@ -64,7 +64,9 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _run(rank: int, world_size: int, folder: str, stop_at: int | None, last_step: int) -> dict:
+def _run(
+    rank: int, world_size: int, folder: str, stop_at: int | None, last_step: int, async_save: bool = False
+) -> dict:
     """Train to ``last_step`` in ``folder`` (saving every 4 steps), resuming what is there; ``stop_at``: a run
     that stops there (its Checkpointer closed) and a second that resumes and finishes."""
     import ddpkit
@@ -77,7 +79,13 @@ def _run(rank: int, world_size: int, folder: str, stop_at: int | None, last_step
         for end in segments:
             model, optimizer, scheduler = _parts(world_size)
             ckpt = ddpkit.Checkpointer(
-                folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
+                folder,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                every_steps=4,
+                preempt_signals=(),
+                async_save=async_save,
             )
             start = ckpt.resume("auto")
             resumed_at.append(start.global_step)
@@ -99,6 +107,7 @@ def runs(tmp_path_factory):
         "whole": (_run, 2, (str(root / "whole"), None, TOTAL_STEPS), {}),
         "stopped": (_run, 2, (str(root / "stopped"), 5, TOTAL_STEPS), {}),
         "four": (_run, 4, (str(root / "four"), None, 4), {}),
+        "async_stopped": (_run, 2, (str(root / "async_stopped"), 5, TOTAL_STEPS, True), {}),
     }
     outcomes = run_side_by_side(jobs, timeout=240)
     # The 4 ranks' checkpoint (step 4), resumed by 2 ranks that train 2 steps more.
@@ -115,6 +124,21 @@ def test_a_stopped_run_resumed_ends_bit_equal(runs) -> None:
         for a, b in zip(whole[rank]["params"], stopped[rank]["params"]):
             assert torch.equal(a, b), rank
         assert torch.equal(whole[rank]["rng"], stopped[rank]["rng"])  # each rank's generator continued
+
+
+def test_a_run_saving_in_the_background_stopped_and_resumed_ends_bit_equal(runs) -> None:
+    root, outcomes = runs
+    whole, stopped = outcomes["whole"].get(), outcomes["async_stopped"].get()
+    for rank in range(2):
+        assert stopped[rank]["resumed_at"] == [0, 4]
+        assert all(torch.equal(a, b) for a, b in zip(whole[rank]["params"], stopped[rank]["params"])), rank
+        assert torch.equal(whole[rank]["rng"], stopped[rank]["rng"])
+    for step in ("step-000000004", "step-000000008"):  # the same files, the same tensors, as a synchronous save
+        sync, background = read_manifest(root / "whole" / step), read_manifest(root / "async_stopped" / step)
+        assert sorted(sync["files"]) == sorted(background["files"])
+        verify_checkpoint(root / "async_stopped" / step)
+        for name in ("__0_0.distcp", "__1_0.distcp"):
+            assert sync["files"][name] == background["files"][name], (step, name)
 
 
 def test_every_rank_wrote_its_shards_and_the_manifest_lists_them(runs) -> None:
@@ -226,10 +250,12 @@ def test_the_best_mark_of_a_sharded_checkpoint_holds_every_file(runs, tmp_path) 
     verify_checkpoint(best)
 
 
-def _a_rank_cannot_write(rank: int, world_size: int, folder: str) -> str:
-    """Rank 1's shards hit a full disk when step 4's checkpoint is saved again (replaced): every rank stops with
-    the same one-line error, and the checkpoint written before is untouched."""
+def _a_rank_cannot_write(rank: int, world_size: int, folder: str, async_save: bool, on_write_error: str) -> dict:
+    """Rank 1's shards hit a full disk when step 4's checkpoint is saved again (replaced); with
+    ``on_write_error="stop"`` every rank stops with the same one-line error, with "warn" every rank trains on
+    and step 8's checkpoint is written. Which thread wrote the shards is recorded on every rank."""
     import errno
+    import threading
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
@@ -237,39 +263,79 @@ def _a_rank_cannot_write(rank: int, world_size: int, folder: str) -> str:
     import ddpkit.distributed
     from ddpkit.checkpoint.storage import StorageError
 
+    writing_threads = set()
+    write_data = FileSystemWriter.write_data
+
+    def recorded(self, *args, **kwargs):
+        writing_threads.add(threading.current_thread().name)
+        return write_data(self, *args, **kwargs)
+
+    def full(*args, **kwargs):
+        writing_threads.add(threading.current_thread().name)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     ddpkit.distributed.init()
+    FileSystemWriter.write_data = recorded
     try:
         model, optimizer, scheduler = _parts(world_size)
         ckpt = ddpkit.Checkpointer(
-            folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
+            folder,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            every_steps=4,
+            preempt_signals=(),
+            async_save=async_save,
+            on_write_error=on_write_error,
         )
         ckpt.resume("never")
         _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 4)
+        ckpt.wait()  # step 4's checkpoint is complete (written in the background with async_save)
         if rank == 1:
-
-            def full(*args, **kwargs):
-                raise OSError(errno.ENOSPC, "No space left on device")
-
             FileSystemWriter.write_data = full
+        outcome = {}
         try:
             ckpt.save()
+            ckpt.wait()
+            FileSystemWriter.write_data = recorded
+            _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 8)
+            outcome["last"] = str(ckpt.wait())
         except StorageError as e:
-            return str(e)
+            outcome["error"] = str(e)
         finally:
             ckpt.close()
-        return "saved"
+        return {**outcome, "threads": sorted(writing_threads)}
     finally:
         ddpkit.distributed.shutdown()
 
 
-def test_a_rank_that_cannot_write_its_shards_stops_every_rank_with_one_line(tmp_path) -> None:
-    messages = run_on_ranks(_a_rank_cannot_write, 2, str(tmp_path), timeout=120)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_rank_that_cannot_write_its_shards_stops_every_rank_with_one_line(tmp_path, async_save) -> None:
+    outcomes = run_on_ranks(_a_rank_cannot_write, 2, str(tmp_path), async_save, "stop", timeout=120)
+    messages = [outcome["error"] for outcome in outcomes]
     for message in messages:
         assert message.startswith(f"cannot write checkpoint {tmp_path / 'step-000000004'}: No space left"), message
     assert messages[0] == messages[1]
     left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ddpkit.lock"))
     assert left == ["step-000000004"]  # no staging folder left (the run's folder lock stays)
     verify_checkpoint(tmp_path / "step-000000004")
+    writer = "ddpkit-checkpoint-writer" if async_save else "MainThread"
+    assert all(outcome["threads"] == [writer] for outcome in outcomes)  # the shards' writes ran there
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_with_on_write_error_warn_a_rank_that_cannot_write_its_shards_lets_every_rank_train_on(
+    tmp_path, async_save
+) -> None:
+    outcomes = run_on_ranks(_a_rank_cannot_write, 2, str(tmp_path), async_save, "warn", timeout=120)
+    assert [outcome.get("error") for outcome in outcomes] == [None, None]
+    assert [outcome["last"] for outcome in outcomes] == [str(tmp_path / "step-000000008")] * 2
+    complete = [info.global_step for info in list_checkpoints(tmp_path) if info.complete]
+    assert complete == [4, 8]
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ddpkit.lock"))
+    assert left == ["step-000000004", "step-000000008"]  # the failed write's staging folder is gone
+    for step in (4, 8):
+        verify_checkpoint(tmp_path / f"step-{step:09d}")
 
 
 class _Payload:

@@ -13,21 +13,30 @@ synchronous and one asynchronous save of the same state are compared file by
 file.
 
 Run as ``python -m ddpkit.bench.checkpoint_stall key=value ...``; prints one
-JSON line. ``ddpkit bench train t10=true`` runs it.
+JSON line. ``ddpkit bench train t10=true`` runs it. With ``shard=true``,
+under ``ddpkit run nproc=N -m ddpkit.bench.checkpoint_stall shard=true``,
+the model is sharded over the workers (``prepare_model(shard=True)``) and
+each save writes every worker's shards (torch.distributed.checkpoint); rank 0
+prints the line, and the files compared are every worker's shards and the
+other files (DCP's index holds a save's own id, so it differs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -53,7 +62,9 @@ class StallConfig:
     rounds: int = 10
     """Rounds of the three kinds of window, alternated."""
     folder: str = ""
-    """Where the checkpoints go (a temporary folder by default)."""
+    """Where the checkpoints go (a temporary folder by default; with shard=true one every worker sees)."""
+    shard: bool = False
+    """Shard the model over the workers of ``ddpkit run`` (FSDP2) and save sharded checkpoints."""
 
 
 def _model(cfg: StallConfig) -> nn.Module:
@@ -96,21 +107,33 @@ def _same_files(model: nn.Module, optimizer: Any, folder: Path) -> bool:
         )
         paths.append(ckpt.save())
         ckpt.close()
+    if paths[0] is None or paths[1] is None:
+        return False
     names = sorted(p.name for p in paths[0].iterdir())
     if names != sorted(p.name for p in paths[1].iterdir()):
         return False
-    files = all((paths[0] / n).read_bytes() == (paths[1] / n).read_bytes() for n in names if n != MANIFEST)
-    manifests = [{k: v for k, v in read_manifest(p).items() if k != "created"} for p in paths]
-    return files and manifests[0] == manifests[1]
+    compared = [n for n in names if n not in _OWN_IDS]
+    files = all((paths[0] / n).read_bytes() == (paths[1] / n).read_bytes() for n in compared)
+    manifests = [{k: v for k, v in read_manifest(p).items() if k not in ("created", "files")} for p in paths]
+    listed = [{k: v for k, v in read_manifest(p)["files"].items() if k not in _OWN_IDS} for p in paths]
+    return files and manifests[0] == manifests[1] and listed[0] == listed[1]
+
+
+_OWN_IDS = (MANIFEST, ".metadata")
+"""Files that hold a save's own time or id: the manifest (its ``created``, compared without it) and DCP's index."""
 
 
 def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     """Run the windows; return the medians, the time lost per save and whether the files are identical."""
     model = _model(cfg)
+    if cfg.shard:
+        import ddpkit
+
+        model = ddpkit.prepare_model(model, shard=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     batch = torch.randn(cfg.batch_size, cfg.io), torch.randn(cfg.batch_size, cfg.io)
     windows: dict[str, list[float]] = {mode: [] for mode in MODES}
-    with tempfile.TemporaryDirectory(prefix="ddpkit-stall-", dir=cfg.folder or None) as tmp:
+    with _folder(cfg) as tmp:
         ckpts = {
             mode: Checkpointer(
                 Path(tmp) / mode,
@@ -135,12 +158,13 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
         for ckpt in ckpts.values():
             ckpt.close()
         identical = _same_files(model, optimizer, Path(tmp))
-        state_bytes = sum(p.stat().st_size for p in (Path(tmp) / "same-sync").rglob("*.pt"))
+        state_bytes = sum(p.stat().st_size for p in (Path(tmp) / "same-sync").rglob("*") if p.suffix != ".json")
     median = {mode: statistics.median(windows[mode]) for mode in MODES}
     lost = {mode: median[mode] - median["none"] for mode in ("sync", "async")}
     return {
         "config": dataclasses.asdict(cfg),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(_numel(p) for p in model.parameters()),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "checkpoint_bytes": state_bytes,
         "windows_s": windows,
         "window_s_median": median,
@@ -150,5 +174,44 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     }
 
 
+def _numel(parameter: torch.Tensor) -> int:
+    """Elements of the whole parameter (a sharded one's global shape)."""
+    return parameter.shape.numel()
+
+
+@contextlib.contextmanager
+def _folder(cfg: StallConfig) -> Iterator[str]:
+    """The checkpoints' folder: a new temporary one (made by rank 0 and shared when sharded), removed after."""
+    if not cfg.shard:
+        with tempfile.TemporaryDirectory(prefix="ddpkit-stall-", dir=cfg.folder or None) as tmp:
+            yield tmp
+        return
+    box = [tempfile.mkdtemp(prefix="ddpkit-stall-", dir=cfg.folder or None) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    try:
+        yield box[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+def main(words: list[str]) -> None:
+    """Parse ``words`` (key=value), run, print the JSON line (rank 0 of a sharded run)."""
+    cfg = parse(StallConfig, words)
+    if not cfg.shard:
+        print(json.dumps(checkpoint_stall(cfg)), flush=True)
+        return
+    import ddpkit.distributed
+
+    ddpkit.distributed.init()
+    try:
+        result = checkpoint_stall(cfg)
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+    finally:
+        ddpkit.distributed.shutdown()
+
+
 if __name__ == "__main__":
-    print(json.dumps(checkpoint_stall(parse(StallConfig, sys.argv[1:]))), flush=True)
+    main(sys.argv[1:])

@@ -158,11 +158,10 @@ class Checkpointer:
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
         )
-        self.shards = sharded_state(self.objects, self.rank, self.world_size)
-        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
-        # Sharded writes are synchronous (every rank writes its shards before rank 0 completes the folder).
-        self.background = self.shards is None and self.options.background_writes(model_devices(self.objects))
+        self.background = self.options.background_writes(model_devices(self.objects))
         """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
+        self.shards = sharded_state(self.objects, self.rank, self.world_size, self.background)
+        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
         self.writer: CheckpointWriter | None = None
         """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`, or
         :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` for a sharded model); None on the other ranks."""
@@ -211,8 +210,7 @@ class Checkpointer:
         self._started = True
         if self.rank == 0:  # the room, and the folder's lock: a second run into it stops here
             restarted = select.restart_count(self.environ) > 0
-            sharded = self.shards is not None
-            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted, sharded)
+            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted)
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
@@ -486,6 +484,8 @@ class Checkpointer:
             CheckpointError: the background write failed (the message says why).
         """
         if self.background:
+            if self.shards is not None:
+                self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
             self._on_rank_zero(self._wait_for_writes)
         return self.last_path
 
@@ -515,6 +515,8 @@ class Checkpointer:
                 self.wait()
         finally:
             self._closed = True
+            if self.shards is not None and failed:
+                self.shards.close()
             if self.writer is not None:
                 self.writer.close(failed)
             self.check_ins.stop()

@@ -7,7 +7,7 @@ parts it was given, never reading the Checkpointer:
 
 1. every rank checks in (:mod:`ddpkit.checkpoint.checkin`): a rank missing,
    or one gone on past the save, fails it naming the ranks;
-2. a sharded model's ranks write their shards (:mod:`ddpkit.checkpoint.sharded`);
+2. a sharded model's ranks write their shards, or start to in the background (:mod:`ddpkit.checkpoint.sharded`);
 3. every rank answers the collective ``state_dict()`` calls (a stream's
    loader), checks once that the extras agree, and rank 0 gathers every
    rank's generators and ``per_rank`` states;
@@ -86,7 +86,8 @@ def make_writer(
     on_save: Callable[[Path, str], None],
 ) -> CheckpointWriter:
     """Rank 0's writer: a :class:`~ddpkit.checkpoint.writer.FolderWriter` (in the background or not), or a
-    :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` completing the folder of ``shards``."""
+    :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` completing the folder of ``shards`` (in the
+    background when they are)."""
     settings: dict[str, Any] = {
         "mode": READABLE_BY[options.readable_by],
         "keep": options.keep,
@@ -96,16 +97,12 @@ def make_writer(
     }
     if shards is not None:
 
-        def staged() -> tuple[Path, dict[str, Any]]:
-            assert shards.staged is not None, "rank 0, after the ranks wrote shards"
-            return shards.staged
-
-        return ShardedWriter(root, staged=staged, **settings)
+        return ShardedWriter(root, staged=shards.staged, background=background, **settings)
     return FolderWriter(root, background=background, **settings)
 
 
 def claim_folder(
-    root: Path, objects: Mapping[str, Any], world_size: int, options: CheckpointOptions, restarted: bool, sharded: bool
+    root: Path, objects: Mapping[str, Any], world_size: int, options: CheckpointOptions, restarted: bool
 ) -> FolderLock | None:
     """Rank 0, before its first save: warn when the folder lacks room, and take its lock (None: it cannot be
     written, which the first save says in one line).
@@ -118,13 +115,7 @@ def claim_folder(
     """
     if warning := room_warning(root, options.keep, checkpoint_bytes(root, objects, world_size)):
         get_logger().warning(warning)
-    lock = lock_checkpoint_folder(root, READABLE_BY[options.readable_by], restarted)
-    if sharded and options.async_save == "true":
-        get_logger().warning(
-            "async_save=true: the model is sharded, and sharded checkpoints are written synchronously "
-            "(every rank writes its shards, then rank 0 completes the folder); training waits for each save"
-        )
-    return lock
+    return lock_checkpoint_folder(root, READABLE_BY[options.readable_by], restarted)
 
 
 class CheckpointSave:

@@ -22,58 +22,60 @@ How a write stays atomic (a collective):
    index by rank 0 once every rank wrote), hashes the files it wrote, and
    sends their sizes and SHA-256 to rank 0;
 3. rank 0 writes the other files and the manifest last, then renames the
-   folder into place (:func:`ddpkit.checkpoint.format.finish_checkpoint`).
+   folder into place (:func:`ddpkit.checkpoint.format.finish_checkpoint`,
+   by :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter`).
+
+With ``async_save`` (by default on a GPU) step 2 runs in the background on
+every rank: each rank first copies its shards to CPU memory (pinned, and
+reused by the next save, on a GPU), so training changes its parameters at
+once; the ranks' writes talk over a process group of their own (gloo), never
+the one training uses; at most one save is in flight, and every rank waits
+for it at the next save, ``wait()``, preemption and ``close()``. Rank 0
+learns the outcome (the folder and its files, or why a rank could not
+write) and completes the folder or reports the failure, in both modes alike.
 
 A crash before the rename leaves only the hidden folder, never resumed and
 removed by the next pruning. Resuming verifies every file against the
 manifest (rank 0) before any rank reads; each rank then reads the slices of
 its own shards (``dcp.load``), at the world size that wrote the checkpoint
-or at any other (DCP reshards). DCP's index (``.metadata``) is a pickle,
-and its non-tensor entries are pickles loaded unrestricted by torch: ddpkit
-reads both through unpicklers that refuse anything that could run code
-(:class:`SafeReader`, :class:`SafeLoadPlanner`), as it loads any checkpoint
-file with ``weights_only=True``. Models and optimizers are taken through
-torch's ``get_state_dict``/``set_state_dict`` (keys by parameter name, not
-by position), so a plain or DDP model can resume a sharded checkpoint too.
+or at any other (DCP reshards), through the readers of
+:mod:`ddpkit.checkpoint.sharded_reading`, which run no code from a
+checkpoint. Models and optimizers are taken through torch's
+``get_state_dict``/``set_state_dict`` (keys by parameter name, not by
+position), so a plain or DDP model can resume a sharded checkpoint too.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import pickle
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from ddpkit.checkpoint.async_save import BackgroundWriter
 from ddpkit.checkpoint.format import CheckpointError, folder_mode
 from ddpkit.checkpoint.ranks import on_rank_zero
+from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.comm.fsdp import is_sharded
 
-__all__ = [
-    "SHARDED_KEY",
-    "SafeLoadPlanner",
-    "SafeReader",
-    "ShardedState",
-    "refused",
-    "sharded_names",
-    "sharded_state",
-    "unreadable",
-]
+__all__ = ["SHARDED_KEY", "ShardedState", "Staged", "sharded_names", "sharded_state"]
 
 SHARDED_KEY = "sharded"
 """The manifest's key for what DCP holds: ``{"format": ..., "objects": ["model", "optimizer"]}``."""
 _FORMAT = "torch.distributed.checkpoint"
 _CHUNK = 1 << 20
+
+Staged = tuple[Path, dict[str, dict[str, Any]]]
+"""The staging folder the ranks wrote their shards into, and the size and SHA-256 of every file there."""
 
 
 class ShardedState:
@@ -84,35 +86,42 @@ class ShardedState:
         optimizer: its optimizer, or None.
         rank: this process's rank.
         world_size: the number of ranks.
+        background: write the shards in the background (``async_save``; see the module docstring).
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, rank: int, world_size: int) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, rank: int, world_size: int, background: bool = False) -> None:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = rank, world_size
         self.names = ("model", "optimizer") if optimizer is not None else ("model",)
         """The Checkpointer's objects whose state DCP holds (the others are files of their own)."""
-        self.staged: tuple[Path, dict[str, dict[str, Any]]] | None = None
-        """Rank 0, after :meth:`save`: the staging folder and the size and SHA-256 of every file DCP wrote."""
+        self._writes = BackgroundWriter() if background else None
+        self._group: Any = None  # the background writes' own process group, made at the first save
+        self._stager: Any = None  # copies the shards to CPU memory (kept: on a GPU it reuses its pinned buffers)
+        self._outcome: Future[Staged | None] | None = None  # the newest save's (rank 0: its Staged)
+
+    @property
+    def background(self) -> bool:
+        """True when the shards are written in the background."""
+        return self._writes is not None
 
     def facts(self) -> dict[str, Any]:
         """The manifest's entry for what DCP holds."""
         return {SHARDED_KEY: {"format": _FORMAT, "objects": list(self.names), "world_size": self.world_size}}
 
     def save(self, root: Path, name: str, mode: int, needed_bytes: Callable[[], int]) -> None:
-        """Every rank writes its shards into a new staging folder (a collective); see the module docstring.
+        """Every rank writes its shards into a new staging folder (a collective), now or in the background.
+
+        Rank 0 then takes the outcome from :meth:`staged`. A write that fails (a full disk on some rank)
+        raises nothing here: DCP fails it on every rank, rank 0 removes the staging folder, and
+        :meth:`staged` raises StorageError, which rank 0's writer reports as any failed write.
 
         Args:
             root: the checkpoints folder.
             name: the checkpoint's folder name.
             mode: permission bits of the files.
             needed_bytes: the expected size of a checkpoint, for a failed write's message.
-
-        Raises:
-            StorageError: some rank could not write its shards (on every rank; the staging folder is removed).
         """
-        from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict_saver import save
+        self.wait()  # at most one save in flight
 
         def make_staging() -> str:
             root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
@@ -122,9 +131,97 @@ class ShardedState:
             return str(folder)
 
         staging = Path(on_rank_zero(make_staging, self.rank, self.world_size))
+        outcome: Future[Staged | None] = Future()
+        self._outcome = outcome
+        state = self._state()
+        if self._writes is None:
+            _settle(outcome, lambda: self._write(state, staging, root, name, mode, needed_bytes, group=None))
+            self._raise_bug()
+            return
+        group, staged_state = self._background_group(), self._stage(state)  # training may change `state` now
+        self._writes.submit(
+            lambda: _settle(outcome, lambda: self._write(staged_state, staging, root, name, mode, needed_bytes, group))
+        )
+
+    def staged(self) -> Staged:
+        """Rank 0: the newest save's staging folder and files, once every rank wrote (waits for the background).
+
+        Raises:
+            StorageError: some rank could not write its shards (the staging folder is gone).
+        """
+        assert self._outcome is not None and self.rank == 0, "rank 0, after save()"
+        result = self._outcome.result()
+        assert result is not None, "rank 0's outcome holds the staging folder"
+        return result
+
+    def wait(self) -> None:
+        """Wait until this rank's shards of the newest save are written; raise a bug of that write.
+
+        A failed write (StorageError) is left to rank 0's writer, which reports it for every rank.
+        """
+        if self._writes is not None:
+            self._writes.join()
+        self._raise_bug()
+
+    def close(self) -> None:
+        """Wait for this rank's write in flight and raise nothing (an exception unwinds)."""
+        if self._writes is not None:
+            self._writes.join()
+
+    def _raise_bug(self) -> None:
+        """Raise (once) the exception of the newest write when it is a bug, not a failed write."""
+        if self._outcome is not None and self._outcome.done():
+            error = self._outcome.exception()
+            if error is not None and not isinstance(error, StorageError):
+                self._outcome = None
+                raise error
+
+    def _background_group(self) -> Any:
+        """The process group of the background writes (a collective at the first save: every rank makes it)."""
+        if self._group is None and self.world_size > 1:
+            # Never the training's group: collectives of two threads on one group would interleave.
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of this rank's ``state`` in CPU memory (pinned and reused between saves when it is on a GPU)."""
+        import torch
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        cached = torch.cuda.is_available()  # pinned buffers need CUDA; on the CPU each save copies afresh
+        if self._stager is None:
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=cached)
+        try:
+            return self._stager.stage(state)
+        except Exception:
+            if not cached:
+                raise
+            # The cached buffers no longer fit the state (its keys or shapes changed): stage into new ones.
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
+            return self._stager.stage(state)
+
+    def _write(
+        self,
+        state: dict[str, Any],
+        staging: Path,
+        root: Path,
+        name: str,
+        mode: int,
+        needed_bytes: Callable[[], int],
+        group: Any,
+    ) -> Staged | None:
+        """Every rank: DCP's write of ``state`` into ``staging``, then the files' digests to rank 0 (its Staged).
+
+        Raises:
+            StorageError: some rank could not write (on every rank: DCP tells them all).
+        """
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
+
         writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
         try:
-            save(self._state(), storage_writer=writer)
+            save(state, storage_writer=writer, process_group=group)
         except CheckpointException as e:  # DCP raises it on every rank, with each failed rank's error
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -132,7 +229,8 @@ class ShardedState:
             error = next((x for x in errors if isinstance(x, OSError)), None)
             if error is None:
                 error = OSError(f"rank(s) {sorted(e.failures)} failed: {errors[0] if errors else e}")
-            raise StorageError(explain_write_error(root, name, error, needed_bytes())) from None
+            message = explain_write_error(root, name, error, needed_bytes()) if self.rank == 0 else str(error)
+            raise StorageError(message) from None
         # Each rank hashes the files it wrote (in parallel; none reads another's), rank 0 gathers the digests.
         mine = {p.name: _digest(p, mode) for p in sorted(staging.glob(f"__{self.rank}_*"))}
         if self.rank == 0:
@@ -140,10 +238,10 @@ class ShardedState:
         gathered: list[Any] = [mine]
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else []
-            dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0)
-        if self.rank == 0:
-            files = {file: facts for part in gathered for file, facts in part.items()}
-            self.staged = (staging, files)
+            dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0, group=group)
+        if self.rank != 0:
+            return None
+        return staging, {file: facts for part in gathered for file, facts in part.items()}
 
     def load(self, path: Path) -> None:
         """Every rank reads its slices of the model's (and optimizer's) state from ``path`` (a collective).
@@ -181,92 +279,21 @@ class ShardedState:
         return state
 
 
-def sharded_state(objects: Mapping[str, Any], rank: int, world_size: int) -> ShardedState | None:
+def _settle(outcome: Future[Any], task: Callable[[], Any]) -> None:
+    """Run ``task`` and put its result, or its exception, into ``outcome``."""
+    try:
+        outcome.set_result(task())
+    except BaseException as e:  # handed to whoever asks: rank 0's writer, or wait()
+        outcome.set_exception(e)
+
+
+def sharded_state(
+    objects: Mapping[str, Any], rank: int, world_size: int, background: bool = False
+) -> ShardedState | None:
     """The state of ``objects``' model (and optimizer) when the model is sharded (``prepare_model(shard=True)``)."""
     if not is_sharded(objects.get("model")):
         return None
-    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size)
-
-
-def refused(path: Path, error: BaseException) -> str:
-    """The message for a checkpoint whose DCP files hold what could run code."""
-    return (
-        f"refused to load {path}: its DCP files hold objects other than tensors, plain containers and DCP's "
-        f"own index ({str(error).strip().splitlines()[0] if str(error).strip() else 'unsupported content'}); "
-        "ddpkit never runs code from a checkpoint. Use a checkpoint written by ddpkit"
-    )
-
-
-def unreadable(path: Path, error: BaseException) -> str:
-    """The message for DCP's CheckpointException: a refused pickle (our unpicklers' words), or the first error."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    errors = [failure[0] for failure in error.failures.values()] if isinstance(error, CheckpointException) else []
-    for failure in errors:
-        if isinstance(failure, pickle.UnpicklingError) or _NOT_ALLOWED in str(failure):
-            parts = str(failure).split("; ")
-            detail = next((part for part in parts if _NOT_ALLOWED in part), parts[0])
-            return refused(path, pickle.UnpicklingError(detail.split("failed: ")[-1]))
-    return f"checkpoint {path} could not be read ({errors[0] if errors else error}); use an earlier checkpoint"
-
-
-_NOT_ALLOWED = "is not allowed in a checkpoint's index"
-
-_INDEX_TYPES = {
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-}
-"""Globals DCP's index (``.metadata``) may name besides the classes of its own modules and torch's dtypes."""
-_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """Unpickles DCP's index and nothing else: its dataclasses, torch.Size, dtypes, paths (no code to run)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        found = (
-            super().find_class(module, name) if module.split(".")[0] in ("torch", "pathlib", "collections") else None
-        )
-        if (module, name) in _INDEX_TYPES:
-            return found
-        if module in _INDEX_MODULES and isinstance(found, type):
-            return found
-        if module == "torch" and isinstance(found, torch.dtype):
-            return found
-        raise pickle.UnpicklingError(f"global '{module}.{name}' {_NOT_ALLOWED}")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader, whose index (``.metadata``, a pickle) is read by an unpickler that runs no code."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _IndexUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, whose non-tensor entries (``torch.load(weights_only=False)`` in torch's) must pass
-    ``weights_only=True`` first."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        import torch
-
-        torch.load(value, weights_only=True)  # raises UnpicklingError on anything but plain values
-        value.seek(0)
-        super().load_bytes(read_item, value)
+    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size, background)
 
 
 def sharded_names(manifest: dict[str, Any]) -> tuple[str, ...]:

@@ -1,13 +1,13 @@
 """Rank 0's writer for sharded checkpoints: completes the folder every rank wrote its shards into.
 
 The :class:`~ddpkit.checkpoint.writer.FolderWriter`'s promises (atomic,
-verified, best mark, pruning, a failed write as one line), for a folder
-whose model and optimizer files the ranks wrote already
-(:meth:`ddpkit.checkpoint.sharded.ShardedState.save`): rank 0 adds the other
-objects' files and the manifest, with every file's size and SHA-256, last,
-then renames the folder into place (:func:`ddpkit.checkpoint.format.finish_checkpoint`).
-Writes are synchronous: the shards are written by every rank before the
-Checkpointer hands over the request.
+verified, best mark, pruning, a failed write as one line, in the background
+or not), for a folder whose model and optimizer files the ranks write
+(:meth:`ddpkit.checkpoint.sharded.ShardedState.save`): once every rank wrote,
+rank 0 adds the other objects' files and the manifest, with every file's size
+and SHA-256, last, then renames the folder into place
+(:func:`ddpkit.checkpoint.format.finish_checkpoint`). A rank that could not
+write its shards fails the write here, as a write of rank 0's own would.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint.format import finish_checkpoint, mark_best, prune
+from ddpkit.checkpoint.sharded import Staged
+from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.checkpoint.writer import FolderWriter, WriteRequest
 from ddpkit.log import get_logger
 
@@ -27,23 +29,28 @@ class ShardedWriter(FolderWriter):
     """A :class:`~ddpkit.checkpoint.writer.FolderWriter` that completes the staging folder of the ranks' shards.
 
     Args:
-        staged: the staging folder the ranks wrote into and the sizes and SHA-256 of their files
-            (:attr:`ddpkit.checkpoint.sharded.ShardedState.staged`), asked at each write.
-        **options: the FolderWriter's, less ``background`` (sharded writes are synchronous).
+        staged: waits until every rank wrote its shards of the newest save and returns its staging folder
+            and files (:meth:`ddpkit.checkpoint.sharded.ShardedState.staged`); raises StorageError when a
+            rank could not write.
+        **options: the FolderWriter's.
     """
 
-    def __init__(self, root: Path, *, staged: Callable[[], tuple[Path, dict[str, Any]]], **options: Any) -> None:
-        super().__init__(root, background=False, **options)
+    def __init__(self, root: Path, *, staged: Callable[[], Staged], **options: Any) -> None:
+        super().__init__(root, **options)
         self.staged = staged
 
     def _write_files(self, request: WriteRequest) -> Path | None:
-        folder, written = self.staged()
+        try:
+            folder, written = self.staged()
+        except StorageError as e:  # a rank's shards (the staging folder is gone)
+            self._write_failed(request, str(e))
+            return None
         try:
             path = finish_checkpoint(
                 self.root, folder, request.name, request.objects, request.texts, request.meta, written, self.mode
             )
         except OSError as e:
-            self._write_failed(request, e)
+            self._write_failed(request, explain_write_error(self.root, request.name, e, self.needed_bytes()))
             return None
         if request.best:
             mark_best(self.root, path, self.mode)

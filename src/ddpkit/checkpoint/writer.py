@@ -144,8 +144,8 @@ class FolderWriter:
             request.best = False
         try:
             path = write_checkpoint(self.root, request.name, request.objects, request.texts, request.meta, self.mode)
-        except OSError as e:
-            self._write_failed(request, e)  # a warning (on_write_error="warn"), or it raises
+        except OSError as e:  # a warning (on_write_error="warn"), or it raises
+            self._write_failed(request, explain_write_error(self.root, request.name, e, self.needed_bytes()))
             return None
         if request.best:
             mark_best(self.root, path, self.mode)
@@ -164,9 +164,9 @@ class FolderWriter:
         if path is not None:
             self.on_save(path, reason)
 
-    def _write_failed(self, request: WriteRequest, error: OSError) -> None:
-        """After a failed write (the incomplete folder is gone): warn and go on, or raise StorageError."""
-        message = explain_write_error(self.root, request.name, error, self.needed_bytes())
+    def _write_failed(self, request: WriteRequest, message: str) -> None:
+        """After a failed write (the incomplete folder is gone; ``message`` says why in one line): warn and go
+        on, or raise StorageError (always for a preemption's checkpoint)."""
         if self.on_write_error == "warn" and request.reason != "preempted":
             get_logger().warning(f"{message} (training goes on: on_write_error=warn)")
             return
