@@ -8,7 +8,8 @@ pytorch/examples' tutorials are written) runs under ``ddpkit run nproc=2``:
   first round, then right after the code that follows an epoch's batch loop in
   the second (the checkpoint of that epoch's last step is the newest then);
 - SIGTERM at an epoch's last step, then the same command again;
-- the same again with the model sharded (``--shard``: FSDP2, sharded checkpoints).
+- the same again with the model sharded (``--shard``: FSDP2, sharded checkpoints), and two shapes sharded with
+  their checkpoints written in the background (``--async-save``).
 
 Each must end with the reference's weights (``torch.equal``) and global step.
 Where the kill steps fall is drawn from ``random.Random(SEED)``.
@@ -116,6 +117,12 @@ def test_a_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, co
 @pytest.mark.parametrize("shape", SHARDED)
 def test_a_sharded_loop_shape_resumes_bit_exactly_after_kills_and_a_preemption(shape, commands, tmp_path, capsys):
     _kills_and_a_preemption(shape, commands, tmp_path, capsys, "--shard")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["readme", "eval"])
+def test_a_sharded_loop_shape_saving_in_the_background_resumes_bit_exactly(shape, commands, tmp_path, capsys):
+    _kills_and_a_preemption(shape, commands, tmp_path, capsys, "--shard", "--async-save")
 
 
 def _kills_and_a_preemption(shape: str, commands: Commands, tmp_path: Path, capsys, *script_args: str) -> None:

@@ -31,6 +31,7 @@ Kill hooks, from the environment:
     SIGNAL=SIGTERM: sent only by a run that did not resume (so the same command again completes).
 
 --shard: the model sharded (``prepare_model(shard=True)``, FSDP2), its checkpoints written by every rank.
+--async-save: checkpoints written in the background (``async_save="true"``; on the CPU "auto" is synchronous).
 
 At the end rank 0 saves {"weights", "global_step"} to --final (full weights, gathered when sharded).
 """
@@ -116,6 +117,7 @@ class Trainer:
             every_steps=args.every_steps,
             sync_seconds=0.005,
             best_metric="accuracy" if shape in ("eval", "imagenet") else "",
+            async_save="true" if args.async_save else "auto",
         )
         self.start = self.ckpt.resume("auto", first_epoch=1 if shape == "from1" else 0)
         self.killer = Killer(ctx.rank, self.start.resumed)
@@ -225,6 +227,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--every-steps", type=int, default=0)
     parser.add_argument("--shard", action="store_true")
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     ctx = ddpkit.init()
     trainer = Trainer(args, ctx)
