@@ -5,6 +5,7 @@ iterated in lockstep; the loader's logic needs no process group.
 """
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -99,6 +100,44 @@ def test_persistent_workers_over_epochs():
         assert [i for batch in loader for i in batch.tolist()] == epoch_permutation(30, 2, epoch).tolist()
         assert loader.state_dict()["step_in_epoch"] == 4
     loader._iterator._shutdown_workers()  # persistent workers live as long as the loader's iterator
+
+
+def test_the_next_epochs_workers_are_forked_once_the_stopped_iterators_queue_threads_ended(monkeypatch):
+    """CPython 3.11 deadlocks a child forked while a thread ends (ddpkit.data.workers.settle_stopped_queues):
+    the previous epoch's queue feeder threads, and those of an iterator dropped mid-epoch, have ended before the
+    next epoch's workers are forked. Each feeder here takes 0.3 s to end after its queue closed (a busy machine's
+    scheduling), so that without the wait they would still be running."""
+    import gc
+    import multiprocessing.queues
+
+    from ddpkit.data import workers
+
+    feed = multiprocessing.queues.Queue._feed
+
+    def slow_to_end(*args, **kwargs):
+        feed(*args, **kwargs)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(multiprocessing.queues.Queue, "_feed", staticmethod(slow_to_end))
+
+    def feeders_of_a_new_iterator():
+        before = set(workers._LIVE_WORKER_ITERATORS)
+        batches = iter(loader)
+        (started,) = set(workers._LIVE_WORKER_ITERATORS) - before  # torch's iterator, which forked its workers
+        threads = [q._thread for q in workers._queues(started) if q is not None and q._thread is not None]
+        assert threads  # torch put indices into the workers' queues: their feeder threads started
+        return batches, threads
+
+    loader = DataLoader(IndexDataset(30), global_batch_size=8, shuffle=True, seed=2, num_workers=2)
+    finished, feeders = feeders_of_a_new_iterator()
+    assert len(list(finished)) == 4
+    dropped, dropped_feeders = feeders_of_a_new_iterator()
+    next(dropped)  # a loop that breaks mid-epoch: its iterator is shut down when collected
+    del dropped
+    gc.collect()
+    following, _ = feeders_of_a_new_iterator()
+    assert not [thread for thread in feeders + dropped_feeders if thread.is_alive()]
+    assert len(list(following)) == 4
 
 
 def _take(loaders, num_batches):

@@ -59,7 +59,7 @@ from ddpkit.data.position import LoaderPosition, StepBoundary
 from ddpkit.data.sample_seeds import SeededDataset, _mix
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
-from ddpkit.data.workers import WorkerInit, kill_workers, track_workers
+from ddpkit.data.workers import WorkerInit, kill_workers, settle_stopped_queues, track_workers
 from ddpkit.distributed import worker_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
@@ -299,6 +299,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
         if self.num_workers and self._sample_bytes is None and self._stream is None:
             self._check_shared_memory(epoch)  # (a stream's samples cannot be read ahead of its workers)
+        if self.num_workers:
+            settle_stopped_queues()  # no fork while a stopped iterator's threads end (see the function)
         batches = super().__iter__()
         track_workers(batches)
         if self._stream is not None:

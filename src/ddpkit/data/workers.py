@@ -9,6 +9,8 @@ around them, each explained where it is done:
   its training process dies (``PR_SET_PDEATHSIG``);
 - :func:`track_workers`: the workers of every iterator are stopped at exit,
   before multiprocessing closes their queues;
+- :func:`settle_stopped_queues`: before a loader forks new workers, the queue
+  threads of the iterators that stopped have ended;
 - :func:`kill_workers`: a loader that cannot go on (a full /dev/shm) ends its
   workers at once.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import sys
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +30,7 @@ import torch
 
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
-__all__ = ["WorkerInit", "kill_workers", "track_workers"]
+__all__ = ["WorkerInit", "kill_workers", "settle_stopped_queues", "track_workers"]
 
 
 def kill_workers(iterator: Any) -> None:
@@ -144,8 +148,47 @@ def _die_with_parent(parent: int) -> None:
 
 
 def track_workers(iterator: Any) -> None:
-    """Stop the workers of torch's loader ``iterator`` (if it has any) when this process exits."""
-    if hasattr(iterator, "_shutdown_workers"):
+    """Stop the workers of torch's loader ``iterator`` (if it has any) when this process exits; settle its
+    queues' threads before the next workers are forked (:func:`settle_stopped_queues`)."""
+    if hasattr(iterator, "_shutdown_workers") and iterator not in _LIVE_WORKER_ITERATORS:  # (persistent: once)
         _LIVE_WORKER_ITERATORS.add(iterator)
         _WORKER_PROCESSES.update(getattr(iterator, "_workers", ()))
         _shut_down_workers_at_exit()
+        # An iterator dropped unfinished (a loop that breaks) is shut down when it is collected: its queues
+        # then join the stopped ones.
+        weakref.finalize(iterator, _STOPPED_QUEUES.extend, _queues(iterator))
+
+
+_STOPPED_QUEUES: list[Any] = []
+"""The queues of collected iterators whose feeder threads may still be ending."""
+_SETTLE_SECONDS = 1.0
+"""At most this long for the stopped queues' threads to end (a feeder blocked on a full pipe of killed workers
+never does; the fork then takes its chance, as it would without ddpkit)."""
+
+
+def _queues(iterator: Any) -> list[Any]:
+    """The multiprocessing queues torch's loader ``iterator`` put messages into (each has a feeder thread)."""
+    return [*getattr(iterator, "_index_queues", ()), getattr(iterator, "_worker_result_queue", None)]
+
+
+def settle_stopped_queues() -> None:
+    """Wait (briefly) for the feeder threads of stopped iterators' queues to end; call it before forking workers.
+
+    A stopped iterator closes its queues, and each queue's feeder thread then
+    ends on its own. CPython 3.11 deadlocks a child forked while a thread is
+    ending (the child waits in ``PyOS_AfterFork_Child`` for the interpreter's
+    thread-list lock, which the ending thread held at the fork): a
+    loader's new workers, forked for the next epoch as the previous
+    iterator's threads end, then hang for ever. Once ``join`` returns, the
+    thread's teardown is complete (it holds the GIL until then), and the fork is safe.
+    """
+    queues, _STOPPED_QUEUES[:] = list(_STOPPED_QUEUES), []
+    for iterator in list(_LIVE_WORKER_ITERATORS):
+        if getattr(iterator, "_shutdown", False):
+            _LIVE_WORKER_ITERATORS.discard(iterator)
+            queues.extend(_queues(iterator))
+    deadline = time.monotonic() + _SETTLE_SECONDS
+    for queue in queues:
+        thread = getattr(queue, "_thread", None)  # multiprocessing's feeder, started by the first put
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
