@@ -338,6 +338,61 @@ def test_with_on_write_error_warn_a_rank_that_cannot_write_its_shards_lets_every
         verify_checkpoint(tmp_path / f"step-{step:09d}")
 
 
+def _replicated_then_sharded(rank: int, world_size: int, folder: str) -> dict:
+    """A replicated (DDP) run saves at step 4; the same training, now sharded, resumes its checkpoint and
+    trains on to step 6 (a sharded checkpoint)."""
+    import ddpkit
+    import ddpkit.distributed
+    from ddpkit.checkpoint.sharded import ShardedState
+
+    ddpkit.distributed.init()
+    try:
+        torch.manual_seed(SEED)
+        model = ddpkit.prepare_model(DropTower())  # DDP
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        ckpt = ddpkit.Checkpointer(
+            folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
+        )
+        ckpt.resume("never")
+        _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 4)
+        ckpt.close()
+        replicated = {"params": [p.detach().clone() for p in model.parameters()], "opt": optimizer.state_dict()}
+
+        model, optimizer, scheduler = _parts(world_size)
+        ckpt = ddpkit.Checkpointer(
+            folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
+        )
+        resumed_at = ckpt.resume("auto").global_step
+        sharded = ShardedState(model, optimizer, rank, world_size)
+        full = sharded._state()  # DTensors: gathered whole below, for the comparison only
+        moments = {
+            name: {key: value.full_tensor() for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")}
+            for name, state in full["optimizer"]["state"].items()
+        }
+        resumed = {"params": _full(model), "moments": moments, "lr": optimizer.param_groups[0]["lr"]}
+        _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 6)
+        ckpt.save()
+        ckpt.close()
+        return {"replicated": replicated, "resumed": resumed, "resumed_at": resumed_at, "names": list(moments)}
+    finally:
+        ddpkit.distributed.shutdown()
+
+
+def test_a_replicated_checkpoint_resumes_sharded_with_every_tensor_in_place(tmp_path) -> None:
+    outcomes = run_on_ranks(_replicated_then_sharded, 2, str(tmp_path), timeout=180)
+    for outcome in outcomes:
+        assert outcome["resumed_at"] == 4
+        replicated, resumed = outcome["replicated"], outcome["resumed"]
+        assert all(torch.equal(a, b) for a, b in zip(replicated["params"], resumed["params"]))
+        assert resumed["lr"] == replicated["opt"]["param_groups"][0]["lr"]
+        for position, name in enumerate(outcome["names"]):  # Adam's moments, position by position
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(replicated["opt"]["state"][position][key], resumed["moments"][name][key])
+    newest = [info for info in list_checkpoints(tmp_path) if info.complete][-1]
+    assert newest.global_step == 6 and read_manifest(newest.path)["sharded"]["objects"] == ["model", "optimizer"]
+
+
 class _Payload:
     """Unpickling it would create ``path`` (what a crafted checkpoint's code could do)."""
 

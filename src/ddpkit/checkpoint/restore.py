@@ -143,18 +143,17 @@ def restore_checkpoint(
         world_size: the number of ranks.
 
     Raises:
-        CheckpointError: the checkpoint does not fit the objects (replicated for a sharded model, other objects,
-            a state that does not fit).
+        CheckpointError: the checkpoint does not fit the objects (other objects, a state that does not fit).
     """
-    sharded = sharded_names(loaded["manifest"])
-    if sharded:  # every rank reads its slices (a plain model reads them all)
+    restored = sharded_names(loaded["manifest"])
+    if restored:  # every rank reads its slices (a plain model reads them all)
         (shards or ShardedState(objects["model"], objects.get("optimizer"), rank, world_size)).load(path)
-    elif shards is not None:
-        raise CheckpointError(
-            f"checkpoint {path} holds a replicated model and this run's model is sharded (shard=True); "
-            "resume it without shard, or start a new run in another folder"
-        )
-    counters = restore_objects(path, objects, loaded, per_rank, rank, restored=sharded)
+    elif shards is not None:  # a replicated checkpoint, which every rank read whole: each keeps its shards
+        shards.load_whole(path, loaded["model.pt"], loaded.get("optimizer.pt") if "optimizer" in objects else None)
+        restored = shards.names
+        if rank == 0:
+            get_logger().info(f"checkpoint {path.name} holds a replicated model: every rank keeps its shards of it")
+    counters = restore_objects(path, objects, loaded, per_rank, rank, restored=restored)
     global_step = int(counters["global_step"])
     completed_epochs = int(counters["completed_epochs"])
     epoch_start_step = int(counters.get("epoch_start_step", global_step))

@@ -270,6 +270,37 @@ class ShardedState:
                 "with the model and optimizer it was written with, or start a new run in another folder"
             ) from None
 
+    def load_whole(self, path: Path, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any] | None) -> None:
+        """Every rank keeps its shards of a replicated checkpoint's whole state (which every rank read).
+
+        A run that outgrew replicas resumes its checkpoint sharded: torch's
+        ``set_state_dict(full_state_dict=True)`` slices each rank's part out.
+        The optimizer's state is keyed by parameter position there: it is
+        keyed by parameter name here first, position for position, as
+        ``optimizer.load_state_dict`` would match it.
+
+        Raises:
+            CheckpointError: the checkpoint's model or optimizer does not fit this run's.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        try:
+            set_model_state_dict(self.model, dict(model_state), options=options)
+            if self.optimizer is not None and optimizer_state is not None:
+                by_name = _keyed_by_name(self.model, self.optimizer, optimizer_state)
+                set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            detail = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())[:500]
+            raise CheckpointError(
+                f"checkpoint {path}: its model or optimizer does not fit this run's sharded one ({detail}); resume "
+                "with the model and optimizer it was written with, or start a new run in another folder"
+            ) from None
+
     def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -277,6 +308,29 @@ class ShardedState:
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
+
+
+def _keyed_by_name(model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()``'s format (parameters by position) keyed by parameter name, as torch's
+    ``get_optimizer_state_dict(full_state_dict=True)`` writes it; positions matched group by group.
+
+    Raises:
+        ValueError: the groups or their sizes differ from ``optimizer``'s.
+    """
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    saved_groups, groups = state["param_groups"], optimizer.param_groups
+    sizes = [len(group["params"]) for group in groups]
+    if [len(group["params"]) for group in saved_groups] != sizes:
+        raise ValueError(f"its parameter groups hold {[len(g['params']) for g in saved_groups]} tensors, this run's {sizes}")
+    name_of = {
+        position: names[id(parameter)]
+        for saved, group in zip(saved_groups, groups)
+        for position, parameter in zip(saved["params"], group["params"])
+    }
+    return {
+        "state": {name_of[position]: value for position, value in state["state"].items()},
+        "param_groups": [{**group, "params": [name_of[p] for p in group["params"]]} for group in saved_groups],
+    }
 
 
 def _settle(outcome: Future[Any], task: Callable[[], Any]) -> None:
