@@ -29,6 +29,15 @@ def test_a_text_option_keeps_the_word_yaml_would_read_as_a_number(tmp_path):
     assert parse(TrainConfig, [str(path)]).resume == "never"
 
 
+@pytest.mark.parametrize(
+    "word, workers", [("workers=1", [1]), ("workers=1,2", [1, 2]), ("workers=[2]", [2]), ("workers=[1, 2]", [1, 2])]
+)
+def test_a_list_option_takes_one_value_or_several_with_or_without_brackets(word, workers):
+    from ddpkit.bench.train import TrainBenchConfig
+
+    assert parse(TrainBenchConfig, [word]).workers == workers
+
+
 def test_model_recipe_is_default_and_overridable():
     cnn = parse_train_config(["model=cnn"])
     assert (cnn.optimizer, cnn.lr, cnn.momentum, cnn.batch_size, cnn.batch_scope) == (

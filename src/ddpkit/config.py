@@ -147,18 +147,25 @@ def _read_layer(word: str) -> dict[str, Any]:
 
 
 def _keep_text(word: str, layer: dict[str, Any], schema: type) -> dict[str, Any]:
-    """``layer`` with a text option's value as the word wrote it, where YAML read a bool or a number.
+    """``layer`` with a text option's value as the word wrote it, where YAML read a bool or a number, and a list
+    option's single value or comma-separated values as a list.
 
-    ``resume=false`` or ``output_dir=1e3`` would otherwise reach the option as "False" or "1000.0".
+    ``resume=false`` or ``output_dir=1e3`` would otherwise reach the option as "False" or "1000.0", and
+    ``workers=1`` would be refused (OmegaConf takes only ``workers=[1]`` for a list).
     """
     key, _, raw = word.partition("=")
-    if not raw or _field_type(schema, key) is not str:
+    kind = _field_type(schema, key)
+    is_list = typing.get_origin(kind) is list
+    if not raw or (kind is not str and not is_list):
         return layer
     *groups, name = key.split(".")
     leaf = layer
     for group in groups:
         leaf = leaf[group]
-    if isinstance(leaf[name], (bool, int, float)):
+    if is_list and not isinstance(leaf[name], list):
+        # workers=1 or workers=1,2 for a list option: a list as [1] or [1, 2] would write it
+        leaf[name] = [] if leaf[name] in ("", None) else OmegaConf.to_container(OmegaConf.create(f"[{raw}]"))
+    elif kind is str and isinstance(leaf[name], (bool, int, float)):
         leaf[name] = raw.strip()
     return layer
 
