@@ -8,10 +8,10 @@ import torch
 
 from ddpkit.checkpoint.finite import (
     FINITE_KEY,
-    finite_marker,
     is_finite_number,
     is_marked_nonfinite,
     last_finite_checkpoint,
+    nonfinite_marker,
     nonfinite_tensors,
 )
 from ddpkit.checkpoint.format import checkpoint_name, list_checkpoints, write_checkpoint
@@ -30,9 +30,9 @@ def test_nonfinite_tensors_names_the_floating_tensors_with_nan_or_inf():
     assert nonfinite_tensors({}) == []
 
 
-def test_finite_marker_is_what_a_writer_adds_to_the_manifest(tmp_path):
-    assert finite_marker({"model.pt": {"w": torch.ones(2)}}) == {}
-    marker = finite_marker({"model.pt": {"w": torch.tensor([math.nan])}, "train.pt": {"step": 3}})
+def test_the_nonfinite_marker_is_what_a_writer_adds_to_the_manifest(tmp_path):
+    assert nonfinite_marker(nonfinite_tensors({"model.pt": {"w": torch.ones(2)}})) == {}
+    marker = nonfinite_marker(nonfinite_tensors({"model.pt": {"w": torch.tensor([math.nan])}, "train.pt": {"step": 3}}))
     assert marker == {FINITE_KEY: False, "nonfinite_tensors": ["model.pt.w"]}
     path = _write(tmp_path, 1, math.nan, **marker)
     assert not list_checkpoints(tmp_path)[0].finite and path.is_dir()

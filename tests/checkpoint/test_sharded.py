@@ -393,6 +393,49 @@ def test_a_replicated_checkpoint_resumes_sharded_with_every_tensor_in_place(tmp_
     assert newest.global_step == 6 and read_manifest(newest.path)["sharded"]["objects"] == ["model", "optimizer"]
 
 
+def _one_rank_diverges(rank: int, world_size: int, folder: str, async_save: bool) -> None:
+    """Step 4's checkpoint is finite; then rank 1's shard of a weight becomes NaN (rank 0's stays finite) and
+    step 5 is saved."""
+    import ddpkit
+    import ddpkit.distributed
+
+    ddpkit.distributed.init()
+    try:
+        model, optimizer, scheduler = _parts(world_size)
+        ckpt = ddpkit.Checkpointer(
+            folder,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            every_steps=4,
+            preempt_signals=(),
+            async_save=async_save,
+        )
+        ckpt.resume("never")
+        _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 5)
+        if rank == 1:
+            with torch.no_grad():
+                next(model.parameters()).to_local().fill_(float("nan"))
+        ckpt.save()
+        ckpt.close()
+    finally:
+        ddpkit.distributed.shutdown()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_nan_in_one_ranks_shards_marks_the_checkpoint_and_the_finite_one_stays_the_last_good(tmp_path, async_save):
+    from ddpkit.checkpoint.finite import is_marked_nonfinite, last_finite_checkpoint
+    from ddpkit.checkpoint.select import choose_checkpoint
+
+    run_on_ranks(_one_rank_diverges, 2, str(tmp_path), async_save, timeout=120)
+    first = next(DropTower().named_parameters())[0]
+    manifest = read_manifest(tmp_path / "step-000000005")
+    assert is_marked_nonfinite(manifest) and manifest["nonfinite_tensors"] == [f"model.{first}"]
+    assert not is_marked_nonfinite(read_manifest(tmp_path / "step-000000004"))
+    assert last_finite_checkpoint(tmp_path) == (tmp_path / "step-000000004", [tmp_path / "step-000000005"])
+    assert choose_checkpoint(tmp_path, "auto")[0] == tmp_path / "step-000000004"
+
+
 class _Payload:
     """Unpickling it would create ``path`` (what a crafted checkpoint's code could do)."""
 

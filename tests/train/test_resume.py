@@ -71,6 +71,38 @@ def test_truncated_newest_falls_back_with_a_warning_naming_it(tmp_path):
     assert trainer.state.global_step == 2 * STEPS_PER_EPOCH
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_a_resume_with_a_new_lr_and_weight_decay_trains_with_them(tmp_path, schedule):
+    """``resume=auto lr=...`` (the advice after a divergence) takes effect: the optimizer's restored groups
+    would otherwise keep the checkpoint's rate; a schedule goes on from where it was, scaled."""
+    import shutil
+
+    from ddpkit import distributed
+
+    words = [*WORDS, f"lr_schedule={schedule}", "lr=0.01"]
+    train(0, 1, [*words, f"output_dir={tmp_path / 'a'}", "max_steps=7"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+
+    def resumed_rates(folder, *changes):
+        trainer = make_trainer(0, 1, [*words, f"output_dir={folder}", "resume=auto", *changes])
+        try:
+            group = trainer.optimizer.param_groups[0]
+            rates = [group["lr"]]
+            for _ in range(3 if trainer.scheduler is not None else 0):
+                trainer.optimizer.step()
+                trainer.scheduler.step()
+                rates.append(group["lr"])
+            return rates, group["weight_decay"]
+        finally:
+            close(trainer)
+            distributed.shutdown()
+
+    same, _ = resumed_rates(tmp_path / "a")
+    changed, weight_decay = resumed_rates(tmp_path / "b", "lr=0.001", "weight_decay=0.5")
+    assert changed == pytest.approx([rate / 10 for rate in same], rel=1e-9)
+    assert weight_decay == 0.5
+
+
 def test_crafted_pickle_is_refused_strictly_and_skipped_by_auto(tmp_path):
     root = _checkpointed_run(tmp_path)
     sentinel = tmp_path / "sentinel"

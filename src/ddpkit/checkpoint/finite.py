@@ -11,12 +11,13 @@ small parts keep the good ones:
   apart a save;
 - :data:`FINITE_KEY`: a manifest key, ``"finite": false``, that a writer
   passes through ``write_checkpoint``'s ``meta`` for such a checkpoint
-  (:func:`finite_marker` builds it);
+  (:func:`nonfinite_marker` builds it);
   :func:`ddpkit.checkpoint.format.prune` never counts a checkpoint so marked
   toward ``keep`` and resume never picks it (:func:`is_marked_nonfinite`);
 - :func:`last_finite_checkpoint`: after a run stopped on a non-finite loss,
   the newest complete checkpoint whose weights are finite (those a marker
-  does not vouch for are loaded and checked).
+  does not vouch for are loaded and checked; a sharded checkpoint's marker
+  always vouches, since every rank checked its shards as it wrote them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ except ImportError:  # torch before 2.5
     from torch.distributed._tensor import DTensor
 
 from ddpkit.checkpoint.format import CheckpointError, list_checkpoints, load_file
+from ddpkit.checkpoint.layout import SHARDED_KEY
 
 FINITE_KEY = "finite"
 """Manifest key: False when the checkpoint's tensors hold NaN or infinity (absent: finite, or not checked)."""
@@ -78,16 +80,16 @@ def _collect(value: Any, name: str, names: list[str], flags: list[torch.Tensor])
             _collect(item, f"{name}.{i}" if name else str(i), names, flags)
 
 
-def finite_marker(state: Any) -> dict[str, Any]:
-    """The manifest facts a writer adds through ``write_checkpoint``'s ``meta`` for ``state``: ``{}`` when every
-    floating tensor is finite, else ``{"finite": False, "nonfinite_tensors": [the first 10 names]}``.
+def nonfinite_marker(names: list[str]) -> dict[str, Any]:
+    """The manifest facts a writer adds through ``write_checkpoint``'s ``meta`` for a state whose tensors
+    ``names`` hold NaN or infinity (:func:`nonfinite_tensors`): ``{}`` for none, else
+    ``{"finite": False, "nonfinite_tensors": [the first 10 names]}``.
 
     ::
 
-        meta = {**meta, **finite_marker(objects)}     # objects: file name -> state_dict, as write_checkpoint takes
+        meta = {**meta, **nonfinite_marker(nonfinite_tensors(objects))}   # objects: file name -> state_dict
     """
-    bad = nonfinite_tensors(state)
-    return {FINITE_KEY: False, "nonfinite_tensors": bad[:10]} if bad else {}
+    return {FINITE_KEY: False, "nonfinite_tensors": names[:10]} if names else {}
 
 
 def is_finite_number(value: Any) -> bool:
@@ -120,6 +122,8 @@ def last_finite_checkpoint(root: str | Path, suspect_from: int | None = None) ->
         if is_marked_nonfinite(info.manifest):
             bad.append(info.path)
             continue
+        if info.manifest.get(SHARDED_KEY):
+            return info.path, bad  # every rank checked its shards when it wrote them: its marker vouches
         if suspect_from is None or info.global_step >= suspect_from:
             try:
                 weights = load_file(info.path / "model.pt")
@@ -135,9 +139,9 @@ def last_finite_checkpoint(root: str | Path, suspect_from: int | None = None) ->
 __all__ = [
     "FINITE_KEY",
     "NONFINITE_SUFFIX",
-    "finite_marker",
     "is_finite_number",
     "is_marked_nonfinite",
     "last_finite_checkpoint",
+    "nonfinite_marker",
     "nonfinite_tensors",
 ]

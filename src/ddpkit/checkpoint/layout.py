@@ -19,6 +19,8 @@ CORRUPT_SUFFIX = ".corrupt"
 INCOMPLETE_SUFFIX = ".incomplete"
 UNREADABLE_SUFFIX = ".unreadable"
 NAME_PATTERN = re.compile(r"^(step|best)-(\d{9,})$")
+SHARDED_KEY = "sharded"
+"""The manifest's key for what a sharded checkpoint's DCP files hold: ``{"format": ..., "objects": [...]}``."""
 
 
 class CheckpointError(UserError):

@@ -96,7 +96,6 @@ def make_writer(
         "on_save": on_save,
     }
     if shards is not None:
-
         return ShardedWriter(root, staged=shards.staged, background=background, **settings)
     return FolderWriter(root, background=background, **settings)
 

@@ -55,13 +55,15 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint.async_save import BackgroundWriter
+from ddpkit.checkpoint.finite import nonfinite_tensors
 from ddpkit.checkpoint.format import CheckpointError, folder_mode
+from ddpkit.checkpoint.layout import SHARDED_KEY
 from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
@@ -69,13 +71,19 @@ from ddpkit.comm.fsdp import is_sharded
 
 __all__ = ["SHARDED_KEY", "ShardedState", "Staged", "sharded_names", "sharded_state"]
 
-SHARDED_KEY = "sharded"
-"""The manifest's key for what DCP holds: ``{"format": ..., "objects": ["model", "optimizer"]}``."""
 _FORMAT = "torch.distributed.checkpoint"
 _CHUNK = 1 << 20
 
-Staged = tuple[Path, dict[str, dict[str, Any]]]
-"""The staging folder the ranks wrote their shards into, and the size and SHA-256 of every file there."""
+
+class Staged(NamedTuple):
+    """What the ranks wrote for one save, as rank 0 learns it."""
+
+    folder: Path
+    """The staging folder the ranks wrote their shards into."""
+    files: dict[str, dict[str, Any]]
+    """The size and SHA-256 of every file there."""
+    nonfinite: list[str]
+    """The tensors some rank found NaN or infinity in (its shards; :func:`~ddpkit.checkpoint.finite.nonfinite_tensors`)."""
 
 
 class ShardedState:
@@ -192,13 +200,14 @@ class ShardedState:
         if self._stager is None:
             self._stager = BlockingAsyncStager(cache_staged_state_dict=cached)
         try:
-            return self._stager.stage(state)
+            staged: dict[str, Any] = self._stager.stage(state)
         except Exception:
             if not cached:
                 raise
             # The cached buffers no longer fit the state (its keys or shapes changed): stage into new ones.
             self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
-            return self._stager.stage(state)
+            staged = self._stager.stage(state)
+        return staged
 
     def _write(
         self,
@@ -219,6 +228,7 @@ class ShardedState:
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save
 
+        nonfinite = nonfinite_tensors(state)  # this rank's shards; rank 0 marks the checkpoint for every rank's
         writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
         try:
             save(state, storage_writer=writer, process_group=group)
@@ -232,16 +242,19 @@ class ShardedState:
             message = explain_write_error(root, name, error, needed_bytes()) if self.rank == 0 else str(error)
             raise StorageError(message) from None
         # Each rank hashes the files it wrote (in parallel; none reads another's), rank 0 gathers the digests.
-        mine = {p.name: _digest(p, mode) for p in sorted(staging.glob(f"__{self.rank}_*"))}
+        files = {p.name: _digest(p, mode) for p in sorted(staging.glob(f"__{self.rank}_*"))}
         if self.rank == 0:
-            mine.update({p.name: _digest(p, mode) for p in sorted(staging.iterdir()) if not p.name.startswith("__")})
+            files.update({p.name: _digest(p, mode) for p in sorted(staging.iterdir()) if not p.name.startswith("__")})
+        mine = (files, nonfinite)
         gathered: list[Any] = [mine]
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else []
             dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0, group=group)
         if self.rank != 0:
             return None
-        return staging, {file: facts for part in gathered for file, facts in part.items()}
+        every_file = {file: facts for part, _ in gathered for file, facts in part.items()}
+        every_nonfinite = sorted({name for _, names in gathered for name in names})
+        return Staged(staging, every_file, every_nonfinite)
 
     def load(self, path: Path) -> None:
         """Every rank reads its slices of the model's (and optimizer's) state from ``path`` (a collective).
@@ -321,7 +334,9 @@ def _keyed_by_name(model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -
     saved_groups, groups = state["param_groups"], optimizer.param_groups
     sizes = [len(group["params"]) for group in groups]
     if [len(group["params"]) for group in saved_groups] != sizes:
-        raise ValueError(f"its parameter groups hold {[len(g['params']) for g in saved_groups]} tensors, this run's {sizes}")
+        raise ValueError(
+            f"its parameter groups hold {[len(g['params']) for g in saved_groups]} tensors, this run's {sizes}"
+        )
     name_of = {
         position: names[id(parameter)]
         for saved, group in zip(saved_groups, groups)

@@ -7,7 +7,9 @@ or not), for a folder whose model and optimizer files the ranks write
 rank 0 adds the other objects' files and the manifest, with every file's size
 and SHA-256, last, then renames the folder into place
 (:func:`ddpkit.checkpoint.format.finish_checkpoint`). A rank that could not
-write its shards fails the write here, as a write of rank 0's own would.
+write its shards fails the write here, as a write of rank 0's own would, and
+a rank that found NaN or infinity in its shards has the checkpoint marked
+non-finite, as :class:`~ddpkit.checkpoint.writer.FolderWriter` marks its own.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.format import finish_checkpoint, mark_best, prune
+from ddpkit.checkpoint.finite import nonfinite_tensors
+from ddpkit.checkpoint.format import finish_checkpoint
 from ddpkit.checkpoint.sharded import Staged
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.checkpoint.writer import FolderWriter, WriteRequest
-from ddpkit.log import get_logger
 
 __all__ = ["ShardedWriter"]
 
@@ -41,19 +43,24 @@ class ShardedWriter(FolderWriter):
 
     def _write_files(self, request: WriteRequest) -> Path | None:
         try:
-            folder, written = self.staged()
+            staged = self.staged()
         except StorageError as e:  # a rank's shards (the staging folder is gone)
             self._write_failed(request, str(e))
             return None
+        marker = self._mark_nonfinite(request, staged.nonfinite + nonfinite_tensors(request.objects))
         try:
             path = finish_checkpoint(
-                self.root, folder, request.name, request.objects, request.texts, request.meta, written, self.mode
+                self.root,
+                staged.folder,
+                request.name,
+                request.objects,
+                request.texts,
+                request.meta,
+                staged.files,
+                self.mode,
             )
         except OSError as e:
             self._write_failed(request, explain_write_error(self.root, request.name, e, self.needed_bytes()))
             return None
-        if request.best:
-            mark_best(self.root, path, self.mode)
-        prune(self.root, self.keep, protect=path)
-        get_logger().info(f"checkpoint {path} ({request.why}; sharded: every rank wrote its shards)")
+        self._written(path, request, marker, "; sharded: every rank wrote its shards")
         return path

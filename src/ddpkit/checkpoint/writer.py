@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
-from ddpkit.checkpoint.finite import finite_marker
+from ddpkit.checkpoint.finite import nonfinite_marker, nonfinite_tensors
 from ddpkit.checkpoint.format import MANIFEST, mark_best, prune, rewrite_manifest, write_checkpoint
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.log import get_logger
@@ -133,20 +133,31 @@ class FolderWriter:
         return self.root / request.name
 
     def _write_files(self, request: WriteRequest) -> Path | None:
-        """The checkpoint folder, the best mark, pruning (on the writer's thread when in the background).
-
-        A state holding NaN or infinity (a diverged run) is written marked as such: it never counts toward
-        ``keep``, never becomes the best, and ``resume="auto"`` sets it aside for the newest finite one.
-        """
-        marker = finite_marker(request.objects)
-        if marker:
-            request.meta = {**request.meta, **marker}
-            request.best = False
+        """The checkpoint folder, the best mark, pruning (on the writer's thread when in the background)."""
+        marker = self._mark_nonfinite(request, nonfinite_tensors(request.objects))
         try:
             path = write_checkpoint(self.root, request.name, request.objects, request.texts, request.meta, self.mode)
         except OSError as e:  # a warning (on_write_error="warn"), or it raises
             self._write_failed(request, explain_write_error(self.root, request.name, e, self.needed_bytes()))
             return None
+        self._written(path, request, marker)
+        return path
+
+    @staticmethod
+    def _mark_nonfinite(request: WriteRequest, nonfinite: list[str]) -> dict[str, Any]:
+        """Mark a state holding NaN or infinity (a diverged run) in ``request``'s manifest facts; return the marker.
+
+        Such a checkpoint never counts toward ``keep``, never becomes the best, and ``resume="auto"`` sets it
+        aside for the newest finite one.
+        """
+        marker = nonfinite_marker(nonfinite)
+        if marker:
+            request.meta = {**request.meta, **marker}
+            request.best = False
+        return marker
+
+    def _written(self, path: Path, request: WriteRequest, marker: Mapping[str, Any], how: str = "") -> None:
+        """After ``path`` is complete: the best mark, pruning, and one line (``how``: added to its parenthesis)."""
         if request.best:
             mark_best(self.root, path, self.mode)
         prune(self.root, self.keep, protect=path)
@@ -157,8 +168,7 @@ class FolderWriter:
                 "lower the learning rate or check the data"
             )
         else:
-            get_logger().info(f"checkpoint {path} ({request.why})")
-        return path
+            get_logger().info(f"checkpoint {path} ({request.why}{how})")
 
     def _saved(self, path: Path | None, reason: str) -> None:
         if path is not None:

@@ -64,7 +64,7 @@ from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
-from ddpkit.train.schedule import build_scheduler
+from ddpkit.train.schedule import SETTINGS, apply_changed_rates, base_rates, build_scheduler
 from ddpkit.train.state import TrainState
 from ddpkit.train.task import resolve_task
 
@@ -169,6 +169,7 @@ def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: An
         )
     trainer.checkpointer = _checkpointer(cfg, trainer)
     if trainer.checkpointer is not None:
+        configured = base_rates(optimizer)
         try:
             start = trainer.checkpointer.resume(cfg.resume)
         except BaseException:
@@ -177,6 +178,8 @@ def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: An
             trainer.metrics.close()
             raise
         _warn_changed_settings(cfg, start)
+        if start.resumed:
+            _apply_changed_rates(cfg, start, optimizer, scheduler, configured)
     if trainer.state.tracker is not None:
         trainer.state.tracker.start()  # a new run is created here, not inside the timed training loop
     return trainer
@@ -220,6 +223,21 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path)
     )
     return checkpointer
+
+
+def _apply_changed_rates(
+    cfg: TrainConfig,
+    start: ResumePoint,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    configured: list[float],
+) -> None:
+    """The command's learning rate, momentum and weight decay, where it changed them, over the checkpoint's."""
+    saved = start.manifest.get("config", {})
+    settings = {key: getattr(cfg, key) for key in SETTINGS if key in saved and saved[key] != getattr(cfg, key)}
+    changed = apply_changed_rates(optimizer, scheduler, configured, settings)
+    if changed:
+        get_logger().info(f"the resumed optimizer takes this command's settings: {', '.join(changed)}")
 
 
 def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:

@@ -6,9 +6,17 @@ CosineAnnealingLR to 0 at the last step, ``onecycle`` OneCycleLR (its own
 warm-up is ``warmup_steps`` when given), and ``warmup_steps`` puts a LinearLR
 from lr/100 in front of the others. ``constant`` without warm-up has no
 scheduler at all: nothing to step, nothing to save.
+
+A resumed optimizer takes its learning rate, momentum and weight decay from
+the checkpoint (``load_state_dict`` restores its parameter groups); a
+command that changed them (``resume=auto lr=1e-4`` after a divergence) gets
+them back with :func:`apply_changed_rates`, the schedule scaled along.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.optim import lr_scheduler
@@ -63,3 +71,52 @@ def _main_schedule(
         return lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
     assert name == "constant", name
     return None
+
+
+LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+"""A parameter group's learning rates: its current one and those a schedule derives from the base (OneCycleLR's)."""
+SETTINGS = ("momentum", "weight_decay")
+"""Other settings of the config that a parameter group holds."""
+
+
+def base_rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each parameter group's base learning rate (a schedule's ``initial_lr``, else ``lr``)."""
+    return [float(group.get("initial_lr", group["lr"])) for group in optimizer.param_groups]
+
+
+def apply_changed_rates(
+    optimizer: torch.optim.Optimizer,
+    scheduler: lr_scheduler.LRScheduler | None,
+    configured: list[float],
+    settings: Mapping[str, Any],
+) -> list[str]:
+    """After a resume: the base learning rates ``configured`` (:func:`base_rates` before it) and the ``settings``
+    the command changed, in place of those the checkpoint's optimizer held; return what changed, as words.
+
+    A changed base rate scales every rate of the group and of the schedule by the same ratio, so the
+    schedule goes on from where it was, scaled (a warm-up or decay keeps its shape).
+    """
+    changed = []
+    for index, (group, base, wanted) in enumerate(zip(optimizer.param_groups, base_rates(optimizer), configured)):
+        if base and wanted != base:
+            ratio = wanted / base
+            for key in LR_KEYS:
+                if key in group:
+                    group[key] *= ratio
+            for schedule in _schedules(scheduler):
+                schedule.base_lrs[index] *= ratio
+                if getattr(schedule, "_last_lr", None):
+                    schedule._last_lr[index] *= ratio
+            changed.append(f"lr {base:g} -> {wanted:g}")
+        for key, value in settings.items():
+            if key in group and group[key] != value:
+                changed.append(f"{key} {group[key]:g} -> {value:g}")
+                group[key] = value
+    return sorted(set(changed), key=changed.index)
+
+
+def _schedules(scheduler: lr_scheduler.LRScheduler | None) -> list[Any]:
+    """``scheduler`` and, for a SequentialLR, the schedules it runs in turn."""
+    if scheduler is None:
+        return []
+    return [scheduler, *getattr(scheduler, "_schedulers", [])]
