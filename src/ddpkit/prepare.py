@@ -139,9 +139,10 @@ def prepare_model(
         )
     if isinstance(model, DDP) or _uncompiled(model) in _SYNCS or is_sharded(model):
         raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
-    model = model.to(ctx.device)
     if wants_sharding(shard, model, ctx.device, ctx.local_world_size):
+        # Moved block by block as it is sharded: the whole model need not fit on the device.
         return _shard(model, ctx, shard_blocks, mixed_precision, reshard_after_forward, sync_batchnorm)
+    model = model.to(ctx.device)
     if sync_batchnorm and ctx.world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     algorithm = choose_allreduce(allreduce, ctx)

@@ -186,8 +186,9 @@ class ShardedState:
 
     def _background_group(self) -> Any:
         """The process group of the background writes (a collective at the first save: every rank makes it)."""
-        if self._group is None and self.world_size > 1:
-            # Never the training's group: collectives of two threads on one group would interleave.
+        if self._group is None and dist.is_initialized():
+            # Never the training's group (even of one rank, nccl's on a GPU): collectives of two threads on
+            # one group would interleave.
             self._group = dist.new_group(backend="gloo")
         return self._group
 

@@ -188,7 +188,12 @@ def shard_model(
     mixed_precision: Any = None,
     reshard_after_forward: bool = True,
 ) -> tuple[nn.Module, list[str]]:
-    """Shard ``model`` (already on ``device``) from rank 0's weights: each block, then the root.
+    """Shard ``model`` (wherever it is, the CPU say) onto ``device`` from rank 0's weights: each block, then
+    the root.
+
+    A block goes to ``device`` only when it is sharded, and leaves there only its shard: the device never
+    holds more than the shards so far and one block whole, so a model larger than one device can be
+    sharded over several (the whole model stays in CPU memory until then).
 
     Returns:
         The same module, now an ``FSDPModule`` (its class gains torch's mixin), and the block classes.
@@ -196,22 +201,35 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if world_size > 1:
-        # Every rank starts from rank 0's weights, as with DDP: a model initialised with a per-rank seed
-        # would otherwise hold a mix of initialisations.
-        with torch.no_grad():
-            for tensor in (*model.parameters(), *model.buffers()):
-                dist.broadcast(tensor, src=0)
     mesh = init_device_mesh(device.type, (world_size,))
     policy = mixed_precision_policy(mixed_precision)
     found = find_blocks(model, blocks)
     classes = sorted({type(b).__name__ for b in found})  # before fully_shard renames them (FSDP<name>)
     for block in found:
+        _place_from_rank_zero(block, device, world_size)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    _place_from_rank_zero(model, device, world_size)  # what no block holds (embeddings, the head)
     # The root's parameters are gathered first in forward and needed last in backward: kept unsharded
     # between the two, as torch's examples do.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False if found else reshard_after_forward)
     return model, classes
+
+
+def _place_from_rank_zero(module: nn.Module, device: torch.device, world_size: int) -> None:
+    """Move ``module``'s tensors not yet sharded to ``device``, holding rank 0's values.
+
+    Every rank starts from rank 0's weights, as with DDP: a model initialised with a per-rank seed would
+    otherwise hold a mix of initialisations. The shards of blocks sharded before are left as they are.
+    """
+    from torch.distributed.tensor import DTensor
+
+    module.to(device)  # (a sharded block's DTensors are on the device already)
+    if world_size == 1:
+        return
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor, src=0)
 
 
 @contextlib.contextmanager
