@@ -147,6 +147,11 @@ def _single_worker(rank: int, world_size: int) -> dict:
             prepare_model(Net(), allreduce="bogus")
         with pytest.raises(ValueError, match="grad_sync='bogus' is not valid; choose one of: auto, ddp, flat, manual"):
             prepare_model(Net(), grad_sync="bogus")
+        with torch.device("meta"):
+            on_meta = Net()
+        for shard in (False, True):
+            with pytest.raises(ValueError, match=r"model's .* is on the meta device .*build the model on the CPU"):
+                prepare_model(on_meta, shard=shard)
         results = {}
         for variant in ("set_to_none", "accumulate"):
             net = _net(0, variant)

@@ -139,6 +139,11 @@ def prepare_model(
         )
     if isinstance(model, DDP) or _uncompiled(model) in _SYNCS or is_sharded(model):
         raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
+    if meta := next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None):
+        raise UserError(
+            f"the model's {meta} is on the meta device (no values): prepare_model needs initialised weights; "
+            "build the model on the CPU (with shard=True it then reaches the device block by block)"
+        )
     if wants_sharding(shard, model, ctx.device, ctx.local_world_size):
         # Moved block by block as it is sharded: the whole model need not fit on the device.
         return _shard(model, ctx, shard_blocks, mixed_precision, reshard_after_forward, sync_batchnorm)
