@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from ddpkit.ending_threads import about_to_end
+
 __all__ = ["BackgroundWriter", "copy_state"]
 
 _ATOMIC = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -171,6 +173,7 @@ class BackgroundWriter:
                 error = e
             with self._lock:
                 self._finished.append((on_done, result, error))
+            about_to_end()  # a loader forking its workers now waits for this thread's end first
 
         self._thread = threading.Thread(target=run, name="ddpkit-checkpoint-writer", daemon=False)
         self._thread.start()

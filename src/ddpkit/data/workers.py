@@ -20,14 +20,13 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import sys
-import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ddpkit.ending_threads import join_ending_threads
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
 
 __all__ = ["WorkerInit", "kill_workers", "settle_stopped_queues", "track_workers"]
@@ -161,9 +160,6 @@ def track_workers(iterator: Any) -> None:
 
 _STOPPED_QUEUES: list[Any] = []
 """The queues of collected iterators whose feeder threads may still be ending."""
-_SETTLE_SECONDS = 1.0
-"""At most this long for the stopped queues' threads to end (a feeder blocked on a full pipe of killed workers
-never does; the fork then takes its chance, as it would without ddpkit)."""
 
 
 def _queues(iterator: Any) -> list[Any]:
@@ -172,23 +168,17 @@ def _queues(iterator: Any) -> list[Any]:
 
 
 def settle_stopped_queues() -> None:
-    """Wait (briefly) for the feeder threads of stopped iterators' queues to end; call it before forking workers.
+    """Wait (at most 1 s) for the feeder threads of stopped iterators' queues, and ddpkit's other threads that
+    are ending, to end; call it before forking workers (:mod:`ddpkit.ending_threads` says why).
 
-    A stopped iterator closes its queues, and each queue's feeder thread then
-    ends on its own. CPython 3.11 deadlocks a child forked while a thread is
-    ending (the child waits in ``PyOS_AfterFork_Child`` for the interpreter's
-    thread-list lock, which the ending thread held at the fork): a
-    loader's new workers, forked for the next epoch as the previous
-    iterator's threads end, then hang for ever. Once ``join`` returns, the
-    thread's teardown is complete (it holds the GIL until then), and the fork is safe.
+    A stopped iterator closes its queues, and each queue's feeder thread then ends on its own: a loader's
+    new workers, forked for the next epoch as the previous iterator's threads end, would hang for ever.
     """
     queues, _STOPPED_QUEUES[:] = list(_STOPPED_QUEUES), []
     for iterator in list(_LIVE_WORKER_ITERATORS):
         if getattr(iterator, "_shutdown", False):
             _LIVE_WORKER_ITERATORS.discard(iterator)
             queues.extend(_queues(iterator))
-    deadline = time.monotonic() + _SETTLE_SECONDS
-    for queue in queues:
-        thread = getattr(queue, "_thread", None)  # multiprocessing's feeder, started by the first put
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
+    # multiprocessing's feeder thread of each queue, started by its first put
+    feeders = [thread for thread in (getattr(queue, "_thread", None) for queue in queues) if thread is not None]
+    join_ending_threads(feeders)
