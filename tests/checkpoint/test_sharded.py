@@ -60,6 +60,15 @@ def _train_to(model, optimizer, scheduler, ckpt, rank: int, world_size: int, las
         ckpt.step()
 
 
+def _checkpointer(folder: str, model, optimizer, scheduler, **options):
+    """The tests' Checkpointer: every 4 steps, no signal handlers; ``options`` as Checkpointer's keywords."""
+    import ddpkit
+
+    return ddpkit.Checkpointer(
+        folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=(), **options
+    )
+
+
 def _full(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
@@ -78,15 +87,7 @@ def _run(
         resumed_at = []
         for end in segments:
             model, optimizer, scheduler = _parts(world_size)
-            ckpt = ddpkit.Checkpointer(
-                folder,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                every_steps=4,
-                preempt_signals=(),
-                async_save=async_save,
-            )
+            ckpt = _checkpointer(folder, model, optimizer, scheduler, async_save=async_save)
             start = ckpt.resume("auto")
             resumed_at.append(start.global_step)
             _train_to(model, optimizer, scheduler, ckpt, rank, world_size, end)
@@ -278,16 +279,7 @@ def _a_rank_cannot_write(rank: int, world_size: int, folder: str, async_save: bo
     FileSystemWriter.write_data = recorded
     try:
         model, optimizer, scheduler = _parts(world_size)
-        ckpt = ddpkit.Checkpointer(
-            folder,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            every_steps=4,
-            preempt_signals=(),
-            async_save=async_save,
-            on_write_error=on_write_error,
-        )
+        ckpt = _checkpointer(folder, model, optimizer, scheduler, async_save=async_save, on_write_error=on_write_error)
         ckpt.resume("never")
         _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 4)
         ckpt.wait()  # step 4's checkpoint is complete (written in the background with async_save)
@@ -351,18 +343,14 @@ def _replicated_then_sharded(rank: int, world_size: int, folder: str) -> dict:
         model = ddpkit.prepare_model(DropTower())  # DDP
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        ckpt = ddpkit.Checkpointer(
-            folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
-        )
+        ckpt = _checkpointer(folder, model, optimizer, scheduler)
         ckpt.resume("never")
         _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 4)
         ckpt.close()
         replicated = {"params": [p.detach().clone() for p in model.parameters()], "opt": optimizer.state_dict()}
 
         model, optimizer, scheduler = _parts(world_size)
-        ckpt = ddpkit.Checkpointer(
-            folder, model=model, optimizer=optimizer, scheduler=scheduler, every_steps=4, preempt_signals=()
-        )
+        ckpt = _checkpointer(folder, model, optimizer, scheduler)
         resumed_at = ckpt.resume("auto").global_step
         sharded = ShardedState(model, optimizer, rank, world_size)
         full = sharded._state()  # DTensors: gathered whole below, for the comparison only
@@ -402,15 +390,7 @@ def _one_rank_diverges(rank: int, world_size: int, folder: str, async_save: bool
     ddpkit.distributed.init()
     try:
         model, optimizer, scheduler = _parts(world_size)
-        ckpt = ddpkit.Checkpointer(
-            folder,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            every_steps=4,
-            preempt_signals=(),
-            async_save=async_save,
-        )
+        ckpt = _checkpointer(folder, model, optimizer, scheduler, async_save=async_save)
         ckpt.resume("never")
         _train_to(model, optimizer, scheduler, ckpt, rank, world_size, 5)
         if rank == 1:
