@@ -27,7 +27,7 @@ import ddpkit
 import ddpkit.distributed
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import LaunchError
-from ddpkit.launch.function import _prefixed, _RankOutput, choose_start_method, fork_hazard, importable
+from ddpkit.launch.function import _rank_output, choose_start_method, fork_hazard, importable
 from tests.cli_runner import PYTHONPATH, REPO
 from tests.launch import function_workers
 
@@ -134,22 +134,18 @@ def test_forkserver_needs_a_function_the_workers_can_import():
 
 def test_the_output_reader_prints_whole_lines_prefixed_by_rank(tmp_path):
     out, err = io.StringIO(), io.StringIO()
-    reader = _RankOutput(str(tmp_path), 2, out, err)
     (tmp_path / "rank-1.out").write_bytes(b"first line\nhalf a")
     (tmp_path / "rank-0.err").write_bytes(b"[rank 0/2] logged by ddpkit\n")
-    reader.print_new_lines()
-    assert out.getvalue() == "[rank 1/2] first line\n"
+    with _rank_output(str(tmp_path), 2, out, err):
+        with open(tmp_path / "rank-1.out", "ab") as f:
+            f.write(b" line\n10%\r50%\r100%\nno newline at the end")
     assert err.getvalue() == "[rank 0/2] logged by ddpkit\n"  # prefixed already: left as it is
-    with open(tmp_path / "rank-1.out", "ab") as f:
-        f.write(b" line\n10%\r50%\r100%\nno newline at the end")
-    reader.print_new_lines(final=True)
     assert out.getvalue().splitlines() == [
         "[rank 1/2] first line",
         "[rank 1/2] half a line",
         "[rank 1/2] 100%",  # a progress bar's last state, as a terminal shows it
         "[rank 1/2] no newline at the end",
     ]
-    assert _prefixed("[rank 0/1] ", "x\r") == "[rank 0/1] x\n"
 
 
 # -- launches forked from this process -----------------------------------------------------------------

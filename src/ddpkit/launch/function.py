@@ -100,13 +100,14 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any, TextIO
 
 from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.gc_pause import import_paused
 from ddpkit.launch.failure import LaunchError, record_for_launcher
 from ddpkit.launch.local import LaunchSpec, launch_local
-from ddpkit.log import rank_prefix
+from ddpkit.launch.output import ConsoleTee
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 START_METHODS = ("auto", "fork", "forkserver")
@@ -115,9 +116,6 @@ START_METHODS = ("auto", "fork", "forkserver")
 FORK_PRELOAD = ("torch._dynamo",)
 """Imported here before the first fork, so that forked workers inherit it: what a worker's first optimizer step
 imports (about 1 s of a core), which every worker of every launch would import again otherwise."""
-
-OUTPUT_POLL_S = 0.05
-"""Seconds between two looks at the workers' output files."""
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -342,61 +340,13 @@ def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
 
 @contextlib.contextmanager
 def _rank_output(folder: str, nproc: int, stdout: TextIO, stderr: TextIO) -> Iterator[None]:
-    """For the block, print the workers' output files in ``folder`` to ``stdout`` and ``stderr``, lines prefixed by rank."""
-    reader = _RankOutput(folder, nproc, stdout, stderr)
-    thread = threading.Thread(target=reader.follow, name="ddpkit-launch-output", daemon=True)
-    thread.start()
+    """For the block, show the workers' output files in ``folder`` on ``stdout`` and ``stderr``, lines prefixed by
+    rank (the console tee of ``ddpkit run``, :class:`~ddpkit.launch.output.ConsoleTee`)."""
+    tee = ConsoleTee(None, stdout, stderr)
+    for rank in range(nproc):
+        tee.follow(rank, nproc, Path(folder, f"rank-{rank}.out"), Path(folder, f"rank-{rank}.err"))
+    tee.start()
     try:
         yield
     finally:
-        reader.done.set()
-        thread.join()
-
-
-class _RankOutput:
-    """Follows the files ``rank-R.out`` and ``rank-R.err`` of a folder and prints their whole lines, prefixed."""
-
-    def __init__(self, folder: str, nproc: int, stdout: TextIO, stderr: TextIO):
-        self.files = [
-            (os.path.join(folder, f"rank-{rank}{suffix}"), rank_prefix(rank, nproc), destination)
-            for rank in range(nproc)
-            for suffix, destination in ((".out", stdout), (".err", stderr))
-        ]
-        self.read: dict[str, int] = {}
-        """Bytes of each file printed (or held in ``partial``) so far."""
-        self.partial: dict[str, bytes] = {}
-        """Each file's last line, until its end arrives."""
-        self.done = threading.Event()
-        """Set when the workers are gone: read what is left, then stop."""
-
-    def follow(self) -> None:
-        """Print new lines until ``done``, then the rest (a last line without its newline included)."""
-        while not self.done.wait(OUTPUT_POLL_S):
-            self.print_new_lines()
-        self.print_new_lines(final=True)
-
-    def print_new_lines(self, final: bool = False) -> None:
-        """Print the whole lines that arrived since the last call (and, if ``final``, what is left)."""
-        for path, prefix, destination in self.files:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.read.get(path, 0))
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            self.read[path] = self.read.get(path, 0) + len(data)
-            *lines, rest = (self.partial.get(path, b"") + data).split(b"\n")
-            if final and rest:
-                lines, rest = [*lines, rest], b""
-            self.partial[path] = rest
-            if lines:
-                text = "".join(_prefixed(prefix, line.decode("utf-8", "backslashreplace")) for line in lines)
-                with contextlib.suppress(Exception):  # a closed notebook stream must not stop the launch
-                    destination.write(text)
-                    destination.flush()
-
-
-def _prefixed(prefix: str, line: str) -> str:
-    """``line`` as a terminal would leave it (after its last carriage return: progress bars), after ``prefix``."""
-    line = line.rstrip("\r").rsplit("\r", 1)[-1]
-    return f"{line}\n" if line.startswith(prefix) else f"{prefix}{line}\n"
+        tee.stop()

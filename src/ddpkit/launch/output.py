@@ -178,8 +178,8 @@ class ConsoleTee:
             while not self._stop.wait(INTERVAL_S):
                 self.poll()
             self.finish()  # after stop(): nothing written before it is missed
-        except OSError:  # the console is gone (`ddpkit run ... | head`): the files still hold everything
-            pass
+        except (OSError, ValueError):  # the console is gone (`ddpkit run ... | head`, a closed notebook stream):
+            pass  # the files still hold everything
 
     def _pump(self, source: _Source) -> None:
         """Show the lines written to ``source`` since the last read."""
@@ -208,12 +208,14 @@ class ConsoleTee:
         """Write one line of ``source`` (``ended``: with its newline), as a terminal would show it."""
         # What a terminal shows of a line redrawn with carriage returns: its last part.
         text = raw.decode(errors="replace" if ended else "ignore").rstrip("\r").rpartition("\r")[2]
+        # A line prefixed already (ddpkit's logger in a worker that does not know the tee prefixes) keeps one.
+        prefix = "" if text.startswith(source.prefix) else source.prefix
         console = source.console
         if self._open is source:
-            out = "\r" + source.prefix + text + CLEAR_TO_END_OF_LINE
+            out = "\r" + prefix + text + CLEAR_TO_END_OF_LINE
         else:
             self._end_open_line()
-            out = source.prefix + text
+            out = prefix + text
         self._open = None if ended else source
         console.write(out + ("\n" if ended else ""))
 
