@@ -176,18 +176,10 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
         train_args = [word for word in train_args if word.split("=", 1)[0] != "max_restarts"]
     signal_name = config.preempt_signal.upper().removeprefix("SIG")
     requeue = str(config.requeue).lower()
+    # The resources are the options of the same names (SlurmConfig extends SlurmResources).
+    resources = {field.name: getattr(config, field.name) for field in dataclasses.fields(SlurmResources)}
     return SbatchSpec(
-        job_name=config.job_name,
-        nodes=config.nodes,
-        tasks_per_node=config.tasks_per_node,
-        gpus_per_node=config.gpus_per_node,
-        cpus_per_task=config.cpus_per_task,
-        partition=config.partition,
-        account=config.account,
-        qos=config.qos,
-        time=str(config.time),
-        output=config.output,
-        error=config.error,
+        **{**resources, "time": str(config.time)},
         launch_mode=config.launch,
         env_mode=env_mode,
         venv=_absolute(venv),
