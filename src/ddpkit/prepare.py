@@ -139,14 +139,16 @@ def prepare_model(
         )
     if isinstance(model, DDP) or _uncompiled(model) in _SYNCS or is_sharded(model):
         raise UserError("this model was already prepared (or wrapped in DDP); pass the plain module, once")
+    if wants_sharding(shard, model, ctx.device, ctx.local_world_size):
+        # Moved block by block as it is sharded: the whole model need not fit on the device (nor, built on
+        # the meta device by the ranks other than 0, in their memory).
+        return _shard(model, ctx, shard_blocks, mixed_precision, reshard_after_forward, sync_batchnorm)
     if meta := next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None):
         raise UserError(
-            f"the model's {meta} is on the meta device (no values): prepare_model needs initialised weights; "
-            "build the model on the CPU (with shard=True it then reaches the device block by block)"
+            f"the model's {meta} is on the meta device (no values): a replicated model needs initialised "
+            "weights on every rank; build it on the CPU, or shard it (shard=True takes a model on the meta "
+            "device on the ranks other than 0)"
         )
-    if wants_sharding(shard, model, ctx.device, ctx.local_world_size):
-        # Moved block by block as it is sharded: the whole model need not fit on the device.
-        return _shard(model, ctx, shard_blocks, mixed_precision, reshard_after_forward, sync_batchnorm)
     model = model.to(ctx.device)
     if sync_batchnorm and ctx.world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -153,12 +153,74 @@ def _fsdp_against_ddp(rank: int, world_size: int) -> dict:
         ddpkit.distributed.shutdown()
 
 
+class Scaled(nn.Module):
+    """A learned scale: a parameter of its own and no reset_parameters() to initialise it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _built_on_meta(rank: int, world_size: int) -> dict:
+    """The same Tower prepared sharded three ways: built by every rank; by rank 0 only (the others on the meta
+    device); on the meta device everywhere. Then a model with a module that cannot be initialised."""
+    import ddpkit.distributed
+    from ddpkit.prepare import no_sync, prepare_model
+
+    ddpkit.distributed.init()
+    try:
+        out: dict = {}
+        for name, meta_ranks in {"real": (), "meta_elsewhere": (1,), "all_meta": (0, 1)}.items():
+            torch.manual_seed(0)
+            with torch.device("meta") if rank in meta_ranks else contextlib.nullcontext():
+                net = Tower()
+            model = prepare_model(net, shard=True)
+            out[name] = {
+                "first": [p.full_tensor().detach().clone() for p in model.parameters()],
+                "curve": _curve(model, rank, world_size, lambda m=model: no_sync(m), clip=True),
+            }
+        with torch.device("meta"):
+            scaled = nn.Sequential(Tower(), Scaled())
+        try:
+            prepare_model(scaled, shard=True)
+        except ValueError as e:
+            out["error"] = str(e)
+        return out
+    finally:
+        ddpkit.distributed.shutdown()
+
+
 @pytest.fixture(scope="module")
 def runs(request):
     jobs = {}
     if selected_tests(request) & {"test_fsdp_follows_ddp", "test_bf16_follows_fp32"}:
         jobs["two"] = (_fsdp_against_ddp, 2, (), {})
+    if "test_a_model_built_on_the_meta_device_is_sharded_from_rank_0s_weights" in selected_tests(request):
+        jobs["meta"] = (_built_on_meta, 2, (), {})
     return run_side_by_side(jobs, timeout=240)
+
+
+def test_a_model_built_on_the_meta_device_is_sharded_from_rank_0s_weights(runs) -> None:
+    """Rank 0 holds the weights, the others build on the meta device (no memory): the same shards, the same
+    training, bit for bit. On the meta device everywhere: each module's reset_parameters(), once, on rank 0."""
+    results = runs["meta"].get()
+    for result in results:
+        real, elsewhere, everywhere = result["real"], result["meta_elsewhere"], result["all_meta"]
+        assert all(torch.equal(a, b) for a, b in zip(real["first"], elsewhere["first"]))
+        assert real["curve"] == elsewhere["curve"]
+        weight = everywhere["first"][4]  # blocks[0].mlp[0].weight, 32 x 16: each rank holds half its rows
+        assert weight.shape == (32, 16) and torch.isfinite(weight).all()
+        assert not torch.equal(weight[:16], weight[16:])  # one initialisation, sharded: not a copy per shard
+        assert everywhere["curve"][-1] < everywhere["curve"][0]  # it trains
+        assert result["error"] == (
+            "Scaled of the model is on the meta device on rank 0 and has no reset_parameters() to initialise it; "
+            "build the model with its weights on rank 0 (the other ranks may use the meta device) or give the "
+            "module a reset_parameters()"
+        )
+    assert torch.equal(results[0]["all_meta"]["first"][4], results[1]["all_meta"]["first"][4])
 
 
 def test_fsdp_follows_ddp(runs) -> None:

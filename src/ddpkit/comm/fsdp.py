@@ -30,6 +30,12 @@ What changes for a training loop:
 - ``model.state_dict()`` holds shards: save with the :class:`ddpkit.Checkpointer` (each rank writes its
   shards) and get full weights with ``ddpkit export``.
 
+Where the model is: on the CPU (each block reaches the device as it is
+sharded, so the whole model need never fit on one device), and on the
+ranks other than 0 on the meta device if they like (rank 0's weights reach
+them a block at a time); on the meta device on rank 0 too, each module is
+initialised by its ``reset_parameters()``.
+
 Mixed precision (``mixed_precision="bf16"``): parameters gathered and
 computed in bfloat16, gradients reduced in float32, the optimizer's
 parameters and state kept in float32.
@@ -40,8 +46,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -205,24 +211,28 @@ def shard_model(
     policy = mixed_precision_policy(mixed_precision)
     found = find_blocks(model, blocks)
     classes = sorted({type(b).__name__ for b in found})  # before fully_shard renames them (FSDP<name>)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _check_initialisable(model, rank, world_size)
     for block in found:
-        _place_from_rank_zero(block, device, world_size)
+        _place_from_rank_zero(block, device, world_size, rank)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    _place_from_rank_zero(model, device, world_size)  # what no block holds (embeddings, the head)
+    _place_from_rank_zero(model, device, world_size, rank)  # what no block holds (embeddings, the head)
     # The root's parameters are gathered first in forward and needed last in backward: kept unsharded
     # between the two, as torch's examples do.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False if found else reshard_after_forward)
     return model, classes
 
 
-def _place_from_rank_zero(module: nn.Module, device: torch.device, world_size: int) -> None:
+def _place_from_rank_zero(module: nn.Module, device: torch.device, world_size: int, rank: int) -> None:
     """Move ``module``'s tensors not yet sharded to ``device``, holding rank 0's values.
 
     Every rank starts from rank 0's weights, as with DDP: a model initialised with a per-rank seed would
     otherwise hold a mix of initialisations. The shards of blocks sharded before are left as they are.
+    Tensors on the meta device get memory first (:func:`_materialize`).
     """
     from torch.distributed.tensor import DTensor
 
+    _materialize(module, rank)
     module.to(device)  # (a sharded block's DTensors are on the device already)
     if world_size == 1:
         return
@@ -230,6 +240,61 @@ def _place_from_rank_zero(module: nn.Module, device: torch.device, world_size: i
         for tensor in (*module.parameters(), *module.buffers()):
             if not isinstance(tensor, DTensor):
                 dist.broadcast(tensor, src=0)
+
+
+def _materialize(module: nn.Module, rank: int) -> None:
+    """Give the tensors of ``module`` (outside blocks sharded already) that are on the meta device memory on the
+    CPU; on rank 0, initialise them with their module's ``reset_parameters()``.
+
+    A model built on the meta device by the ranks other than 0 (rank 0 holding the weights: pretrained,
+    or initialised its own way) costs them one block of CPU memory at a time, not the whole model: the
+    broadcast that follows gives them rank 0's values. A model on the meta device on rank 0 too is
+    initialised module by module by torch's defaults.
+
+    """
+    for child in reversed(list(_not_sharded(module))):  # the children before their parent
+        own = [*child.parameters(recurse=False), *child.buffers(recurse=False)]
+        if not any(tensor.is_meta for tensor in own):
+            continue
+        child.to_empty(device="cpu", recurse=False)
+        if rank == 0:
+            reset = cast(Callable[[], None], child.reset_parameters)  # (there: _check_initialisable)
+            with torch.no_grad():
+                reset()
+
+
+def _check_initialisable(model: nn.Module, rank: int, world_size: int) -> None:
+    """Every rank, before any tensor moves: fail alike when rank 0's model has a module on the meta device that
+    :func:`_materialize` cannot initialise (a collective: rank 0 tells the others).
+
+    Raises:
+        UserError: the module's class and the fix.
+    """
+    problem = [""]
+    if rank == 0:
+        for module in model.modules():
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if any(t.is_meta for t in own) and not callable(getattr(module, "reset_parameters", None)):
+                problem[0] = (
+                    f"{type(module).__name__} of the model is on the meta device on rank 0 and has no "
+                    "reset_parameters() to initialise it; build the model with its weights on rank 0 (the "
+                    "other ranks may use the meta device) or give the module a reset_parameters()"
+                )
+                break
+    if world_size > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UserError(problem[0])
+
+
+def _not_sharded(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its descendants, leaving out the blocks sharded already (and what they hold)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    yield module
+    for child in module.children():
+        if not isinstance(child, FSDPModule):
+            yield from _not_sharded(child)
 
 
 @contextlib.contextmanager
