@@ -381,6 +381,39 @@ def test_a_replicated_checkpoint_resumes_sharded_with_every_tensor_in_place(tmp_
     assert newest.global_step == 6 and read_manifest(newest.path)["sharded"]["objects"] == ["model", "optimizer"]
 
 
+def _saves_back_to_back(rank: int, world_size: int, folder: str) -> list[int]:
+    """Background saves at every step, rank 0's pruning slowed down: the next save's staging folder exists
+    while the previous save is completed and pruned."""
+    import time
+
+    import ddpkit.distributed
+    from ddpkit.checkpoint import writer
+
+    prune = writer.prune
+
+    def slow_prune(*args, **kwargs):
+        time.sleep(0.3)
+        return prune(*args, **kwargs)
+
+    writer.prune = slow_prune
+    ddpkit.distributed.init()
+    try:
+        model, optimizer, scheduler = _parts(world_size)
+        ckpt = _checkpointer(folder, model, optimizer, scheduler, async_save=True, keep=5)
+        ckpt.resume("never")
+        for last in (1, 2, 3):
+            _train_to(model, optimizer, scheduler, ckpt, rank, world_size, last)
+            ckpt.save()
+        ckpt.close()
+        return [info.global_step for info in list_checkpoints(folder) if info.complete]
+    finally:
+        ddpkit.distributed.shutdown()
+
+
+def test_back_to_back_background_saves_never_prune_the_next_ones_staging_folder(tmp_path) -> None:
+    assert run_on_ranks(_saves_back_to_back, 2, str(tmp_path), timeout=120) == [[1, 2, 3]] * 2
+
+
 def _one_rank_diverges(rank: int, world_size: int, folder: str, async_save: bool) -> None:
     """Step 4's checkpoint is finite; then rank 1's shard of a weight becomes NaN (rank 0's stays finite) and
     step 5 is saved."""

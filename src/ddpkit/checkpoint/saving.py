@@ -176,6 +176,8 @@ class CheckpointSave:
                 checkpoint_name(facts.global_step),
                 self.mode,
                 lambda: checkpoint_bytes(self.root, self.objects, self.world_size),
+                # The previous save complete first (its pruning would remove the new staging folder).
+                before=self.writer.wait if self.writer is not None else lambda: None,
             )
         # An object whose state_dict() is a collective (a stream's loader gathers every rank's position)
         # is asked on every rank; rank 0 writes what it returned.

@@ -116,7 +116,14 @@ class ShardedState:
         """The manifest's entry for what DCP holds."""
         return {SHARDED_KEY: {"format": _FORMAT, "objects": list(self.names), "world_size": self.world_size}}
 
-    def save(self, root: Path, name: str, mode: int, needed_bytes: Callable[[], int]) -> None:
+    def save(
+        self,
+        root: Path,
+        name: str,
+        mode: int,
+        needed_bytes: Callable[[], int],
+        before: Callable[[], None] = lambda: None,
+    ) -> None:
         """Every rank writes its shards into a new staging folder (a collective), now or in the background.
 
         Rank 0 then takes the outcome from :meth:`staged`. A write that fails (a full disk on some rank)
@@ -128,10 +135,14 @@ class ShardedState:
             name: the checkpoint's folder name.
             mode: permission bits of the files.
             needed_bytes: the expected size of a checkpoint, for a failed write's message.
+            before: rank 0, before it makes the staging folder (inside the collective that tells every
+                rank the folder, which shares its error): the wait for its writer's completion of the
+                previous save, whose pruning removes hidden folders left by crashes.
         """
         self.wait()  # at most one save in flight
 
         def make_staging() -> str:
+            before()
             root.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
             folder = root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
             folder.mkdir(mode=folder_mode(mode))
