@@ -107,11 +107,6 @@ class ShardedState:
         self._stager: Any = None  # copies the shards to CPU memory (kept: on a GPU it reuses its pinned buffers)
         self._outcome: Future[Staged | None] | None = None  # the newest save's (rank 0: its Staged)
 
-    @property
-    def background(self) -> bool:
-        """True when the shards are written in the background."""
-        return self._writes is not None
-
     def facts(self) -> dict[str, Any]:
         """The manifest's entry for what DCP holds."""
         return {SHARDED_KEY: {"format": _FORMAT, "objects": list(self.names), "world_size": self.world_size}}
