@@ -283,8 +283,8 @@ def log_resume(
     epoch, step = resume_point
     complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering
     done = (
-        "; the run that wrote it had finished (Checkpointer.close() after its last step): a loop whose end "
-        "has not moved trains nothing more (ResumePoint.finished)"
+        "; the run that wrote it had finished there (Checkpointer.close() after its last step): this run "
+        "trains on only if its loop goes further (more epochs or steps; ResumePoint.finished)"
         if finished
         else ""
     )
