@@ -71,7 +71,7 @@ def test_truncated_newest_falls_back_with_a_warning_naming_it(tmp_path):
     assert trainer.state.global_step == 2 * STEPS_PER_EPOCH
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "cosine warmup_steps=3", "onecycle"])
 def test_a_resume_with_a_new_lr_and_weight_decay_trains_with_them(tmp_path, schedule):
     """``resume=auto lr=...`` (the advice after a divergence) takes effect: the optimizer's restored groups
     would otherwise keep the checkpoint's rate; a schedule goes on from where it was, scaled."""
@@ -79,7 +79,7 @@ def test_a_resume_with_a_new_lr_and_weight_decay_trains_with_them(tmp_path, sche
 
     from ddpkit import distributed
 
-    words = [*WORDS, f"lr_schedule={schedule}", "lr=0.01"]
+    words = [*WORDS, *f"lr_schedule={schedule}".split(), "lr=0.01"]
     train(0, 1, [*words, f"output_dir={tmp_path / 'a'}", "max_steps=7"])
     shutil.copytree(tmp_path / "a", tmp_path / "b")
 
@@ -101,6 +101,17 @@ def test_a_resume_with_a_new_lr_and_weight_decay_trains_with_them(tmp_path, sche
     changed, weight_decay = resumed_rates(tmp_path / "b", "lr=0.001", "weight_decay=0.5")
     assert changed == pytest.approx([rate / 10 for rate in same], rel=1e-9)
     assert weight_decay == 0.5
+
+
+@pytest.mark.parametrize("schedule", ["cosine warmup_steps=3", "onecycle"])
+def test_a_run_stopped_by_max_steps_resumes_its_schedule_exactly(tmp_path, schedule):
+    """max_steps stops a run; it does not shorten its schedule (a OneCycleLR of 7 steps failed at step 8 of
+    the resumed run, a cosine of 7 steps rose again)."""
+    words = [*WORDS, *f"lr_schedule={schedule}".split(), "lr=0.01"]
+    whole, _ = train(0, 1, [*words, f"output_dir={tmp_path / 'whole'}"])
+    train(0, 1, [*words, f"output_dir={tmp_path / 'stopped'}", "max_steps=7"])
+    resumed, _ = train(0, 1, [*words, f"output_dir={tmp_path / 'stopped'}", "resume=auto"])
+    assert_bit_equal(final_state(resumed), final_state(whole), f"{schedule}, stopped at step 7")
 
 
 def test_crafted_pickle_is_refused_strictly_and_skipped_by_auto(tmp_path):

@@ -250,7 +250,6 @@ def _materialize(module: nn.Module, rank: int) -> None:
     or initialised its own way) costs them one block of CPU memory at a time, not the whole model: the
     broadcast that follows gives them rank 0's values. A model on the meta device on rank 0 too is
     initialised module by module by torch's defaults.
-
     """
     for child in reversed(list(_not_sharded(module))):  # the children before their parent
         own = [*child.parameters(recurse=False), *child.buffers(recurse=False)]

@@ -138,11 +138,11 @@ def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: An
     )
     eval_batch = EVAL_BATCH_PER_WORKER * ctx.world_size
     test_loader = DataLoader(test_set, global_batch_size=eval_batch, shuffle=False, num_workers=cfg.num_workers)
-    steps = cfg.epochs * loader.steps_per_epoch
+    # The schedule spans every epoch: max_steps stops training early, and a resumed run continues it exactly.
     scheduler = build_scheduler(
         cfg.lr_schedule,
         optimizer,
-        min(steps, cfg.max_steps or steps),
+        cfg.epochs * loader.steps_per_epoch,
         loader.steps_per_epoch,
         cfg.warmup_steps,
         cfg.lr_step_epochs,

@@ -104,9 +104,9 @@ def apply_changed_rates(
                 if key in group:
                     group[key] *= ratio
             for schedule in _schedules(scheduler):
-                schedule.base_lrs[index] *= ratio
-                if getattr(schedule, "_last_lr", None):
-                    schedule._last_lr[index] *= ratio
+                for rates in (getattr(schedule, "base_lrs", None), getattr(schedule, "_last_lr", None)):
+                    if rates:  # (a SequentialLR has no base_lrs of its own: its schedules have)
+                        rates[index] *= ratio
             changed.append(f"lr {base:g} -> {wanted:g}")
         for key, value in settings.items():
             if key in group and group[key] != value:
