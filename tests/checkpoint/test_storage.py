@@ -202,3 +202,5 @@ def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_u
     assert f"the incomplete new copy of {checkpoint_name(5)} was removed" in line
     assert f"the complete {checkpoint_name(5)} written earlier is untouched" in line
     assert line.count(checkpoint_name(5)) == 3 and "\n" not in line  # the attempted path, removed, untouched
+    # The file system has room for it now (a quota, or another writer that filled it and freed it since).
+    assert "free space there (or raise your quota), keep fewer checkpoints" in line and "at least 0 B" not in line

@@ -127,9 +127,11 @@ def explain_write_error(root: Path, name: str, error: OSError, needed: int) -> s
 def _fix(root: Path, error: OSError, short: int) -> str:
     then = "then continue with resume=auto"
     if error.errno in _NO_ROOM:
+        # Room enough now: a quota, or another writer that filled the file system and freed it since.
+        room = f"free at least {format_bytes(short)} there" if short else "free space there (or raise your quota)"
         return (
-            f"free at least {format_bytes(short)} there, keep fewer checkpoints (keep / checkpoint.keep) or write "
-            f"them to another folder (dir / checkpoint.dir), {then}"
+            f"{room}, keep fewer checkpoints (keep / checkpoint.keep) or write them to another folder "
+            f"(dir / checkpoint.dir), {then}"
         )
     if error.errno in _NOT_WRITABLE:
         return (
