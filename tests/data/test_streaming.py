@@ -211,6 +211,29 @@ def test_an_hf_dataset_is_read_a_batch_per_call_with_reproducible_transforms():
 # -- two real ranks -----------------------------------------------------------------------------------------
 
 
+def test_an_hf_streams_epoch_is_told_once_by_the_training_process_not_by_each_worker(monkeypatch) -> None:
+    """HF keeps an IterableDataset's epoch in shared memory and its set_epoch adds the difference to it: two
+    loader workers calling it at once for epoch 1 made it 2 for one of them, whose shards then differed from the
+    other's (one shard read twice in the epoch, another not at all; 1 launch in about 13)."""
+    calls = []
+    set_epoch = datasets.IterableDataset.set_epoch
+
+    def recorded(self, epoch):
+        calls.append((os.getpid(), epoch))  # a worker's append stays in the worker: only this process's are seen
+        set_epoch(self, epoch)
+
+    monkeypatch.setattr(datasets.IterableDataset, "set_epoch", recorded)
+    rows = {"x": [[float(i)] for i in range(32)], "id": list(range(32))}
+    stream = datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=4).with_format("torch")
+    loader = DataLoader(stream, batch_size=4, num_workers=2, rank=0, world_size=1)
+    seen = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen.append(sorted(int(i) for batch in loader for i in batch["id"]))
+    assert seen == [list(range(32))] * 2  # every sample once per epoch
+    assert calls == [(os.getpid(), 0), (os.getpid(), 1)]  # told by this process, once per epoch
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Every launch of this module, on one warm worker server: {name: (completed process, records)}."""

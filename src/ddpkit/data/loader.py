@@ -290,7 +290,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             assert isinstance(dataset, TensorDataset), "the fast path is a TensorDataset's"
             return self._hand_out(tensor_batches(dataset, self._global_sampler, epoch, start))
         if self._stream is not None:
-            self._stream.shard.epoch = epoch
+            self._stream.shard.set_epoch(epoch)
         else:
             key_sampler = self.batch_sampler
             assert isinstance(key_sampler, KeyBatchSampler), "set by _init_map_style"

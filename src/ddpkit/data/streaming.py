@@ -117,11 +117,24 @@ class StreamShard(IterableDataset):
         self.epoch = 0
         self.start: dict[int, dict[str, Any]] = {}
 
+    def set_epoch(self, epoch: int) -> None:
+        """The training process, before the pass's workers start: the epoch they read.
+
+        An HF dataset's epoch is told here, once: HF keeps it in shared memory
+        (for persistent workers) and its ``set_epoch`` adds the difference to
+        the shared value, so two workers calling it at once for a new epoch
+        added it twice, and one worker's shards then differed from the other's
+        (the same shard read twice in an epoch, another not at all).
+        """
+        self.epoch = epoch
+        if not self.round_robin:
+            self.dataset.set_epoch(epoch)
+
     def __iter__(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         dataset = self.dataset
-        if hasattr(dataset, "set_epoch"):
+        if self.round_robin and hasattr(dataset, "set_epoch"):  # (an HF dataset's is told by set_epoch above)
             dataset.set_epoch(self.epoch)
         position, count = self.start.get(worker), 0
         if position is not None:
