@@ -226,7 +226,8 @@ def _unpickling_reason(text: str) -> str:
     return "unsupported content"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file (hex), read in chunks: memory bounded whatever its size."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -272,7 +273,7 @@ def _verify_file(path: Path, name: str, expected: Mapping[str, Any], load: bool)
         )
     # .pt files are read once: the bytes checksummed are the bytes loaded.
     data = path.read_bytes() if load and name.endswith(".pt") else None
-    digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(path)
+    digest = hashlib.sha256(data).hexdigest() if data is not None else file_sha256(path)
     if digest != expected["sha256"]:
         raise CheckpointError(f"{path} is damaged: its SHA-256 does not match the manifest; use an earlier checkpoint")
     return {name: load_file(path, data=data)} if data is not None else {}

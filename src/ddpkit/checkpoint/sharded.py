@@ -47,7 +47,6 @@ position), so a plain or DDP model can resume a sharded checkpoint too.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import shutil
@@ -65,6 +64,7 @@ from ddpkit.checkpoint.finite import nonfinite_tensors
 from ddpkit.checkpoint.format import CheckpointError, folder_mode
 from ddpkit.checkpoint.layout import SHARDED_KEY
 from ddpkit.checkpoint.ranks import on_rank_zero
+from ddpkit.checkpoint.reading import file_sha256
 from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.comm.fsdp import is_sharded
@@ -72,7 +72,6 @@ from ddpkit.comm.fsdp import is_sharded
 __all__ = ["SHARDED_KEY", "ShardedState", "Staged", "sharded_names", "sharded_state"]
 
 _FORMAT = "torch.distributed.checkpoint"
-_CHUNK = 1 << 20
 
 
 class Staged(NamedTuple):
@@ -379,10 +378,6 @@ def sharded_names(manifest: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _digest(path: Path, mode: int) -> dict[str, Any]:
-    """Size and SHA-256 of a file DCP wrote, read in chunks (bounded memory); its mode set to ``mode``."""
+    """Size and SHA-256 of a file DCP wrote, as the manifest lists them; its mode set to ``mode``."""
     os.chmod(path, mode)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
