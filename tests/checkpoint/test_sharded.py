@@ -449,6 +449,20 @@ def test_nan_in_one_ranks_shards_marks_the_checkpoint_and_the_finite_one_stays_t
     assert choose_checkpoint(tmp_path, "auto")[0] == tmp_path / "step-000000004"
 
 
+def test_completing_a_sharded_write_sets_a_folder_of_its_name_without_manifest_aside(tmp_path) -> None:
+    """A crash's leftover of the step, or a copy in progress: never removed, as write_checkpoint never does."""
+    from ddpkit.checkpoint.format import finish_checkpoint
+
+    leftover = tmp_path / "step-000000004"
+    leftover.mkdir()
+    (leftover / "copied.bin").write_bytes(b"data")
+    staging = tmp_path / ".step-000000004.tmp-1234abcd"
+    staging.mkdir()
+    path = finish_checkpoint(tmp_path, staging, "step-000000004", {"train.pt": {"global_step": 4}}, {}, {}, {})
+    assert path == leftover and verify_checkpoint(path)["train.pt"] == {"global_step": 4}
+    assert (tmp_path / "step-000000004.incomplete" / "copied.bin").read_bytes() == b"data"
+
+
 class _Payload:
     """Unpickling it would create ``path`` (what a crafted checkpoint's code could do)."""
 

@@ -257,8 +257,8 @@ def finish_checkpoint(
         if (final / MANIFEST).exists():
             _swap_in(folder, final)
         else:
-            if final.exists():  # an incomplete leftover of a crashed write of this step
-                shutil.rmtree(final)
+            if final.exists():  # a folder of that name without a manifest: set aside, as write_checkpoint does
+                set_aside(final, INCOMPLETE_SUFFIX)
             os.rename(folder, final)
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)
