@@ -27,7 +27,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -202,11 +202,14 @@ def close(trainer: Trainer) -> None:
 
 
 def final_state(trainer: Trainer) -> dict:
-    """Model, optimizer and RNG state and the position at the end of training, for bit-exact comparison."""
+    """Model, optimizer and RNG state and the position at the end of training, for bit-exact comparison.
+
+    A sharded model's tensors (DTensors) are this rank's shards: equal on every rank means equal as a whole.
+    """
     optimizer = trainer.optimizer.state_dict()["state"]
     return {
-        "model": {k: v.clone() for k, v in trainer.module.state_dict().items()},
-        "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.items()},
+        "model": {k: _local(v) for k, v in trainer.module.state_dict().items()},
+        "optimizer": {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer.items()},
         "rng": capture_rng_state(),
         "state": {
             **trainer.state.state_dict(),
@@ -214,6 +217,13 @@ def final_state(trainer: Trainer) -> dict:
             "step_in_epoch": trainer.loader.step_in_epoch,
         },
     }
+
+
+def _local(value: Any) -> Any:
+    """A copy of a tensor, or of this rank's shard of a DTensor; anything else as it is."""
+    if hasattr(value, "to_local"):
+        return value.to_local().clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def assert_bit_equal(a: dict, b: dict, what: str = "") -> None:

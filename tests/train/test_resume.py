@@ -21,18 +21,20 @@ WORDS = [
 STEPS_PER_EPOCH = 12
 
 
-def _stop_and_resume(rank, world_size, tmp, stops):
-    full, _ = train(rank, world_size, [*WORDS, f"output_dir={tmp}/full"])
+def stop_and_resume(rank, world_size, tmp, stops, words=WORDS) -> dict:
+    """Train ``words`` uninterrupted, then stopped at each of ``stops`` and resumed: every resumed run ends
+    bit-equal to the uninterrupted one. Returns the checkpoints resumed from and the run's gradient sync."""
+    full, _ = train(rank, world_size, [*words, f"output_dir={tmp}/full"])
     reference = final_state(full)
     resumed_from = []
     for stop in stops:
         out = f"output_dir={tmp}/stop{stop}"
-        stopped, _ = train(rank, world_size, [*WORDS, out, f"max_steps={stop}"])
+        stopped, _ = train(rank, world_size, [*words, out, f"max_steps={stop}"])
         assert stopped.state.global_step == stop
-        resumed, start = train(rank, world_size, [*WORDS, out, "resume=auto"])
+        resumed, start = train(rank, world_size, [*words, out, "resume=auto"])
         resumed_from.append(start.name)
         assert_bit_equal(final_state(resumed), reference, f"stopped at step {stop}")
-    return resumed_from
+    return {"resumed_from": resumed_from, "grad_sync": full.grad_sync}
 
 
 @pytest.mark.slow
@@ -43,7 +45,8 @@ def test_stop_anywhere_and_resume_is_bit_exact(tmp_path, seed):
     stops = [mid_epoch, STEPS_PER_EPOCH, later]  # and exactly at the epoch boundary
     print(f"stops at global steps {stops}")
     with warm_workers(DYNAMO):  # the ranks build optimizers: torch._dynamo imported once, in the server
-        resumed_from = run_on_ranks(_stop_and_resume, 2, str(tmp_path), stops, timeout=240)
+        results = run_on_ranks(stop_and_resume, 2, str(tmp_path), stops, timeout=240)
+    resumed_from = [result["resumed_from"] for result in results]
     assert resumed_from[0] == resumed_from[1] == [checkpoint_name(s) for s in stops], f"seed {seed}: stops {stops}"
 
 

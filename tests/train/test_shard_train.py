@@ -13,42 +13,19 @@ import pytest
 
 from ddpkit.checkpoint.format import checkpoint_name
 from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
-from tests.train.checkpoint_helpers import assert_bit_equal, final_state, train
-from tests.train.test_resume import STEPS_PER_EPOCH, WORDS
+from tests.train.checkpoint_helpers import train
+from tests.train.test_resume import STEPS_PER_EPOCH, WORDS, stop_and_resume
 
 SHARDED = [*WORDS, "shard=true"]
-
-
-def _local(value):
-    """DTensors as this rank's shard (plain tensors), in any nesting."""
-    if hasattr(value, "to_local"):
-        return value.to_local().clone()
-    if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
-    return value
-
-
-def _stop_and_resume(rank, world_size, tmp, stops):
-    full, _ = train(rank, world_size, [*SHARDED, f"output_dir={tmp}/full"])
-    assert full.grad_sync == "fsdp"
-    reference = _local(final_state(full))
-    resumed_from = []
-    for stop in stops:
-        out = f"output_dir={tmp}/stop{stop}"
-        stopped, _ = train(rank, world_size, [*SHARDED, out, f"max_steps={stop}"])
-        assert stopped.state.global_step == stop
-        resumed, start = train(rank, world_size, [*SHARDED, out, "resume=auto"])
-        resumed_from.append(start.name)
-        assert_bit_equal(_local(final_state(resumed)), reference, f"stopped at step {stop}")
-    return resumed_from
 
 
 @pytest.mark.slow
 def test_a_sharded_run_stopped_anywhere_and_resumed_is_bit_exact(tmp_path):
     stops = [5, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 7]
     with warm_workers(DYNAMO):
-        results = run_on_ranks(_stop_and_resume, 2, str(tmp_path), stops, timeout=300)
-    assert results[0] == results[1] == [checkpoint_name(s) for s in stops]
+        results = run_on_ranks(stop_and_resume, 2, str(tmp_path), stops, SHARDED, timeout=300)
+    assert [result["grad_sync"] for result in results] == ["fsdp", "fsdp"]
+    assert results[0]["resumed_from"] == results[1]["resumed_from"] == [checkpoint_name(s) for s in stops]
     manifests = list((tmp_path / "full" / "checkpoints").glob("step-*/manifest.json"))
     assert manifests and all('"sharded"' in path.read_text() for path in manifests)
 
