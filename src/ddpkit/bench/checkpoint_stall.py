@@ -13,7 +13,10 @@ synchronous and one asynchronous save of the same state are compared file by
 file.
 
 Run as ``python -m ddpkit.bench.checkpoint_stall key=value ...``; prints one
-JSON line. ``ddpkit bench train t10=true`` runs it. With ``shard=true``,
+JSON line. ``ddpkit bench train t10=true`` runs it. ``device=cuda`` trains
+on the GPU; a background write is hidden only where a window's steps outlast
+it, so give the GPU a batch that makes a step take tens of milliseconds, as
+a real step does (``batch_size=32768`` on an H100). With ``shard=true``,
 under ``ddpkit run nproc=N -m ddpkit.bench.checkpoint_stall shard=true``,
 the model is sharded over the workers (``prepare_model(shard=True)``) and
 each save writes every worker's shards (torch.distributed.checkpoint); rank 0
@@ -65,6 +68,8 @@ class StallConfig:
     """Where the checkpoints go (a temporary folder by default; with shard=true one every worker sees)."""
     shard: bool = False
     """Shard the model over the workers of ``ddpkit run`` (FSDP2) and save sharded checkpoints."""
+    device: str = "cpu"
+    """Where the model trains: ``cpu``, or ``cuda`` (T10 on a GPU; the worker's GPU with ``shard=true``)."""
 
 
 def _model(cfg: StallConfig) -> nn.Module:
@@ -87,6 +92,8 @@ def _window(cfg: StallConfig, model: nn.Module, optimizer: Any, batch: Any, ckpt
         F.mse_loss(model(batch[0]), batch[1]).backward()
         optimizer.step()
         optimizer.zero_grad()
+    if batch[0].is_cuda:
+        torch.cuda.synchronize()  # the steps' kernels ran; the write may still be running beside them
     if ckpt is not None:
         ckpt.global_step += cfg.every_steps
         ckpt.wait()  # returns at once when the write is done
@@ -125,13 +132,16 @@ _OWN_IDS = (MANIFEST, ".metadata")
 
 def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     """Run the windows; return the medians, the time lost per save and whether the files are identical."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     model = _model(cfg)
     if cfg.shard:
         import ddpkit
 
         model = ddpkit.prepare_model(model, shard=True)
+    else:
+        model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batch = torch.randn(cfg.batch_size, cfg.io), torch.randn(cfg.batch_size, cfg.io)
+    batch = torch.randn(cfg.batch_size, cfg.io, device=device), torch.randn(cfg.batch_size, cfg.io, device=device)
     windows: dict[str, list[float]] = {mode: [] for mode in MODES}
     with _folder(cfg) as tmp:
         ckpts = {
@@ -204,7 +214,7 @@ def main(words: list[str]) -> None:
         return
     import ddpkit.distributed
 
-    ddpkit.distributed.init()
+    ddpkit.distributed.init(device=cfg.device)  # binds each worker's GPU with device=cuda
     try:
         result = checkpoint_stall(cfg)
         if dist.get_rank() == 0:
