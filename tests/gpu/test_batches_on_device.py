@@ -100,6 +100,12 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
     would wait for the step before it.
     """
     sleep_cycles = int(0.2 * _cycles_per_second())
+    # 16 MiB per batch: a copy that takes a while, yet far less than a step.
+    dataset = torch.utils.data.TensorDataset(torch.rand(4 * 64, 1024, 64))
+    # A pass first: the pinned buffers are allocated then (page-locking fresh memory can take longer than a
+    # step on a virtual machine) and reused by the timed pass, so its copies are queued at once.
+    list(DataLoader(dataset, batch_size=64))
+    torch.cuda.synchronize()
     real_event = torch.cuda.Event
     copies = []
 
@@ -109,8 +115,6 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
         return event
 
     monkeypatch.setattr(torch.cuda, "Event", timed_event)
-    # 16 MiB per batch: a copy that takes a while, yet far less than a step.
-    dataset = torch.utils.data.TensorDataset(torch.rand(4 * 64, 1024, 64))
     batches = iter(DataLoader(dataset, batch_size=64))
     start, step_0_end, step_1_end = (real_event(enable_timing=True) for _ in range(3))
     (first,) = next(batches)  # batch 1's copy is queued before batch 0 is handed out
@@ -133,6 +137,7 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
 
 def _cycles_per_second() -> float:
     """GPU clock cycles per second, measured with torch.cuda._sleep (for a kernel of a known length)."""
+    torch.cuda._sleep(100_000_000)  # an idle GPU clocks down: raise its clock before measuring it
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(10_000_000)
