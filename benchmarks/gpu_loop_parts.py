@@ -19,12 +19,14 @@ epoch's first batch). Variants, alternated over ``--rounds``:
   ``.to(device, non_blocking=True)``, no Checkpointer;
 - ``ddpkit-unseeded``: ``seed_per_sample=False``, no Checkpointer.
 
-Prints one JSON line per variant and round.
+Prints one JSON line per variant and round, then a Markdown table of the
+medians (``summary``; ``--summarize FILE`` prints it for saved JSON lines).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -54,6 +56,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--summarize", metavar="FILE", help="print the table of saved JSON lines and stop")
     return parser.parse_args()
 
 
@@ -124,16 +127,43 @@ def train(variant: str, args, model, device) -> dict:
     }
 
 
+def summary(results: list[dict]) -> str:
+    """A Markdown table: each variant's median images/s, step and epoch boundary, and images/s over torch's."""
+    by_variant: dict[str, list[dict]] = {}
+    for result in results:
+        by_variant.setdefault(result["variant"], []).append(result)
+    torch_rate = statistics.median(r["images_per_s"] for r in by_variant.get("torch", [{"images_per_s": 0}]))
+    lines = [
+        "| variant | images/s (median; rounds) | / torch | step (ms, median) | longest epoch boundary (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for variant, rows in by_variant.items():
+        rate = statistics.median(r["images_per_s"] for r in rows)
+        rounds = ", ".join(f"{r['images_per_s']:,.0f}" for r in rows)
+        ratio = f"{rate / torch_rate:.2f}" if torch_rate else "-"
+        step = statistics.median(r["step_ms_median"] for r in rows)
+        boundary = max((r["boundary_ms_max"] or 0) for r in rows)
+        lines.append(f"| {variant} | {rate:,.0f} ({rounds}) | {ratio} | {step:.2f} | {boundary:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = arguments()
+    if args.summarize:
+        print(summary([json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line]))
+        return
     os.environ.setdefault("DDPKIT_LOG_LEVEL", "warning")
     ctx = ddpkit.init(device=args.device)
     device = ctx.device
     model = ddpkit.prepare_model(workload.build_model(argparse.Namespace(model=args.model, width=64)))
+    results = []
     for round_index in range(args.rounds):
         for variant in args.variants.split(","):
-            result = train(variant, args, model, device)
-            print(json.dumps({"round": round_index, "model": args.model, **result}), flush=True)
+            results.append({"round": round_index, "model": args.model, **train(variant, args, model, device)})
+            print(json.dumps(results[-1]), flush=True)
+            # The variant's loader and its persistent workers go now, not in a later variant's forked workers.
+            gc.collect()
+    print(summary(results), flush=True)
     ddpkit.shutdown()
 
 

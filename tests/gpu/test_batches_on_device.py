@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -95,17 +96,13 @@ def test_the_tensor_fast_path_is_placed_too(joined):
 def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch):
     """Batch 2's copy, issued while the GPU still runs the step on batch 0, ends before that step does.
 
-    Steps are 200 ms kernels; the loader's copies record the events counted here
+    Steps are 1 s kernels; the loader's copies record the events counted here
     (one per batch, on its side stream). A copy queued on the loop's stream
-    would wait for the step before it.
+    would wait for the step before it. The batches come from loader workers
+    and torch's pinning thread, which prepare them ahead (here during a pause
+    before the steps), so the loop's thread only issues the copies.
     """
-    sleep_cycles = int(0.2 * _cycles_per_second())
-    # 16 MiB per batch: a copy that takes a while, yet far less than a step.
-    dataset = torch.utils.data.TensorDataset(torch.rand(4 * 64, 1024, 64))
-    # A pass first: the pinned buffers are allocated then (page-locking fresh memory can take longer than a
-    # step on a virtual machine) and reused by the timed pass, so its copies are queued at once.
-    list(DataLoader(dataset, batch_size=64))
-    torch.cuda.synchronize()
+    sleep_cycles = int(1.0 * _cycles_per_second())
     real_event = torch.cuda.Event
     copies = []
 
@@ -115,22 +112,30 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
         return event
 
     monkeypatch.setattr(torch.cuda, "Event", timed_event)
-    batches = iter(DataLoader(dataset, batch_size=64))
+    # 16 MiB per batch: a copy that takes a while, yet far less than a step.
+    dataset = torch.utils.data.TensorDataset(torch.rand(4 * 64, 1024, 64))
+    batches = iter(DataLoader(dataset, batch_size=64, num_workers=2))
     start, step_0_end, step_1_end = (real_event(enable_timing=True) for _ in range(3))
     (first,) = next(batches)  # batch 1's copy is queued before batch 0 is handed out
     assert len(copies) == 2
+    time.sleep(2.0)  # the workers and the pinning thread have batches 2 and 3 ready
     start.record()
     torch.cuda._sleep(sleep_cycles)  # the step on batch 0
     first.sum()
     step_0_end.record()
+    issued = time.perf_counter()
     (second,) = next(batches)  # the GPU is still in step 0: batch 2's copy is queued now
+    issued = time.perf_counter() - issued
     assert len(copies) == 3
     torch.cuda._sleep(sleep_cycles)
     second.sum()
     step_1_end.record()
     torch.cuda.synchronize()
     copied, step_0 = start.elapsed_time(copies[2]), start.elapsed_time(step_0_end)
-    assert copied < step_0, f"batch 2's copy ended {copied:.1f} ms after step 0 began, step 0 at {step_0:.1f} ms"
+    assert copied < step_0, (
+        f"batch 2's copy ended {copied:.1f} ms after step 0 began, step 0 at {step_0:.1f} ms "
+        f"(next() took {1000 * issued:.1f} ms)"
+    )
     assert start.elapsed_time(step_1_end) > step_0
     list(batches)
 
