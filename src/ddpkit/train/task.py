@@ -67,6 +67,18 @@ class Task:
         per_value = F.mse_loss(output.float(), goal.float().view_as(output), reduction="sum")
         return per_value / max(output[0].numel(), 1) if len(output) else per_value
 
+    def loss_mean(self, output: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        """The batch's loss averaged over its samples: ``loss_sum / len(output)`` in one operation.
+
+        The batch must not be empty (the mean of no samples is NaN).
+        """
+        goal = self.target(inputs, target)
+        if self.custom_loss is not None:
+            return self.custom_loss(output, goal).mean()
+        if self.name == "classification":
+            return F.cross_entropy(output.float(), goal)
+        return F.mse_loss(output.float(), goal.float().view_as(output))
+
     def metric_sums(self, output: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor | None) -> dict[str, Any]:
         """Sums over the batch's samples from which ``metrics`` computes the task's metrics."""
         sums = {"loss": self.loss_sum(output, inputs, target).double(), "count": len(output)}
