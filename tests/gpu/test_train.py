@@ -17,6 +17,7 @@ import pytest
 
 from tests.cli_runner import REPO
 from tests.gpu.runs import TIMEOUT, environ, train, two_workers_share_one_gpu
+from tests.test_examples import EXAMPLES  # each example and the words of its epoch lines
 
 WORKLOADS = {"mlp": "accuracy", "cnn": "accuracy", "autoencoder": "mse"}
 
@@ -41,13 +42,6 @@ def test_sync_batchnorm_trains_cnn_bn_on_cuda(tmp_path, nproc):
     summary, _ = train(tmp_path / "run", "model=cnn_bn", "sync_batchnorm=true", nproc=nproc)
     assert summary["world_size"] == nproc and summary["grad_sync"] == ("ddp" if nproc > 1 else "none")
     assert math.isfinite(summary["test"]["accuracy"])
-
-
-EXAMPLES = {
-    "mlp_fashion_mnist.py": "test accuracy",
-    "cnn_mnist.py": "test accuracy",
-    "autoencoder_fashion_mnist.py": "test mse",
-}
 
 
 def _to_calls(script) -> list[int]:
