@@ -21,3 +21,12 @@ def test_the_sharded_stall_benchmark_times_every_kind_of_window_and_finds_the_fi
     assert all(len(report["windows_s"][kind]) == 1 for kind in ("none", "sync", "async"))
     assert report["files_identical"] is True  # every worker's shards, background or not
     assert not any(tmp_path.glob("ddpkit-stall-*"))  # its checkpoints are gone
+
+
+@pytest.mark.parametrize(("word", "words_in_error"), [("device=tpu", "cpu, cuda"), ("widht=8", "did you mean 'width'")])
+def test_a_bad_option_is_one_line_naming_the_fix(word, words_in_error) -> None:
+    from ddpkit.bench.checkpoint_stall import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([word])
+    assert str(stopped.value).startswith("error: ") and words_in_error in str(stopped.value)

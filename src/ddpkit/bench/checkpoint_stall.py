@@ -45,7 +45,7 @@ from torch import nn
 
 from ddpkit.checkpoint.format import MANIFEST, read_manifest
 from ddpkit.checkpoint.manager import Checkpointer
-from ddpkit.config import parse
+from ddpkit.config import ConfigError, check_choice, parse
 
 MODES = ("none", "sync", "async")
 
@@ -70,6 +70,9 @@ class StallConfig:
     """Shard the model over the workers of ``ddpkit run`` (FSDP2) and save sharded checkpoints."""
     device: str = "cpu"
     """Where the model trains: ``cpu``, or ``cuda`` (T10 on a GPU; the worker's GPU with ``shard=true``)."""
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, ("cpu", "cuda"))
 
 
 def _model(cfg: StallConfig) -> nn.Module:
@@ -208,7 +211,10 @@ def _folder(cfg: StallConfig) -> Iterator[str]:
 
 def main(words: list[str]) -> None:
     """Parse ``words`` (key=value), run, print the JSON line (rank 0 of a sharded run)."""
-    cfg = parse(StallConfig, words)
+    try:
+        cfg = parse(StallConfig, words)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     if not cfg.shard:
         print(json.dumps(checkpoint_stall(cfg)), flush=True)
         return
