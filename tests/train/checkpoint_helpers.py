@@ -53,6 +53,23 @@ def mlp_dropout() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
 
 
+BUILT_ON: list[str] = []
+"""Where :func:`mlp_dropout_recording` was built in this process: the default device then (cpu or meta)."""
+
+
+def mlp_dropout_recording() -> nn.Module:
+    """mlp_dropout, noting in BUILT_ON the device it is built on."""
+    BUILT_ON.append(torch.empty(0).device.type)
+    return mlp_dropout()
+
+
+def mlp_dropout_not_on_meta() -> nn.Module:
+    """mlp_dropout from a function that cannot run on the meta device (as a model that reads its tensors)."""
+    if torch.empty(0).device.type == "meta":
+        raise NotImplementedError("this model reads its tensors' values while it is built")
+    return mlp_dropout()
+
+
 def mlp_dropout_new_head() -> nn.Module:
     """mlp_dropout with a different last layer (5 classes) and one extra layer: a transfer target."""
     return nn.Sequential(

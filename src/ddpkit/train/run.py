@@ -24,8 +24,9 @@ the imports to this list):
   agent starts them, with torchrun's variables) name it rather than torchrun;
 - ``ddpkit.distributed.exit_process``: a failed rank leaves at once, so that
   the launcher takes it for the root cause rather than the peers it fails;
-- ``ddpkit.distributed.control_device``: where the broadcast of the run
-  folder's name runs (CPU for gloo, CUDA for nccl).
+- ``ddpkit.distributed.control_device``: where the broadcasts of the run
+  folder's name and (sharded) of rank 0's generator states run (CPU for
+  gloo, CUDA for nccl).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -110,18 +113,56 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
 
 
-def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: Any, test_set: Any) -> Trainer:
-    """Every part of a run from the public API, resumed as ``cfg.resume`` asks."""
-    seed_everything(cfg.seed)
-    model = spec.build()
+def _build_model(cfg: TrainConfig, ctx: Context, spec: ModelSpec) -> torch.nn.Module:
+    """The model to prepare, built on every rank; with shard=true, whole on rank 0 only.
+
+    Sharded over several ranks, the ranks other than 0 build it on the meta
+    device (no memory), where it can be built there, and
+    ``prepare_model(shard=True)`` hands them rank 0's weights block by block:
+    only rank 0 holds the whole model in CPU memory. Building draws random
+    numbers on rank 0 alone, so the others then take its generators' states:
+    every later draw (dropout) is what it would have been had they built it.
+    """
+    if not (cfg.shard and ctx.world_size > 1):
+        return _checked_model(spec.build(), cfg)
+    if ctx.rank == 0:
+        model = spec.build()
+    else:
+        try:
+            with torch.device("meta"):
+                model = spec.build()
+        except Exception:  # a model whose construction reads its tensors' values: built as rank 0 builds it
+            model = spec.build()
+    box = [(torch.get_rng_state(), random.getstate(), np.random.get_state())]
+    dist.broadcast_object_list(box, src=0, device=control_device())
+    torch.set_rng_state(box[0][0])
+    random.setstate(box[0][1])
+    np.random.set_state(box[0][2])
+    return _checked_model(model, cfg)
+
+
+def _checked_model(model: Any, cfg: TrainConfig) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise UserError(
             f"model={cfg.model} returned a {type(model).__name__}, not a torch.nn.Module; make the function "
             "return the model itself"
         )
+    return model
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers()))
+
+
+def build_trainer(cfg: TrainConfig, ctx: Context, spec: ModelSpec, train_set: Any, test_set: Any) -> Trainer:
+    """Every part of a run from the public API, resumed as ``cfg.resume`` asks."""
+    seed_everything(cfg.seed)
+    model = _build_model(cfg, ctx, spec)
     if cfg.init_from or cfg.freeze:
-        # Before preparing: the gradient sync must not expect gradients of frozen parameters.
-        for line in apply_transfer(model, cfg.init_from, cfg.freeze).lines():
+        # Before preparing: the gradient sync must not expect gradients of frozen parameters. A model on the
+        # meta device takes rank 0's weights when it is sharded: only rank 0 reads init_from.
+        init_from = "" if ctx.rank != 0 and _on_meta(model) else cfg.init_from
+        for line in apply_transfer(model, init_from, cfg.freeze).lines():
             get_logger().info(line)
     model = prepare_model(
         model, allreduce=cfg.allreduce, grad_sync=cfg.grad_sync, sync_batchnorm=cfg.sync_batchnorm, shard=cfg.shard
