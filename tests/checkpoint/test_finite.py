@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from ddpkit.checkpoint.finite import (
@@ -28,6 +29,23 @@ def test_nonfinite_tensors_names_the_floating_tensors_with_nan_or_inf():
     assert nonfinite_tensors(state) == ["model.b", "optimizer.state.0.exp_avg"]
     assert nonfinite_tensors(torch.nn.Linear(2, 2).state_dict()) == []
     assert nonfinite_tensors({}) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+def test_each_float_type_is_judged_as_torch_isfinite_judges_it_wherever_the_bad_value_is(dtype):
+    """NumPy's chunked check (half types by their exponent bits) agrees with torch.isfinite, past the first chunk."""
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, 0.0, -0.0], dtype=dtype)
+    size = (1 << 20) + 5  # a second chunk
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 17, size - 1):
+            values = torch.ones(size, dtype=dtype)
+            values[at] = bad
+            assert nonfinite_tensors({"v": values}) == ["v"], (dtype, bad, at)
+    assert nonfinite_tensors({"v": torch.cat([torch.ones(size, dtype=dtype), extremes])}) == []
+    strided = torch.ones(8, 8, dtype=dtype)[:, ::2]  # not contiguous
+    strided[3, 1] = math.nan
+    assert nonfinite_tensors({"v": strided, "neg": -torch.ones(4, dtype=dtype)}) == ["v"]
 
 
 def test_the_nonfinite_marker_is_what_a_writer_adds_to_the_manifest(tmp_path):
