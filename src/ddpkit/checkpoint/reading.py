@@ -202,6 +202,11 @@ def load_file(path: str | Path, map_location: str | torch.device | None = "cpu",
         ) from None
     except pickle.UnpicklingError as e:
         reason = _unpickling_reason(str(e))
+        if reason.startswith("Unsupported operand"):  # not a pickle at all: bytes torch.save never writes
+            raise CheckpointError(
+                f"{path} is not a file torch.save wrote ({reason}): damaged, or of another format; pass a "
+                "checkpoint, an export or a .pt file of a state_dict, or use an earlier checkpoint"
+            ) from None
         raise CheckpointError(
             f"refused to load {path}: it holds objects other than tensors and plain containers "
             f"({reason}); ddpkit loads only weights_only=True files and never runs code from a checkpoint. "
@@ -216,9 +221,11 @@ def _unpickling_reason(text: str) -> str:
     """What torch's refusal says the file holds (e.g. "Unsupported global: GLOBAL posix.system"), without its
     advice to load with weights_only=False, which would run the code ddpkit refuses."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
-    for line in lines:
+    for i, line in enumerate(lines):
         if "GLOBAL" in line or "Unpickler error" in line:
             reason = line.split("Unpickler error:", 1)[-1].split(". Please use")[0].strip()
+            if not reason:  # the reason on a line of its own ("Unsupported operand 103")
+                reason = next((later for later in lines[i + 1 :] if later), "")
             return reason.removeprefix("Trying to load ").rstrip(".")
     for line in lines:
         if line and "weights_only" not in line and not line.startswith(("Weights only load failed", "Check the")):

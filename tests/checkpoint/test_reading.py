@@ -1,0 +1,29 @@
+"""Loading a file that is not a checkpoint: one line naming the file and what it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.reading import load_file
+
+
+def test_a_file_of_text_is_named_not_a_torch_save_file(tmp_path):
+    path = tmp_path / "notes.pt"
+    path.write_text("garbage\n")
+    with pytest.raises(CheckpointError) as refused:
+        load_file(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path} is not a file torch.save wrote (Unsupported operand 103)"), message
+    assert "()" not in message and "\n" not in message
+
+
+def test_a_pickle_that_would_run_code_is_refused_naming_what_it_holds(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(1), "run": print}, path)  # a global a weights-only load refuses
+    with pytest.raises(CheckpointError) as refused:
+        load_file(path)
+    message = str(refused.value)
+    assert message.startswith(f"refused to load {path}: it holds objects other than tensors"), message
+    assert "GLOBAL print" in message and "()" not in message
