@@ -6,7 +6,8 @@
 # so a PYTHONPATH is not enough); where omegaconf is missing and the machine is offline, put its wheel
 # (pure Python) in .whl/ first. Written: gpu.txt (the GPU and torch), gpu-run.log (the tests' report and
 # every benchmark's progress), t10-gpu.json (T10 on the GPU), gpu-peers-<gpu>-<date>.json and .md (T11),
-# gpu-loop-parts.txt (T11's loop in one process, one ddpkit part at a time). About 7 minutes on an H200.
+# gpu-loop-parts.txt (T11's loop in one process, one ddpkit part at a time), gpu-importtime.txt (the
+# imports' times). About 7 minutes on an H200.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks}
@@ -19,6 +20,8 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" >>"$out/gpu.txt" 2>&1
+# Start-up there: what importing torch and torch._dynamo costs (ddpkit's worker server preloads both).
+python3 -X importtime -c "import torch, torch._dynamo" 2>"$out/gpu-importtime.txt"
 
 # The suite (about 40 tests, 2 minutes) first: a failure there makes the figures below moot.
 timeout "${GPU_TESTS_S:-200}" python3 -m pytest tests/gpu -m gpu -n 6 -q -p no:cacheprovider 2>&1 \
