@@ -27,7 +27,7 @@ small parts keep the good ones:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +95,18 @@ _EXPONENT_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 def _all_finite_on_cpu(tensor: torch.Tensor) -> bool | torch.Tensor:
     """Whether a CPU tensor holds no NaN or infinity: NumPy on one thread for the usual float types."""
     tensor = tensor.detach().resolve_neg()  # NumPy reads the stored values, not a lazy negation
+    finite: Callable[[Any], Any]
     if tensor.dtype in (torch.float32, torch.float64):
-        values = tensor.reshape(-1).numpy()
-        return all(bool(np.isfinite(values[i : i + _CHUNK]).all()) for i in range(0, len(values), _CHUNK))
-    if tensor.dtype in _EXPONENT_BITS:
-        bits, exponent = tensor.reshape(-1).view(torch.int16).numpy(), _EXPONENT_BITS[tensor.dtype]
-        return not any(bool(((bits[i : i + _CHUNK] & exponent) == exponent).any()) for i in range(0, len(bits), _CHUNK))
-    return torch.isfinite(tensor).all()  # complex, float8: torch's own (read with the device's flags)
+        values, finite = tensor.reshape(-1).numpy(), np.isfinite
+    elif tensor.dtype in _EXPONENT_BITS:
+        values, exponent = tensor.reshape(-1).view(torch.int16).numpy(), _EXPONENT_BITS[tensor.dtype]
+
+        def finite(bits: Any) -> Any:
+            return (bits & exponent) != exponent
+
+    else:
+        return torch.isfinite(tensor).all()  # complex, float8: torch's own (read with the device's flags)
+    return all(bool(finite(values[i : i + _CHUNK]).all()) for i in range(0, len(values), _CHUNK))
 
 
 def nonfinite_marker(names: list[str]) -> dict[str, Any]:

@@ -135,9 +135,10 @@ def _build_model(cfg: TrainConfig, ctx: Context, spec: ModelSpec) -> torch.nn.Mo
             model = spec.build()
     box = [(torch.get_rng_state(), random.getstate(), np.random.get_state())]
     dist.broadcast_object_list(box, src=0, device=control_device())
-    torch.set_rng_state(box[0][0])
-    random.setstate(box[0][1])
-    np.random.set_state(box[0][2])
+    torch_state, python_state, numpy_state = box[0]
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
     return _checked_model(model, cfg)
 
 
