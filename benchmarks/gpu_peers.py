@@ -16,15 +16,16 @@ process by its users' launcher, as they run it:
 The same training in each (``benchmarks/peers/workload.py``): 25,000
 CIFAR-size uint8 images read one sample at a time with a random crop and
 flip, 8 loader workers, batch 256 per process, bf16 autocast, SGD with
-momentum, 3 epochs (the first a warm-up), and a checkpoint saved at every
-epoch end as each framework's users save it (``torch.save`` on rank 0,
+momentum, 3 epochs of ResNet-18 and 8 of the MLP (the first a warm-up: about
+3 s timed on an H200 for each), and a checkpoint saved at every epoch end as each framework's users save it (``torch.save`` on rank 0,
 ``ddpkit.Checkpointer`` holding the loader, ``accelerator.save_state``).
 Two models: ResNet-18 (CIFAR variant, 11.2M parameters: launch-bound on a
 large GPU) and an MLP 3072-1024-10 (loader-bound).
 
 Reported per model and peer (median, min, max over the rounds): images/s
-over the timed epochs with their saves included (until the last checkpoint
-is complete), the time from the command to the end of the first optimizer
+over the timed epochs with their saves included (from the first batch of
+epoch 1, when every peer has saved epoch 0 or started to, until the last
+checkpoint is complete), the time from the command to the end of the first optimizer
 step with its breakdown (launch: interpreter and launcher until the
 script's first line; imports; CUDA init; process group; setup of the model,
 optimizer, loader and checkpointer; first batch; first step), and the GPU's
@@ -71,6 +72,9 @@ T0_VARIABLE = "GPU_PEERS_T0"  # workload.T0_VARIABLE (the scripts' module, not i
 PEERS = {"torch": "torch_ddp.py", "ddpkit": "ddpkit_loop.py", "accelerate": "accelerate_loop.py"}
 """Each peer's script in benchmarks/peers/."""
 
+EPOCHS = {"resnet18": 3, "mlp": 8}
+"""Epochs per model by default: the MLP's are short (0.35 s on an H200), and a window of 2 was noise."""
+
 SMOKE = {"samples": 256, "epochs": 2, "batch_size": 32, "num_workers": 1, "width": 8, "precision": "fp32"}
 """--smoke: sizes that train in a few seconds per script on a CPU."""
 
@@ -84,7 +88,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per peer")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--samples", type=int, default=25_000)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=None, help="for every model (default: EPOCHS, 2 with --smoke)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
@@ -129,7 +133,7 @@ def script_arguments(args: argparse.Namespace, model: str, out: Path, result: Pa
     return [
         f"--model={model}",
         f"--samples={args.samples}",
-        f"--epochs={args.epochs}",
+        f"--epochs={args.epochs or EPOCHS[model]}",
         f"--batch-size={args.batch_size}",
         f"--num-workers={args.num_workers}",
         f"--device={args.device}",
@@ -217,6 +221,13 @@ def summarize_runs(runs: list[dict[str, Any]], models: list[str], peers: list[st
     return summary
 
 
+def epochs_said(epochs: int | None) -> str:
+    """``3 epochs``, or each model's default where ``--epochs`` was not given."""
+    if epochs:
+        return f"{epochs} epochs"
+    return ", ".join(f"{count} epochs of {model}" for model, count in EPOCHS.items())
+
+
 PEER_NAMES = {"torch": "torch + DDP (torchrun)", "ddpkit": "ddpkit (ddpkit run)", "accelerate": "Accelerate (python)"}
 
 
@@ -229,8 +240,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"{machine.get('gpu') or 'no GPU'}; {machine['cores']} cores ({machine['cpu_model']}); torch "
         f"{machine['torch']}; Accelerate {machine.get('accelerate') or 'not installed'}. Device {config['device']}, "
-        f"{config['nproc']} process(es) per peer, {config['samples']} images, {config['epochs']} epochs (the first "
-        f"a warm-up), batch {config['batch_size']} per process, {config['num_workers']} loader workers, "
+        f"{config['nproc']} process(es) per peer, {config['samples']} images, {epochs_said(config['epochs'])} (the "
+        f"first a warm-up), batch {config['batch_size']} per process, {config['num_workers']} loader workers, "
         f"{config['precision']}, {config['rounds']} round(s), peers alternated.",
         "",
     ]

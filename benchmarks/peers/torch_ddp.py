@@ -58,8 +58,7 @@ def main() -> None:
         sampler.set_epoch(epoch)
         images = 0
         for x, y in loader:
-            if "first_batch" not in timeline.marks:
-                timeline.mark("first_batch")
+            timeline.batch(epoch)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = F.cross_entropy(model(x), y)

@@ -155,6 +155,19 @@ class Timeline:
         assert name in self.PHASES, name
         self.marks[name] = time.time() - self.t0
 
+    def batch(self, epoch: int) -> None:
+        """As each batch arrives: the first is marked; the timed window opens with epoch 1's first.
+
+        By then every peer has saved epoch 0 or started to: plain torch and
+        Accelerate after their batch loop, ddpkit's Checkpointer when the next
+        epoch's loop begins (after the code that follows the batch loop). The
+        window then holds the same saves for all: those of epochs 1 to the last.
+        """
+        if epoch == 1 and self.timed_from is None:
+            self.timed_from = time.time() - self.t0
+        elif "first_batch" not in self.marks:
+            self.mark("first_batch")
+
     def step_done(self, device_type: str) -> None:
         """After each optimizer step: the first one is waited for (once) and marked."""
         if "first_step" not in self.marks:
@@ -163,12 +176,9 @@ class Timeline:
             self.mark("first_step")
 
     def epoch_done(self, epoch: int, images: int) -> None:
-        """At the end of an epoch, its checkpoint saved: the timed window starts after epoch 0."""
-        now = time.time() - self.t0
-        self.epoch_ends.append(now)
-        if epoch == 0:
-            self.timed_from = now
-        else:
+        """At the end of an epoch (after its save, where the peer saves there): the timed epochs' images."""
+        self.epoch_ends.append(time.time() - self.t0)
+        if epoch > 0:
             self.images += images
 
     def result(self, peer: str, args: argparse.Namespace, end: float, **extra: Any) -> dict[str, Any]:

@@ -94,9 +94,31 @@ def test_the_full_run_has_the_workloads_settings_and_the_smoke_run_tiny_ones():
     gpu_peers = _module()
     full = gpu_peers.arguments(["--device", "cuda"])
     assert (full.samples, full.batch_size, full.num_workers, full.precision, full.width) == (25000, 256, 8, "bf16", 64)
-    assert (full.epochs, full.rounds, full.models, full.peers) == (3, 2, "resnet18,mlp", "torch,ddpkit,accelerate")
+    assert (full.epochs, full.rounds, full.models, full.peers) == (None, 2, "resnet18,mlp", "torch,ddpkit,accelerate")
+    epochs = {model: gpu_peers.script_arguments(full, model, Path("o"), Path("r"))[2] for model in ("resnet18", "mlp")}
+    assert epochs == {"resnet18": "--epochs=3", "mlp": "--epochs=8"}  # about 3 s timed each on an H200
     smoke = gpu_peers.arguments(["--smoke"])
-    assert (smoke.device, smoke.rounds, smoke.samples, smoke.width) == ("cpu", 1, 256, 8)
+    assert (smoke.device, smoke.rounds, smoke.samples, smoke.width, smoke.epochs) == ("cpu", 1, 256, 8, 2)
+
+
+def test_the_timed_window_opens_with_epoch_1s_first_batch_after_a_save_made_when_that_epoch_begins(monkeypatch):
+    spec = importlib.util.spec_from_file_location("workload", BENCHMARK.parent / "peers" / "workload.py")
+    assert spec is not None and spec.loader is not None
+    workload = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    monkeypatch.delenv(workload.T0_VARIABLE, raising=False)
+    clock = iter(range(101, 200))
+    monkeypatch.setattr(workload.time, "time", lambda: float(next(clock)))
+    timeline = workload.Timeline(started=100.0)
+    timeline.batch(0)  # 101: the first batch
+    timeline.batch(0)  # (reads no clock)
+    timeline.epoch_done(0, images=64)  # 102: plain torch saved epoch 0 before this
+    next(clock)  # 103: ddpkit's Checkpointer writes epoch 0 as epoch 1's loop begins
+    timeline.batch(1)  # 104: the window opens
+    timeline.batch(1)
+    timeline.epoch_done(1, images=64)
+    assert timeline.marks["first_batch"] == 1.0 and timeline.timed_from == 4.0
+    assert timeline.images == 64  # epoch 0's are not timed
 
 
 def test_the_result_files_are_named_by_gpu_and_the_ratio_is_ddpkits_over_the_best_peer():
