@@ -11,6 +11,14 @@
 # parts only, in that order (each step's time limit: GPU_TESTS_S, GPU_PARTS_S, GPU_PEERS_S, GPU_T10_S).
 set -u
 cd "$(dirname "$0")/.."
+# GPU_STEPS chooses and orders the parts (default: all, the suite first: a failure there makes the figures moot).
+steps=${GPU_STEPS:-tests,parts,peers,t10}
+for step in ${steps//,/ }; do
+    case $step in
+    tests | parts | peers | t10) ;;
+    *) echo "gpu.sh: GPU_STEPS has '$step'; choose among tests, parts, peers, t10 (comma-separated)" >&2; exit 2 ;;
+    esac
+done
 out=${1:-benchmarks}
 mkdir -p "$out"
 log="$out/gpu-run.log"
@@ -25,8 +33,6 @@ python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())
 # Start-up there: what importing torch and torch._dynamo costs (ddpkit's worker server preloads both).
 python3 -X importtime -c "import torch, torch._dynamo" 2>"$out/gpu-importtime.txt"
 
-# GPU_STEPS chooses and orders the parts (default: all, the suite first: a failure there makes the figures moot).
-steps=${GPU_STEPS:-tests,parts,peers,t10}
 for step in ${steps//,/ }; do
     case $step in
     tests) # about 40 tests, 2 minutes
@@ -41,6 +47,5 @@ for step in ${steps//,/ }; do
     t10) # T10 on a GPU: 10 steps of a batch of 32768 take about 0.9 s, as real steps of tens of milliseconds do
         timeout "${GPU_T10_S:-70}" python3 -m ddpkit.bench.checkpoint_stall device=cuda batch_size=32768 rounds=8 \
             >"$out/t10-gpu.json" 2>>"$log" ;;
-    *) echo "gpu.sh: unknown step '$step' in GPU_STEPS; choose among tests, parts, peers, t10" | tee -a "$log" ;;
     esac
 done
