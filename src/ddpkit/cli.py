@@ -31,7 +31,7 @@ from ddpkit.config import (  # no torch import: `ddpkit slurm` starts fast
 )
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import LaunchError, record_for_launcher
-from ddpkit.launch.script import wants_run_help
+from ddpkit.launch.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
 from ddpkit.launch.slurm_cli import SLURM_HELP
 from ddpkit.names import (
     DEFAULT_PREEMPT_SIGNALS,
@@ -331,12 +331,22 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
+    from ddpkit.launch.local import worker_server
+
+    config, target = parse_run_command(args)  # bad input is one line before any process starts
+    # The server's imports (torch, torch._dynamo) run beside this process's own, not after them: on a GPU
+    # machine, where importing torch takes seconds, in sequence they put those seconds twice before the script.
+    with worker_server():
+        return _run_script(config, target)
+
+
+def _run_script(config: RunConfig, target: ScriptTarget) -> int:
+    """``ddpkit run`` once its words are parsed: describe, launch ``target`` as the workers, say how it ended."""
     import torch
 
     from ddpkit.launch.output import default_log_dir
-    from ddpkit.launch.script import describe, parse_run_command, run_script, worker_environ
+    from ddpkit.launch.script import describe, run_script, worker_environ
 
-    config, target = parse_run_command(args)
     extra = worker_environ(config, torch.cuda.device_count())  # NVML's count: the launcher leaves CUDA uninitialized
     if not config.log_dir:
         name = Path(target.path).stem if target.path else target.module

@@ -250,6 +250,32 @@ def test_console_script_imports_model_from_the_current_folder_in_every_worker(tm
     assert (tmp_path / "out" / "summary.json").is_file()
 
 
+def test_the_worker_server_starts_importing_before_the_launcher_imports_torch(tmp_path):
+    """Side by side, not one after the other: on a GPU machine importing torch takes seconds (the H200's 4.5)."""
+    probe = """
+import sys, multiprocessing.forkserver as forkserver
+start = forkserver.ensure_running
+def ensure_running():
+    print("torch in the launcher when the server starts:", "torch" in sys.modules, file=sys.stderr)
+    start()
+forkserver.ensure_running = ensure_running
+from ddpkit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+    (tmp_path / "a.py").write_text("print('the script ran')\n")
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "run", "nproc=1", "a.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "torch in the launcher when the server starts: False" in out.stderr
+    assert "the script ran" in out.stdout
+
+
 # -- workers matched to GPUs -----------------------------------------------------------------------
 
 

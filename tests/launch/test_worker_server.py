@@ -3,12 +3,16 @@
 import gc
 import multiprocessing.forkserver
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
 from ddpkit.launch.local import LaunchSpec, launch_local, worker_server
+from tests.cli_runner import PYTHONPATH
 
 
 def _report(name: str) -> dict:
@@ -51,3 +55,35 @@ def test_workers_fork_from_one_server_with_the_launchers_environment_of_each_lau
     # The server never collects; each worker froze what it inherited (torch's objects) and collects again.
     assert all(r["collecting"] and r["frozen"] > 100_000 for r in [*first.values(), *second.values()])
     assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # stopped with the outermost block
+
+
+def test_ctrl_c_while_the_server_imports_is_the_launchers_one_line_and_leaves_nothing_running(tmp_path):
+    """``ddpkit run`` starts the server before its own imports: a Ctrl-C then reaches both, mid-import."""
+    importing = tmp_path / "importing"
+    probe = (
+        "import sys, ddpkit.launch.local as local\n"
+        "local.WORKER_PRELOAD = (*local.WORKER_PRELOAD[:1], 'tests.launch.slow_server_import', *local.WORKER_PRELOAD[1:])\n"
+        "from ddpkit.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    (tmp_path / "a.py").write_text("print('never')\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", probe, "run", "nproc=1", str(tmp_path / "a.py")],
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "DDPKIT_TEST_SERVER_IMPORTING": str(importing)},
+        start_new_session=True,  # a process group, as a terminal's job is
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (a background job's is ignored)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not importing.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert importing.exists(), "the server never started importing"
+    server = psutil.Process(int(importing.read_text()))
+    os.killpg(launcher.pid, signal.SIGINT)  # the terminal's Ctrl-C: the whole job's process group
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "ddpkit: interrupted" and "Traceback" not in err, err
+    assert "never" not in out
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE

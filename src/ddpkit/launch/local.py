@@ -76,6 +76,7 @@ import io
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -128,7 +129,7 @@ WORKER_PRELOAD = (
 This module comes first: in the server it turns garbage collection off before torch is imported."""
 
 SERVER_IGNORES = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-"""Signals the worker server ignores (it ignores SIGINT already): the launcher's to handle and pass on."""
+"""Signals the worker server ignores (and SIGINT, see below): the launcher's to handle and pass on."""
 
 _SERVER_VARIABLE = "DDPKIT_WORKER_SERVER"
 # Set only in the worker server's environment, so that this module knows it is being preloaded there.
@@ -139,6 +140,9 @@ _ENVIRON_AT_IMPORT = dict(os.environ)
 
 _server_users = 0
 
+_SERVER_IGNORED_CTRL_C = False
+"""True in the worker server (and so in its workers) when it, not the launcher, made SIGINT ignored."""
+
 if os.environ.get(_SERVER_VARIABLE) == "1":
     # A signal sent to every process of the job (a process-group kill, Slurm's
     # scancel --signal) must not kill the server: the launcher would read its
@@ -146,6 +150,14 @@ if os.environ.get(_SERVER_VARIABLE) == "1":
     # run (and checkpoint). Workers set these signals back to the default.
     for _name in SERVER_IGNORES:
         signal.signal(getattr(signal, _name), signal.SIG_IGN)
+    # Nor a Ctrl-C while it imports: multiprocessing ignores SIGINT in the server only once the
+    # imports are done, and the launcher, which starts the server before its own imports, has a
+    # Ctrl-C of that moment to report itself. The server was born with SIGINT blocked (see
+    # _start_worker_server): one pressed since then is dropped here. Workers take Python's handler back.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _SERVER_IGNORED_CTRL_C = True
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # The server only imports, then forks: no collection while it imports torch (about a quarter of
     # torch._dynamo's import time), nor ever after, so that no page it shares with its workers is
     # written by a collection. Each worker freezes what it inherits and collects again (_worker_main).
@@ -264,18 +276,30 @@ def worker_server() -> Iterator[None]:
     outermost block ends, so that no process outlives a launch.
     """
     global _server_users
-    if _server_users == 0:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(WORKER_PRELOAD))
-        with _environ(_SERVER_VARIABLE, "1"):  # the server's environment only; workers get the launcher's
-            multiprocessing.forkserver.ensure_running()
     _server_users += 1
-    try:
+    try:  # (a Ctrl-C as the server starts still stops it)
+        if _server_users == 1:
+            _start_worker_server()
         yield
     finally:
         _server_users -= 1
         if _server_users == 0:
             _stop_worker_server()
+
+
+def _start_worker_server() -> None:
+    """Start the server, its Ctrl-C held until it ignores one (the launcher reports a Ctrl-C of this moment)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    # The resource tracker first: starting it unblocks SIGINT, which the server must be born with blocked.
+    multiprocessing.resource_tracker.ensure_running()
+    ctrl_c = {signal.SIGINT}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, ctrl_c)
+    try:
+        with _environ(_SERVER_VARIABLE, "1"):  # the server's environment only; workers get the launcher's
+            multiprocessing.forkserver.ensure_running()
+    finally:
+        if signal.SIGINT not in held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, ctrl_c)  # a Ctrl-C pressed meanwhile is raised here
 
 
 def _stop_worker_server() -> None:
@@ -465,8 +489,9 @@ def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[.
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (ignored in a background job: left so)
-        # Forked from the launcher itself (start_method "fork"), a worker inherits its handler of Ctrl-C.
+    if _SERVER_IGNORED_CTRL_C or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        # (Ignored by the launcher, in a background job: left so.) Forked from the launcher itself
+        # (start_method "fork"), a worker inherits its handler of Ctrl-C.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setpgrp()
     worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
