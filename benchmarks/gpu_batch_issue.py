@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.bench import gpu_sleep
 
 SOURCES = {"tensor-dataset": 0, "workers": 2}
 """Each source and its loader workers."""
@@ -47,17 +48,6 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="batches not counted (the allocators' first blocks)")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the GPU time of each step")
     return parser.parse_args()
-
-
-def gpu_cycles_per_ms() -> float:
-    """GPU clock cycles per millisecond, measured with torch.cuda._sleep (for steps of a known length)."""
-    torch.cuda._sleep(100_000_000)  # an idle GPU clocks down: raise its clock before measuring it
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
 
 
 def measure(source: str, args: argparse.Namespace, cycles_per_ms: float) -> dict:
@@ -112,7 +102,7 @@ def main() -> None:
     args = arguments()
     os.environ.setdefault("DDPKIT_LOG_LEVEL", "warning")
     ddpkit.init(device=args.device)
-    cycles_per_ms = gpu_cycles_per_ms() if args.device == "cuda" else 0.0
+    cycles_per_ms = gpu_sleep.cycles_per_ms() if args.device == "cuda" else 0.0
     for source in SOURCES:
         print(json.dumps(measure(source, args, cycles_per_ms)), flush=True)
     ddpkit.shutdown()

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit import distributed
+from ddpkit.bench import gpu_sleep
 from ddpkit.data.loader import DataLoader
 from tests.cli_runner import REPO
 from tests.gpu.runs import TIMEOUT, environ, train
@@ -102,7 +103,7 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
     and torch's pinning thread, which prepare them ahead (here during a pause
     before the steps), so the loop's thread only issues the copies.
     """
-    sleep_cycles = int(1.0 * _cycles_per_second())
+    sleep_cycles = int(1000 * gpu_sleep.cycles_per_ms())  # 1 s
     real_event = torch.cuda.Event
     copies = []
 
@@ -138,17 +139,6 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
     )
     assert start.elapsed_time(step_1_end) > step_0
     list(batches)
-
-
-def _cycles_per_second() -> float:
-    """GPU clock cycles per second, measured with torch.cuda._sleep (for a kernel of a known length)."""
-    torch.cuda._sleep(100_000_000)  # an idle GPU clocks down: raise its clock before measuring it
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    return 10_000_000 / (start.elapsed_time(end) / 1000)
 
 
 def test_a_readme_shaped_loop_without_to_device_trains(joined):
