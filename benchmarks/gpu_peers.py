@@ -16,8 +16,9 @@ process by its users' launcher, as they run it:
 The same training in each (``benchmarks/peers/workload.py``): 25,000
 CIFAR-size uint8 images read one sample at a time with a random crop and
 flip, 8 loader workers, batch 256 per process, bf16 autocast, SGD with
-momentum, 3 epochs of ResNet-18 and 8 of the MLP (the first a warm-up: about
-3 s timed on an H200 for each), and a checkpoint saved at every epoch end as each framework's users save it (``torch.save`` on rank 0,
+momentum, 3 epochs of ResNet-18 and 8 of the MLP (the first a warm-up:
+about 3 s timed on an H200 for each), and a checkpoint saved at every epoch
+end as each framework's users save it (``torch.save`` on rank 0,
 ``ddpkit.Checkpointer`` holding the loader, ``accelerator.save_state``).
 Two models: ResNet-18 (CIFAR variant, 11.2M parameters: launch-bound on a
 large GPU) and an MLP 3072-1024-10 (loader-bound).
@@ -25,11 +26,11 @@ large GPU) and an MLP 3072-1024-10 (loader-bound).
 Reported per model and peer (median, min, max over the rounds): images/s
 over the timed epochs with their saves included (from the first batch of
 epoch 1, when every peer has saved epoch 0 or started to, until the last
-checkpoint is complete), the time from the command to the end of the first optimizer
-step with its breakdown (launch: interpreter and launcher until the
-script's first line; imports; CUDA init; process group; setup of the model,
-optimizer, loader and checkpointer; first batch; first step), and the GPU's
-peak memory. The ratio ddpkit / best peer is T11's (target >= 1.0). Writes
+checkpoint is complete), the time from the command to the end of the first
+optimizer step with its breakdown (launch: interpreter and launcher until
+the script's first line; imports; CUDA init; process group; setup of the
+model, optimizer, loader and checkpointer; first batch; first step), and the
+GPU's peak memory. The ratio ddpkit / best peer is T11's (target >= 1.0). Writes
 ``benchmarks/gpu-peers-<gpu>-<date>.json`` and ``.md``.
 
 On a GPU machine whose python3 has torch with CUDA (and Accelerate), from
