@@ -255,6 +255,11 @@ def shutdown() -> None:
     """Leave the process group (safe to call more than once); a group init adopted stays to its creator."""
     global _context, _owns_group
     if _owns_group and dist.is_available() and dist.is_initialized():
+        # A gloo thread frees a collective's tensors just after its caller moved on, taking the GIL to do so.
+        # A DDP model that outlives the group (a script's, still in scope) destroys the group when it is freed,
+        # holding the GIL, and joins those threads: with one of them still waiting for the GIL, the process
+        # hangs (2 runs in 60 of a script ending so; none in 70 with this). A moment without the GIL lets them finish.
+        time.sleep(GLOO_THREADS_SETTLE_S)
         dist.destroy_process_group()
         stacks.disarm()
     _context = None
@@ -361,6 +366,9 @@ def _barrier() -> None:
     else:
         dist.barrier()
 
+
+GLOO_THREADS_SETTLE_S = 0.01
+"""How long ``shutdown`` leaves the GIL to gloo's threads before leaving the group (see there)."""
 
 _context: Context | None = None
 _joined_multiprocess_job = False
