@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import round_store, stacks
+from ddpkit.allocator import keep_freed_memory
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
 from ddpkit.env.network import gloo_interface_environ
@@ -225,6 +226,7 @@ def init(
         torch.cuda.set_device(resolved_device)  # before any CUDA tensor: one GPU per local rank
     resolved_backend = _existing_backend(backend) if adopted else resolve_backend(backend, resolved_device)
     torch.set_num_threads(threads or default_num_threads(env.local_world_size))
+    keep_freed_memory(environ)  # a CPU step's buffers reused, not faulted in again every step
     if not adopted:
         _init_process_group(
             env, resolved_backend, timeout, environ, process_group_options(resolved_backend, resolved_device)

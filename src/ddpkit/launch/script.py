@@ -192,8 +192,12 @@ def worker_environ(config: RunConfig, num_gpus: int) -> dict[str, str]:
 
     Raises:
         ConfigError: device=auto with more workers than visible GPUs (one line naming the fixes).
+        UserError: DDPKIT_MALLOC names no choice (ddpkit.allocator), which every worker's init would refuse.
     """
+    from ddpkit.allocator import setting
     from ddpkit.distributed import gpu_shortage
+
+    setting(os.environ)
 
     if config.device == "cpu":
         return {"CUDA_VISIBLE_DEVICES": ""}  # ddpkit.init()'s device auto, and torch.cuda, then see no GPU

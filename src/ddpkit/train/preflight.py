@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from ddpkit import allocator
 from ddpkit.checkpoint.options import RESUME_MODES
 from ddpkit.checkpoint.select import check_resume
 from ddpkit.comm.registry import resolve_allreduce
@@ -40,6 +42,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         CheckpointError: ``resume`` cannot work with the checkpoints folder.
     """
     _check_names(cfg)
+    allocator.setting(os.environ)  # DDPKIT_MALLOC: every worker's init would refuse a bad one
     shortage = gpu_shortage(cfg.nproc, torch.cuda.device_count(), cfg.device)  # NVML's count: CUDA stays uninitialized
     if shortage is not None:
         raise UserError(shortage)
