@@ -118,7 +118,7 @@ def test_restated_targets_compare_in_their_direction():
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # (when run alone, the smoke run starts here)
 def test_smoke_run_reports_t2_and_t5(smoke_run):
-    from ddpkit.bench.train import T2_W1, T2_W2, T5_GAP, T5_ONE, T5_TWO
+    from ddpkit.bench.train import T2_W1, T2_W2, T2_W2_KEPT, T5_GAP, T5_ONE, T5_TWO
 
     json_path, report = smoke_run
     t2 = report["t2"]["stats"]
@@ -127,6 +127,9 @@ def test_smoke_run_reports_t2_and_t5(smoke_run):
     )
     assert report["t2"]["targets"][T2_W1]["value"] == pytest.approx(
         t2["w1_ddpkit_step"]["median"] / t2["w1_ceiling_step"]["median"]
+    )
+    assert report["t2"]["targets"][T2_W2_KEPT]["value"] == pytest.approx(
+        t2["w2_ddpkit"]["median"] / t2["w2_ceiling_kept"]["median"]
     )
     assert all(t2[key]["median"] > 0 for key in t2)
     t5 = report["t5"]

@@ -1,0 +1,139 @@
+"""Whole ``ddpkit train`` runs with glibc's allocator keeping freed memory (the default) against glibc's own behaviour.
+
+    python benchmarks/allocator.py                       # W2 at 1 and 2 workers, W1 at 2; 5 alternated rounds
+    python benchmarks/allocator.py --smoke --output /tmp/alloc     # a tiny run on synthetic data
+
+Each configuration runs as ``python -m ddpkit train WORDS`` twice per round,
+``DDPKIT_MALLOC=keep`` and ``DDPKIT_MALLOC=default`` (see
+``ddpkit.allocator``), the order alternating between rounds; the train time
+and samples/s come from each run's ``summary.json``. Writes
+``<output>.json`` and ``<output>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CONFIGURATIONS = {
+    "W2, 1 worker": ["model=cnn", "nproc=1", "max_steps=600"],
+    "W2, 2 workers": ["model=cnn", "nproc=2", "max_steps=600"],
+    "W1, 2 workers": ["model=mlp", "nproc=2", "epochs=5"],
+}
+COMMON = ["progress=false", "eval_every_epoch=false", "checkpoint.enabled=false"]
+SMOKE = ["dataset=synthetic", "synthetic_samples=256", "max_steps=4"]
+CHOICES = ("keep", "default")
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="synthetic data, 4 steps, one round")
+    parser.add_argument("--output", default=f"benchmarks/allocator-2core-epyc-{datetime.date.today()}")
+    return parser.parse_args()
+
+
+def train(words: list[str], choice: str) -> dict[str, float]:
+    """One ``ddpkit train`` process with ``DDPKIT_MALLOC=choice``; its train time and samples/s."""
+    environ = {**os.environ, "DDPKIT_MALLOC": choice}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        environ.pop(name, None)  # these would make ddpkit leave the allocator alone in both runs
+    with tempfile.TemporaryDirectory(prefix="allocator-bench-") as folder:
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={folder}"],
+            env=environ,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if out.returncode != 0:
+            raise SystemExit(f"ddpkit train {' '.join(words)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        summary = json.loads((Path(folder) / "summary.json").read_text())
+    return {"train_time_s": summary["train_time_s"], "samples_per_s": summary["samples_per_s"]}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    configurations = {name: [*words, *COMMON, *(SMOKE if args.smoke else [])] for name, words in CONFIGURATIONS.items()}
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {name: {c: [] for c in CHOICES} for name in CONFIGURATIONS}
+    rounds = 1 if args.smoke else args.rounds
+    for round_index in range(rounds):
+        for name, words in configurations.items():
+            order = CHOICES if round_index % 2 == 0 else CHOICES[::-1]
+            for choice in order:
+                runs[name][choice].append(train(words, choice))
+            times = {c: runs[name][c][-1]["train_time_s"] for c in CHOICES}
+            print(f"round {round_index + 1}, {name}: keep {times['keep']:.2f} s, default {times['default']:.2f} s")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "command": "python benchmarks/allocator.py" + (" --smoke" if args.smoke else f" --rounds {rounds}"),
+        "configurations": configurations,
+        "runs": runs,
+    }
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "libc": os.confstr("CS_GNU_LIBC_VERSION"),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a table: each configuration's train time with either choice, medians and ranges."""
+    machine = report["machine"]
+    lines = [
+        "# ddpkit train with glibc's allocator keeping freed memory (`DDPKIT_MALLOC=keep`) or not (`default`)",
+        "",
+        f"{report['date']} · {machine['cpu']} · {machine['cores']} cores · torch {machine['torch']} · {machine['libc']}",
+        "",
+        f"Command: `{report['command']}`; each configuration's two runs alternated in order between rounds.",
+        "",
+        "| configuration | train time, keep (s) | train time, default (s) | keep / default | samples/s, keep | samples/s, default |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, by_choice in report["runs"].items():
+        times = {c: [r["train_time_s"] for r in by_choice[c]] for c in CHOICES}
+        rates = {c: statistics.median(r["samples_per_s"] for r in by_choice[c]) for c in CHOICES}
+        median = {c: statistics.median(times[c]) for c in CHOICES}
+        spread = {c: f"{median[c]:.2f} ({min(times[c]):.2f}-{max(times[c]):.2f})" for c in CHOICES}
+        lines.append(
+            f"| {name} (`{' '.join(report['configurations'][name])}`) | {spread['keep']} | {spread['default']} "
+            f"| {median['keep'] / median['default']:.2f} | {rates['keep']:,.0f} | {rates['default']:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = arguments()
+    report = measure(args)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    output.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
