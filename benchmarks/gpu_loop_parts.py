@@ -113,6 +113,8 @@ def train(variant: str, args, model, device) -> dict:
                     images += len(y)
             if variant == "torch":
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{folder}/ckpt.pt")
+            if ckpt is not None and epoch == args.epochs - 1:
+                ckpt.close()  # writes the last epoch's checkpoint: timed, as torch's last save is
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if epoch > 0:
