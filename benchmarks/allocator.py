@@ -18,11 +18,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ddpkit.allocator import GLIBC_VARIABLES
+from ddpkit.bench.train import ddpkit_summary
 
 CONFIGURATIONS = {
     "W2, 1 worker": ["model=cnn", "nproc=1", "max_steps=600"],
@@ -44,20 +44,9 @@ def arguments() -> argparse.Namespace:
 
 def train(words: list[str], choice: str) -> dict[str, float]:
     """One ``ddpkit train`` process with ``DDPKIT_MALLOC=choice``; its train time and samples/s."""
-    environ = {**os.environ, "DDPKIT_MALLOC": choice}
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
-        environ.pop(name, None)  # these would make ddpkit leave the allocator alone in both runs
-    with tempfile.TemporaryDirectory(prefix="allocator-bench-") as folder:
-        out = subprocess.run(
-            [sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={folder}"],
-            env=environ,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if out.returncode != 0:
-            raise SystemExit(f"ddpkit train {' '.join(words)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        summary = json.loads((Path(folder) / "summary.json").read_text())
+    # glibc's own variables would make ddpkit leave the allocator alone in both runs.
+    environ = {k: v for k, v in os.environ.items() if k not in GLIBC_VARIABLES}
+    summary = ddpkit_summary(words, timeout=900, environ={**environ, "DDPKIT_MALLOC": choice})
     return {"train_time_s": summary["train_time_s"], "samples_per_s": summary["samples_per_s"]}
 
 

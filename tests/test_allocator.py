@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from ddpkit.allocator import reason_to_leave_alone, setting
+from ddpkit.allocator import GLIBC_VARIABLES, reason_to_leave_alone, setting
 from ddpkit.cli import main
 from ddpkit.errors import UserError
 from tests.cli_runner import PYTHONPATH
@@ -84,7 +84,7 @@ def test_after_init_a_cnn_step_faults_in_no_new_memory():
     # A fresh process: the allocator's settings are the process's own. Without them, the same steps take
     # hundreds to thousands of faults each (DDPKIT_MALLOC=default; ~900 on the 2-core VM, 2,000 in ddpkit train).
     environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    for name in ("DDPKIT_MALLOC", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+    for name in ("DDPKIT_MALLOC", *GLIBC_VARIABLES):
         environ.pop(name, None)
     out = subprocess.run(
         [sys.executable, "-c", _STEPS], env=environ, capture_output=True, text=True, timeout=120, check=True

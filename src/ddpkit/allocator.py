@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from ddpkit.errors import UserError
 
 __all__ = [
+    "GLIBC_VARIABLES",
     "MMAP_THRESHOLD",
     "SETTING_VARIABLE",
     "TRIM_THRESHOLD",
@@ -50,7 +51,8 @@ MMAP_THRESHOLD = 32 * 1024 * 1024
 TRIM_THRESHOLD = 256 * 1024 * 1024
 """Free memory at the heap's top kept for reuse, up to this much, instead of being given back."""
 
-_GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+"""glibc's own tuning variables: where the environment sets one, the user chose, and the allocator is left alone."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
@@ -82,7 +84,7 @@ def reason_to_leave_alone(environ: Mapping[str, str], libc: str | None) -> str |
     """
     if setting(environ) == "default":
         return f"{SETTING_VARIABLE}=default"
-    chosen = [name for name in _GLIBC_VARIABLES if name in environ]
+    chosen = [name for name in GLIBC_VARIABLES if name in environ]
     if chosen:
         return f"{chosen[0]} is set"
     if not libc or not libc.startswith("glibc"):

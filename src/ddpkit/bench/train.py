@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ def _run_once(run: dict[str, Any], words: list[str], timeout: float) -> dict[str
     extra = [f"nproc={run['workers']}"]
     if run["workers"] > 1:
         extra += [f"allreduce={run['allreduce']}", f"grad_sync={run['grad_sync']}"]
-    summary = _ddpkit_summary([*words, *extra], timeout, run["name"])
+    summary = ddpkit_summary([*words, *extra], timeout, run["name"])
     return {
         "train_time_s": summary["train_time_s"],
         "test_accuracy": summary["test"].get("accuracy"),
@@ -284,11 +285,15 @@ def _last_json_line(command: list[str], timeout: float, name: str) -> dict[str, 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _ddpkit_summary(words: list[str], timeout: float, name: str = "") -> dict[str, Any]:
-    """``ddpkit train WORDS`` in a fresh process, into a temporary folder; its summary.json."""
+def ddpkit_summary(
+    words: list[str], timeout: float, name: str = "", environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``ddpkit train WORDS`` in a fresh process (with ``environ``, else this one's), into a temporary folder;
+    its summary.json."""
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
         out = subprocess.run(
             [sys.executable, "-m", "ddpkit", "train", *words, f"output_dir={tmp}"],
+            env=None if environ is None else dict(environ),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -338,13 +343,13 @@ def run_t2(cfg: TrainBenchConfig) -> dict[str, Any]:
     ]
     rounds: dict[str, list[float]] = {key: [] for key in T2_MEASURES}
     for round_index in range(1 if cfg.smoke else cfg.repeats):
-        run = _ddpkit_summary([*w2, "nproc=2"], cfg.timeout)
+        run = ddpkit_summary([*w2, "nproc=2"], cfg.timeout)
         steps = run["global_steps"]  # each worker's steps, 16 samples each
         rounds["w2_ddpkit"].append(run["samples_per_s"])
         for key, environ in (("w2_ceiling", None), ("w2_ceiling_kept", SAME_ALLOCATOR)):
             alone = _bare_loops_at_once([*w2, "threads=1", f"max_steps={steps}"], 2, cfg.timeout, environ)
             rounds[key].append(sum(r["samples"] / r["train_time_s"] for r in alone))
-        run = _ddpkit_summary([*w1, "nproc=2"], cfg.timeout)
+        run = ddpkit_summary([*w1, "nproc=2"], cfg.timeout)
         steps = run["global_steps"]
         rounds["w1_ddpkit_step"].append(run["train_time_s"] / steps)
         for key, environ in (("w1_ceiling_step", None), ("w1_ceiling_step_kept", SAME_ALLOCATOR)):
@@ -380,8 +385,8 @@ def run_t5(cfg: TrainBenchConfig) -> dict[str, Any]:
     accuracy: dict[str, list[float]] = {"ddpkit 1 worker": [], "ddpkit 2 workers": [], "bare loop": []}
     for seed in cfg.t5_seeds:
         seeded = [*words, f"seed={seed}"]
-        accuracy["ddpkit 1 worker"].append(_ddpkit_summary([*seeded, "nproc=1"], cfg.timeout)["test"]["accuracy"])
-        accuracy["ddpkit 2 workers"].append(_ddpkit_summary([*seeded, "nproc=2"], cfg.timeout)["test"]["accuracy"])
+        accuracy["ddpkit 1 worker"].append(ddpkit_summary([*seeded, "nproc=1"], cfg.timeout)["test"]["accuracy"])
+        accuracy["ddpkit 2 workers"].append(ddpkit_summary([*seeded, "nproc=2"], cfg.timeout)["test"]["accuracy"])
         bare = _last_json_line([sys.executable, "-m", "ddpkit.bench.bare_loop", *seeded], cfg.timeout, "bare loop")
         accuracy["bare loop"].append(bare["test_accuracy"])
         print(f"T5 seed {seed}: " + ", ".join(f"{k} {100 * v[-1]:.2f}%" for k, v in accuracy.items()), file=sys.stderr)
