@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
 
 from ddpkit.allocator import GLIBC_VARIABLES
+from ddpkit.bench.report import write_report
+from ddpkit.bench.system import machine_info, machine_tag, summarize
 from ddpkit.bench.train import ddpkit_summary
 
 CONFIGURATIONS = {
@@ -38,7 +38,7 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="synthetic data, 4 steps, one round")
-    parser.add_argument("--output", default=f"benchmarks/allocator-2core-epyc-{datetime.date.today()}")
+    parser.add_argument("--output", default=f"benchmarks/allocator-{machine_tag()}-{datetime.date.today()}")
     return parser.parse_args()
 
 
@@ -62,30 +62,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             times = {c: runs[name][c][-1]["train_time_s"] for c in CHOICES}
             print(f"round {round_index + 1}, {name}: keep {times['keep']:.2f} s, default {times['default']:.2f} s")
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": {**machine_info(), "libc": os.confstr("CS_GNU_LIBC_VERSION")},
         "command": "python benchmarks/allocator.py" + (" --smoke" if args.smoke else f" --rounds {rounds}"),
         "configurations": configurations,
         "runs": runs,
-    }
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "libc": os.confstr("CS_GNU_LIBC_VERSION"),
     }
 
 
@@ -95,7 +75,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# ddpkit train with glibc's allocator keeping freed memory (`DDPKIT_MALLOC=keep`) or not (`default`)",
         "",
-        f"{report['date']} · {machine['cpu']} · {machine['cores']} cores · torch {machine['torch']} · {machine['libc']}",
+        f"{machine['date']} · {machine['cpu_model']} · {machine['cores']} cores · torch {machine['torch']} · {machine['libc']}",
         "",
         f"Command: `{report['command']}`; each configuration's two runs alternated in order between rounds.",
         "",
@@ -103,13 +83,12 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, by_choice in report["runs"].items():
-        times = {c: [r["train_time_s"] for r in by_choice[c]] for c in CHOICES}
+        times = {c: summarize([r["train_time_s"] for r in by_choice[c]]) for c in CHOICES}
         rates = {c: statistics.median(r["samples_per_s"] for r in by_choice[c]) for c in CHOICES}
-        median = {c: statistics.median(times[c]) for c in CHOICES}
-        spread = {c: f"{median[c]:.2f} ({min(times[c]):.2f}-{max(times[c]):.2f})" for c in CHOICES}
+        spread = {c: f"{times[c]['median']:.2f} ({times[c]['min']:.2f}-{times[c]['max']:.2f})" for c in CHOICES}
         lines.append(
             f"| {name} (`{' '.join(report['configurations'][name])}`) | {spread['keep']} | {spread['default']} "
-            f"| {median['keep'] / median['default']:.2f} | {rates['keep']:,.0f} | {rates['default']:,.0f} |"
+            f"| {times['keep']['median'] / times['default']['median']:.2f} | {rates['keep']:,.0f} | {rates['default']:,.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -118,9 +97,7 @@ def main() -> None:
     args = arguments()
     report = measure(args)
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    output.with_suffix(".md").write_text(markdown(report))
+    write_report(report, str(output.parent), output.name, markdown)
     print(markdown(report))
 
 
