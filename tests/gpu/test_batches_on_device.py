@@ -101,7 +101,11 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
     (one per batch, on its side stream). A copy queued on the loop's stream
     would wait for the step before it. The batches come from loader workers
     and torch's pinning thread, which prepare them ahead (here during a pause
-    before the steps), so the loop's thread only issues the copies.
+    before the steps), so the loop's thread only issues the copies. The step's
+    kernels run once before: CUDA loads a kernel's module at its first launch
+    (lazy loading), and that load waits for the whole device, so a first
+    ``sum()`` would hold the loop's thread until step 0 ended and queue batch
+    2's copy after it (seen on an H200).
     """
     sleep_cycles = int(1000 * gpu_sleep.cycles_per_ms())  # 1 s
     real_event = torch.cuda.Event
@@ -117,28 +121,33 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
     dataset = torch.utils.data.TensorDataset(torch.rand(4 * 64, 1024, 64))
     batches = iter(DataLoader(dataset, batch_size=64, num_workers=2))
     start, step_0_end, step_1_end = (real_event(enable_timing=True) for _ in range(3))
-    (first,) = next(batches)  # batch 1's copy is queued before batch 0 is handed out
-    assert len(copies) == 2
-    time.sleep(2.0)  # the workers and the pinning thread have batches 2 and 3 ready
-    start.record()
-    torch.cuda._sleep(sleep_cycles)  # the step on batch 0
-    first.sum()
-    step_0_end.record()
-    issued = time.perf_counter()
-    (second,) = next(batches)  # the GPU is still in step 0: batch 2's copy is queued now
-    issued = time.perf_counter() - issued
-    assert len(copies) == 3
-    torch.cuda._sleep(sleep_cycles)
-    second.sum()
-    step_1_end.record()
-    torch.cuda.synchronize()
-    copied, step_0 = start.elapsed_time(copies[2]), start.elapsed_time(step_0_end)
-    assert copied < step_0, (
-        f"batch 2's copy ended {copied:.1f} ms after step 0 began, step 0 at {step_0:.1f} ms "
-        f"(next() took {1000 * issued:.1f} ms)"
-    )
-    assert start.elapsed_time(step_1_end) > step_0
-    list(batches)
+    try:
+        (first,) = next(batches)  # batch 1's copy is queued before batch 0 is handed out
+        assert len(copies) == 2
+        first.sum()  # the step's kernels loaded (see above)
+        torch.cuda.synchronize()
+        time.sleep(2.0)  # the workers and the pinning thread have batches 2 and 3 ready
+        start.record()
+        queued = time.perf_counter()
+        torch.cuda._sleep(sleep_cycles)  # the step on batch 0
+        first.sum()
+        step_0_end.record()
+        issued = time.perf_counter()
+        (second,) = next(batches)  # the GPU is still in step 0: batch 2's copy is queued now
+        issued, queued = time.perf_counter() - issued, time.perf_counter() - queued
+        assert len(copies) == 3
+        torch.cuda._sleep(sleep_cycles)
+        second.sum()
+        step_1_end.record()
+        torch.cuda.synchronize()
+        copied, step_0 = start.elapsed_time(copies[2]), start.elapsed_time(step_0_end)
+        assert copied < step_0, (
+            f"batch 2's copy ended {copied:.1f} ms after step 0 began, step 0 at {step_0:.1f} ms "
+            f"(next() took {1000 * issued:.1f} ms, {1000 * queued:.1f} ms from step 0's start)"
+        )
+        assert start.elapsed_time(step_1_end) > step_0
+    finally:
+        list(batches)  # the workers end here, also when an assertion failed (else they outlive the test)
 
 
 def test_a_readme_shaped_loop_without_to_device_trains(joined):
