@@ -103,9 +103,9 @@ def test_the_next_batchs_copy_runs_while_the_loops_step_does(joined, monkeypatch
     and torch's pinning thread, which prepare them ahead (here during a pause
     before the steps), so the loop's thread only issues the copies. The step's
     kernels run once before: CUDA loads a kernel's module at its first launch
-    (lazy loading), and that load waits for the whole device, so a first
-    ``sum()`` would hold the loop's thread until step 0 ended and queue batch
-    2's copy after it (seen on an H200).
+    (lazy loading), a load that may synchronise the whole context: a first
+    ``sum()`` here is the likely reason why, on an H200, batch 2's copy once
+    ended just after step 0 although ``next()`` took 1.8 ms.
     """
     sleep_cycles = int(1000 * gpu_sleep.cycles_per_ms())  # 1 s
     real_event = torch.cuda.Event
