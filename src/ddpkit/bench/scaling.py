@@ -83,7 +83,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.bench import perfmodel
 from ddpkit.bench.report import file_stem, write_report
@@ -93,6 +93,9 @@ from ddpkit.bench.system import machine_info, machine_tag
 from ddpkit.config import ConfigError, check_positive, parse
 from ddpkit.errors import UserError
 from ddpkit.figures import format_bytes
+
+if TYPE_CHECKING:
+    from ddpkit.distributed import Context
 
 WORKLOADS = {"W1": "mlp", "W2": "cnn", "W3": "autoencoder"}
 """Reference workloads (WORKLOADS.md) by id, and the registered model each trains."""
@@ -435,62 +438,74 @@ def run_configuration(job: dict[str, Any]) -> dict[str, Any] | None:
     Returns:
         The configuration's measurements on rank 0, None elsewhere.
     """
-    import torch
-    import torch.distributed as dist
-
     from ddpkit import distributed
-    from ddpkit.comm import flat_grads
-    from ddpkit.comm.registry import resolve_allreduce
-    from ddpkit.config import TrainConfig
-    from ddpkit.data.datasets import load_datasets
     from ddpkit.env.detect import detect_environment
-    from ddpkit.models.registry import get_model_spec
-    from ddpkit.train.run import build_trainer, data_options
 
     cfg = ScalingBenchConfig(**job["bench"])
     world_size = detect_environment(os.environ).world_size
     threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // world_size)
     ctx = distributed.init("gloo", "cpu", cfg.timeout, threads)
     try:
-        spec = get_model_spec(cfg.model)
-        words = _train_words(cfg, job["allreduce"] if world_size > 1 else "builtin", job["scratch_dir"], threads)
-        train_cfg = parse(TrainConfig, words, presets=dict(spec.recipe))
-        train_set, test_set = load_datasets(train_cfg.dataset, data_options(train_cfg))
-        trainer = build_trainer(train_cfg, ctx, spec, train_set, test_set)
-        gradient_bytes = flat_grads.gradient_bytes(trainer.module)
-        sizes, comm_isolated = fit_sizes(gradient_bytes), []
-        fn = None
-        if world_size > 1:
-            fn = dist.all_reduce if trainer.allreduce == "builtin" else resolve_allreduce(trainer.allreduce)
-        if world_size > 1:
-            comm_isolated = _time_allreduce(fn, sizes, cfg.comm_iterations, cfg.comm_repeats)
-        steps = _measure_steps(trainer, cfg, _step_timers(trainer, train_cfg, world_size, fn, sizes))
-        per_rank: list[Any] = [None] * world_size
-        dist.all_gather_object(per_rank, {"steps": steps, "comm_isolated": comm_isolated})
-        if ctx.rank != 0:
-            return None
-        slowest = {key: max(r["steps"][key] for r in per_rank) for key in steps}
-        comm_slowest = [slowest[f"comm_{i}"] for i in range(len(sizes))] if world_size > 1 else []
-        isolated_slowest = [max(r["comm_isolated"][i] for r in per_rank) for i in range(len(comm_isolated))]
-        result = {
-            "world_size": world_size,
-            "num_nodes": ctx.env.num_nodes,
-            "threads": threads,
-            "allreduce": trainer.allreduce if world_size > 1 else "none",
-            "grad_sync": trainer.grad_sync,
-            "batch_per_worker": len(next(_batches(trainer))[0][0]),
-            "global_batch": trainer.loader.global_batch_size,
-            "gradient_bytes": gradient_bytes,
-            "slowest_rank": slowest,
-            "comm_sizes": sizes if comm_slowest else [],
-            "comm_s": comm_slowest,
-            "comm_isolated_s": isolated_slowest,
-            "torch_threads": torch.get_num_threads(),
-        }
-        Path(job["result_path"]).write_text(json.dumps(result))
-        return result
+        return _measure_configuration(cfg, job, ctx, threads)
     finally:
         distributed.shutdown()
+
+
+def _measure_configuration(
+    cfg: ScalingBenchConfig, job: dict[str, Any], ctx: Context, threads: int
+) -> dict[str, Any] | None:
+    """:func:`run_configuration`'s measurements, in the joined group.
+
+    The trainer lives in this frame only, so that it (and a DDP model's reducer) is freed before the
+    group is destroyed: ``ddpkit train``'s ``_train`` says why a reducer freed after it can hang.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.comm import flat_grads
+    from ddpkit.comm.registry import resolve_allreduce
+    from ddpkit.config import TrainConfig
+    from ddpkit.data.datasets import load_datasets
+    from ddpkit.models.registry import get_model_spec
+    from ddpkit.train.run import build_trainer, data_options
+
+    world_size = ctx.world_size
+    spec = get_model_spec(cfg.model)
+    words = _train_words(cfg, job["allreduce"] if world_size > 1 else "builtin", job["scratch_dir"], threads)
+    train_cfg = parse(TrainConfig, words, presets=dict(spec.recipe))
+    train_set, test_set = load_datasets(train_cfg.dataset, data_options(train_cfg))
+    trainer = build_trainer(train_cfg, ctx, spec, train_set, test_set)
+    gradient_bytes = flat_grads.gradient_bytes(trainer.module)
+    sizes, comm_isolated = fit_sizes(gradient_bytes), []
+    fn = None
+    if world_size > 1:
+        fn = dist.all_reduce if trainer.allreduce == "builtin" else resolve_allreduce(trainer.allreduce)
+        comm_isolated = _time_allreduce(fn, sizes, cfg.comm_iterations, cfg.comm_repeats)
+    steps = _measure_steps(trainer, cfg, _step_timers(trainer, train_cfg, world_size, fn, sizes))
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, {"steps": steps, "comm_isolated": comm_isolated})
+    if ctx.rank != 0:
+        return None
+    slowest = {key: max(r["steps"][key] for r in per_rank) for key in steps}
+    comm_slowest = [slowest[f"comm_{i}"] for i in range(len(sizes))] if world_size > 1 else []
+    isolated_slowest = [max(r["comm_isolated"][i] for r in per_rank) for i in range(len(comm_isolated))]
+    result = {
+        "world_size": world_size,
+        "num_nodes": ctx.env.num_nodes,
+        "threads": threads,
+        "allreduce": trainer.allreduce if world_size > 1 else "none",
+        "grad_sync": trainer.grad_sync,
+        "batch_per_worker": len(next(_batches(trainer))[0][0]),
+        "global_batch": trainer.loader.global_batch_size,
+        "gradient_bytes": gradient_bytes,
+        "slowest_rank": slowest,
+        "comm_sizes": sizes if comm_slowest else [],
+        "comm_s": comm_slowest,
+        "comm_isolated_s": isolated_slowest,
+        "torch_threads": torch.get_num_threads(),
+    }
+    Path(job["result_path"]).write_text(json.dumps(result))
+    return result
 
 
 # --- starting the workers ----------------------------------------------------------------------
