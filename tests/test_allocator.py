@@ -54,6 +54,16 @@ def test_the_launcher_refuses_a_bad_value_before_any_worker_starts(tmp_path, mon
     assert "started" not in out
 
 
+def test_ddpkit_launch_refuses_a_bad_value_before_any_worker_starts(tmp_path, monkeypatch):
+    import ddpkit
+
+    monkeypatch.setenv("DDPKIT_MALLOC", "tuned")
+    started = tmp_path / "started"
+    with pytest.raises(UserError, match=r"^DDPKIT_MALLOC='tuned' is unknown"):
+        ddpkit.launch(started.touch, nproc=2)
+    assert not started.exists()
+
+
 # W2's steps at batch 16 on one thread, after ddpkit.init(): the minor page faults of each step.
 _STEPS = textwrap.dedent(
     """

@@ -103,6 +103,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddpkit import allocator
 from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.gc_pause import import_paused
 from ddpkit.launch.failure import LaunchError, record_for_launcher
@@ -157,6 +158,7 @@ def launch(
     check_choice("start_method", start_method, START_METHODS)
     if not callable(fn):
         raise UserError(f"fn={fn!r} is not callable; pass the function each worker runs, e.g. ddpkit.launch(train)")
+    allocator.setting(os.environ)  # DDPKIT_MALLOC: every worker's init would refuse a bad one
     method = choose_start_method(start_method, fn)
     if method == "fork":
         import_paused(*FORK_PRELOAD)  # once per process; a no-op after
