@@ -7,7 +7,8 @@ One process (``ddpkit.init()`` alone, world size 1), one model, the data of
 workers, batch 256, bf16 autocast, SGD). Each variant trains ``--epochs``
 epochs and reports images/s over all but the first, the median step and the
 longest epoch boundary (from the end of one epoch's last step to the next
-epoch's first batch). Variants, alternated over ``--rounds``:
+epoch's first batch). Variants, alternated over ``--rounds`` (in reverse order every other round, so that
+no variant always follows the same one):
 
 - ``torch``: torch's DataLoader (``pin_memory=True``), ``x.to(device, non_blocking=True)``,
   ``torch.save`` on rank 0 at each epoch end: the plain torch loop;
@@ -160,7 +161,8 @@ def main() -> None:
     model = ddpkit.prepare_model(workload.build_model(argparse.Namespace(model=args.model, width=64)))
     results = []
     for round_index in range(args.rounds):
-        for variant in args.variants.split(","):
+        variants = args.variants.split(",")
+        for variant in variants if round_index % 2 == 0 else variants[::-1]:
             results.append({"round": round_index, "model": args.model, **train(variant, args, model, device)})
             print(json.dumps(results[-1]), flush=True)
             # The variant's loader and its persistent workers go now, not in a later variant's forked workers.
