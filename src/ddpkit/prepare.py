@@ -14,8 +14,9 @@
 What ``ddpkit train`` does, a user's script gets the same way: the all_reduce
 (``allreduce=auto``: shared memory on one CPU node, hierarchical across
 nodes, the backend's built-in otherwise) and the synchronisation
-(``grad_sync=auto``: one flat all_reduce for gradients up to DDP's first
-bucket, torch's DDP beyond), both explained in :mod:`ddpkit.comm.grad_sync`.
+(``grad_sync=auto``: one flat all_reduce with shared memory, or for
+gradients up to DDP's first bucket; torch's DDP otherwise), both explained in
+:mod:`ddpkit.comm.grad_sync`.
 
 Gradient accumulation: run the forward and backward of every micro-batch but
 the last inside ``ddpkit.no_sync(model)``::
@@ -153,7 +154,7 @@ def prepare_model(
     if sync_batchnorm and ctx.world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     algorithm = choose_allreduce(allreduce, ctx)
-    mode = choose_grad_sync(grad_sync, model, sync_batchnorm)
+    mode = choose_grad_sync(grad_sync, model, sync_batchnorm, algorithm)
     if mode == "ddp" and ctx.world_size > 1:
         # Wrapped here, not by GradientSync, which then holds it weakly (the registry's key).
         model = wrap_ddp(model, ctx, algorithm)

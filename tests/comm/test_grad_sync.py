@@ -37,3 +37,10 @@ def test_grad_sync_auto_is_flat_for_gradients_in_ddps_first_bucket_without_syncb
     assert choose_grad_sync("auto", frozen_above, sync_batchnorm=False) == "flat"
     assert choose_grad_sync("auto", exactly_1_mib, sync_batchnorm=True) == "ddp"
     assert choose_grad_sync("manual", above, sync_batchnorm=False) == "manual"
+
+
+def test_grad_sync_auto_is_flat_at_any_size_with_the_shared_memory_all_reduce():
+    large = nn.Linear(2048, 2048)  # 16 MiB of gradients
+    assert choose_grad_sync("auto", large, sync_batchnorm=False, allreduce="shm") == "flat"
+    assert choose_grad_sync("auto", large, sync_batchnorm=False, allreduce="builtin") == "ddp"
+    assert choose_grad_sync("ddp", large, sync_batchnorm=False, allreduce="shm") == "ddp"

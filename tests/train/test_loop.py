@@ -126,10 +126,13 @@ def test_grad_sync_modes_match_ddp(two_ranks, grad_sync):
     _assert_close(other[1], ddp[1])
 
 
-def test_grad_sync_auto_is_flat_for_small_gradients_only():
+def test_grad_sync_auto_is_flat_for_small_gradients_and_with_shared_memory():
     mlp, cnn = get_model_spec("mlp").build(), get_model_spec("cnn").build()  # 155 KiB and 2.3 MiB of gradients
     assert choose_grad_sync("auto", mlp, sync_batchnorm=False) == "flat"
     assert choose_grad_sync("auto", cnn, sync_batchnorm=False) == "ddp"
+    assert choose_grad_sync("auto", cnn, sync_batchnorm=False, allreduce="hierarchical") == "ddp"
+    assert choose_grad_sync("auto", cnn, sync_batchnorm=False, allreduce="shm") == "flat"  # W2 on one CPU node
+    assert choose_grad_sync("auto", cnn, sync_batchnorm=True, allreduce="shm") == "ddp"
     assert choose_grad_sync("auto", mlp, sync_batchnorm=True) == "ddp"
     assert choose_grad_sync("manual", cnn, sync_batchnorm=False) == "manual"
 

@@ -10,10 +10,18 @@ algorithm of ``ddpkit.comm``.
 ``grad_sync=auto`` takes ``flat`` (``ddpkit.comm.flat_grads``: gradients as
 views of one buffer, one all_reduce after backward) when the gradients fit in
 DDP's first bucket, where DDP has a single bucket and so no overlap with
-backward to offer, only its per-parameter hooks and copies; and ``ddp``
-(the chosen all_reduce as DDP's communication hook, buckets overlapping
-backward) for larger models or with SyncBatchNorm. ``manual`` is the
-textbook per-parameter loop, kept as a baseline.
+backward to offer, only its per-parameter hooks and copies, and whatever the
+size with the shared-memory all_reduce: that one is CPU work on the cores
+that the workers' threads already fill (ddpkit gives each worker cores /
+workers threads), so DDP's buckets overlap backward with nothing and cost
+their copies and hand-offs (on the 2-core VM, 2 workers: W2, 2.4 MB of
+gradients, a step 7.75 ms flat against 8.45 ms DDP; MLPs of 12 MB and 40 MB,
+10.1 ms against 11.6 ms and 35.9 ms against 40.7-41.3 ms). Otherwise
+``ddp`` (the chosen all_reduce as DDP's communication hook, buckets
+overlapping backward: nccl on a GPU, gloo between nodes, where the wait is on
+the network or the GPU, not on the cores) for larger models, and with
+SyncBatchNorm. ``manual`` is the textbook per-parameter loop, kept as a
+baseline.
 
 In every mode the gradients are averaged by the time ``backward()`` returns,
 so that the training loop stays ``loss.backward(); optimizer.step();
@@ -141,12 +149,23 @@ def _on_every_rank(flag: bool) -> bool:
     return bool(agreed.item())
 
 
-def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool) -> str:
-    """The gradient synchronisation mode for ``requested`` (resolving auto for ``model``)."""
+def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool, allreduce: str = "builtin") -> str:
+    """The gradient synchronisation mode for ``requested`` (resolving auto for ``model`` and ``allreduce``).
+
+    Args:
+        requested: auto, ddp, flat or manual.
+        model: the model whose gradients are synchronised.
+        sync_batchnorm: SyncBatchNorm layers (DDP only).
+        allreduce: the algorithm chosen (:func:`choose_allreduce`).
+    """
     if requested != "auto":
         return requested
     if sync_batchnorm:  # torch supports SyncBatchNorm inside DDP only
         return "ddp"
+    if allreduce == "shm":
+        # The shared-memory all_reduce runs on the cores whose every thread the workers' computation already
+        # takes (threads = cores / workers): DDP's overlap has no core to run on, and it costs more than it hides.
+        return "flat"
     return "flat" if gradient_bytes(model) <= DDP_FIRST_BUCKET_BYTES else "ddp"
 
 
