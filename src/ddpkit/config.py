@@ -485,8 +485,9 @@ class TrainConfig:
     """Gradient all_reduce: auto (CPU: shm on one node, hierarchical across nodes with several workers per node;
     else builtin), builtin, shm, hierarchical, ring, ..."""
     grad_sync: str = "auto"
-    """auto (flat for gradients <= 1 MiB, else ddp), ddp (DistributedDataParallel with the all_reduce as its hook),
-    flat (one all_reduce of all gradients after backward) or manual (per-parameter all_reduce)."""
+    """auto (flat with allreduce shm, and for gradients <= 1 MiB; else ddp), ddp (DistributedDataParallel with the
+    all_reduce as its hook), flat (one all_reduce of all gradients after backward) or manual (per-parameter
+    all_reduce)."""
     shard: bool = False
     """Shard parameters, gradients and optimizer state over the workers (torch's FSDP2 on the model's repeated
     blocks): for models larger than one device; checkpoints are written by every worker, export gives full weights."""
