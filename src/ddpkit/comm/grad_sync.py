@@ -163,8 +163,8 @@ def choose_grad_sync(requested: str, model: nn.Module, sync_batchnorm: bool, all
     if sync_batchnorm:  # torch supports SyncBatchNorm inside DDP only
         return "ddp"
     if allreduce == "shm":
-        # The shared-memory all_reduce runs on the cores whose every thread the workers' computation already
-        # takes (threads = cores / workers): DDP's overlap has no core to run on, and it costs more than it hides.
+        # The shared-memory all_reduce is CPU work on the cores that the workers' threads already fill
+        # (threads = cores / workers): DDP's overlap has no core to run on, and its copies cost more than it hides.
         return "flat"
     return "flat" if gradient_bytes(model) <= DDP_FIRST_BUCKET_BYTES else "ddp"
 
