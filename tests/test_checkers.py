@@ -50,8 +50,10 @@ def test_mypy() -> None:
 
 
 def test_public_names_are_visible() -> None:
-    """dir(ddpkit) lists __all__, and the TYPE_CHECKING imports name the objects the lazy loading returns."""
+    """dir(ddpkit) lists __all__ (not the helpers the package imports), and the TYPE_CHECKING imports name the
+    objects the lazy loading returns."""
     assert set(ddpkit.__all__) <= set(dir(ddpkit))
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib", "types"} & set(dir(ddpkit)), dir(ddpkit)
     source = Path(ddpkit.__file__).read_text()
     block = source.split("if TYPE_CHECKING:", 1)[1].split("\ndef ", 1)[0]
     imported = {}

@@ -24,6 +24,7 @@ Python, a REPL or a notebook cell, ``ddpkit.launch(train, nproc=2)`` runs a func
 from __future__ import annotations
 
 import importlib
+import types
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.version import __version__
@@ -107,5 +108,10 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """The public names and the module's own globals (submodules already imported included)."""
-    return sorted(set(globals()) | set(__all__))
+    """The public names, the module's dunders and ddpkit's submodules already imported (not this file's helpers)."""
+    own = {name for name, value in globals().items() if name.startswith("__") or _is_submodule(value)}
+    return sorted(own | set(__all__))
+
+
+def _is_submodule(value: Any) -> bool:
+    return isinstance(value, types.ModuleType) and value.__name__.startswith("ddpkit.")
