@@ -26,6 +26,7 @@ from ddpkit.checkpoint.layout import (
     FORMAT,
     MANIFEST,
     NAME_PATTERN,
+    SHARDED_KEY,
     STEP_PREFIX,
     CheckpointError,
 )
@@ -250,9 +251,14 @@ def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
         load: also load every ``.pt`` file with ``weights_only=True`` (refusing
             crafted pickles); without it only sizes and checksums are checked.
 
+    A sharded checkpoint's DCP index is checked against its files too
+    (:func:`ddpkit.checkpoint.sharded_reading.check_index`): every slice in a
+    file of the manifest, inside the folder, and with ``load`` loadable.
+
     Raises:
         CheckpointError: no manifest, a file missing, truncated or changed
-            (size or SHA-256), or refused by the safe loader. The message names the file.
+            (size or SHA-256), or refused by the safe loader; a DCP index that
+            does not match its files. The message names the file.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -264,6 +270,17 @@ def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
             raise CheckpointError(
                 f"{folder / name} cannot be read ({e.strerror or type(e).__name__}); make it readable by this "
                 "user (chmod, chown), or use an earlier checkpoint"
+            ) from None
+    if manifest.get(SHARDED_KEY):
+        # DCP's files verified: its index must also match them, or the checkpoint verifies and cannot load.
+        from ddpkit.checkpoint.sharded_reading import check_index
+
+        try:
+            check_index(folder, manifest["files"], load)
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint {folder}'s shards cannot be read ({e.strerror or type(e).__name__}); make them "
+                "readable by this user (chmod, chown), or use an earlier checkpoint"
             ) from None
     return loaded
 
