@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,54 @@ def test_a_restarted_run_waits_for_its_predecessor_s_lock(tmp_path):
     with FolderLock(tmp_path).acquire(timeout=30) as lock:
         assert lock.held and 0.5 < time.monotonic() - start < 30
     holder.wait()
+
+
+def test_a_symbolic_link_at_the_lock_file_is_refused_in_one_line_and_its_target_never_created(tmp_path):
+    from ddpkit.checkpoint.folder_lock import LockFileError
+
+    folder, target = tmp_path / "run", tmp_path / "elsewhere" / "victim"
+    folder.mkdir()
+    target.parent.mkdir()
+    (folder / LOCK_FILE).symlink_to(target)
+    with pytest.raises(LockFileError) as refused:
+        FolderLock(folder).acquire()
+    message = str(refused.value)
+    assert message == (
+        f"{folder / LOCK_FILE} is a symbolic link (to {target}), not a lock file; ddpkit never follows a link "
+        f"there: delete it (rm {folder / LOCK_FILE}) and run again"
+    )
+    assert not target.exists()
+
+
+UNOPENABLE = """
+import os, sys
+from ddpkit.checkpoint.folder_lock import FolderLock, LockFileError
+os.setgid(65534); os.setuid(65534)  # nobody (after the imports: the interpreter's files may be root's alone)
+try:
+    FolderLock(sys.argv[1]).acquire()
+except LockFileError as e:
+    print(e)
+"""
+
+
+def test_a_lock_file_this_user_cannot_open_is_named_with_its_owner_not_the_folder():
+    if os.geteuid() != 0:
+        pytest.skip("another user's lock file needs root to make (CI runs as root)")
+    with tempfile.TemporaryDirectory() as scratch:  # not under pytest's folder: that is root's alone (0700)
+        folder = Path(scratch) / "run"
+        folder.mkdir()
+        FolderLock(folder).acquire().release()  # root's lock file, mode 0600, left as a run leaves it
+        os.chmod(scratch, 0o755)
+        os.chmod(folder, 0o777)  # the folder is writable by everyone: the lock file alone is the problem
+        seen = subprocess.run(
+            [sys.executable, "-c", UNOPENABLE, str(folder)],
+            env={**os.environ, "PYTHONPATH": PYTHONPATH},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert seen.stdout == (
+        f"the lock file {folder / LOCK_FILE} cannot be opened by this user (Permission denied: it belongs to uid 0, "
+        f"mode 0600); if no run is using {folder}, delete the lock file (or make it readable and writable by this "
+        "user) and run again\n"
+    ), seen.stderr

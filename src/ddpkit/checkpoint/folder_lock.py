@@ -27,6 +27,11 @@ fallback owns the lock file's contents, and on NFS, closing *any* descriptor
 of a POSIX-locked file drops the process's lock, so the holder never opens
 the lock file a second time.
 
+The lock file is never a symbolic link: one planted there is refused in one
+line, never followed (locking it would create and lock its target), and a
+lock file this user cannot open (another user's) is named as the problem,
+with its owner and mode (:class:`LockFileError`).
+
 Re-entrant within a process: ``ddpkit train`` locks its run folder and its
 Checkpointer locks the checkpoints folder inside it, with lock files of their
 own; where both name the same folder (``checkpoint.dir`` set to
@@ -37,10 +42,12 @@ only when every holder has released it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
 import socket
+import stat
 import sys
 import threading
 import time
@@ -66,6 +73,11 @@ class FolderInUseError(UserError):
 
     exit_status = EXIT_USER_ERROR
     """The exit status of a worker refused its folder, and of the command (a launcher passes it on)."""
+
+
+class LockFileError(FolderInUseError):
+    """The folder's lock file cannot be used (a symbolic link, or a file this user cannot open); the message
+    says which and the fix. A kind of FolderInUseError: the run stops before writing, as when a run holds it."""
 
 
 _HELD: dict[str, tuple[FileLock, int]] = {}
@@ -113,12 +125,15 @@ class FolderLock:
 
         Raises:
             FolderInUseError: another live process holds it (the message names that run and the fix).
-            OSError: the folder cannot be created or the lock file cannot be opened (e.g. read-only).
+            LockFileError: the lock file is a symbolic link, or exists and this user cannot open it.
+            OSError: the folder cannot be created or written (e.g. read-only).
         """
         if self._key:
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(self.lock_file)
+        self._check_lock_file()
+        # The folder is resolved, never the lock file: a link planted there must not choose what is locked.
+        key = os.path.join(os.path.realpath(self.folder), LOCK_FILE)
         with _HELD_GUARD:
             if key in _HELD:  # this process holds it already (see the module docstring)
                 lock, count = _HELD[key]
@@ -130,6 +145,11 @@ class FolderLock:
                 lock.acquire()
             except Timeout:
                 raise FolderInUseError(self._refusal()) from None
+            except OSError as e:
+                unusable = self._unusable(e)
+                if unusable is None:
+                    raise
+                raise unusable from None
             _HELD[key] = (lock, 1)
             self._key = key
         try:
@@ -162,6 +182,29 @@ class FolderLock:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+    def _check_lock_file(self) -> None:
+        """Refuse a symbolic link at the lock file's path: locking it would create and lock its target."""
+        if os.path.islink(self.lock_file):
+            raise LockFileError(
+                f"{self.lock_file} is a symbolic link (to {os.readlink(self.lock_file)}), not a lock file; ddpkit "
+                f"never follows a link there: delete it (rm {self.lock_file}) and run again"
+            )
+
+    def _unusable(self, error: OSError) -> LockFileError | None:
+        """The one-line error for a lock file that exists but cannot be opened (another user's, say); None
+        when the lock file is not the problem (the folder cannot be written: the caller says so)."""
+        try:
+            facts = self.lock_file.lstat()
+        except OSError:
+            return None
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.ELOOP):
+            return None
+        return LockFileError(
+            f"the lock file {self.lock_file} cannot be opened by this user ({error.strerror}: it belongs to uid "
+            f"{facts.st_uid}, mode {stat.S_IMODE(facts.st_mode):04o}); if no run is using {self.folder}, delete "
+            "the lock file (or make it readable and writable by this user) and run again"
+        )
 
     def _refusal(self) -> str:
         holder = read_holder(self.folder)
@@ -214,7 +257,15 @@ def _command_line(limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["FolderInUseError", "FolderLock", "HOLDER_FILE", "LOCK_FILE", "describe_holder", "read_holder"]
+__all__ = [
+    "FolderInUseError",
+    "FolderLock",
+    "HOLDER_FILE",
+    "LOCK_FILE",
+    "LockFileError",
+    "describe_holder",
+    "read_holder",
+]
 
 
 RESTART_LOCK_WAIT_S = 60.0
