@@ -204,3 +204,19 @@ def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_u
     assert line.count(checkpoint_name(5)) == 3 and "\n" not in line  # the attempted path, removed, untouched
     # The file system has room for it now (a quota, or another writer that filled it and freed it since).
     assert "free space there (or raise your quota), keep fewer checkpoints" in line and "at least 0 B" not in line
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_full_disk_under_a_sharded_write_is_named_not_torch_saves_unexpected_pos(tmp_path):
+    from ddpkit.checkpoint.sharded import ShardedState
+
+    model, optimizer = stepped_model()  # 256 kB of weights, 512 kB of Adam's state: a single rank's shards
+    shards = ShardedState(model, optimizer, rank=0, world_size=1)
+    with tmpfs(tmp_path / "small", 300_000) as small:
+        shards.save(small, "step-000000001", 0o600, lambda: 800_000)
+        with pytest.raises(StorageError) as failed:
+            shards.staged()
+    message = str(failed.value)
+    assert message.startswith(f"cannot write checkpoint {small / 'step-000000001'}: No space left on device ("), message
+    assert "unexpected pos" not in message and "\n" not in message
+    assert failed.value.exit_status == EXIT_STORAGE

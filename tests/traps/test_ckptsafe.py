@@ -109,3 +109,32 @@ def test_export_and_init_from_refuse_an_index_that_points_outside_the_folder(ref
     assert not (tmp_path / "export" / "model.pt").exists()
     with pytest.raises(ddpkit.CheckpointError, match=outside):
         read_weights(checkpoint)
+
+
+def test_a_full_disk_under_a_sharded_run_stops_with_74_in_one_line_and_resumes_bit_equal(tmp_path) -> None:
+    from tests.checkpoint.test_storage import page_bytes, remount, tmpfs
+
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    with Commands() as commands:
+        whole = commands.run("run", "nproc=2", str(SCRIPT), "ck", "final.pt", "8", "20000", cwd=reference)
+        assert whole.returncode == 0, whole.stderr
+        # Room for step 2's checkpoint (3.2 MB) and the lock's files, and a page more: each rank's first
+        # tensor of step 4's checkpoint fails inside torch.save, which reports it as "unexpected pos".
+        size = page_bytes(reference / "ck" / "step-000000008") + 3 * 4096
+        with tmpfs(run / "ck", size):
+            out = commands.run("run", "nproc=2", str(SCRIPT), "ck", "final.pt", "8", "20000", cwd=run)
+            assert out.returncode == 74, out.stderr
+            said = out.stdout + out.stderr  # warned before training: the folder holds one checkpoint, not keep + 1
+            assert said.index("a save will fail for lack of space") < said.index("resume=auto: no checkpoint"), said
+            errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and "Traceback" not in out.stderr and "unexpected pos" not in out.stderr
+            assert "cannot write checkpoint ck/step-000000004: No space left on device (" in errors[0], errors
+            assert "the newest complete checkpoint ck/step-000000002 is untouched" in errors[0], errors
+            remount(run / "ck", f"size={4 * size}")
+            out = commands.run("run", "nproc=2", str(SCRIPT), "ck", "final.pt", "8", "20000", cwd=run)
+            assert out.returncode == 0, out.stderr
+            assert "resumed from ck/step-000000002" in out.stdout + out.stderr
+    got = torch.load(run / "final.pt", weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.load(reference / "final.pt", weights_only=True), strict=True))

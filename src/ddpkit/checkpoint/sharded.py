@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from ddpkit.checkpoint.async_save import BackgroundWriter
 from ddpkit.checkpoint.finite import nonfinite_tensors
@@ -231,11 +232,10 @@ class ShardedState:
             StorageError: some rank could not write (on every rank: DCP tells them all).
         """
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save
 
         nonfinite = nonfinite_tensors(state)  # this rank's shards; rank 0 marks the checkpoint for every rank's
-        writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
+        writer = _ShardWriter(staging, single_file_per_rank=True, sync_files=True, overwrite=False)
         try:
             save(state, storage_writer=writer, process_group=group)
         except CheckpointException as e:  # DCP raises it on every rank, with each failed rank's error
@@ -327,6 +327,34 @@ class ShardedState:
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
+
+
+class _ShardWriter(FileSystemWriter):
+    """DCP's file writer, whose failed write raises the OSError underneath.
+
+    torch.save reports a full disk as an unrelated RuntimeError ("unexpected pos"), the OSError only its
+    context, which DCP's gathering of every rank's failure to every rank drops: the OSError is raised
+    instead, so that rank 0 names the real cause ("No space left on device") for whichever rank it was.
+    """
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().write_data(*args, **kwargs)
+        except RuntimeError as e:
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            raise cause from None
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError in ``error``'s chain of causes and contexts, if any."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _keyed_by_name(model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,8 +4,9 @@ A save fails when the file system is full (``ENOSPC``) or a quota is
 reached (``EDQUOT``), when the folder is read-only or not the user's
 (``EROFS``, ``EACCES``), or when it vanished (unmounted, deleted). torch.save
 reports a full disk as an unrelated ``RuntimeError`` ("unexpected pos");
-:func:`ddpkit.checkpoint.format.write_file_atomic` hands on the ``OSError``
-underneath, and :func:`ddpkit.checkpoint.format.write_checkpoint` removes the
+:func:`ddpkit.checkpoint.format.write_file_atomic` (and, for a sharded
+checkpoint's shards, :class:`ddpkit.checkpoint.sharded.ShardedState`) hands
+on the ``OSError`` underneath, and :func:`ddpkit.checkpoint.format.write_checkpoint` removes the
 incomplete folder. What the Checkpointer then says is built here::
 
     cannot write checkpoint runs/a/checkpoints/step-000002814: No space left on device (12.0 kB free on the

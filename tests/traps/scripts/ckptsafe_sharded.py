@@ -1,6 +1,8 @@
 """A sharded (FSDP2) training script as a user writes it: resume, train, save every 2 steps, write the weights.
 
-    ddpkit run nproc=2 ckptsafe_sharded.py CKPT_DIR FINAL_PT STEPS
+    ddpkit run nproc=2 ckptsafe_sharded.py CKPT_DIR FINAL_PT STEPS [WIDTH]
+
+WIDTH (default 16) is the hidden layer's: a wider one makes bigger checkpoints.
 """
 
 import sys
@@ -12,9 +14,10 @@ from torch import nn
 import ddpkit
 
 folder, final, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+width = int(sys.argv[4]) if len(sys.argv) > 4 else 16
 ctx = ddpkit.init()
 torch.manual_seed(0)
-model = ddpkit.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), shard=True)
+model = ddpkit.prepare_model(nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 4)), shard=True)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 ckpt = ddpkit.Checkpointer(folder, model=model, optimizer=optimizer, every_steps=2)
 start = ckpt.resume("auto")
