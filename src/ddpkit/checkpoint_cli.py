@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 
 from ddpkit.command_help import CommandHelp
@@ -37,6 +38,16 @@ class CheckpointsConfig:
 
     verify: bool = True
     """Read every file and check its SHA-256 against the manifest (false: only read the manifests)."""
+    digest: str = ""
+    """Check one checkpoint (DIR is its folder) against the digest recorded when it was written (its log line,
+    or this listing's digest column, kept where the folder cannot be written): exit status 1 unless it matches."""
+
+    def __post_init__(self) -> None:
+        if self.digest and not re.fullmatch(r"[0-9a-fA-F]{64}", self.digest):
+            raise UserError(
+                f"digest={self.digest} is not a digest: pass the 64 hex digits the checkpoint's log line or "
+                "the listing's digest column shows"
+            )
 
 
 EXPORT_HELP = CommandHelp(
@@ -52,12 +63,17 @@ EXPORT_HELP = CommandHelp(
 )
 CHECKPOINTS_HELP = CommandHelp(
     usage="ddpkit checkpoints DIR [key=value ...]",
-    summary="List the checkpoints of a folder, one line each: step, epoch, metric, size and whether it verifies "
-    "(newest, best, incomplete, corrupt, unreadable or non-finite). Exit status 1 when the newest one is not "
-    "usable; 'newest' tags the one resume=auto would take.",
+    summary="List the checkpoints of a folder, one line each: step, epoch, metric, size, digest and whether it "
+    "verifies (newest, best, incomplete, corrupt, unreadable or non-finite). Exit status 1 when the newest one is "
+    "not usable; 'newest' tags the one resume=auto would take. With digest=..., check one checkpoint against the "
+    "digest recorded when it was written.",
     schema="ddpkit.checkpoint_cli:CheckpointsConfig",
     positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
-    examples=("ddpkit checkpoints runs/latest", "ddpkit checkpoints runs/latest verify=false"),
+    examples=(
+        "ddpkit checkpoints runs/latest",
+        "ddpkit checkpoints runs/latest verify=false",
+        "ddpkit checkpoints runs/latest/checkpoints/step-000000120 digest=9f86d081...",
+    ),
 )
 
 
@@ -94,13 +110,29 @@ def checkpoints_command(args: Sequence[str]) -> int:
     from ddpkit.checkpoint.format import (
         BEST_PREFIX,
         CheckpointError,
+        checkpoint_digest,
+        has_manifest,
         list_checkpoints,
         resolve_checkpoint_dir,
         verify_checkpoint,
     )
 
     (folder,), words = _split(args, CHECKPOINTS_HELP, 1)
-    verify = parse(CheckpointsConfig, words).verify
+    config = parse(CheckpointsConfig, words)
+    verify = config.verify
+    if config.digest:
+        if not has_manifest(folder):
+            raise UserError(
+                f"{folder} is not a checkpoint: digest=... checks one checkpoint; pass its folder "
+                "(e.g. runs/latest/checkpoints/step-000000120)"
+            )
+        try:
+            verify_checkpoint(folder, digest=config.digest)
+        except CheckpointError as e:
+            print(f"ddpkit: {e}", file=sys.stderr)
+            return 1
+        print(f"{folder}: ok, every file verifies and matches the digest {config.digest.lower()}")
+        return 0
     try:
         is_folder = Path(folder).is_dir()
     except OSError:
@@ -132,7 +164,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
     good = [i for i in infos if statuses[i.path] in ("ok", "complete (not verified)")]
     steps = [i for i in infos if not i.path.name.startswith(BEST_PREFIX)]
     newest_good = max((i for i in good if i in steps), key=lambda i: i.global_step, default=None)
-    rows = [("checkpoint", "step", "epoch", "metric", "size", "status")]
+    rows = [("checkpoint", "step", "epoch", "metric", "size", "digest", "status")]
     for info in infos:
         manifest = info.manifest or {}
         status = statuses[info.path]
@@ -140,19 +172,28 @@ def checkpoints_command(args: Sequence[str]) -> int:
             status += ", best"
         elif info is newest_good:
             status += ", newest"
+        digest = checkpoint_digest(manifest) if manifest else "-"
         rows.append(
-            (info.path.name, str(info.global_step), _epoch(manifest), _metric(manifest), _size(info.size), status)
+            (
+                info.path.name,
+                str(info.global_step),
+                _epoch(manifest),
+                _metric(manifest),
+                _size(info.size),
+                digest,
+                status,
+            )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
     print(f"{root}:")
     for row in rows:
         print(
             "  ".join(
-                cell.ljust(width) if i in (0, 3) else cell.rjust(width)
-                for i, (cell, width) in enumerate(zip(row[:5], widths))
+                cell.ljust(width) if i in (0, 3, 5) else cell.rjust(width)
+                for i, (cell, width) in enumerate(zip(row[:6], widths))
             )
             + "  "
-            + row[5]
+            + row[6]
         )
     newest = steps[-1] if steps else None
     if newest is not None and newest is not newest_good:
@@ -179,7 +220,9 @@ def _epoch(manifest: dict) -> str:
         manifest.get("step_in_epoch", 0),
         manifest.get("steps_per_epoch"),
     )
-    return f"{done}" if not step else f"{done}+{step}/{per_epoch}"
+    if not step:
+        return f"{done}"
+    return f"{done}+{step}" if per_epoch is None else f"{done}+{step}/{per_epoch}"  # None: a loop without a loader
 
 
 def _metric(manifest: dict) -> str:

@@ -61,8 +61,8 @@ def point_outside(checkpoint: Path, outside: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, list[torch.Tensor]]:
-    """An uninterrupted run to step 8, and a copy of a run stopped at step 6 (to break)."""
+def reference(tmp_path_factory) -> tuple[Path, list[torch.Tensor], str]:
+    """An uninterrupted run to step 8's weights, and a run stopped at step 6 (to copy and break) with its log."""
     root = tmp_path_factory.mktemp("ckptsafe")
     (root / "whole").mkdir()
     (root / "stopped").mkdir()
@@ -71,14 +71,14 @@ def reference(tmp_path_factory) -> tuple[Path, list[torch.Tensor]]:
         stopped = _train(commands, root / "stopped", 6)
     assert whole.returncode == 0, whole.stderr
     assert stopped.returncode == 0, stopped.stderr
-    return root / "stopped", torch.load(root / "whole" / "final.pt", weights_only=True)
+    return root / "stopped", torch.load(root / "whole" / "final.pt", weights_only=True), stopped.stdout + stopped.stderr
 
 
 @pytest.mark.parametrize("breaking", [remove_a_shard, point_outside])
 def test_an_unloadable_sharded_checkpoint_is_set_aside_and_the_previous_one_resumes(
     reference, tmp_path, breaking
 ) -> None:
-    stopped, weights = reference
+    stopped, weights, _ = reference
     folder = tmp_path / "run"
     shutil.copytree(stopped, folder)
     breaking(folder / "ck" / "step-000000006", tmp_path / "elsewhere.distcp")
@@ -99,7 +99,7 @@ def test_export_and_init_from_refuse_an_index_that_points_outside_the_folder(ref
     import ddpkit
     from ddpkit.checkpoint.transfer import read_weights
 
-    stopped, _ = reference
+    stopped, _, _ = reference
     checkpoint = tmp_path / "step-000000006"
     shutil.copytree(stopped / "ck" / "step-000000006", checkpoint)
     point_outside(checkpoint, tmp_path / "elsewhere.distcp")
@@ -138,3 +138,29 @@ def test_a_full_disk_under_a_sharded_run_stops_with_74_in_one_line_and_resumes_b
             assert "resumed from ck/step-000000002" in out.stdout + out.stderr
     got = torch.load(run / "final.pt", weights_only=True)
     assert all(torch.equal(a, b) for a, b in zip(got, torch.load(reference / "final.pt", weights_only=True), strict=True))
+
+
+def test_a_checkpoint_changed_and_rehashed_verifies_but_not_against_the_digest_its_save_logged(
+    reference, tmp_path
+) -> None:
+    stopped, _, log = reference
+    said = [line for line in log.splitlines() if "checkpoint ck/step-000000004 (every_steps" in line]
+    assert len(said) == 1 and said[0].split(", digest ")[1].isalnum(), log
+    digest = said[0].split(", digest ")[1]
+    folder = tmp_path / "run"
+    shutil.copytree(stopped, folder)
+    checkpoint = folder / "ck" / "step-000000004"
+    with Commands() as commands:
+        kept = commands.run("checkpoints", str(checkpoint), f"digest={digest}", cwd=folder)
+        # Someone who can write the folder swaps in step 6's weights for rank 0 and re-hashes the manifest.
+        os.chmod(checkpoint / "__0_0.distcp", 0o600)
+        shutil.copyfile(folder / "ck" / "step-000000006" / "__0_0.distcp", checkpoint / "__0_0.distcp")
+        _rehash(checkpoint, "__0_0.distcp")
+        listing = commands.run("checkpoints", "ck", cwd=folder)
+        changed = commands.run("checkpoints", str(checkpoint), f"digest={digest}", cwd=folder)
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout == f"{checkpoint}: ok, every file verifies and matches the digest {digest}\n"
+    assert listing.returncode == 0 and digest not in listing.stdout  # its manifest verifies: a new digest
+    assert changed.returncode == 1 and changed.stdout == ""
+    assert changed.stderr.startswith(f"ddpkit: checkpoint {checkpoint} does not match the digest {digest}: its digest is ")
+    assert changed.stderr.endswith("do not use it; restore it from a copy you trust\n") and changed.stderr.count("\n") == 1

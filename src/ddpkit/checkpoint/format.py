@@ -72,6 +72,7 @@ from ddpkit.checkpoint.layout import (
 )
 from ddpkit.checkpoint.reading import (
     CheckpointInfo,
+    checkpoint_digest,
     has_manifest,
     list_checkpoints,
     load_file,
@@ -91,6 +92,7 @@ __all__ = [  # the reading side and the layout are re-exported: the format's one
     "UNREADABLE_SUFFIX",
     "CheckpointError",
     "CheckpointInfo",
+    "checkpoint_digest",
     "checkpoint_name",
     "finish_checkpoint",
     "folder_mode",

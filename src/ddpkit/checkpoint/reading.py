@@ -243,13 +243,30 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
+def checkpoint_digest(manifest: Mapping[str, Any]) -> str:
+    """The digest of a checkpoint's contents: the SHA-256 of its files' names, sizes and SHA-256, as its
+    manifest lists them (64 hex digits).
+
+    It covers every byte a resume, an export or ``init_from`` reads (the DCP index of a sharded checkpoint
+    may name no other file), and none of the manifest's other facts (metrics added after the save, the time
+    of writing): a ``best-*`` checkpoint has its step's digest. Kept where the checkpoint's folder cannot be
+    written, it shows that the checkpoint is the one written then (:func:`verify_checkpoint`'s ``digest``).
+    """
+    entries = sorted([name, int(facts["bytes"]), str(facts["sha256"])] for name, facts in manifest["files"].items())
+    return hashlib.sha256(json.dumps([FORMAT, entries], separators=(",", ":")).encode()).hexdigest()
+
+
+def verify_checkpoint(folder: str | Path, load: bool = True, digest: str | None = None) -> dict[str, Any]:
     """Check a checkpoint completely; return the loaded ``.pt`` files by name (and ``"manifest"``).
 
     Args:
         folder: the checkpoint folder.
         load: also load every ``.pt`` file with ``weights_only=True`` (refusing
             crafted pickles); without it only sizes and checksums are checked.
+        digest: the checkpoint's :func:`checkpoint_digest` as recorded when it was written (its log line,
+            ``ddpkit checkpoints``), kept elsewhere: the checkpoint must match it. The manifest's own
+            checksums catch accidents (bit flips, truncation, missing files, interrupted copies), not
+            tampering: whoever can write the folder can rewrite them.
 
     A sharded checkpoint's DCP index is checked against its files too
     (:func:`ddpkit.checkpoint.sharded_reading.check_index`): every slice in a
@@ -258,10 +275,16 @@ def verify_checkpoint(folder: str | Path, load: bool = True) -> dict[str, Any]:
     Raises:
         CheckpointError: no manifest, a file missing, truncated or changed
             (size or SHA-256), or refused by the safe loader; a DCP index that
-            does not match its files. The message names the file.
+            does not match its files; a ``digest`` it does not match. The message names the file.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
+    if digest is not None and checkpoint_digest(manifest) != digest.strip().lower():
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the digest {digest.strip()}: its digest is "
+            f"{checkpoint_digest(manifest)}; it was changed since that digest was recorded, or the digest is "
+            "another checkpoint's: do not use it; restore it from a copy you trust"
+        )
     loaded: dict[str, Any] = {"manifest": manifest}
     for name, expected in manifest["files"].items():
         try:

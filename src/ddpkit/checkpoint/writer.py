@@ -29,7 +29,15 @@ from typing import Any, Protocol
 
 from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
 from ddpkit.checkpoint.finite import nonfinite_marker, nonfinite_tensors
-from ddpkit.checkpoint.format import MANIFEST, mark_best, prune, rewrite_manifest, write_checkpoint
+from ddpkit.checkpoint.format import (
+    MANIFEST,
+    checkpoint_digest,
+    mark_best,
+    prune,
+    read_manifest,
+    rewrite_manifest,
+    write_checkpoint,
+)
 from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.log import get_logger
 
@@ -168,7 +176,9 @@ class FolderWriter:
                 "lower the learning rate or check the data"
             )
         else:
-            get_logger().info(f"checkpoint {path} ({request.why}{how})")
+            # The digest, kept elsewhere (a log, a tracker), later shows the checkpoint unchanged (ddpkit checkpoints).
+            digest = checkpoint_digest(read_manifest(path))
+            get_logger().info(f"checkpoint {path} ({request.why}{how}), digest {digest}")
 
     def _saved(self, path: Path | None, reason: str) -> None:
         if path is not None:
