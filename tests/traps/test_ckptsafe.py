@@ -86,7 +86,10 @@ def test_an_unloadable_sharded_checkpoint_is_set_aside_and_the_previous_one_resu
         listing = commands.run("checkpoints", "ck", cwd=folder)
         resumed = _train(commands, folder, 8)
     assert listing.returncode == 1
-    assert "step-000000006     6" in listing.stdout and "CORRUPT: checkpoint ck/step-000000006 is corrupt" in listing.stdout
+    assert (
+        "step-000000006     6" in listing.stdout
+        and "CORRUPT: checkpoint ck/step-000000006 is corrupt" in listing.stdout
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "set ck/step-000000006 aside as step-000000006.corrupt" in resumed.stdout + resumed.stderr
     assert "resumed from ck/step-000000004" in resumed.stdout + resumed.stderr
@@ -137,7 +140,9 @@ def test_a_full_disk_under_a_sharded_run_stops_with_74_in_one_line_and_resumes_b
             assert out.returncode == 0, out.stderr
             assert "resumed from ck/step-000000002" in out.stdout + out.stderr
     got = torch.load(run / "final.pt", weights_only=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, torch.load(reference / "final.pt", weights_only=True), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(got, torch.load(reference / "final.pt", weights_only=True), strict=True)
+    )
 
 
 def test_a_checkpoint_changed_and_rehashed_verifies_but_not_against_the_digest_its_save_logged(
@@ -162,5 +167,9 @@ def test_a_checkpoint_changed_and_rehashed_verifies_but_not_against_the_digest_i
     assert kept.stdout == f"{checkpoint}: ok, every file verifies and matches the digest {digest}\n"
     assert listing.returncode == 0 and digest not in listing.stdout  # its manifest verifies: a new digest
     assert changed.returncode == 1 and changed.stdout == ""
-    assert changed.stderr.startswith(f"ddpkit: checkpoint {checkpoint} does not match the digest {digest}: its digest is ")
-    assert changed.stderr.endswith("do not use it; restore it from a copy you trust\n") and changed.stderr.count("\n") == 1
+    assert changed.stderr.startswith(
+        f"ddpkit: checkpoint {checkpoint} does not match the digest {digest}: its digest is "
+    )
+    assert (
+        changed.stderr.endswith("do not use it; restore it from a copy you trust\n") and changed.stderr.count("\n") == 1
+    )

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
