@@ -111,6 +111,19 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
         or not isinstance(manifest.get("files"), dict)
     ):
         raise CheckpointError(f"{path} is not a {FORMAT} manifest; use a checkpoint written by this ddpkit version")
+    for name, facts in manifest["files"].items():
+        # A plain file name: one with a separator or ".." would have a file outside the folder read (and loaded).
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise CheckpointError(
+                f"{path} is damaged: it lists the file {name!r}, outside the checkpoint's folder; "
+                "use an earlier checkpoint"
+            )
+        if not (
+            isinstance(facts, dict) and isinstance(facts.get("bytes"), int) and isinstance(facts.get("sha256"), str)
+        ):
+            raise CheckpointError(
+                f"{path} is damaged: its entry for {name} has no size and SHA-256; use an earlier checkpoint"
+            )
     return manifest
 
 
