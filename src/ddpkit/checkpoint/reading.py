@@ -312,7 +312,7 @@ def verify_checkpoint(folder: str | Path, load: bool = True, digest: str | None 
         from ddpkit.checkpoint.sharded_reading import check_index
 
         try:
-            check_index(folder, manifest["files"], load)
+            check_index(folder, manifest["files"], (lambda path, data: load_file(path, data=data)) if load else None)
         except OSError as e:
             raise CheckpointError(
                 f"checkpoint {folder}'s shards cannot be read ({e.strerror or type(e).__name__}); make them "

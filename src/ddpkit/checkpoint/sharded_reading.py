@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,9 @@ def corrupt(folder: Path, problem: str) -> str:
     return f"checkpoint {folder} is corrupt: its DCP index ({INDEX}) {problem}; use an earlier checkpoint"
 
 
-def check_index(folder: Path, files: Mapping[str, Mapping[str, Any]], load: bool) -> None:
+def check_index(
+    folder: Path, files: Mapping[str, Mapping[str, Any]], load: Callable[[Path, bytes], Any] | None
+) -> None:
     """Check that DCP can load the sharded checkpoint ``folder`` whose files verified against its manifest.
 
     Every slice the index names lies within a file the manifest lists (so a missing shard, or one the
@@ -142,7 +144,9 @@ def check_index(folder: Path, files: Mapping[str, Mapping[str, Any]], load: bool
     Args:
         folder: the checkpoint folder.
         files: the manifest's files (name -> size and SHA-256), already verified.
-        load: also load every slice (one at a time: memory bounded by the largest).
+        load: loads one slice (its file, its bytes) as ``torch.load(weights_only=True)`` does, raising
+            CheckpointError (:func:`ddpkit.checkpoint.reading.load_file`); every slice is loaded with it, one
+            at a time (memory bounded by the largest). None: the slices are not loaded.
 
     Raises:
         CheckpointError: the index does not match the files, or is refused (see :func:`refused`).
@@ -167,7 +171,7 @@ def check_index(folder: Path, files: Mapping[str, Mapping[str, Any]], load: bool
         _check_item(folder, metadata, fqn, item, load)
 
 
-def _check_item(folder: Path, metadata: Any, fqn: str, item: Any, load: bool) -> None:
+def _check_item(folder: Path, metadata: Any, fqn: str, item: Any, load: Callable[[Path, bytes], Any] | None) -> None:
     """Check that the index holds ``fqn``'s every slice (and, with ``load``, that each loads as it says)."""
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -182,19 +186,13 @@ def _check_item(folder: Path, metadata: Any, fqn: str, item: Any, load: bool) ->
         entry = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets if chunk is not None else None))
         if entry is None:
             raise CheckpointError(corrupt(folder, f"has no data for {fqn}"))
-        if not load:
+        if load is None:
             continue
         with open(folder / entry.relative_path, "rb") as f:
             f.seek(entry.offset)
             data = f.read(entry.length)
         where = f"{fqn} in {entry.relative_path}"
-        try:
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(refused(folder, e)) from None
-        except (RuntimeError, EOFError, ValueError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(corrupt(folder, f"places {where}, which cannot be loaded ({reason})")) from None
+        value = load(folder / entry.relative_path, data)
         if chunk is not None and (
             not isinstance(value, torch.Tensor) or value.shape != chunk.sizes or value.dtype != item.properties.dtype
         ):
