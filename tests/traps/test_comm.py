@@ -71,3 +71,13 @@ def test_flat_gradients_keep_batchnorm_statistics_as_ddp_does(tmp_path):
         for name in flat:
             # The two modes average with different roundings (DDP divides before the sum), hence allclose.
             assert torch.allclose(flat[name], ddp[name], rtol=1e-4, atol=1e-5), (rank, name)
+
+
+def test_reduce_sums_adds_a_confusion_matrix_and_keeps_its_shape(tmp_path):
+    # Before: "RuntimeError: shape '[]' is invalid for input of size 100".
+    with Commands() as commands:
+        done = commands.run("run", "nproc=2", str(SCRIPTS / "comm_confusion.py"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Ranks 0 and 1 each count 5 samples; the diagonal: rank 0's i=0, rank 1's i=0.
+    assert "confusion (10, 10) torch.int64 sum=10 trace=2" in done.stdout
+    assert "loss=1.5 count=10.0" in done.stdout
