@@ -81,3 +81,16 @@ def test_reduce_sums_adds_a_confusion_matrix_and_keeps_its_shape(tmp_path):
     # Ranks 0 and 1 each count 5 samples; the diagonal: rank 0's i=0, rank 1's i=0.
     assert "confusion (10, 10) torch.int64 sum=10 trace=2" in done.stdout
     assert "loss=1.5 count=10.0" in done.stdout
+
+
+def test_a_seed_drawn_per_rank_is_refused_in_one_line_and_a_shared_one_sees_every_sample(tmp_path):
+    # Before: each rank shuffled its own permutation; an epoch trained 16 samples of which about 12 distinct.
+    with Commands() as commands:
+        drawn = commands.run("run", "nproc=2", str(SCRIPTS / "comm_seed.py"), cwd=tmp_path)
+        shared = commands.run("run", "nproc=2", str(SCRIPTS / "comm_seed.py"), "7", cwd=tmp_path)
+    assert drawn.returncode != 0
+    lines = [line for line in drawn.stderr.splitlines() if "the ranks disagree on seed" in line]
+    assert lines and all("pass the same seed on every rank" in line for line in lines), drawn.stderr[-3000:]
+    assert "Traceback" not in drawn.stderr, drawn.stderr[-3000:]
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    assert "epoch saw 16 samples, 16 distinct" in shared.stdout
