@@ -94,3 +94,17 @@ def test_a_seed_drawn_per_rank_is_refused_in_one_line_and_a_shared_one_sees_ever
     assert "Traceback" not in drawn.stderr, drawn.stderr[-3000:]
     assert shared.returncode == 0, shared.stderr[-3000:]
     assert "epoch saw 16 samples, 16 distinct" in shared.stdout
+
+
+def test_saving_a_sharded_models_state_dict_with_torch_save_is_refused_in_one_line(tmp_path):
+    # Before: rank 0 wrote its own shards as DTensors (a file that loads nowhere else), silently.
+    with Commands() as commands:
+        naive = commands.run("run", "nproc=2", str(SCRIPTS / "comm_shard_save.py"), "naive", "m.pt", cwd=tmp_path)
+        full = commands.run("run", "nproc=2", str(SCRIPTS / "comm_shard_save.py"), "full", "f.pt", cwd=tmp_path)
+    assert naive.returncode != 0
+    assert "Traceback" not in naive.stderr, naive.stderr[-3000:]
+    lines = [line for line in naive.stderr.splitlines() if "holds only this rank's shards" in line]
+    assert len(lines) == 1 and "ddpkit export" in lines[0] and "full_state_dict=True" in lines[0], naive.stderr
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "saved 1.weight (10, 784), 1.bias (10,)" in full.stdout
+    assert torch.load(tmp_path / "f.pt")["1.weight"].shape == (10, 784)  # plain tensors, here without a group
