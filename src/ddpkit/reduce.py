@@ -31,9 +31,7 @@ import torch.distributed as dist
 from ddpkit.distributed import control_device
 
 
-def reduce_sums(
-    values: Mapping[str, float | torch.Tensor], group: dist.ProcessGroup | None = None
-) -> dict[str, Any]:
+def reduce_sums(values: Mapping[str, float | torch.Tensor], group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Add ``values`` up over the ranks of ``group`` (float64, one all_reduce for all of them).
 
     Values may be numbers, zero-dimensional tensors, or tensors of any shape (a

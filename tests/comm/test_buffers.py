@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -45,6 +47,10 @@ def _context(rank: int, world_size: int) -> Context:
     return Context(env, torch.device("cpu"), "gloo")
 
 
+def _record_buffers(starts: list, module: nn.Module, args: object) -> None:
+    starts.append([b.clone() for b in module.buffers()])
+
+
 def _flat_training(rank: int, world_size: int) -> dict:
     seen: dict = {}
     for mode in ("flat", "manual"):
@@ -53,8 +59,8 @@ def _flat_training(rank: int, world_size: int) -> dict:
         GradientSync(bn, _context(rank, world_size), "builtin", mode)
         starts: list[list[torch.Tensor]] = []
         # Registered after GradientSync's: sees the buffers each forward starts from.
-        bn.register_forward_pre_hook(lambda module, args: starts.append([b.clone() for b in module.buffers()]))
-        for step in range(3):
+        bn.register_forward_pre_hook(functools.partial(_record_buffers, starts))
+        for _ in range(3):
             bn(torch.randn(8, 3) * (1 + rank) + rank).sum().backward()
         with torch.no_grad():
             bn(torch.randn(8, 3) + rank)  # evaluation: no broadcast, each rank's own statistics (as DDP)

@@ -43,8 +43,8 @@ from torch.utils.data import (
 )
 
 from ddpkit.data import shm_budget
-from ddpkit.data.agreement import check_same_order
 from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, reader_for, tensor_batches
+from ddpkit.data.agreement import check_same_order
 from ddpkit.data.arguments import (
     BATCH_SIZE_DEFAULT,
     global_batch,

@@ -25,7 +25,7 @@ optG = torch.optim.Adam(netG.parameters(), lr=1e-4)
 optD = torch.optim.Adam(netD.parameters(), lr=1e-4)
 criterion = nn.BCEWithLogitsLoss()
 data = torch.Generator().manual_seed(1 + ctx.rank)
-for step in range(steps):
+for _ in range(steps):
     real = torch.randn(8, 32, generator=data)
     noise = torch.randn(8, 16, generator=data)
     netD.zero_grad()

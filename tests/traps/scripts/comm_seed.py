@@ -20,5 +20,7 @@ seen = torch.cat([x for (x,) in loader])
 everyone = [torch.empty_like(seen) for _ in range(ctx.world_size)]
 torch.distributed.all_gather(everyone, seen)
 if ctx.rank == 0:
-    print(f"epoch saw {len(torch.cat(everyone))} samples, {len(set(torch.cat(everyone).tolist()))} distinct", flush=True)
+    print(
+        f"epoch saw {len(torch.cat(everyone))} samples, {len(set(torch.cat(everyone).tolist()))} distinct", flush=True
+    )
 ddpkit.shutdown()
