@@ -90,6 +90,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.comm.buffers import broadcast_buffers, has_buffers
 from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
+from ddpkit.comm.hooks import finish_hook_collectives
 from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.distributed import Context, control_device
 from ddpkit.env import shared_memory
@@ -276,10 +277,12 @@ class GradientSync:
 
     def _average_flat(self) -> None:
         assert self.flat is not None
+        finish_hook_collectives()  # a DDP model's buckets of this backward first, on every rank
         self.flat.take_back_views()  # autograd's fresh gradients (after zero_grad's set_to_none) copied in
         self.flat.reduce_buffers()
 
     def _average_each(self) -> None:
+        finish_hook_collectives()  # a DDP model's buckets of this backward first, on every rank
         world_size = self.ctx.world_size
         for param in self._params:
             if param.grad is None:  # unused here; maybe used on another rank, which waits for this one

@@ -19,7 +19,9 @@ in bucket order, and the models' buckets interleave as the (deterministic)
 backward makes them ready. With a thread per hook, two models' buckets
 would be reduced at once, in an order that differs from rank to rank, and
 the ranks would exchange buckets of different models (a size mismatch, or
-a hang).
+a hang). grad_sync flat and manual reduce on the training thread at the end
+of backward; they first wait for this thread (:func:`finish_hook_collectives`),
+for a backward that also ran a DDP model with a hook.
 
 ``manual_gradient_sync`` is the baseline without DDP: after ``backward()``,
 all-reduce every parameter's gradient one at a time and divide by the
@@ -97,6 +99,23 @@ def _collective_thread() -> ThreadPoolExecutor:
                 _THREAD.clear()  # a parent's thread does not exist in this (forked) process
                 executor = _THREAD[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-comm-hook")
     return executor
+
+
+def finish_hook_collectives() -> None:
+    """Wait until every collective handed to the communication hooks' thread so far has run.
+
+    A collective started on another thread (grad_sync flat's at the end of a
+    backward that also ran a DDP model's hook) waits for this first, so that
+    it comes after the hook's buckets on every rank. Without a hook in this
+    process it returns at once.
+    """
+    executor = _THREAD.get(os.getpid())
+    if executor is not None:
+        executor.submit(_nothing).result()
+
+
+def _nothing() -> None:
+    """A task that marks a point in the hook thread's queue."""
 
 
 def register_allreduce_hook(
