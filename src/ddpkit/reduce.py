@@ -15,11 +15,15 @@ of an evaluation set is seen by exactly one rank::
         sums["count"] += len(y)
     total = ddpkit.reduce_sums(sums)
     accuracy = total["correct"] / total["count"]
+
+Tensors of any shape add up element by element (a confusion matrix
+``torch.zeros(10, 10)`` comes back summed, as a tensor of that shape).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,19 +31,31 @@ import torch.distributed as dist
 from ddpkit.distributed import control_device
 
 
-def reduce_sums(values: Mapping[str, float | torch.Tensor], group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Add ``values`` up over the ranks of ``group`` (float64, one all_reduce) and return them as floats.
+def reduce_sums(values: Mapping[str, float | torch.Tensor], group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Add ``values`` up over the ranks of ``group`` (float64, one all_reduce for all of them).
 
-    Values may be numbers or one-element tensors on any device; the collective
-    runs on the device the group's backend takes (CPU for gloo, this rank's GPU for nccl),
-    also with a single worker, so that path is the same at every world size.
-    Without a process group the values are returned as they are.
+    Values may be numbers, zero-dimensional tensors, or tensors of any shape (a
+    confusion matrix, per-class counts) on any device. A number or a
+    zero-dimensional tensor comes back as a float; a tensor with dimensions
+    comes back as a tensor of its shape, dtype and device. The collective runs
+    on the device the group's backend takes (CPU for gloo, this rank's GPU for
+    nccl), also with a single worker, so that path is the same at every world size.
+    Without a process group the values are returned as they are (tensors copied).
     """
     names = list(values)
     if not names:
         return {}
     device = control_device(group)
-    packed = torch.stack([torch.as_tensor(values[n], dtype=torch.float64).to(device).reshape(()) for n in names])
+    parts = [torch.as_tensor(values[n]) for n in names]
+    packed = torch.cat([p.detach().to(device=device, dtype=torch.float64).reshape(-1) for p in parts])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(packed, group=group)
-    return dict(zip(names, packed.tolist()))
+    totals = packed.cpu().split([p.numel() for p in parts])
+    return {n: _like(total, part) for n, total, part in zip(names, totals, parts)}
+
+
+def _like(total: torch.Tensor, part: torch.Tensor) -> float | torch.Tensor:
+    """``total`` as a float for a scalar ``part``, else as a tensor of ``part``'s shape, dtype and device."""
+    if part.dim() == 0:
+        return total.item()
+    return total.reshape(part.shape).to(dtype=part.dtype, device=part.device)

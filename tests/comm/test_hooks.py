@@ -136,3 +136,65 @@ def test_hooks_flat_and_manual_sync_give_stock_ddp_gradients_and_surface_errors(
     # Gradients that left the flat buffer are refused, not silently left unaveraged.
     refusals = [refusal for _, _, refusal in results]
     assert all("FlatGradients.zero_grad()" in r for r in refusals), refusals
+
+
+def _two_models_one_backward(rank: int, world_size: int) -> list[str]:
+    # A GAN's generator step: one backward through two DDP models, each with its own hook and one
+    # bucket per parameter; the ring's send/recv of one model's bucket must never meet the other's.
+    torch.manual_seed(0)
+    first = DDP(nn.Sequential(nn.Linear(6, 300), nn.ReLU(), nn.Linear(300, 5)), bucket_cap_mb=1e-5)
+    second = DDP(nn.Sequential(nn.Linear(5, 200), nn.ReLU(), nn.Linear(200, 1)), bucket_cap_mb=1e-5)
+    for model in (first, second):
+        register_allreduce_hook(model, resolve_allreduce("ring"))
+    failures = []
+    for step in range(30):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        first.zero_grad()
+        second.zero_grad()
+        second(first(torch.randn(4, 6, generator=g))).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for m in (first, second) for p in m.parameters()])
+        mine = grads.clone()
+        dist.broadcast(grads, 0)
+        if not torch.equal(mine, grads):
+            failures.append(f"step {step}: rank {rank}'s averaged gradients differ from rank 0's")
+    return failures
+
+
+def test_two_ddp_models_with_hooks_reduce_in_one_order_on_every_rank():
+    with warm_workers(DYNAMO):
+        results = run_on_ranks(_two_models_one_backward, 2, timeout=120)
+    assert results == [[], []]
+
+
+def _ddp_and_flat_in_one_backward(rank: int, world_size: int) -> list[str]:
+    # grad_sync=auto may put a large model on DDP (a hook thread) and a small one on flat (the end of
+    # backward, on the training thread): the flat reduction must wait for the hook's buckets, not cross them.
+    from ddpkit.comm.grad_sync import GradientSync
+    from ddpkit.distributed import Context
+    from ddpkit.env.base import JobEnvironment
+
+    env = JobEnvironment("test", rank, rank, world_size, world_size, 0, 1, "127.0.0.1", 1)
+    ctx = Context(env, torch.device("cpu"), "gloo")
+    torch.manual_seed(0)
+    big = DDP(nn.Sequential(nn.Linear(6, 400), nn.ReLU(), nn.Linear(400, 5)), bucket_cap_mb=1e-5)
+    register_allreduce_hook(big, resolve_allreduce("ring"))
+    small = nn.Sequential(nn.Linear(5, 300), nn.ReLU(), nn.Linear(300, 1))
+    GradientSync(small, ctx, "ring", "flat")
+    failures = []
+    for step in range(30):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        big.zero_grad()
+        small.zero_grad()
+        small(big(torch.randn(4, 6, generator=g))).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for m in (big, small) for p in m.parameters()])
+        mine = grads.clone()
+        dist.broadcast(grads, 0)
+        if not torch.equal(mine, grads):
+            failures.append(f"step {step}: rank {rank}'s averaged gradients differ from rank 0's")
+    return failures
+
+
+def test_a_flat_model_and_a_ddp_model_with_a_hook_reduce_in_one_order_on_every_rank():
+    with warm_workers(DYNAMO):
+        results = run_on_ranks(_ddp_and_flat_in_one_backward, 2, timeout=120)
+    assert results == [[], []]

@@ -28,7 +28,8 @@ What changes for a training loop:
 - ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works as it is (the norm is a DTensor,
   reduced over the ranks);
 - ``model.state_dict()`` holds shards: save with the :class:`ddpkit.Checkpointer` (each rank writes its
-  shards) and get full weights with ``ddpkit export``.
+  shards) and get full weights with ``ddpkit export``; ``torch.save(model.state_dict(), path)`` stops
+  with one line saying so (:mod:`ddpkit.comm.sharded_state`) instead of writing rank 0's shards alone.
 
 Where the model is: on the CPU (each block reaches the device as it is
 sharded, so the whole model need never fit on one device), and on the
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.comm.sharded_state import refuse_saving_shards
 from ddpkit.errors import UserError
 
 __all__ = [
@@ -220,6 +222,7 @@ def shard_model(
     # The root's parameters are gathered first in forward and needed last in backward: kept unsharded
     # between the two, as torch's examples do.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False if found else reshard_after_forward)
+    refuse_saving_shards(model)  # torch.save(model.state_dict()) on rank 0 would write rank 0's shards alone
     return model, classes
 
 

@@ -51,6 +51,13 @@ from the hooks rather than from the forward also means that whatever
 produced the loss (a submodule called directly, two forwards), every
 backward that reaches the parameters ends averaged.
 
+Buffers (BatchNorm's running statistics): with ``flat`` and ``manual``, as
+with DDP's default ``broadcast_buffers=True``, rank 0's buffers are copied to
+every rank before each forward run with gradients enabled and outside
+``no_sync()`` (one broadcast, :mod:`ddpkit.comm.buffers`); a model without
+buffers has no such step. Forwards under ``torch.no_grad()`` (evaluation)
+use each rank's own, as with DDP.
+
 A parameter that got no gradient since the last ``zero_grad`` counts as zero
 on that rank, and after the callback every rank holds the same averaged
 gradient for it (zero where no rank used it), so the ranks step alike. (DDP
@@ -81,7 +88,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit.comm.buffers import broadcast_buffers, has_buffers
 from ddpkit.comm.flat_grads import DDP_FIRST_BUCKET_BYTES, FlatGradients, gradient_bytes
+from ddpkit.comm.hooks import finish_hook_collectives
 from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.distributed import Context, control_device
 from ddpkit.env import shared_memory
@@ -220,6 +229,8 @@ class GradientSync:
         from ddpkit.comm.hooks import broadcast_parameters
 
         broadcast_parameters(model)  # start from rank 0's weights, as DDP does
+        if has_buffers(model):  # BatchNorm's statistics: rank 0's before each forward, as DDP's broadcast_buffers
+            model.register_forward_pre_hook(self._before_forward)
         self._all_reduce = all_reduce_fn or _resolve(allreduce)
         if self.mode == "flat":
             # ddpkit's algorithms average in the reduction (AVG); gloo's built-in and an injected function may not.
@@ -259,12 +270,19 @@ class GradientSync:
             if getattr(self._model(), SYNC_FLAG, True):  # DDP's switch (no_sync() sets it False)
                 _queue_callback(self._average_flat if self.flat is not None else self._average_each)
 
+    def _before_forward(self, module: nn.Module, args: object) -> None:
+        """Give every rank rank 0's buffers before a forward that will synchronise, when DDP would."""
+        if torch.is_grad_enabled() and getattr(module, SYNC_FLAG, True):
+            broadcast_buffers(module)
+
     def _average_flat(self) -> None:
         assert self.flat is not None
+        finish_hook_collectives()  # a DDP model's buckets of this backward first, on every rank
         self.flat.take_back_views()  # autograd's fresh gradients (after zero_grad's set_to_none) copied in
         self.flat.reduce_buffers()
 
     def _average_each(self) -> None:
+        finish_hook_collectives()  # a DDP model's buckets of this backward first, on every rank
         world_size = self.ctx.world_size
         for param in self._params:
             if param.grad is None:  # unused here; maybe used on another rank, which waits for this one

@@ -4,14 +4,24 @@
 gradients and starts each bucket's communication as soon as the bucket's
 gradients are ready during ``backward()``; the hook averages the bucket with
 ``fn`` instead of gloo's or nccl's all_reduce. ``fn`` is synchronous, so the
-hook runs it on one background thread per hook and returns a future at once:
-backward keeps computing the next buckets while earlier ones are reduced,
-which is the overlap DDP exists for. Buckets are reduced in the order DDP
-hands them over, which is the same on every rank, so the point-to-point
-messages of different buckets never cross::
+hook runs it on a background thread and returns a future at once: backward
+keeps computing the next buckets while earlier ones are reduced, which is
+the overlap DDP exists for::
 
     backward:  grads of bucket 2 | grads of bucket 1 | grads of bucket 0 | wait
     hook thread:                 | all_reduce b2     | all_reduce b1     | b0
+
+Every hook of a process (one per DDP model: a GAN's generator and
+discriminator) hands its buckets to the same single thread, so the
+collectives run one at a time in the order the buckets were handed over.
+That order is the same on every rank: DDP hands each model's buckets over
+in bucket order, and the models' buckets interleave as the (deterministic)
+backward makes them ready. With a thread per hook, two models' buckets
+would be reduced at once, in an order that differs from rank to rank, and
+the ranks would exchange buckets of different models (a size mismatch, or
+a hang). grad_sync flat and manual reduce on the training thread at the end
+of backward; they first wait for this thread (:func:`finish_hook_collectives`),
+for a backward that also ran a DDP model with a hook.
 
 ``manual_gradient_sync`` is the baseline without DDP: after ``backward()``,
 all-reduce every parameter's gradient one at a time and divide by the
@@ -22,6 +32,7 @@ all computation. Start it from identical weights on every rank
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks
 # the hook's annotations against dist.GradBucket and Future[Tensor] by identity.
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +63,6 @@ def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
         ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` resolving to
         the bucket's averaged gradients.
     """
-    lock = threading.Lock()
-    executor: list[ThreadPoolExecutor] = []  # created on first use, one worker: buckets stay in order
 
     def hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -68,13 +77,45 @@ def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
                 return
             future.set_result(buffer)
 
-        with lock:
-            if not executor:
-                executor.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-comm-hook"))
-        executor[0].submit(run)
+        _collective_thread().submit(run)
         return future
 
     return hook
+
+
+_THREAD_LOCK = threading.Lock()
+_THREAD: dict[int, ThreadPoolExecutor] = {}
+"""This process's collective thread, keyed by process id: a forked worker starts its own."""
+
+
+def _collective_thread() -> ThreadPoolExecutor:
+    """The one thread on which every communication hook of this process runs its collectives, in order."""
+    pid = os.getpid()
+    executor = _THREAD.get(pid)
+    if executor is None:
+        with _THREAD_LOCK:
+            executor = _THREAD.get(pid)
+            if executor is None:
+                _THREAD.clear()  # a parent's thread does not exist in this (forked) process
+                executor = _THREAD[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-comm-hook")
+    return executor
+
+
+def finish_hook_collectives() -> None:
+    """Wait until every collective handed to the communication hooks' thread so far has run.
+
+    A collective started on another thread (grad_sync flat's at the end of a
+    backward that also ran a DDP model's hook) waits for this first, so that
+    it comes after the hook's buckets on every rank. Without a hook in this
+    process it returns at once.
+    """
+    executor = _THREAD.get(os.getpid())
+    if executor is not None:
+        executor.submit(_nothing).result()
+
+
+def _nothing() -> None:
+    """A task that marks a point in the hook thread's queue."""
 
 
 def register_allreduce_hook(

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils.data
 from torch.utils.data import (
     Dataset,
@@ -43,6 +44,7 @@ from torch.utils.data import (
 
 from ddpkit.data import shm_budget
 from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, reader_for, tensor_batches
+from ddpkit.data.agreement import check_same_order
 from ddpkit.data.arguments import (
     BATCH_SIZE_DEFAULT,
     global_batch,
@@ -208,6 +210,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         # The position (see "Epochs and the position" in the class docstring).
         self._cursor = EpochCursor()
         self._left_early_said = False
+        self._order_agreed = False  # checked across ranks at the first iteration (ddpkit.data.agreement)
         self.step_boundary = StepBoundary()
         """Hooks run each time the loop asks for the next batch, and once when the epoch's batches run out:
         the points where the loop's body is complete (a Checkpointer registers its writes there)."""
@@ -282,6 +285,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # The script called set_epoch on the DistributedSampler it passed (pytorch/examples' habit).
             self._followed_epoch = follow.epoch
             self.set_epoch(follow.epoch)
+        if not self._order_agreed:
+            self._agree_on_order()
         if self._cursor.left_early():
             self._say_left_early()
         epoch, start = self._cursor.begin_pass()
@@ -306,6 +311,27 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if self._stream is not None:
             return self._hand_out_stream(batches, epoch, start)
         return self._hand_out(batches)
+
+    def _agree_on_order(self) -> None:
+        """Once, before the first batch: every rank's order-defining settings are rank 0's (else one line, all ranks).
+
+        Only for a map-style loader sharded over the world group (the one its
+        rank and world size came from); a stream's shards need no common order.
+        """
+        self._order_agreed = True
+        sampler = self._sampler
+        if sampler is None or self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if (self._rank, self._world_size) != (dist.get_rank(), dist.get_world_size()):
+            return  # rank= and world_size= given for another layout: no group to compare over
+        settings = {
+            "seed": sampler.seed,
+            "shuffle": int(sampler.shuffle),
+            "dataset length": sampler.num_samples,
+            "global batch size": sampler.global_batch_size,
+            "drop_last": int(sampler.drop_last),
+        }
+        check_same_order(settings, self._rank, self._world_size)
 
     def _say_left_early(self) -> None:
         """Rank 0, once, with a Checkpointer: a run resumed inside an epoch the loop leaves early differs."""
