@@ -5,21 +5,30 @@ order drawn from (seed, epoch). A script that draws its seed per process
 (pytorch/examples' DCGAN: ``random.randint(1, 10000)`` when ``--manualSeed``
 is absent) and passes it on would give every rank a permutation of its own:
 samples repeat and others are never seen, silently. Before the first batch,
-the ranks exchange the settings that define the order (seed, shuffle,
-dataset length, global batch size, drop_last): one all_gather of a few
-integers per rank, once per loader. A difference stops every rank with one
-line naming the setting and the fix (refused rather than papered over: the
-seed also seeds per-sample randomness and the workers, and whoever passed
-different settings may hold other per-rank state that does not belong in a
-data-parallel job).
+each rank publishes the settings that define the order (seed, shuffle,
+dataset length, global batch size, drop_last) in the process group's store and
+compares them with the other ranks'. A difference stops the rank that sees it
+with one line naming the setting and the fix (refused rather than papered
+over: the seed also seeds per-sample randomness and the workers, and whoever
+passed different settings may hold other per-rank state that does not belong
+in a data-parallel job).
+
+Why the store and not a collective: a loader that only some ranks iterate
+(an evaluation on rank 0) must not wait for the others. Each rank waits a
+few seconds at most for the others' settings, then compares what is there:
+the last rank to arrive always sees every other rank's, so a difference is
+always found by at least one rank (every rank, when they arrive together),
+and the launcher then stops the job on that rank's line.
 """
 
 from __future__ import annotations
 
-import torch
+import json
+from datetime import timedelta
+from typing import Any
+
 import torch.distributed as dist
 
-from ddpkit.distributed import control_device
 from ddpkit.errors import UserError
 
 _FIXES = {
@@ -31,34 +40,48 @@ _FIXES = {
 }
 """Each order-defining setting and what to do when the ranks disagree on it."""
 
+WAIT_S = 5.0
+"""Seconds a rank waits for the other ranks' settings before comparing with those that are there."""
 
-def check_same_order(settings: dict[str, int], rank: int, world_size: int) -> None:
-    """Raise, on every rank, if any rank's ``settings`` differ from rank 0's (a collective over the world group).
+_KEY = "ddpkit/loader-order"
+_checked = 0
+"""Loaders this process has checked: the n-th loader checked on one rank is compared with the n-th on the others."""
+
+
+def check_same_order(settings: dict[str, int], rank: int, world_size: int, wait_s: float = WAIT_S) -> None:
+    """Raise if another rank's ``settings`` for this loader differ from this rank's (through the default store).
 
     Args:
         settings: the order-defining values, keyed by the names of :data:`_FIXES`.
         rank: this loader's rank (the world group's).
         world_size: this loader's world size (the world group's).
+        wait_s: how long to wait for ranks that have not reached this loader's first iteration yet.
 
     Raises:
-        UserError: a setting differs; the message names it, rank 0's value and another rank's, and the fix.
+        UserError: a setting differs; the message names it, two ranks' values (rank 0's where it is known)
+            and the fix.
     """
-    mine = torch.tensor([_as_int64(v) for v in settings.values()], dtype=torch.int64, device=control_device())
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
-    values = torch.stack(gathered).cpu()
-    for column, name in enumerate(settings):
-        differing = (values[:, column] != values[0, column]).nonzero().flatten().tolist()
-        if differing:
-            other = differing[0]
+    global _checked
+    serial, _checked = _checked, _checked + 1
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"{_KEY}/{serial}/{r}" for r in range(world_size)]
+    store.set(keys[rank], json.dumps(settings))
+    try:
+        store.wait(keys, timedelta(seconds=wait_s))
+    except Exception:  # a store's timeout has no common class (DistStoreError, RuntimeError)
+        pass  # a rank that has not arrived compares on its arrival, with this rank's settings there
+    seen = {r: json.loads(store.get(key)) for r, key in enumerate(keys) if r == rank or store.check([key])}
+    _compare(seen)
+
+
+def _compare(seen: dict[int, dict[str, Any]]) -> None:
+    """Raise on the first setting where a rank in ``seen`` differs from the lowest rank there."""
+    first = min(seen)
+    for name, value in seen[first].items():
+        other = next((r for r in sorted(seen) if seen[r][name] != value), None)
+        if other is not None:
             raise UserError(
-                f"ddpkit.DataLoader: the ranks disagree on {name} (rank 0: {int(values[0, column])}, rank {other}: "
-                f"{int(values[other, column])}), so each rank would take its share of a different order and "
-                f"samples would repeat or be skipped; {_FIXES[name]}"
+                f"ddpkit.DataLoader: the ranks disagree on {name} (rank {first}: {value}, rank {other}: "
+                f"{seen[other][name]}), so each rank would take its share of a different order and samples "
+                f"would repeat or be skipped; {_FIXES[name]}"
             )
-
-
-def _as_int64(value: int) -> int:
-    """``value`` as a signed 64-bit integer (a generator's seed may be any unsigned 64-bit one)."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value

@@ -313,7 +313,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         return self._hand_out(batches)
 
     def _agree_on_order(self) -> None:
-        """Once, before the first batch: every rank's order-defining settings are rank 0's (else one line, all ranks).
+        """Once, before the first batch: every rank's order-defining settings are the same (else one line).
 
         Only for a map-style loader sharded over the world group (the one its
         rank and world size came from); a stream's shards need no common order.
