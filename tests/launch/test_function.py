@@ -118,6 +118,13 @@ def test_only_module_level_functions_count_as_importable():
         ({"nproc": 0}, "nproc=0 is not valid"),
         ({"max_restarts": -1}, "max_restarts=-1 is not valid"),
         ({"start_method": "spawn"}, "start_method='spawn' is not valid; choose one of: auto, fork, forkserver"),
+        ({"nproc": "2"}, r"nproc='2' is not valid; it must be a whole number \(e.g. nproc=2\), not a str"),
+        ({"nproc": 2.5}, r"nproc=2.5 is not valid; it must be a whole number \(e.g. nproc=2\), not a float"),
+        ({"nproc": True}, r"nproc=True is not valid; it must be a whole number \(e.g. nproc=2\), not a bool"),
+        ({"max_restarts": "1"}, "max_restarts='1' is not valid; it must be a whole number"),
+        ({"master_port": 70000}, "master_port=70000 is not valid; give a port from 1 to 65535, or 0 for a free one"),
+        ({"master_port": -1}, "master_port=-1 is not valid; give a port from 1 to 65535"),
+        ({"master_port": "29500"}, "master_port='29500' is not valid; it must be a whole number"),
     ],
 )
 def test_bad_options_are_one_line_before_any_worker(options, message):

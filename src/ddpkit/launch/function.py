@@ -118,6 +118,9 @@ FORK_PRELOAD = ("torch._dynamo",)
 """Imported here before the first fork, so that forked workers inherit it: what a worker's first optimizer step
 imports (about 1 s of a core), which every worker of every launch would import again otherwise."""
 
+MAX_PORT = 65535
+"""The highest TCP port."""
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -153,8 +156,15 @@ def launch(
         KeyboardInterrupt: Ctrl-C (a notebook's stop button) stopped the workers.
     """
     __tracebackhide__ = True  # IPython and pytest show the caller's line, not this one
+    check_whole_number("nproc", nproc, "e.g. nproc=2")
+    check_whole_number("max_restarts", max_restarts, "e.g. max_restarts=1")
+    check_whole_number("master_port", master_port, "a port from 1 to 65535, or 0 for a free one")
     check_positive("nproc", nproc)
     check_positive("max_restarts", max_restarts, allow_zero=True)
+    if not 0 <= master_port <= MAX_PORT:
+        raise UserError(
+            f"master_port={master_port} is not valid; give a port from 1 to {MAX_PORT}, or 0 for a free one"
+        )
     check_choice("start_method", start_method, START_METHODS)
     if not callable(fn):
         raise UserError(f"fn={fn!r} is not callable; pass the function each worker runs, e.g. ddpkit.launch(train)")
@@ -177,6 +187,18 @@ def launch(
             # Raised anew: its traceback ends at this call, not inside the launcher.
             raise LaunchError(e.failure) from None
     return [results[rank] for rank in range(nproc)]
+
+
+def check_whole_number(name: str, value: object, example: str) -> None:
+    """Raise a one-line UserError unless ``value`` is an int (a bool, a float or a string is not): it names the fix.
+
+    Checked here, in the caller: a string or a float would otherwise fail deep inside the launcher as a raw
+    TypeError, and True (an int to Python) would start one worker that then fails.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(
+            f"{name}={value!r} is not valid; it must be a whole number ({example}), not a {type(value).__name__}"
+        )
 
 
 def choose_start_method(requested: str, fn: Callable[..., Any]) -> str:
