@@ -64,8 +64,9 @@ caller's: where the notebook ran a parallel torch operator, torch's OpenMP
 thread pool belongs to the thread that ran it, and a worker forked from that
 thread would hang in its first one (see
 :func:`ddpkit.launch.local._in_a_thread_of_its_own`). A worker dies with
-the launcher (``PR_SET_PDEATHSIG``): a kernel that is restarted or killed
-leaves no worker behind. The first fork imports ``torch._dynamo`` here
+the launcher (``PR_SET_PDEATHSIG``, through the worker server where that
+is its parent): a kernel that is restarted or killed leaves no worker
+behind. The first fork imports ``torch._dynamo`` here
 (:data:`FORK_PRELOAD`, about 1 s once), which each worker's first optimizer
 step would otherwise import again on every launch.
 
@@ -87,14 +88,12 @@ Pipeline: (fn, args, options) -> start method -> LaunchSpec -> launch_local
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import faulthandler
 import inspect
 import logging
 import os
 import pickle
-import signal
 import sys
 import tempfile
 import threading
@@ -120,8 +119,6 @@ imports (about 1 s of a core), which every worker of every launch would import a
 
 MAX_PORT = 65535
 """The highest TCP port."""
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def launch(
@@ -174,7 +171,7 @@ def launch(
         import_paused(*FORK_PRELOAD)  # once per process; a no-op after
     spec = LaunchSpec(nproc, master_port=master_port, max_restarts=max_restarts, start_method=method)
     with tempfile.TemporaryDirectory(prefix="ddpkit-output-") as folder:
-        worker = _Worker(fn, folder, os.getpid() if method == "fork" else 0)
+        worker = _Worker(fn, folder)
         try:
             with _rank_output(folder, nproc, sys.stdout, sys.stderr):
                 results = launch_local(spec, worker, *args)
@@ -278,14 +275,11 @@ class _Worker:
     A class at module level, so that the worker server can unpickle it (with ``fn`` by name).
     """
 
-    def __init__(self, fn: Callable[..., Any], output_folder: str, launcher_pid: int):
+    def __init__(self, fn: Callable[..., Any], output_folder: str):
         self.fn = fn
         self.output_folder = output_folder
-        self.launcher_pid = launcher_pid
-        """The process that forks the workers (start_method fork), 0 where the worker server does."""
 
     def __call__(self, *args: Any) -> Any:
-        _die_with_parent(self.launcher_pid)
         rank = int(os.environ.get("RANK", "0"))
         with _output_to_files(os.path.join(self.output_folder, f"rank-{rank}")):
             try:
@@ -306,21 +300,6 @@ class _Worker:
                     "or lists and dicts of them"
                 ) from None
             return result
-
-
-def _die_with_parent(launcher_pid: int) -> None:
-    """Have the kernel kill this worker when the thread that forked it ends (Linux), so that none outlives a launcher.
-
-    A worker sits in a process group of its own (it must not get the
-    terminal's Ctrl-C twice), so a kill of the launcher's group, as Jupyter
-    does to a kernel it restarts, would miss it.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if launcher_pid and os.getppid() != launcher_pid:
-        os._exit(1)  # the launcher died before the line above: no one will collect this worker
 
 
 @contextlib.contextmanager

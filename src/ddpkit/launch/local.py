@@ -70,6 +70,7 @@ launch ends.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import io
@@ -115,6 +116,8 @@ INTERRUPTED_MARKER = "interrupted"
 """File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
 AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"
 """Store key each node's agent increments once past torch's exit barrier (see _host_outlives_the_exit_barrier)."""
+STOP_NOW_GRACE_S = 2.0
+"""Seconds the workers have to stop after a second Ctrl-C before they are killed."""
 EXIT_BARRIER_GRACE_S = 30.0
 """The longest node 0's agent waits, past the exit barrier, for the other agents to leave it."""
 
@@ -143,7 +146,35 @@ _server_users = 0
 _SERVER_IGNORED_CTRL_C = False
 """True in the worker server (and so in its workers) when it, not the launcher, made SIGINT ignored."""
 
-if os.environ.get(_SERVER_VARIABLE) == "1":
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+# libc's prctl, resolved here, in the launcher and in the server, before any fork: a forked worker must not
+# dlopen (another thread of the launcher may have held the loader's lock when it forked).
+
+_SERVER_PID = 0
+"""In the worker server (and so in its workers), the server's pid: the parent each worker must die with."""
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` (the process that started it) ends (Linux).
+
+    The chain holds on every launch path: the worker server dies with the
+    launcher, a worker with the server (or, forked from the launcher itself,
+    with the launcher's thread that forked it), a DataLoader worker with its
+    rank (:mod:`ddpkit.data.workers`). So a launcher killed with SIGKILL, which
+    can pass nothing on, leaves no process of its run behind; a worker sits in
+    a process group of its own, which a kill of the launcher's group misses.
+    """
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before the line above: nothing would stop this process
+
+
+if (_launcher := os.environ.get(_SERVER_VARIABLE, "")).isdigit():
+    _die_with(int(_launcher))  # the launcher's pid, set in the server's environment by _start_worker_server
+    _SERVER_PID = os.getpid()
     # A signal sent to every process of the job (a process-group kill, Slurm's
     # scancel --signal) must not kill the server: the launcher would read its
     # workers' status from the dead server as exit code 255 while they still
@@ -295,7 +326,8 @@ def _start_worker_server() -> None:
     ctrl_c = {signal.SIGINT}
     held = signal.pthread_sigmask(signal.SIG_BLOCK, ctrl_c)
     try:
-        with _environ(_SERVER_VARIABLE, "1"):  # the server's environment only; workers get the launcher's
+        # The server's environment only (workers get the launcher's): the launcher's pid, which it dies with.
+        with _environ(_SERVER_VARIABLE, str(os.getpid())):
             multiprocessing.forkserver.ensure_running()
     finally:
         if signal.SIGINT not in held:
@@ -464,7 +496,9 @@ def _environ_restored() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any) -> Any:
+def _worker_main(
+    launcher_pid: int, launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any
+) -> Any:
     """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
 
     The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
@@ -486,6 +520,7 @@ def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[.
     its file) is made line-buffered, as on a terminal: Python would hold
     prints back until 8 KiB.
     """
+    _die_with(_SERVER_PID or launcher_pid)  # forked from the worker server, or from the launcher itself
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
@@ -529,8 +564,10 @@ class _CtrlC:
     """The launcher's SIGINT handler: each Ctrl-C is passed on to the workers once.
 
     The workers take the first as a preemption (finish the step, checkpoint,
-    exit 130) and the second as "stop now". The first also leaves a marker,
-    so that the agent's restarts (``max_restarts``) start nothing more.
+    exit 130) and the second as "stop now": those still running
+    :data:`STOP_NOW_GRACE_S` later (stuck in a collective) are killed. The
+    first also leaves a marker, so that the agent's restarts
+    (``max_restarts``) start nothing more.
     """
 
     def __init__(self, failure_dir: str):
@@ -548,11 +585,27 @@ class _CtrlC:
                 file=sys.stderr,
                 flush=True,
             )
-        elif self.count == 2:
-            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
-        for child in multiprocessing.active_children():  # the agent's workers
+        workers = [child.pid for child in multiprocessing.active_children() if child.pid]  # the agent's workers
+        for pid in workers:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGINT)
+                os.kill(pid, signal.SIGINT)
+        if self.count == 2:
+            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
+            # A worker inside a collective (a barrier a peer never joins) does not return to Python, where its
+            # KeyboardInterrupt would be raised: after a moment to stop on its own, it is killed.
+            timer = threading.Timer(STOP_NOW_GRACE_S, _kill_process_groups, (workers,))
+            timer.daemon = True
+            timer.start()
+
+
+def _kill_process_groups(pids: list[int]) -> None:
+    """SIGKILL each worker of ``pids`` with its process group (its DataLoader workers and subprocesses)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # a worker leads a group of its own (_worker_main)
+        except ProcessLookupError:  # gone already, or not yet in its own group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -772,8 +825,8 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
             ):
                 run = elastic_launch(config, _worker_main)
                 if forked:
-                    return _in_a_thread_of_its_own(run, dict(os.environ), spec.title, fn, *args)
-                return run(dict(os.environ), spec.title, fn, *args)
+                    return _in_a_thread_of_its_own(run, os.getpid(), dict(os.environ), spec.title, fn, *args)
+                return run(os.getpid(), dict(os.environ), spec.title, fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:

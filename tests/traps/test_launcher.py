@@ -1,0 +1,117 @@
+"""The launcher leaves nothing behind: killed, interrupted twice, or refused, on every launch path.
+
+Each test runs a small real program under ``ddpkit run``, ``ddpkit train`` or ``ddpkit.launch`` in a process of
+its own (tests/traps/scripts/launcher_*.py), as a user would, and looks at the processes and files it leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.cli_runner import PYTHONPATH
+from tests.launch.test_function import _gone, _kill
+
+SCRIPTS = Path(__file__).parent / "scripts"
+START_TIMEOUT = 120.0
+"""Seconds a launch may take to have every worker training (torch imported twice on 2 busy cores)."""
+GONE_WITHIN = 5.0
+"""Seconds a run's processes may outlive their launcher's death."""
+TINY_TRAIN = ["dataset=synthetic", "synthetic_samples=100000", "batch_size=8", "epochs=50", "progress=false"]
+
+
+def _launcher(path: str, folder: Path) -> list[str]:
+    """The command line of each launch path, running launcher_forever.py's loop into ``folder``."""
+    script = str(SCRIPTS / "launcher_forever.py")
+    launch = (
+        "import sys, ddpkit; from tests.traps.scripts.launcher_forever import train; "
+        "ddpkit.launch(train, sys.argv[1], nproc=2, start_method=sys.argv[2])"
+    )
+    return {
+        "run": [sys.executable, "-m", "ddpkit", "run", "nproc=2", script, str(folder)],
+        "train": [sys.executable, "-m", "ddpkit", "train", "nproc=2", *TINY_TRAIN, "output_dir=out"],
+        "launch-forkserver": [sys.executable, "-c", launch, str(folder), "forkserver"],
+        "launch-fork": [sys.executable, "-c", launch, str(folder), "fork"],
+    }[path]
+
+
+def _start(command: list[str], cwd: Path) -> subprocess.Popen[bytes]:
+    environ = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    return subprocess.Popen(command, cwd=cwd, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _workers(launcher: psutil.Process) -> list[psutil.Process]:
+    """The launcher's descendants that are ddpkit workers (titled ``ddpkit rank r/w: ...``, or forked by it)."""
+    found = []
+    for process in launcher.children(recursive=True):
+        try:
+            if process.cmdline()[:2] == ["ddpkit", "rank"] or " ".join(process.cmdline()).startswith("ddpkit rank"):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _wait_until(ready: callable, process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not ready():
+        if process.poll() is not None:
+            raise AssertionError(f"the launcher ended before {what}: {process.stderr.read().decode()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {START_TIMEOUT} s")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path", ["run", "train", "launch-forkserver", "launch-fork"])
+def test_no_process_of_a_run_outlives_its_launcher_killed_with_sigkill(tmp_path, path):
+    process = _start(_launcher(path, tmp_path), tmp_path)
+    launcher = psutil.Process(process.pid)
+    left: list[int] = []
+    try:
+        if path == "train":  # the built-in trainer's workers are titled by ddpkit
+            _wait_until(lambda: len(_workers(launcher)) == 2, process, "2 workers")
+        else:
+            _wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, process, "2 workers training")
+        started = [child.pid for child in launcher.children(recursive=True)]
+        assert len(started) >= 2
+        process.kill()  # as the OOM killer, or a kill -9 by hand
+        process.wait()
+        left = _gone(started, within=GONE_WITHIN)
+        names = {pid: " ".join(psutil.Process(pid).cmdline())[:80] for pid in left if psutil.pid_exists(pid)}
+        assert not left, f"{path}: {len(left)} processes outlived the killed launcher by {GONE_WITHIN} s: {names}"
+    finally:
+        process.kill()
+        process.wait()
+        _kill(left)
+
+
+def test_a_second_ctrl_c_ends_workers_stuck_in_a_collective_within_seconds(tmp_path):
+    command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPTS / "launcher_stuck.py"), str(tmp_path)]
+    process = _start(command, tmp_path)
+    started: list[int] = []
+    try:
+        _wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, process, "2 workers stuck")
+        started = [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
+        time.sleep(0.5)  # both inside their collective
+        process.send_signal(signal.SIGINT)  # Ctrl-C: the stuck workers cannot act on it
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)  # Ctrl-C again: "stopping the workers now"
+        try:
+            status = process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the launcher still waits for its stuck workers 15 s after a second Ctrl-C") from None
+        stderr = process.stderr.read().decode()
+        assert "ddpkit: Ctrl-C again: stopping the workers now" in stderr, stderr
+        assert status == 130, stderr
+        assert _gone(started, within=GONE_WITHIN) == []
+    finally:
+        process.kill()
+        process.wait()
+        _kill(started)
