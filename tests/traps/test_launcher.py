@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli_runner import PYTHONPATH
+from tests.cli_runner import PYTHONPATH, run_ddpkit
 from tests.launch.test_function import _gone, _kill
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -114,4 +114,31 @@ def test_a_second_ctrl_c_ends_workers_stuck_in_a_collective_within_seconds(tmp_p
     finally:
         process.kill()
         process.wait()
+        _kill(started)
+
+
+def test_a_second_run_into_a_live_runs_log_folder_touches_none_of_its_files(tmp_path):
+    logs = tmp_path / "logs"
+    live_command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", f"log_dir={logs}"]
+    live = _start([*live_command, str(SCRIPTS / "launcher_forever.py"), str(tmp_path)], tmp_path)
+    started: list[int] = []
+    try:
+        _wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, live, "2 workers training")
+        started = [child.pid for child in psutil.Process(live.pid).children(recursive=True)]
+        # The second run asks for the same folder (as two runs into one output_dir started in the same second
+        # do) and is refused at once.
+        second = run_ddpkit(
+            "run", "nproc=2", f"log_dir={logs}", str(SCRIPTS / "launcher_refused.py"), cwd=tmp_path, timeout=120
+        )
+        assert second.returncode == 2, second.stderr
+        assert f"each rank's whole output is in {logs}-2" in second.stderr, second.stderr
+        assert "refused: this folder is another run's" in (tmp_path / "logs-2" / "rank-0.stderr.log").read_text()
+        time.sleep(1.5)  # the live run prints on
+        for rank in (0, 1):
+            lines = (logs / f"rank-{rank}.stdout.log").read_text().splitlines()
+            assert lines and lines[0].startswith(f"rank {rank} step 0 loss"), lines
+            assert len(lines) >= 2 and lines[-1].startswith(f"rank {rank} step "), lines
+    finally:
+        live.kill()
+        live.wait()
         _kill(started)

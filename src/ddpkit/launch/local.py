@@ -222,8 +222,9 @@ class LaunchSpec:
     """How workers start: "forkserver", forked from ddpkit's warm worker server (``fn`` and its arguments are
     pickled, so ``fn`` must be importable), or "fork", forked from this process as it is (nothing is pickled)."""
     log_dir: str = ""
-    """Folder of each worker's stdout and stderr files (ddpkit.launch.output); empty: the workers write to this
-    process's stdout and stderr, as they are."""
+    """Folder of each worker's stdout and stderr files (ddpkit.launch.output), created for this launch (where
+    it exists already, another launch's, ``log_dir-2``, ``-3``...); empty: the workers write to this process's
+    stdout and stderr, as they are."""
     show_ranks: frozenset[int] | None = None
     """With log_dir: the global ranks whose lines this process's stdout and stderr show; None: all."""
     title: str = ""
@@ -745,20 +746,22 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
     if not spec.log_dir:
         yield None
         return
-    from ddpkit.launch.output import ConsoleTee, RankLogs, hidden_stderr_note, where
+    from ddpkit.launch import output
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
-    os.makedirs(spec.log_dir, exist_ok=True)
-    tee = ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
-    config.logs_specs = RankLogs(spec.log_dir, error_dir, tee)
-    print(f"ddpkit: {where(spec.log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
+    log_dir = output.claim_log_dir(spec.log_dir)  # this launch's own: another's is never touched
+    if log_dir.parent == output.default_log_root():
+        output.prune_log_root(log_dir.parent, protect=log_dir)
+    tee = output.ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
+    config.logs_specs = output.RankLogs(str(log_dir), error_dir, tee)
+    print(f"ddpkit: {output.where(log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
     tee.start()
     try:
         yield tee
     finally:
         tee.stop()
-        if note := hidden_stderr_note(tee):
+        if note := output.hidden_stderr_note(tee):
             print(note, file=sys.stderr, flush=True)
 
 

@@ -32,6 +32,8 @@ def train(folder: str) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if step % 20 == 0:
+            print(f"rank {ctx.rank} step {step} loss {loss.item():.4f}", flush=True)
         if step == 0:
             Path(folder, f"ready-{ctx.rank}").touch()
         step += 1
