@@ -142,3 +142,20 @@ def test_a_second_run_into_a_live_runs_log_folder_touches_none_of_its_files(tmp_
         live.kill()
         live.wait()
         _kill(started)
+
+
+def test_the_files_named_as_a_failed_ranks_whole_output_hold_its_traceback(tmp_path):
+    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / "launcher_fails.py"), cwd=tmp_path, timeout=120)
+    assert out.returncode == 1, out.stderr
+    report = out.stderr[out.stderr.index("error: worker rank 1 failed") :].splitlines()
+    assert report[0] == "error: worker rank 1 failed (exit code 1): KeyError: 'rank 1 has no labels'", out.stderr
+    # The report's frames are the script's, from its first line on, not the launcher's (run_script, runpy).
+    assert report[1] == "Traceback (most recent call last):"
+    assert report[2].endswith('launcher_fails.py", line 18, in <module>'), report
+    assert report[4].endswith('launcher_fails.py", line 11, in labels_for'), report
+    assert report[6] == "KeyError: 'rank 1 has no labels'"
+    named = report[7].removeprefix("ddpkit: rank 1's whole output: ").split(", ")
+    stdout, stderr = (Path(path).read_text() for path in named)
+    assert stdout == "rank 1 starts\n"
+    assert stderr.splitlines() == report[1:7]
+    assert out.stderr.count("Traceback (most recent call last):") == 1  # one report, not one per rank

@@ -88,6 +88,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
@@ -99,6 +100,8 @@ from ddpkit.launch.failure import (
     FAILURE_DIR_VARIABLE,
     LaunchError,
     WorkerFailure,
+    append_to_output,
+    recorded_failures,
     root_cause,
     run_reporting_failure,
 )
@@ -795,9 +798,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         StoppedBySignal: the launcher received a signal it passes on (SIGTERM, SIGHUP, SIGQUIT,
             ``spec.forward_signals``); the workers were stopped with it.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     if spec.nproc < 1:
         raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
@@ -813,6 +814,28 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _announce_restarts()
     _host_outlives_the_exit_barrier()
     _exit_codes_at_shutdown()
+    failed: list[tuple[WorkerFailure, Path]] = []  # added to their ranks' stderr files once the console showed them
+    try:
+        return _launch_recording_failures(spec, config, forked, names, failed, fn, *args)
+    finally:
+        for failure, stderr in failed:
+            append_to_output(failure, stderr)
+
+
+def _launch_recording_failures(
+    spec: LaunchSpec,
+    config: Any,
+    forked: bool,
+    names: tuple[str, ...],
+    failed: list[tuple[WorkerFailure, Path]],
+    fn: Callable[..., Any],
+    *args: Any,
+) -> dict[int, Any]:
+    """:func:`launch_local`'s launch; each rank's recorded error and its stderr file are added to ``failed``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     with (
         tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir,
         _output_to_files(spec, config, failure_dir) as tee,
@@ -838,6 +861,8 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
             elif tee is not None:
                 failure = _with_its_output(failure, tee)
+                files = {f.rank: tee.files_of(f.rank) for f in recorded_failures(failure_dir)}
+                failed += [(f, paths[1]) for f in recorded_failures(failure_dir) if (paths := files[f.rank])]
             raise LaunchError(failure) from None
         except SignalException as e:
             name = signal.Signals(e.sigval).name
