@@ -52,6 +52,8 @@ class WorkerFailure:
     """The traceback, empty for errors in the user's input or signals."""
     output: str = ""
     """Where the rank's whole stdout and stderr are (its log files), empty where they are not in files."""
+    user_error: bool = False
+    """The rank raised a :class:`ddpkit.errors.UserError`: ``message`` is the whole report."""
 
     def report(self) -> str:
         """The text shown to the user: one line, plus the traceback when it helps, and where its output is."""
@@ -110,7 +112,7 @@ def _record(error: Exception) -> None:
         message = f"{message}; {where}"  # a wait timed out: where the others were
     data = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
-        "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1)},
+        "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1), "user_error": user_error},
     }
     peer_lost = any(marker in message for marker in PEER_LOST_MARKERS)
     data["ddpkit"]["peer_lost"] = peer_lost
@@ -223,4 +225,5 @@ def _describe(rank: int, failure: Any) -> WorkerFailure:
         message = (
             f"killed by {signal}" if failure.exitcode < 0 else "exited without an error message (see its output above)"
         )
-    return WorkerFailure(rank, failure.exitcode, str(message), stack)
+    user_error = bool((failure.error_file_data or {}).get("ddpkit", {}).get("user_error", False))
+    return WorkerFailure(rank, failure.exitcode, str(message), stack, user_error=user_error)

@@ -753,9 +753,7 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
-    log_dir = output.claim_log_dir(spec.log_dir)  # this launch's own: another's is never touched
-    if log_dir.parent == output.default_log_root():
-        output.prune_log_root(log_dir.parent, protect=log_dir)
+    log_dir = output.new_log_dir(spec.log_dir)  # this launch's own: another's is never touched
     tee = output.ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
     config.logs_specs = output.RankLogs(str(log_dir), error_dir, tee)
     print(f"ddpkit: {output.where(log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
@@ -768,8 +766,8 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
             print(note, file=sys.stderr, flush=True)
 
 
-def _with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
-    """``failure`` naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
+def with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
+    """``failure`` (of a launch whose output ``tee`` follows) naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
     from ddpkit.launch.output import last_lines
 
     files = tee.files_of(failure.rank)
@@ -860,7 +858,7 @@ def _launch_recording_failures(
                 # starting), the user asked the job to stop: report that, not a failure.
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
             elif tee is not None:
-                failure = _with_its_output(failure, tee)
+                failure = with_its_output(failure, tee)
                 files = {f.rank: tee.files_of(f.rank) for f in recorded_failures(failure_dir)}
                 failed += [(f, paths[1]) for f in recorded_failures(failure_dir) if (paths := files[f.rank])]
             raise LaunchError(failure) from None

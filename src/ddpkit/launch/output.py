@@ -102,6 +102,14 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> Path:
     raise AssertionError("unreachable")
 
 
+def new_log_dir(log_dir: str | os.PathLike[str]) -> Path:
+    """:func:`claim_log_dir`; under :func:`default_log_root`, the oldest launches' folders are then pruned."""
+    folder = claim_log_dir(log_dir)
+    if folder.parent == default_log_root():
+        prune_log_root(folder.parent, protect=folder)
+    return folder
+
+
 def prune_log_root(root: Path, keep: int = KEEP_LAUNCHES, protect: Path | None = None) -> list[Path]:
     """Remove the output folders of all but the newest ``keep`` launches from ``root``, sparing live ones.
 
@@ -186,6 +194,11 @@ class ConsoleTee:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpkit-console-tee", daemon=True)
+
+    @property
+    def console_stderr(self) -> TextIO:
+        """The launcher's stderr the tee writes to, for the launcher's own lines beside the ranks'."""
+        return self._consoles[1]
 
     def is_shown(self, rank: int) -> bool:
         """Whether ``rank``'s output reaches the console."""
