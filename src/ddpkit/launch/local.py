@@ -578,6 +578,8 @@ class _CtrlC:
         self.failure_dir = failure_dir
         self.count = 0
         """Ctrl-C presses so far."""
+        self.kill_timer: threading.Timer | None = None
+        """After the second: kills the workers still running (cancelled when the launch ends first)."""
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
@@ -597,9 +599,9 @@ class _CtrlC:
             print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
             # A worker inside a collective (a barrier a peer never joins) does not return to Python, where its
             # KeyboardInterrupt would be raised: after a moment to stop on its own, it is killed.
-            timer = threading.Timer(STOP_NOW_GRACE_S, _kill_process_groups, (workers,))
-            timer.daemon = True
-            timer.start()
+            self.kill_timer = threading.Timer(STOP_NOW_GRACE_S, _kill_process_groups, (workers,))
+            self.kill_timer.daemon = True
+            self.kill_timer.start()
 
 
 def _kill_process_groups(pids: list[int]) -> None:
@@ -625,6 +627,8 @@ def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
         yield handler
     finally:
         signal.signal(signal.SIGINT, previous)
+        if handler.kill_timer is not None:  # the workers are gone: their pids must not be killed later
+            handler.kill_timer.cancel()
 
 
 @contextlib.contextmanager
