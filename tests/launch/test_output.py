@@ -178,14 +178,15 @@ def test_a_log_folder_that_cannot_be_created_is_one_line(tmp_path):
 def test_the_default_log_root_keeps_the_newest_launches_and_the_running_ones(tmp_path):
     dead = 2**22 + 1  # above the default pid_max: no such process
     folders = [tmp_path / f"train-20261129-0100{second:02d}-{dead}" for second in range(6)]
-    live = tmp_path / f"run-20261128-000000-{os.getpid()}"  # the oldest, but its launcher runs
+    live = tmp_path / f"run-20261128-000000-{os.getpid()}"  # old, but its launcher runs: its newest is kept
+    earlier = tmp_path / f"run-20261127-000000-{os.getpid()}"  # the same launcher's earlier launch
     theirs = tmp_path / "notes"  # not a launch's: never removed
-    for age, folder in enumerate([*reversed(folders), live, theirs]):
+    for age, folder in enumerate([*reversed(folders), live, earlier, theirs]):
         folder.mkdir()
         (folder / "rank-0.stdout.log").write_text("x\n")
         os.utime(folder, (1_000_000 - age, 1_000_000 - age))
     removed = prune_log_root(tmp_path, keep=2, protect=folders[0])
-    assert sorted(removed) == sorted(folders[1:4])
+    assert sorted(removed) == sorted([*folders[1:4], earlier])
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
         [folders[0].name, folders[4].name, folders[5].name, live.name, theirs.name]
     )

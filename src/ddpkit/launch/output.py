@@ -114,23 +114,32 @@ def prune_log_root(root: Path, keep: int = KEEP_LAUNCHES, protect: Path | None =
     """Remove the output folders of all but the newest ``keep`` launches from ``root``, sparing live ones.
 
     Only folders a launch named there (:func:`default_log_dir`: ``NAME-YYYYmmdd-HHMMSS-PID``, or one of
-    :func:`claim_log_dir`'s ``-N`` variants) are candidates; one whose launcher (its PID) still runs is
-    kept, as is ``protect`` (this launch's). Returns the folders removed.
+    :func:`claim_log_dir`'s ``-N`` variants) are candidates. The newest folder of a launcher (its PID) that
+    still runs is kept, since its launch may still write there, as is ``protect`` (this launch's); a process
+    that launches again and again (a notebook kernel) keeps only its newest. Returns the folders removed.
     """
     try:
         entries = [path for path in root.iterdir() if path.is_dir() and _LAUNCH_FOLDER.fullmatch(path.name)]
     except OSError:
         return []
     entries.sort(key=_modified, reverse=True)
+    newest_of: dict[int, Path] = {}
+    for path in entries:
+        newest_of.setdefault(_launcher_pid(path), path)
     removed = []
     for path in entries[keep:]:
-        match = _LAUNCH_FOLDER.fullmatch(path.name)
-        assert match is not None
-        if path == protect or _running(int(match.group("pid"))):
+        pid = _launcher_pid(path)
+        if path == protect or (newest_of[pid] == path and _running(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def _launcher_pid(path: Path) -> int:
+    match = _LAUNCH_FOLDER.fullmatch(path.name)
+    assert match is not None, path
+    return int(match.group("pid"))
 
 
 def _modified(path: Path) -> float:
