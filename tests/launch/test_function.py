@@ -27,7 +27,8 @@ import ddpkit
 import ddpkit.distributed
 from ddpkit.errors import UserError
 from ddpkit.launch.failure import LaunchError
-from ddpkit.launch.function import _rank_output, choose_start_method, fork_hazard, importable
+from ddpkit.launch.function import SHOWN, _rank_output, choose_start_method, fork_hazard, importable
+from ddpkit.launch.output import ConsoleTee
 from tests.cli_runner import PYTHONPATH, REPO
 from tests.launch import function_workers
 
@@ -118,6 +119,13 @@ def test_only_module_level_functions_count_as_importable():
         ({"nproc": 0}, "nproc=0 is not valid"),
         ({"max_restarts": -1}, "max_restarts=-1 is not valid"),
         ({"start_method": "spawn"}, "start_method='spawn' is not valid; choose one of: auto, fork, forkserver"),
+        ({"nproc": "2"}, r"nproc='2' is not valid; it must be a whole number \(e.g. nproc=2\), not a str"),
+        ({"nproc": 2.5}, r"nproc=2.5 is not valid; it must be a whole number \(e.g. nproc=2\), not a float"),
+        ({"nproc": True}, r"nproc=True is not valid; it must be a whole number \(e.g. nproc=2\), not a bool"),
+        ({"max_restarts": "1"}, "max_restarts='1' is not valid; it must be a whole number"),
+        ({"master_port": 70000}, "master_port=70000 is not valid; give a port from 1 to 65535, or 0 for a free one"),
+        ({"master_port": -1}, "master_port=-1 is not valid; give a port from 1 to 65535"),
+        ({"master_port": "29500"}, "master_port='29500' is not valid; it must be a whole number"),
     ],
 )
 def test_bad_options_are_one_line_before_any_worker(options, message):
@@ -132,26 +140,32 @@ def test_forkserver_needs_a_function_the_workers_can_import():
         ddpkit.launch(lambda: None, start_method="forkserver")
 
 
-def test_the_output_reader_prints_whole_lines_prefixed_by_rank(tmp_path):
+def test_the_output_reader_shows_rank_0s_whole_lines_and_names_where_the_others_are(tmp_path):
     out, err = io.StringIO(), io.StringIO()
-    (tmp_path / "rank-1.out").write_bytes(b"first line\nhalf a")
-    (tmp_path / "rank-0.err").write_bytes(b"[rank 0/2] logged by ddpkit\n")
-    with _rank_output(str(tmp_path), 2, out, err):
-        with open(tmp_path / "rank-1.out", "ab") as f:
+    (tmp_path / "rank-0.stdout.log").write_bytes(b"first line\nhalf a")
+    (tmp_path / "rank-1.stdout.log").write_bytes(b"rank 1's line\n")
+    (tmp_path / "rank-1.stderr.log").write_bytes(b"rank 1's warning\n")
+    with _rank_output(ConsoleTee(SHOWN, out, err), tmp_path, 2):
+        with open(tmp_path / "rank-0.stdout.log", "ab") as f:
             f.write(b" line\n10%\r50%\r100%\nno newline at the end")
-    assert err.getvalue() == "[rank 0/2] logged by ddpkit\n"  # prefixed already: left as it is
-    assert out.getvalue().splitlines() == [
-        "[rank 1/2] first line",
-        "[rank 1/2] half a line",
-        "[rank 1/2] 100%",  # a progress bar's last state, as a terminal shows it
-        "[rank 1/2] no newline at the end",
+    assert out.getvalue().splitlines() == [  # as python would show them: rank 0's alone, unprefixed
+        "first line",
+        "half a line",
+        "100%",  # a progress bar's last state, as a terminal shows it
+        "no newline at the end",
+    ]
+    assert err.getvalue().splitlines() == [
+        f"ddpkit: the console shows rank 0's output (show_ranks=all: every rank's), each rank's whole output is in "
+        f"{tmp_path}",
+        "ddpkit: rank 1 also wrote to stderr, not shown here (the console shows rank 0; show_ranks=all shows every "
+        f"rank): {tmp_path / 'rank-1.stderr.log'}",
     ]
 
 
 # -- launches forked from this process -----------------------------------------------------------------
 
 
-def test_results_come_back_in_rank_order_and_the_output_prefixed(capsys, seed):
+def test_results_come_back_in_rank_order_and_the_console_shows_rank_0_as_ddpkit_run_does(capsys, seed):
     def all_reduce(tag: str) -> dict:  # a closure: only a fork can start it
         ctx = ddpkit.init()
         torch.manual_seed(seed + ctx.rank)
@@ -164,8 +178,11 @@ def test_results_come_back_in_rank_order_and_the_output_prefixed(capsys, seed):
     assert [(r["rank"], r["tag"], r["sum"]) for r in results] == [(0, "x", 6.0), (1, "x", 6.0), (2, "x", 6.0)]
     torch.manual_seed(seed + 2)
     assert torch.equal(results[2]["weights"], torch.randn(3))  # tensors come back too
-    out = capsys.readouterr().out
-    assert {"[rank 0/3] sum 6.0", "[rank 1/3] sum 6.0", "[rank 2/3] sum 6.0"} <= set(out.splitlines())
+    out, err = capsys.readouterr()
+    # Rank 0's line, once, as under ddpkit run (after the seed fixture's line); the others' are in their files.
+    assert [line for line in out.splitlines() if not line.startswith("DDPKIT_TEST_SEED=")] == ["sum 6.0"]
+    folder = Path(err.splitlines()[0].partition("each rank's whole output is in ")[2])
+    assert [(folder / f"rank-{rank}.stdout.log").read_text() for rank in range(3)] == ["sum 6.0\n"] * 3
 
 
 def test_a_failed_rank_raises_one_error_naming_it(capsys):
@@ -180,7 +197,8 @@ def test_a_failed_rank_raises_one_error_naming_it(capsys):
     assert failed.value.failure.rank == 1 and failed.value.failure.exitcode == 1
     report = str(failed.value)
     assert report.startswith("error: worker rank 1 failed (exit code 1): ValueError: rank 1 cannot go on\n")
-    assert report.rstrip().endswith("ValueError: rank 1 cannot go on")  # the traceback's last line
+    assert report.splitlines()[-2] == "ValueError: rank 1 cannot go on"  # the traceback's last line
+    assert report.splitlines()[-1].startswith("ddpkit: rank 1's whole output: ")
     assert report.splitlines()[2].endswith(", in fails")  # its first frame is fn's, not the launcher's
     assert failed.value.__cause__ is None and failed.value.__suppress_context__
 
@@ -261,7 +279,9 @@ def work(mode):
     ctx = ddpkit.init()
     total = torch.tensor([float(ctx.rank + 1)])
     torch.distributed.all_reduce(total)
-    print(f"pid {os.getpid()}", flush=True)
+    pids = [0, 0]
+    torch.distributed.all_gather_object(pids, os.getpid())
+    print("pid", *pids, flush=True)  # rank 0's: the console shows it
     if mode == "fail" and ctx.rank == 1:
         raise KeyError("rank 1 lost its key")
     while mode == "sleep":
@@ -272,7 +292,7 @@ try:
 except KeyboardInterrupt as e:
     print("KeyboardInterrupt:", e, flush=True)
 except ddpkit.launch.failure.LaunchError as e:
-    print("LaunchError rank", e.failure.rank, str(e).splitlines()[-1], flush=True)
+    print("LaunchError rank", e.failure.rank, e.failure.traceback.splitlines()[-1], flush=True)
 """
 
 
@@ -281,7 +301,7 @@ def test_from_python_c_results_and_a_failed_rank():
         [sys.executable, "-c", PYTHON_C, "ok"], env=_environ(), capture_output=True, text=True, timeout=CELL_TIMEOUT
     )
     assert "results [3.0, 3.0]" in ok.stdout.splitlines(), ok.stdout + ok.stderr
-    assert sum(line.startswith(("[rank 0/2] pid", "[rank 1/2] pid")) for line in ok.stdout.splitlines()) == 2
+    assert sum(line.startswith("pid ") for line in ok.stdout.splitlines()) == 1  # rank 0's, unprefixed
     failed = subprocess.run(
         [sys.executable, "-c", PYTHON_C, "fail"], env=_environ(), capture_output=True, text=True, timeout=CELL_TIMEOUT
     )
@@ -299,8 +319,8 @@ def test_from_python_c_ctrl_c_stops_every_worker():
         deadline = time.monotonic() + CELL_TIMEOUT
         while len(pids) < 2 and time.monotonic() < deadline:
             line = lines.get(timeout=CELL_TIMEOUT)
-            if " pid " in line:
-                pids.append(int(line.split()[-1]))
+            if line.startswith("pid "):  # rank 0's line: every worker's pid
+                pids += [int(word) for word in line.split()[1:]]
         process.send_signal(signal.SIGINT)  # Ctrl-C
         assert process.wait(timeout=30) == 0
         time.sleep(0.2)  # the reader thread takes the last lines
@@ -408,15 +428,14 @@ def test_a_notebook_cell_trains_w1_on_two_workers_and_returns_their_results(note
     result = [o for o in outputs if o["output_type"] == "execute_result"]
     assert result[0]["data"]["text/plain"] == "[(0, 3.0, 3), (1, 3.0, 3)]"  # rank order; all_reduce; 3 steps
     lines = _streams(outputs, "stdout")
-    for rank in (0, 1):  # the workers' output, in the cell, by rank
-        assert len([line for line in lines if line.startswith(f"[rank {rank}/2] loss ")]) == 3, lines
+    assert len(lines) == 3 and all(line.startswith("loss ") for line in lines), lines  # rank 0's, once each
 
 
 def test_a_notebook_cell_gets_the_failed_rank_as_one_error(notebook):
     (error,) = [o for o in notebook[1] if o["output_type"] == "error"]
     assert error["ename"] == "LaunchError"
     assert error["evalue"].startswith("error: worker rank 1 failed (exit code 1): ValueError: rank 1 is broken\n")
-    assert error["evalue"].rstrip().endswith("ValueError: rank 1 is broken")
+    assert error["evalue"].splitlines()[-2] == "ValueError: rank 1 is broken"
     (user_error,) = [o for o in notebook[2] if o["output_type"] == "error"]
     assert user_error["evalue"] == "error: worker rank 0 failed (exit code 1): lr=-1 is not valid; it must be > 0"
 
@@ -427,11 +446,13 @@ def test_the_kernel_goes_on_after_a_launch(notebook):
 
 
 SLEEPING_CELL = """
-import os, time, ddpkit
+import os, time, torch, ddpkit
 
 def sleeper():
     ddpkit.init()
-    print(f"pid {os.getpid()}", flush=True)
+    pids = [0, 0]
+    torch.distributed.all_gather_object(pids, os.getpid())
+    print("pid", *pids, flush=True)  # rank 0's: the cell shows it
     while True:
         time.sleep(0.05)
 
@@ -467,8 +488,13 @@ class _Kernel:
             content = message["content"]
             if message["msg_type"] == "error":
                 raise AssertionError(content["evalue"])
-            if message["msg_type"] == "stream":
-                pids += [int(line.split()[-1]) for line in content["text"].splitlines() if " pid " in line]
+            if message["msg_type"] == "stream":  # rank 0's line names every worker's pid
+                pids += [
+                    int(pid)
+                    for line in content["text"].splitlines()
+                    if line.startswith("pid ")
+                    for pid in line.split()[1:]
+                ]
         return pids
 
     def wait_for_line(self, request: str, line: str) -> None:
@@ -612,7 +638,7 @@ def test_the_example_notebook_trains_and_a_second_launch_resumes(tmp_path):
     finally:
         manager.shutdown_kernel(now=True)
     first, again = (_streams(cell.outputs, "stdout") for cell in book.cells[-2:])
-    assert "[rank 0/2] epoch 2: loss" in " ".join(first) and first[-1].startswith("test accuracy ")
+    assert "epoch 2: loss" in " ".join(first) and first[-1].startswith("test accuracy ")
     assert again[-1] == first[-1]  # the same weights: the second launch resumed after the last epoch
     assert any("resumed from runs/notebook/step-" in line for line in _streams(book.cells[-1].outputs, "stderr"))
 
@@ -658,7 +684,7 @@ def test_the_stop_button_keeps_a_checkpoint_and_the_next_launch_ends_bit_equal(t
         setup = kernel.start(STOPPABLE_TRAINING.replace("SEED", str(seed)).replace("OUT", str(tmp_path)))
         assert kernel.reply(setup)["status"] == "ok"
         request = kernel.start(f"ddpkit.launch(train, '{tmp_path}/stopped', 0.05, nproc=2)")
-        kernel.wait_for_line(request, "[rank 0/2] step 5")  # 16 steps an epoch: stopped in the first
+        kernel.wait_for_line(request, "step 5")  # 16 steps an epoch: stopped in the first
         kernel.manager.interrupt_kernel()
         assert kernel.reply(request)["ename"] == "KeyboardInterrupt"
         (checkpoint,) = [p.name for p in (tmp_path / "stopped").glob("step-*")]

@@ -7,12 +7,23 @@ are in tests/launch/test_run.py.
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import pytest
 
 from ddpkit.config import ConfigError, shown_ranks
-from ddpkit.launch.output import CLEAR_TO_END_OF_LINE, ConsoleTee, RankLogs, hidden_stderr_note, last_lines, log_files
+from ddpkit.errors import UserError
+from ddpkit.launch.output import (
+    CLEAR_TO_END_OF_LINE,
+    ConsoleTee,
+    RankLogs,
+    claim_log_dir,
+    hidden_stderr_note,
+    last_lines,
+    log_files,
+    prune_log_root,
+)
 from ddpkit.log import PREFIXED_VARIABLE, TERMINAL_VARIABLE
 
 
@@ -143,20 +154,42 @@ def test_a_workers_name_is_its_program_short(title, name):
     assert _program_name(title) == name
 
 
-def test_an_earlier_launchs_files_in_the_same_folder_are_not_shown_again(tmp_path):
-    # torch's redirect truncates a file that exists; a tee that opened it first would read the old lines, then
-    # miss the new ones up to the old length (a resumed run in the same folder).
-    stdout, stderr = log_files(tmp_path, 0)
-    stdout.write_text("the earlier launch's line\n")
-    console = Console(False)
-    tee = ConsoleTee(None, console, Console(False))
-    RankLogs(str(tmp_path), str(tmp_path / "errors"), tee).reify(
+def test_a_launch_into_a_taken_folder_gets_a_new_one_and_leaves_the_other_launchs_files(tmp_path):
+    # Two runs into one output_dir that start in the same second ask for the same logs/<second>: the second
+    # must neither truncate nor delete the first's rank files (torch's redirect truncates a file that exists).
+    first = claim_log_dir(tmp_path / "logs" / "20261129-010203")
+    stdout, _ = log_files(first, 0)
+    stdout.write_text("the live launch's line\n")
+    second = claim_log_dir(tmp_path / "logs" / "20261129-010203")
+    third = claim_log_dir(tmp_path / "logs" / "20261129-010203")
+    assert (first.name, second.name, third.name) == ("20261129-010203", "20261129-010203-2", "20261129-010203-3")
+    RankLogs(str(second), str(tmp_path / "errors"), ConsoleTee(None, Console(False), Console(False))).reify(
         {0: {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "0"}}
     )
-    assert not stdout.exists() and not stderr.exists()
-    stdout.write_text("this launch's line\n")
-    tee.finish()
-    assert console.getvalue() == "this launch's line\n"
+    assert stdout.read_text() == "the live launch's line\n"
+
+
+def test_a_log_folder_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"cannot create the log folder .*file/logs \(.*\); choose a folder"):
+        claim_log_dir(tmp_path / "file" / "logs")
+
+
+def test_the_default_log_root_keeps_the_newest_launches_and_the_running_ones(tmp_path):
+    dead = 2**22 + 1  # above the default pid_max: no such process
+    folders = [tmp_path / f"train-20261129-0100{second:02d}-{dead}" for second in range(6)]
+    live = tmp_path / f"run-20261128-000000-{os.getpid()}"  # old, but its launcher runs: its newest is kept
+    earlier = tmp_path / f"run-20261127-000000-{os.getpid()}"  # the same launcher's earlier launch
+    theirs = tmp_path / "notes"  # not a launch's: never removed
+    for age, folder in enumerate([*reversed(folders), live, earlier, theirs]):
+        folder.mkdir()
+        (folder / "rank-0.stdout.log").write_text("x\n")
+        os.utime(folder, (1_000_000 - age, 1_000_000 - age))
+    removed = prune_log_root(tmp_path, keep=2, protect=folders[0])
+    assert sorted(removed) == sorted([*folders[1:4], earlier])
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [folders[0].name, folders[4].name, folders[5].name, live.name, theirs.name]
+    )
 
 
 def test_a_progress_bar_ends_before_the_line_printed_after_it(tmp_path):

@@ -52,6 +52,8 @@ class WorkerFailure:
     """The traceback, empty for errors in the user's input or signals."""
     output: str = ""
     """Where the rank's whole stdout and stderr are (its log files), empty where they are not in files."""
+    user_error: bool = False
+    """The rank raised a :class:`ddpkit.errors.UserError`: ``message`` is the whole report."""
 
     def report(self) -> str:
         """The text shown to the user: one line, plus the traceback when it helps, and where its output is."""
@@ -98,8 +100,8 @@ def _record(error: Exception) -> None:
         return  # recorded where it happened; a second record would carry a later time
     error._ddpkit_recorded = True  # type: ignore[attr-defined]
     user_error = isinstance(error, UserError)
-    message = f"{type(error).__name__}: {error}" if not user_error else str(error)
-    stack = "" if user_error else traceback.format_exc()
+    message = str(error) if user_error else "".join(traceback.format_exception_only(error)).strip()
+    stack = "" if user_error else "".join(traceback.format_exception(type(error), error, _user_frames(error)))
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     rank = os.environ.get("RANK", "0")
     if not path:
@@ -110,7 +112,7 @@ def _record(error: Exception) -> None:
         message = f"{message}; {where}"  # a wait timed out: where the others were
     data = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
-        "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1)},
+        "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1), "user_error": user_error},
     }
     peer_lost = any(marker in message for marker in PEER_LOST_MARKERS)
     data["ddpkit"]["peer_lost"] = peer_lost
@@ -122,6 +124,45 @@ def _record(error: Exception) -> None:
             json.dump({"rank": int(rank), **data}, f)
     if peer_lost:  # a consequence, not the cause: let the launcher find the cause first
         time.sleep(PEER_LOST_GRACE_SECONDS)
+
+
+_LAUNCHER_FILES = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,  # ddpkit.launch: the worker's own start
+    "<frozen runpy>",
+    os.path.join(os.path.dirname(os.path.abspath(traceback.__file__)), "runpy.py"),
+)
+"""Where the frames a worker's traceback starts with come from before the user's code: not worth showing."""
+
+
+def _user_frames(error: BaseException) -> Any:
+    """``error``'s traceback from its first frame outside the launcher (run_script, runpy, the worker's wrapper).
+
+    The whole traceback where every frame is the launcher's: the error is ddpkit's own, and all of it matters.
+    """
+    first = tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LAUNCHER_FILES):
+        tb = tb.tb_next
+    return tb if tb is not None else first
+
+
+def append_to_output(failure: WorkerFailure, stderr: str | os.PathLike[str]) -> None:
+    """Add ``failure``'s message and traceback to the end of its rank's stderr file ``stderr``.
+
+    A worker leaves its traceback to the launcher (one report, not one per rank on the console), so its own
+    files would not hold it; the launcher adds it once their lines are shown, so that the file it names as
+    the rank's whole output is whole.
+    """
+    text = failure.traceback.rstrip() if failure.traceback else f"error: {failure.message}"
+    try:
+        with open(stderr, "a", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(f"{text}\n")
+    except OSError:  # the folder is gone (removed by hand): the console report has it all
+        pass
+
+
+def recorded_failures(folder: str) -> list[WorkerFailure]:
+    """Every failure the workers recorded into ``folder`` (:data:`FAILURE_DIR_VARIABLE`), by rank."""
+    return [_describe(rank, failure) for rank, failure in sorted(_recorded_failures(folder).items())]
 
 
 def root_cause(failures: dict[int, Any], failure_dir: str | None = None) -> WorkerFailure:
@@ -184,4 +225,5 @@ def _describe(rank: int, failure: Any) -> WorkerFailure:
         message = (
             f"killed by {signal}" if failure.exitcode < 0 else "exited without an error message (see its output above)"
         )
-    return WorkerFailure(rank, failure.exitcode, str(message), stack)
+    user_error = bool((failure.error_file_data or {}).get("ddpkit", {}).get("user_error", False))
+    return WorkerFailure(rank, failure.exitcode, str(message), stack, user_error=user_error)

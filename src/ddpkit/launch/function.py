@@ -64,21 +64,24 @@ caller's: where the notebook ran a parallel torch operator, torch's OpenMP
 thread pool belongs to the thread that ran it, and a worker forked from that
 thread would hang in its first one (see
 :func:`ddpkit.launch.local._in_a_thread_of_its_own`). A worker dies with
-the launcher (``PR_SET_PDEATHSIG``): a kernel that is restarted or killed
-leaves no worker behind. The first fork imports ``torch._dynamo`` here
+the launcher (``PR_SET_PDEATHSIG``, through the worker server where that
+is its parent): a kernel that is restarted or killed leaves no worker
+behind. The first fork imports ``torch._dynamo`` here
 (:data:`FORK_PRELOAD`, about 1 s once), which each worker's first optimizer
 step would otherwise import again on every launch.
 
 Output
 ------
 Each worker writes its ``stdout`` and ``stderr`` (Python's and the file
-descriptors', so C libraries' too) to files of its rank; a thread of the
-launcher prints them here as they grow, each line prefixed ``[rank r/w]``
-(lines that ddpkit's own logging prefixed already are left as they are).
-Here is the caller's ``sys.stdout`` and ``sys.stderr`` at the call: in a
-notebook, the cell. A forked worker cannot write to a notebook's streams
-itself: they are sockets served by threads of the kernel, which a fork does
-not copy.
+descriptors', so C libraries' too) to files of its rank, in a folder of
+this launch under ``<tmp>/ddpkit-logs-<uid>/`` (named on the first line;
+:mod:`ddpkit.launch.output`, which keeps the newest launches' folders).
+As under ``ddpkit run``, a thread of the launcher shows rank 0's lines
+here as they grow; every rank's whole output, a failed rank's traceback
+included, is in its files. Here is the caller's ``sys.stdout`` and
+``sys.stderr`` at the call: in a notebook, the cell. A forked worker
+cannot write to a notebook's streams itself: they are sockets served by
+threads of the kernel, which a fork does not copy.
 
 Pipeline: (fn, args, options) -> start method -> LaunchSpec -> launch_local
 (each worker: output to its files, ``fn(*args)``) -> results in rank order.
@@ -87,16 +90,13 @@ Pipeline: (fn, args, options) -> start method -> LaunchSpec -> launch_local
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import faulthandler
 import inspect
 import logging
 import os
 import pickle
-import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -106,10 +106,13 @@ from typing import Any, TextIO
 from ddpkit import allocator
 from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.gc_pause import import_paused
-from ddpkit.launch.failure import LaunchError, record_for_launcher
-from ddpkit.launch.local import LaunchSpec, launch_local
-from ddpkit.launch.output import ConsoleTee
+from ddpkit.launch.failure import LaunchError, append_to_output, record_for_launcher
+from ddpkit.launch.local import LaunchSpec, launch_local, with_its_output
+from ddpkit.launch.output import ConsoleTee, default_log_dir, hidden_stderr_note, log_files, new_log_dir, where
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+SHOWN = frozenset({0})
+"""The ranks whose output the caller's console (a notebook's cell) shows, as under ``ddpkit run``."""
 
 START_METHODS = ("auto", "fork", "forkserver")
 """``start_method`` of :func:`launch`: auto forks where it is safe, else uses the worker server where fn is importable."""
@@ -118,7 +121,8 @@ FORK_PRELOAD = ("torch._dynamo",)
 """Imported here before the first fork, so that forked workers inherit it: what a worker's first optimizer step
 imports (about 1 s of a core), which every worker of every launch would import again otherwise."""
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+MAX_PORT = 65535
+"""The highest TCP port."""
 
 
 def launch(
@@ -153,8 +157,15 @@ def launch(
         KeyboardInterrupt: Ctrl-C (a notebook's stop button) stopped the workers.
     """
     __tracebackhide__ = True  # IPython and pytest show the caller's line, not this one
+    check_whole_number("nproc", nproc, "e.g. nproc=2")
+    check_whole_number("max_restarts", max_restarts, "e.g. max_restarts=1")
+    check_whole_number("master_port", master_port, "a port from 1 to 65535, or 0 for a free one")
     check_positive("nproc", nproc)
     check_positive("max_restarts", max_restarts, allow_zero=True)
+    if not 0 <= master_port <= MAX_PORT:
+        raise UserError(
+            f"master_port={master_port} is not valid; give a port from 1 to {MAX_PORT}, or 0 for a free one"
+        )
     check_choice("start_method", start_method, START_METHODS)
     if not callable(fn):
         raise UserError(f"fn={fn!r} is not callable; pass the function each worker runs, e.g. ddpkit.launch(train)")
@@ -163,20 +174,36 @@ def launch(
     if method == "fork":
         import_paused(*FORK_PRELOAD)  # once per process; a no-op after
     spec = LaunchSpec(nproc, master_port=master_port, max_restarts=max_restarts, start_method=method)
-    with tempfile.TemporaryDirectory(prefix="ddpkit-output-") as folder:
-        worker = _Worker(fn, folder, os.getpid() if method == "fork" else 0)
-        try:
-            with _rank_output(folder, nproc, sys.stdout, sys.stderr):
-                results = launch_local(spec, worker, *args)
-        except LaunchError as e:
-            if e.failure.exitcode == EXIT_INTERRUPTED:
-                raise KeyboardInterrupt("ddpkit.launch: the workers were stopped (Ctrl-C)") from None
-            if e.failure.exitcode == EXIT_PREEMPTED and not e.failure.traceback:  # SIGTERM, SIGUSR1...
-                preempted = "stopped by a signal after writing a checkpoint; call ddpkit.launch again to continue"
-                raise LaunchError(dataclasses.replace(e.failure, message=preempted)) from None
-            # Raised anew: its traceback ends at this call, not inside the launcher.
-            raise LaunchError(e.failure) from None
+    folder = new_log_dir(default_log_dir("launch"))
+    tee = ConsoleTee(SHOWN, sys.stdout, sys.stderr)
+    try:
+        with _rank_output(tee, folder, nproc):
+            results = launch_local(spec, _Worker(fn, str(folder)), *args)
+    except LaunchError as e:
+        if e.failure.exitcode == EXIT_INTERRUPTED:
+            raise KeyboardInterrupt("ddpkit.launch: the workers were stopped (Ctrl-C)") from None
+        if files := tee.files_of(e.failure.rank):
+            append_to_output(e.failure, files[1])  # its files are its whole output: its error too
+        # A UserError reads as its one line; any other failure names the rank's files.
+        failure = e.failure if e.failure.user_error else with_its_output(e.failure, tee)
+        if failure.exitcode == EXIT_PREEMPTED and not failure.traceback:  # SIGTERM, SIGUSR1...
+            preempted = "stopped by a signal after writing a checkpoint; call ddpkit.launch again to continue"
+            raise LaunchError(dataclasses.replace(failure, message=preempted)) from None
+        # Raised anew: its traceback ends at this call, not inside the launcher.
+        raise LaunchError(failure) from None
     return [results[rank] for rank in range(nproc)]
+
+
+def check_whole_number(name: str, value: object, example: str) -> None:
+    """Raise a one-line UserError unless ``value`` is an int (a bool, a float or a string is not): it names the fix.
+
+    Checked here, in the caller: a string or a float would otherwise fail deep inside the launcher as a raw
+    TypeError, and True (an int to Python) would start one worker that then fails.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(
+            f"{name}={value!r} is not valid; it must be a whole number ({example}), not a {type(value).__name__}"
+        )
 
 
 def choose_start_method(requested: str, fn: Callable[..., Any]) -> str:
@@ -256,16 +283,13 @@ class _Worker:
     A class at module level, so that the worker server can unpickle it (with ``fn`` by name).
     """
 
-    def __init__(self, fn: Callable[..., Any], output_folder: str, launcher_pid: int):
+    def __init__(self, fn: Callable[..., Any], output_folder: str):
         self.fn = fn
         self.output_folder = output_folder
-        self.launcher_pid = launcher_pid
-        """The process that forks the workers (start_method fork), 0 where the worker server does."""
 
     def __call__(self, *args: Any) -> Any:
-        _die_with_parent(self.launcher_pid)
         rank = int(os.environ.get("RANK", "0"))
-        with _output_to_files(os.path.join(self.output_folder, f"rank-{rank}")):
+        with _output_to_files(*log_files(self.output_folder, rank)):
             try:
                 result = self.fn(*args)
             except Exception as e:
@@ -286,31 +310,16 @@ class _Worker:
             return result
 
 
-def _die_with_parent(launcher_pid: int) -> None:
-    """Have the kernel kill this worker when the thread that forked it ends (Linux), so that none outlives a launcher.
-
-    A worker sits in a process group of its own (it must not get the
-    terminal's Ctrl-C twice), so a kill of the launcher's group, as Jupyter
-    does to a kernel it restarts, would miss it.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if launcher_pid and os.getppid() != launcher_pid:
-        os._exit(1)  # the launcher died before the line above: no one will collect this worker
-
-
 @contextlib.contextmanager
-def _output_to_files(stem: str) -> Iterator[None]:
-    """Send this process's stdout and stderr (file descriptors 1 and 2, and Python's streams) to ``stem``.out and .err.
+def _output_to_files(stdout: Path, stderr: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, and Python's streams) to these files.
 
     Appended: a restarted worker continues its rank's files, which the launcher reads on.
     """
     previous = (sys.stdout, sys.stderr)
     streams = []
-    for fd, suffix in ((1, ".out"), (2, ".err")):
-        target = os.open(stem + suffix, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
         streams.append(open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
@@ -341,14 +350,19 @@ def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
 
 
 @contextlib.contextmanager
-def _rank_output(folder: str, nproc: int, stdout: TextIO, stderr: TextIO) -> Iterator[None]:
-    """For the block, show the workers' output files in ``folder`` on ``stdout`` and ``stderr``, lines prefixed by
-    rank (the console tee of ``ddpkit run``, :class:`~ddpkit.launch.output.ConsoleTee`)."""
-    tee = ConsoleTee(None, stdout, stderr)
+def _rank_output(tee: ConsoleTee, folder: Path, nproc: int) -> Iterator[None]:
+    """For the block, show the shown ranks' output files in ``folder`` through ``tee`` (the console tee of
+    ``ddpkit run``, :class:`~ddpkit.launch.output.ConsoleTee`), after one line saying where every rank's is.
+
+    Then, as ``ddpkit run`` does, one line names the ranks not shown that wrote to stderr.
+    """
+    print(f"ddpkit: {where(folder, tee.shown)}", file=tee.console_stderr, flush=True)
     for rank in range(nproc):
-        tee.follow(rank, nproc, Path(folder, f"rank-{rank}.out"), Path(folder, f"rank-{rank}.err"))
+        tee.follow(rank, nproc, *log_files(folder, rank))
     tee.start()
     try:
         yield
     finally:
         tee.stop()
+        if note := hidden_stderr_note(tee):
+            print(note, file=tee.console_stderr, flush=True)

@@ -70,6 +70,7 @@ launch ends.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import io
@@ -87,6 +88,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
@@ -98,6 +100,8 @@ from ddpkit.launch.failure import (
     FAILURE_DIR_VARIABLE,
     LaunchError,
     WorkerFailure,
+    append_to_output,
+    recorded_failures,
     root_cause,
     run_reporting_failure,
 )
@@ -115,6 +119,8 @@ INTERRUPTED_MARKER = "interrupted"
 """File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
 AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"
 """Store key each node's agent increments once past torch's exit barrier (see _host_outlives_the_exit_barrier)."""
+STOP_NOW_GRACE_S = 2.0
+"""Seconds the workers have to stop after a second Ctrl-C before they are killed."""
 EXIT_BARRIER_GRACE_S = 30.0
 """The longest node 0's agent waits, past the exit barrier, for the other agents to leave it."""
 
@@ -143,7 +149,35 @@ _server_users = 0
 _SERVER_IGNORED_CTRL_C = False
 """True in the worker server (and so in its workers) when it, not the launcher, made SIGINT ignored."""
 
-if os.environ.get(_SERVER_VARIABLE) == "1":
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+# libc's prctl, resolved here, in the launcher and in the server, before any fork: a forked worker must not
+# dlopen (another thread of the launcher may have held the loader's lock when it forked).
+
+_SERVER_PID = 0
+"""In the worker server (and so in its workers), the server's pid: the parent each worker must die with."""
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` (the process that started it) ends (Linux).
+
+    The chain holds on every launch path: the worker server dies with the
+    launcher, a worker with the server (or, forked from the launcher itself,
+    with the launcher's thread that forked it), a DataLoader worker with its
+    rank (:mod:`ddpkit.data.workers`). So a launcher killed with SIGKILL, which
+    can pass nothing on, leaves no process of its run behind; a worker sits in
+    a process group of its own, which a kill of the launcher's group misses.
+    """
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before the line above: nothing would stop this process
+
+
+if (_launcher := os.environ.get(_SERVER_VARIABLE, "")).isdigit():
+    _die_with(int(_launcher))  # the launcher's pid, set in the server's environment by _start_worker_server
+    _SERVER_PID = os.getpid()
     # A signal sent to every process of the job (a process-group kill, Slurm's
     # scancel --signal) must not kill the server: the launcher would read its
     # workers' status from the dead server as exit code 255 while they still
@@ -191,8 +225,9 @@ class LaunchSpec:
     """How workers start: "forkserver", forked from ddpkit's warm worker server (``fn`` and its arguments are
     pickled, so ``fn`` must be importable), or "fork", forked from this process as it is (nothing is pickled)."""
     log_dir: str = ""
-    """Folder of each worker's stdout and stderr files (ddpkit.launch.output); empty: the workers write to this
-    process's stdout and stderr, as they are."""
+    """Folder of each worker's stdout and stderr files (ddpkit.launch.output), created for this launch (where
+    it exists already, another launch's, ``log_dir-2``, ``-3``...); empty: the workers write to this process's
+    stdout and stderr, as they are."""
     show_ranks: frozenset[int] | None = None
     """With log_dir: the global ranks whose lines this process's stdout and stderr show; None: all."""
     title: str = ""
@@ -295,7 +330,8 @@ def _start_worker_server() -> None:
     ctrl_c = {signal.SIGINT}
     held = signal.pthread_sigmask(signal.SIG_BLOCK, ctrl_c)
     try:
-        with _environ(_SERVER_VARIABLE, "1"):  # the server's environment only; workers get the launcher's
+        # The server's environment only (workers get the launcher's): the launcher's pid, which it dies with.
+        with _environ(_SERVER_VARIABLE, str(os.getpid())):
             multiprocessing.forkserver.ensure_running()
     finally:
         if signal.SIGINT not in held:
@@ -464,7 +500,9 @@ def _environ_restored() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any) -> Any:
+def _worker_main(
+    launcher_pid: int, launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any
+) -> Any:
     """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
 
     The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
@@ -486,6 +524,7 @@ def _worker_main(launcher_environ: Mapping[str, str], title: str, fn: Callable[.
     its file) is made line-buffered, as on a terminal: Python would hold
     prints back until 8 KiB.
     """
+    _die_with(_SERVER_PID or launcher_pid)  # forked from the worker server, or from the launcher itself
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
     for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
@@ -529,14 +568,18 @@ class _CtrlC:
     """The launcher's SIGINT handler: each Ctrl-C is passed on to the workers once.
 
     The workers take the first as a preemption (finish the step, checkpoint,
-    exit 130) and the second as "stop now". The first also leaves a marker,
-    so that the agent's restarts (``max_restarts``) start nothing more.
+    exit 130) and the second as "stop now": those still running
+    :data:`STOP_NOW_GRACE_S` later (stuck in a collective) are killed. The
+    first also leaves a marker, so that the agent's restarts
+    (``max_restarts``) start nothing more.
     """
 
     def __init__(self, failure_dir: str):
         self.failure_dir = failure_dir
         self.count = 0
         """Ctrl-C presses so far."""
+        self.kill_timer: threading.Timer | None = None
+        """After the second: kills the workers still running (cancelled when the launch ends first)."""
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
@@ -548,11 +591,27 @@ class _CtrlC:
                 file=sys.stderr,
                 flush=True,
             )
-        elif self.count == 2:
-            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
-        for child in multiprocessing.active_children():  # the agent's workers
+        workers = [child.pid for child in multiprocessing.active_children() if child.pid]  # the agent's workers
+        for pid in workers:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGINT)
+                os.kill(pid, signal.SIGINT)
+        if self.count == 2:
+            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
+            # A worker inside a collective (a barrier a peer never joins) does not return to Python, where its
+            # KeyboardInterrupt would be raised: after a moment to stop on its own, it is killed.
+            self.kill_timer = threading.Timer(STOP_NOW_GRACE_S, _kill_process_groups, (workers,))
+            self.kill_timer.daemon = True
+            self.kill_timer.start()
+
+
+def _kill_process_groups(pids: list[int]) -> None:
+    """SIGKILL each worker of ``pids`` with its process group (its DataLoader workers and subprocesses)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # a worker leads a group of its own (_worker_main)
+        except ProcessLookupError:  # gone already, or not yet in its own group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -568,6 +627,8 @@ def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
         yield handler
     finally:
         signal.signal(signal.SIGINT, previous)
+        if handler.kill_timer is not None:  # the workers are gone: their pids must not be killed later
+            handler.kill_timer.cancel()
 
 
 @contextlib.contextmanager
@@ -692,25 +753,25 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
     if not spec.log_dir:
         yield None
         return
-    from ddpkit.launch.output import ConsoleTee, RankLogs, hidden_stderr_note, where
+    from ddpkit.launch import output
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
-    os.makedirs(spec.log_dir, exist_ok=True)
-    tee = ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
-    config.logs_specs = RankLogs(spec.log_dir, error_dir, tee)
-    print(f"ddpkit: {where(spec.log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
+    log_dir = output.new_log_dir(spec.log_dir)  # this launch's own: another's is never touched
+    tee = output.ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
+    config.logs_specs = output.RankLogs(str(log_dir), error_dir, tee)
+    print(f"ddpkit: {output.where(log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
     tee.start()
     try:
         yield tee
     finally:
         tee.stop()
-        if note := hidden_stderr_note(tee):
+        if note := output.hidden_stderr_note(tee):
             print(note, file=sys.stderr, flush=True)
 
 
-def _with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
-    """``failure`` naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
+def with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
+    """``failure`` (of a launch whose output ``tee`` follows) naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
     from ddpkit.launch.output import last_lines
 
     files = tee.files_of(failure.rank)
@@ -739,9 +800,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         StoppedBySignal: the launcher received a signal it passes on (SIGTERM, SIGHUP, SIGQUIT,
             ``spec.forward_signals``); the workers were stopped with it.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     if spec.nproc < 1:
         raise UserError(f"nproc={spec.nproc} is not valid; it must be at least 1")
@@ -757,6 +816,28 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
     _announce_restarts()
     _host_outlives_the_exit_barrier()
     _exit_codes_at_shutdown()
+    failed: list[tuple[WorkerFailure, Path]] = []  # added to their ranks' stderr files once the console showed them
+    try:
+        return _launch_recording_failures(spec, config, forked, names, failed, fn, *args)
+    finally:
+        for failure, stderr in failed:
+            append_to_output(failure, stderr)
+
+
+def _launch_recording_failures(
+    spec: LaunchSpec,
+    config: Any,
+    forked: bool,
+    names: tuple[str, ...],
+    failed: list[tuple[WorkerFailure, Path]],
+    fn: Callable[..., Any],
+    *args: Any,
+) -> dict[int, Any]:
+    """:func:`launch_local`'s launch; each rank's recorded error and its stderr file are added to ``failed``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     with (
         tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir,
         _output_to_files(spec, config, failure_dir) as tee,
@@ -772,8 +853,8 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
             ):
                 run = elastic_launch(config, _worker_main)
                 if forked:
-                    return _in_a_thread_of_its_own(run, dict(os.environ), spec.title, fn, *args)
-                return run(dict(os.environ), spec.title, fn, *args)
+                    return _in_a_thread_of_its_own(run, os.getpid(), dict(os.environ), spec.title, fn, *args)
+                return run(os.getpid(), dict(os.environ), spec.title, fn, *args)
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:
@@ -781,7 +862,9 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
                 # starting), the user asked the job to stop: report that, not a failure.
                 failure = WorkerFailure(failure.rank, EXIT_INTERRUPTED, "interrupted (Ctrl-C)", "")
             elif tee is not None:
-                failure = _with_its_output(failure, tee)
+                failure = with_its_output(failure, tee)
+                files = {f.rank: tee.files_of(f.rank) for f in recorded_failures(failure_dir)}
+                failed += [(f, paths[1]) for f in recorded_failures(failure_dir) if (paths := files[f.rank])]
             raise LaunchError(failure) from None
         except SignalException as e:
             name = signal.Signals(e.sigval).name

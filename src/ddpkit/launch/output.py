@@ -30,7 +30,10 @@ and a worker never waits on the launcher to write.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import re
+import shutil
 import tempfile
 import threading
 import time
@@ -40,6 +43,7 @@ from typing import IO, TextIO
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from ddpkit.config import describe_ranks
+from ddpkit.errors import UserError
 from ddpkit.log import PREFIXED_VARIABLE, TERMINAL_VARIABLE, rank_prefix
 
 INTERVAL_S = 0.05
@@ -48,6 +52,9 @@ CLEAR_TO_END_OF_LINE = "\x1b[K"
 """What a terminal takes as "erase the rest of this line" (after an unfinished line is redrawn shorter)."""
 TAIL_LINES = 20
 """Lines of a hidden rank's stderr that a failure report shows, where the rank left no traceback."""
+KEEP_LAUNCHES = 20
+"""Launches whose output folders :func:`default_log_root` keeps (the newest; a running launch's too)."""
+_LAUNCH_FOLDER = re.compile(r".+-\d{8}-\d{6}-(?P<pid>\d+)(-\d+)?")
 
 
 def log_files(log_dir: str | os.PathLike[str], rank: int, restart: int = 0) -> tuple[Path, Path]:
@@ -56,10 +63,101 @@ def log_files(log_dir: str | os.PathLike[str], rank: int, restart: int = 0) -> t
     return folder / f"rank-{rank}.stdout.log", folder / f"rank-{rank}.stderr.log"
 
 
+def default_log_root() -> Path:
+    """The folder of the launches' output folders where no log_dir is given: ``<tmp>/ddpkit-logs-<uid>``."""
+    return Path(tempfile.gettempdir()) / f"ddpkit-logs-{os.getuid()}"
+
+
 def default_log_dir(name: str) -> Path:
-    """A new folder for the output files of a launch of ``name`` (a script's), under the temp folder."""
+    """A new folder for the output files of a launch of ``name`` (a script's), under :func:`default_log_root`."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(tempfile.gettempdir()) / f"ddpkit-logs-{os.getuid()}" / f"{name}-{stamp}-{os.getpid()}"
+    return default_log_root() / f"{name}-{stamp}-{os.getpid()}"
+
+
+def claim_log_dir(log_dir: str | os.PathLike[str]) -> Path:
+    """Create this launch's output folder and return it: ``log_dir``, or the first of ``log_dir-2``, ``-3``... free.
+
+    Created exclusively, so that two launches never share a folder: two runs into one ``output_dir`` that
+    start in the same second ask for the same ``logs/<second>``, and a launch truncates the rank files it
+    starts. A folder that exists already is another launch's (or the user's) and is left as it is.
+
+    Raises:
+        UserError: the folder cannot be created (permissions, a file in the way); the message names the fix.
+    """
+    base = Path(log_dir)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for number in itertools.count(1):
+            folder = base if number == 1 else base.with_name(f"{base.name}-{number}")
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                continue
+            return folder
+    except OSError as e:
+        raise UserError(
+            f"cannot create the log folder {base} ({e.strerror or e}); choose a folder this user can write "
+            "(log_dir=...)"
+        ) from None
+    raise AssertionError("unreachable")
+
+
+def new_log_dir(log_dir: str | os.PathLike[str]) -> Path:
+    """:func:`claim_log_dir`; under :func:`default_log_root`, the oldest launches' folders are then pruned."""
+    folder = claim_log_dir(log_dir)
+    if folder.parent == default_log_root():
+        prune_log_root(folder.parent, protect=folder)
+    return folder
+
+
+def prune_log_root(root: Path, keep: int = KEEP_LAUNCHES, protect: Path | None = None) -> list[Path]:
+    """Remove the output folders of all but the newest ``keep`` launches from ``root``, sparing live ones.
+
+    Only folders a launch named there (:func:`default_log_dir`: ``NAME-YYYYmmdd-HHMMSS-PID``, or one of
+    :func:`claim_log_dir`'s ``-N`` variants) are candidates. The newest folder of a launcher (its PID) that
+    still runs is kept, since its launch may still write there, as is ``protect`` (this launch's); a process
+    that launches again and again (a notebook kernel) keeps only its newest. Returns the folders removed.
+    """
+    try:
+        entries = [path for path in root.iterdir() if path.is_dir() and _LAUNCH_FOLDER.fullmatch(path.name)]
+    except OSError:
+        return []
+    entries.sort(key=_modified, reverse=True)
+    newest_of: dict[int, Path] = {}
+    for path in entries:
+        newest_of.setdefault(_launcher_pid(path), path)
+    removed = []
+    for path in entries[keep:]:
+        pid = _launcher_pid(path)
+        if path == protect or (newest_of[pid] == path and _running(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _launcher_pid(path: Path) -> int:
+    match = _LAUNCH_FOLDER.fullmatch(path.name)
+    assert match is not None, path
+    return int(match.group("pid"))
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a reused pid keeps a folder: the safe side)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
 
 
 def where(log_dir: str | os.PathLike[str], shown: frozenset[int] | None) -> str:
@@ -105,6 +203,11 @@ class ConsoleTee:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpkit-console-tee", daemon=True)
+
+    @property
+    def console_stderr(self) -> TextIO:
+        """The launcher's stderr the tee writes to, for the launcher's own lines beside the ranks'."""
+        return self._consoles[1]
 
     def is_shown(self, rank: int) -> bool:
         """Whether ``rank``'s output reaches the console."""
@@ -251,9 +354,7 @@ class RankLogs(LogsSpecs):
             rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
             restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             stdout, stderr = log_files(self.log_dir, rank, restart)
-            stdout.parent.mkdir(parents=True, exist_ok=True)
-            for old in (stdout, stderr):  # an earlier launch's, in the same folder: the tee must not read them
-                old.unlink(missing_ok=True)
+            stdout.parent.mkdir(parents=True, exist_ok=True)  # (in this launch's own folder: claim_log_dir)
             dest.stdouts[local_rank], dest.stderrs[local_rank] = str(stdout), str(stderr)
             error_file = os.path.join(self.error_dir, f"restart-{restart}-rank-{rank}.json")
             dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file

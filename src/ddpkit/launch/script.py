@@ -77,7 +77,8 @@ class RunConfig:
     torchrun's --local-ranks-filter, by global rank); every rank's whole output is in log_dir either way."""
     log_dir: str = ""
     """Folder of each rank's whole stdout and stderr (rank-N.stdout.log, rank-N.stderr.log; a restart k's in
-    restart-k/); empty: a new folder under <tmp>/ddpkit-logs-<uid>/, named on the first line."""
+    restart-k/), created for this launch (taken already: log_dir-2, -3...); empty: a new folder under
+    <tmp>/ddpkit-logs-<uid>/, which keeps the newest 20 launches' folders; named on the first line."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("auto", "cpu"))
