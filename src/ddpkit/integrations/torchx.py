@@ -159,7 +159,7 @@ def _ddpkit_app(
         # (some schedulers, AWS Batch, set it on every replica but rank 0: there it is this host).
         launch += [
             f"nnodes={nnodes}",
-            f"node_rank={specs.macros.replica_id}",
+            _DdpkitNoQuote(f"node_rank={specs.macros.replica_id}"),
             # "$$" is torchx's escape of "$": bash reads ${TORCHX_RANK0_HOST:=localhost}, say.
             _DdpkitNoQuote(f"master_addr=$${{{specs.macros.rank0_env}:=localhost}}"),
             f"master_port={master_port}",
