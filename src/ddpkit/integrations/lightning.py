@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import os
 
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
 from ddpkit.env import JobEnvironment, detect_environment, gloo_interface_environ
 from ddpkit.errors import UserError
 
 
-class DdpkitEnvironment(ClusterEnvironment):  # type: ignore[misc]  # Lightning's classes are untyped for mypy
+class DdpkitEnvironment(ClusterEnvironment):
     """Lightning's view of the job ddpkit detects from the launcher's variables (see ``ddpkit.env.detect``).
 
     Resolved once, when constructed: every method answers from that one

@@ -37,7 +37,7 @@ import shlex
 # torchx's component linter reads Optional[...] and Dict[...], not `X | None` or `dict[...]`.
 from typing import Dict, Optional  # noqa: UP035
 
-import torchx.specs as specs
+import torchx.specs as specs  # type: ignore[import-untyped]  # torchx ships no type information
 
 
 def train(
