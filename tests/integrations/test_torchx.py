@@ -72,7 +72,7 @@ def test_each_replica_is_one_node_of_a_ddpkit_job_on_the_host_of_replica_0():
     values = macros.Values(img_root="", app_id="app", replica_id="2", rank0_env="TORCHX_RANK0_HOST", base_img_root="")
     line = values.apply(role).args[1]
     assert line == (
-        "exec python -m ddpkit train nproc=4 nnodes=3 node_rank=2 master_addr=${TORCHX_RANK0_HOST:=localhost} "
+        "unset SLURM_STEP_ID SLURM_STEPID; exec python -m ddpkit train nproc=4 nnodes=3 node_rank=2 master_addr=${TORCHX_RANK0_HOST:=localhost} "
         "master_port=29600 model=cnn epochs=3"
     )
 
@@ -80,7 +80,13 @@ def test_each_replica_is_one_node_of_a_ddpkit_job_on_the_host_of_replica_0():
 def test_run_starts_the_users_script_or_module_under_ddpkit_run():
     app = component.run("--lr", "0.1", script="src/my train.py", nproc=2)
     assert app.name == "my train"
-    assert app.roles[0].args == ["-c", "exec python -m ddpkit run nproc=2 'src/my train.py' --lr 0.1"]
-    assert component.run(m="pkg.train").roles[0].args == ["-c", "exec python -m ddpkit run nproc=1 -m pkg.train"]
+    assert app.roles[0].args == [
+        "-c",
+        "unset SLURM_STEP_ID SLURM_STEPID; exec python -m ddpkit run nproc=2 'src/my train.py' --lr 0.1",
+    ]
+    assert component.run(m="pkg.train").roles[0].args == [
+        "-c",
+        "unset SLURM_STEP_ID SLURM_STEPID; exec python -m ddpkit run nproc=1 -m pkg.train",
+    ]
     with pytest.raises(ValueError, match="give exactly one of --script SCRIPT.py and --m MODULE"):
         component.run(script="a.py", m="b")

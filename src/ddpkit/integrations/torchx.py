@@ -173,8 +173,11 @@ def _ddpkit_app(
                 image=image,
                 entrypoint="bash",
                 # exec: the launcher is the replica's process, so the scheduler's signals (preemption) and
-                # its exit status (75, 65, 74...) are ddpkit's own.
-                args=["-c", "exec " + " ".join(w if isinstance(w, _DdpkitNoQuote) else shlex.quote(w) for w in line)],
+                # its exit status (75, 65, 74...) are ddpkit's own. torchx's Slurm scheduler runs a replica
+                # as one task of an srun step, whose SLURM_STEP_ID would make ddpkit take the launcher for
+                # a worker (of a one-task step): unset, it launches nproc workers; SLURM_JOB_ID still names
+                # the run folder and SLURM_RESTART_COUNT still marks a requeued job.
+                args=["-c", "unset SLURM_STEP_ID SLURM_STEPID; exec " + _ddpkit_words(line)],
                 num_replicas=nnodes,
                 resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
                 env=dict(env or {}),
@@ -183,6 +186,11 @@ def _ddpkit_app(
             )
         ],
     )
+
+
+def _ddpkit_words(words: list[str]) -> str:
+    """A bash command line of ``words``, each quoted unless it is a :class:`_DdpkitNoQuote`."""
+    return " ".join(w if isinstance(w, _DdpkitNoQuote) else shlex.quote(w) for w in words)
 
 
 class _DdpkitNoQuote(str):
