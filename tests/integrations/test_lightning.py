@@ -24,18 +24,24 @@ def first_global_batch() -> torch.Tensor:
     return x
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["lightning_trainer.py", "lightning_fabric.py"])
-def test_a_lightning_script_under_ddpkit_run_trains_as_two_ranks_on_ddpkits_batches(script, tmp_path):
-    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / script), str(tmp_path), cwd=tmp_path, timeout=240)
-    assert out.returncode == 0, out.stderr
-    ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
-    assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)], out.stderr
+def assert_two_ranks_trained_alike(folder: Path, source: str) -> None:
+    """The scripts' reports in ``folder``: 2 ranks detected from ``source``, ddpkit's sampler kept, each rank
+    given its half of ddpkit's global batch, and the same final weights on both."""
+    ranks = [torch.load(folder / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"], r["source"]) for r in ranks] == [(0, 2, source), (1, 2, source)]
     assert all(r["loader_kept"] for r in ranks)  # Lightning left ddpkit's sampler in place
     # Each rank had its half of ddpkit's global batch: together, the batch a single process gets.
     assert torch.equal(torch.cat([r["first_batch"] for r in ranks]), first_global_batch())
     for name, weight in ranks[0]["weights"].items():
         assert torch.equal(weight, ranks[1]["weights"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["lightning_trainer.py", "lightning_fabric.py"])
+def test_a_lightning_script_under_ddpkit_run_trains_as_two_ranks_on_ddpkits_batches(script, tmp_path):
+    out = run_ddpkit("run", "nproc=2", str(SCRIPTS / script), str(tmp_path), cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert_two_ranks_trained_alike(tmp_path, source="torchrun")
 
 
 def test_environment_reports_the_launchers_job_and_keeps_the_users_interface(monkeypatch):

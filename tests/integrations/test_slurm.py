@@ -1,4 +1,5 @@
-"""``torchx run -s slurm PATH:train`` on a real one-node Slurm cluster: killed, then resumed exactly.
+"""Lightning under srun, and ``torchx run -s slurm PATH:train`` (killed, then resumed exactly), on a real one-node
+Slurm cluster.
 
 torchx's Slurm scheduler submits the job (sbatch) and runs the replica as an
 srun task; ddpkit's launcher in it starts the 2 workers. ``torchx run``
@@ -73,3 +74,19 @@ def test_a_job_killed_under_torchx_on_slurm_resumes_to_the_uninterrupted_weights
     assert "ddpkit launcher: world_size 2 on 1 node(s)" in logs, logs
     assert f"resumed from {tmp_path}/checkpoints/step-000000004" in logs, logs
     assert_same_weights(final_weights(tmp_path), reference_weights(), "killed at step 6 under torchx on Slurm")
+
+
+@pytest.mark.parametrize("script", ["lightning_trainer.py", "lightning_fabric.py"])
+def test_a_lightning_script_under_srun_trains_as_two_ranks_with_ddpkits_environment(cluster, script, tmp_path):
+    pytest.importorskip("lightning")
+    from tests.integrations.test_lightning import SCRIPTS, assert_two_ranks_trained_alike
+
+    out = cluster.run(
+        ["srun", "--ntasks=2", "--cpus-per-task=1", sys.executable, str(SCRIPTS / script), str(tmp_path)],
+        env={**cluster.env, "PYTHONPATH": PYTHONPATH},
+        cwd=tmp_path,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert_two_ranks_trained_alike(tmp_path, source="slurm")
