@@ -22,9 +22,11 @@ handling and exit statuses (75 preempted, 65 diverged, 74 storage; see
 ``ddpkit train --help``) are those of ``ddpkit train`` itself, which is also
 what each task of ``ddpkit slurm launch=srun`` runs; under Slurm
 (``-s slurm``) the run folder is ``runs/<model>-<dataset>/slurm-<job id>``,
-as with ``ddpkit slurm``. A role retried by the scheduler (``max_retries``)
-continues from the newest checkpoint when the options say so: pass
-``output_dir=... resume=auto``.
+as with ``ddpkit slurm``. A job the scheduler starts again (``max_retries``:
+torchx's Slurm script requeues a job that exited non-zero, 75 included)
+continues from its newest checkpoint when the options say so: pass
+``resume=auto`` (and, off Slurm, ``output_dir=...``, the folder every attempt
+shares).
 
 This file is read by torchx with ``exec`` into torchx's own module
 namespace, so it defines nothing at the top level but the components and
