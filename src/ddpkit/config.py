@@ -238,7 +238,7 @@ def _field_names(schema: type, prefix: str = "") -> list[str]:
 
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
-LOGGERS = ("jsonl", *sorted(BACKENDS))
+LOGGERS = ("jsonl", *sorted(set(BACKENDS) - {"jsonl"}))
 """Values of TrainConfig.logger: metrics.jsonl alone, or also one of ddpkit.tracking's backends."""
 
 

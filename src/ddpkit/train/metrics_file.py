@@ -21,13 +21,12 @@ tracked run on resume without repeating a step.
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.config import ConfigError
 from ddpkit.tracking.backends import BACKENDS, install_hint
+from ddpkit.tracking.jsonl_log import FILE, format_line
 
 
 def check_logger(logger: str) -> None:
@@ -71,7 +70,7 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str | Path, enabled: bool, tracker: Any = None):
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / FILE
         self.tracker = tracker if enabled else None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,11 +80,11 @@ class MetricsWriter:
         """Write one line ``{"event": event, "time": ..., **fields}`` (and give the tracker its scalars)."""
         if not self.enabled:
             return
-        line = {"event": event, "time": round(time.time(), 3), **fields}
-        self._file.write(json.dumps(line) + "\n")
-        scalars = tracked_scalars(line)
+        text = format_line(event, fields)
+        self._file.write(text)
+        scalars = tracked_scalars({"event": event, **fields})
         if self.tracker is not None and scalars:
-            self.tracker.log(scalars, step=line["global_step"])
+            self.tracker.log(scalars, step=fields["global_step"])
 
     def close(self) -> None:
         """Close the file."""
