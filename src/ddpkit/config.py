@@ -7,7 +7,7 @@ given, and validated against the schema. Dotted keys reach nested groups
 (``checkpoint.every_steps=100``).
 
 A ``key=value`` word's value is read by the option's type, not as YAML
-(:data:`VALUE_RULE`): text options take the value exactly as written
+(``--help`` says it: :data:`ddpkit.command_help.VALUE_RULE`): text options take the value exactly as written
 (``output_dir=out #1`` is the folder "out #1", ``time=2:00:00`` stays text),
 whole numbers, numbers and true/false are converted, a list option takes
 comma-separated values. ``${...}`` is never filled in, on the command line or
@@ -39,11 +39,6 @@ _INTEGER = re.compile(r"[-+]?\d+")
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
-VALUE_RULE = (
-    "key=value: text exactly as written (no YAML, no ${...} filled in); whole numbers, numbers and "
-    "true/false by the option's type; a list option takes comma-separated values (workers=0,1)"
-)
-"""How a command-line value is read, as the commands' help says it."""
 
 
 class ConfigError(UserError):
@@ -173,7 +168,7 @@ def _first_key(schema: type | None) -> str:
 
 
 def _typed_value(word: str, raw: str, kind: Any, schema: type | None) -> Any:
-    """``raw`` converted to the option's type ``kind`` (VALUE_RULE); text for a group or an unknown key, whose
+    """``raw`` converted to the option's type ``kind`` (see the module docstring); text for a group or an unknown key, whose
     merge names the problem."""
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind) or (str,)
