@@ -288,6 +288,36 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     errors.check_positive(name, value, allow_zero, ConfigError)
 
 
+COUNT_LIMIT = 1_000_000_000
+"""The most an option that counts work (epochs, steps, samples, workers) may ask: a billion epochs or steps
+never end, and numbers beyond it (a 23-digit epochs=) only make the run's sums spin before it starts."""
+
+COUNTS = (
+    "epochs",
+    "max_steps",
+    "warmup_steps",
+    "lr_step_epochs",
+    "log_every",
+    "synthetic_samples",
+    "batch_size",
+    "grad_accum_steps",
+    "nproc",
+    "nnodes",
+    "num_workers",
+    "threads",
+    "max_restarts",
+)
+"""The TrainConfig options held to COUNT_LIMIT."""
+
+
+def check_count(name: str, value: int) -> None:
+    """Raise ConfigError when ``value`` exceeds COUNT_LIMIT."""
+    if value > COUNT_LIMIT:
+        raise ConfigError(
+            f"{name}={value} is more than any run can do; use at most {COUNT_LIMIT} (max_steps=N stops a long run)"
+        )
+
+
 def shown_ranks(show_ranks: str) -> frozenset[int] | None:
     """The ranks ``show_ranks`` names: None for ``all``, else the comma-separated ranks (``0``, ``0,2``).
 
@@ -370,6 +400,8 @@ class CheckpointConfig(CheckpointOptions):
         """The Checkpointer's checks, and best_metric among the metrics the trainer reports."""
         super().check()
         check_choice("checkpoint.best_metric", self.best_metric, BEST_METRICS)
+        for name in ("every_steps", "keep"):
+            check_count(f"checkpoint.{name}", getattr(self, name))
 
     def for_run(self, quality_metric: str) -> CheckpointOptions:
         """The options of the run's Checkpointer: ``auto`` resolved for a task whose quality metric is
@@ -590,6 +622,8 @@ class TrainConfig:
         check_positive("threads", self.threads, allow_zero=True)
         check_positive("max_steps", self.max_steps, allow_zero=True)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        for name in COUNTS:
+            check_count(name, getattr(self, name))
         self.resume = resume_choice(self.resume)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")

@@ -21,10 +21,14 @@ tracked run on resume without repeating a step.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
+from ddpkit.checkpoint.storage import format_bytes, free_bytes
 from ddpkit.config import ConfigError
+from ddpkit.errors import UserError
+from ddpkit.names import EXIT_STORAGE
 from ddpkit.tracking.backends import BACKENDS, install_hint
 from ddpkit.tracking.jsonl_log import FILE, format_line
 
@@ -58,6 +62,21 @@ def tracked_scalars(line: dict[str, Any]) -> dict[str, float]:
     }
 
 
+class MetricsWriteError(UserError):
+    """metrics.jsonl (or summary.json) could not be written: a full disk, a quota, a folder gone read-only."""
+
+    exit_status = EXIT_STORAGE
+    """The exit status of the worker and of ``ddpkit train``, as for a checkpoint that cannot be written."""
+
+
+def write_error(path: Path, error: OSError) -> MetricsWriteError:
+    """The one line for ``error`` writing ``path``: the reason, the room there, and the fix."""
+    return MetricsWriteError(
+        f"cannot write {path}: {error.strerror or error} ({format_bytes(free_bytes(path.parent))} free there); free "
+        "space there or choose another folder (output_dir=...), then continue with resume=auto"
+    )
+
+
 class MetricsWriter:
     """Appends JSON lines to ``metrics.jsonl`` (rank 0 only; other ranks write nothing).
 
@@ -73,15 +92,21 @@ class MetricsWriter:
         self.path = Path(output_dir) / FILE
         self.tracker = tracker if enabled else None
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", buffering=1)
+            except OSError as e:
+                raise write_error(self.path, e) from None
 
     def write(self, event: str, **fields: Any) -> None:
         """Write one line ``{"event": event, "time": ..., **fields}`` (and give the tracker its scalars)."""
         if not self.enabled:
             return
-        text = format_line(event, fields)
-        self._file.write(text)
+        try:
+            self._file.write(format_line(event, fields))
+        except OSError as e:
+            self._drop()
+            raise write_error(self.path, e) from None
         scalars = tracked_scalars({"event": event, **fields})
         if self.tracker is not None and scalars:
             self.tracker.log(scalars, step=fields["global_step"])
@@ -89,4 +114,14 @@ class MetricsWriter:
     def close(self) -> None:
         """Close the file."""
         if self.enabled:
-            self._file.close()
+            self.enabled = False
+            try:
+                self._file.close()
+            except OSError as e:
+                raise write_error(self.path, e) from None
+
+    def _drop(self) -> None:
+        """After a failed write: close the file, dropping what the full disk would not take; write no more."""
+        self.enabled = False
+        with contextlib.suppress(OSError):
+            self._file.close()  # the unwritten buffer is flushed once more, and fails again

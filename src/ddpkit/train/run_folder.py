@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,6 +83,7 @@ def claim_run_folder(folder: Path) -> Path:
             f"cannot create output_dir {folder} ({e.strerror or e}); choose a folder this user can write "
             "(output_dir=...)"
         ) from None
+    _check_writable(folder)
     if folder.resolve().is_relative_to(RUNS_DIR.resolve()) and folder.resolve() != LATEST.resolve():
         _point_latest(folder)
     return folder
@@ -113,6 +115,19 @@ def check_run_folder(folder: Path) -> None:
                 )
         except OSError:
             return  # not searchable: the mkdir or the lock names the problem
+
+
+def _check_writable(folder: Path) -> None:
+    """Raise UserError when no file can be created in ``folder`` (read-only, immutable, not this user's): said here,
+    before any worker starts or the launcher makes the logs folder in it."""
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=".ddpkit-write-test-", dir=folder)
+    except OSError as e:
+        raise UserError(
+            f"cannot write to {folder} ({e.strerror or e}); choose a folder this user can write (output_dir=...)"
+        ) from None
+    os.close(descriptor)
+    os.unlink(probe)
 
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "logs", ".ddpkit.lock")
