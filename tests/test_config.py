@@ -33,7 +33,13 @@ def test_a_value_is_text_as_written_neither_yaml_nor_interpolated(tmp_path, monk
     monkeypatch.setenv("DDPKIT_TEST_SECRET", "hunter2")
     cfg = parse(
         TrainConfig,
-        ["output_dir=out #c", "data_mirror=${oc.env:DDPKIT_TEST_SECRET}", "init_from=\\${x}", "lr= 1e-2", "scale_lr=yes"],
+        [
+            "output_dir=out #c",
+            "data_mirror=${oc.env:DDPKIT_TEST_SECRET}",
+            "init_from=\\${x}",
+            "lr= 1e-2",
+            "scale_lr=yes",
+        ],
     )
     assert (cfg.output_dir, cfg.data_mirror, cfg.init_from) == ("out #c", "${oc.env:DDPKIT_TEST_SECRET}", "\\${x}")
     assert (cfg.lr, cfg.scale_lr) == (0.01, True)

@@ -40,7 +40,6 @@ _INTERPOLATION = re.compile(r"(\\*)\$\{")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
-
 class ConfigError(UserError):
     """A configuration word or file is invalid; the message names it and the fix."""
 
@@ -146,7 +145,9 @@ def _read_layer(word: str, schema: type | None) -> dict[str, Any]:
             )
         return _escaped(OmegaConf.to_container(loaded, resolve=False))
     if "=" not in word:
-        raise ConfigError(f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. {_first_key(schema)}")
+        raise ConfigError(
+            f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. {_first_key(schema)}"
+        )
     key, raw = word.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"{word!r} has an empty key; write it as key=value, e.g. {_first_key(schema)}")

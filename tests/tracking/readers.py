@@ -113,5 +113,11 @@ def jsonl_series(folder: Path) -> tuple[dict[str, list[int]], set[str]]:
     return series, {str(folder / "metrics.jsonl")}
 
 
-READERS = {"csv": csv_series, "jsonl": jsonl_series, "tensorboard": tensorboard_series, "mlflow": mlflow_series, "wandb": wandb_series}
+READERS = {
+    "csv": csv_series,
+    "jsonl": jsonl_series,
+    "tensorboard": tensorboard_series,
+    "mlflow": mlflow_series,
+    "wandb": wandb_series,
+}
 """Each backend's reader, by Tracker kind."""

@@ -26,7 +26,10 @@ SCRIPT = REPO / "tests" / "traps" / "scripts" / "config_ranks.py"
         (["nproc=2", "python3.11", "-m", "pkg.train"], ["nproc=2", "-m", "pkg.train"]),
         (["--nproc-per-node", "2", "x.py"], ["nproc=2", "x.py"]),
         (["--nproc_per_node=4", "python", "x.py"], ["nproc=4", "x.py"]),
-        (["nproc=2", "x.py", "python", "--nproc-per-node", "3"], ["nproc=2", "x.py", "python", "--nproc-per-node", "3"]),
+        (
+            ["nproc=2", "x.py", "python", "--nproc-per-node", "3"],
+            ["nproc=2", "x.py", "python", "--nproc-per-node", "3"],
+        ),
         (["nproc=2", "python"], ["nproc=2", "python"]),  # no program after it: the usual one line names the fix
     ],
 )
@@ -60,5 +63,7 @@ def test_python_script_and_nproc_per_node_run_as_a_torchrun_user_writes_them(tmp
 
 
 def test_a_word_that_is_no_option_shows_an_option_of_the_command_in_hand():
-    with pytest.raises(ConfigError, match=r"^'foo' is neither key=value nor a .yaml file; write it as key=value, e.g. nproc=1$"):
+    with pytest.raises(
+        ConfigError, match=r"^'foo' is neither key=value nor a .yaml file; write it as key=value, e.g. nproc=1$"
+    ):
         parse(RunConfig, ["foo"])
