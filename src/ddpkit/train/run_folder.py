@@ -22,6 +22,7 @@ another launcher take the folder rank 0 chose (see ``ddpkit.train.run``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -29,6 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ddpkit.checkpoint.folder_lock import FolderLock
 from ddpkit.checkpoint.select import candidates, restart_count
 from ddpkit.config import TrainConfig
 from ddpkit.errors import UserError
@@ -150,6 +152,8 @@ def check_fresh_run_folder(folder: Path) -> None:
         return
     ran = [name for name in RUN_FILES if name in names]
     if ran:
+        with contextlib.suppress(OSError), FolderLock(folder, fix="output_dir=..."):
+            pass  # a run still writing there is named by the lock's refusal (FolderInUseError): who holds it
         raise UserError(
             f"output_dir {folder} holds another run ({', '.join(ran)}) with no checkpoint to continue; start this "
             "run in a new folder (another output_dir=..., or none for a new one under runs/) or remove that run"
