@@ -7,10 +7,13 @@ The lines a run writes (``time`` is seconds since the epoch, on every line)::
     {"event": "eval", "epoch": 1, "global_step": 938, "split": "test", "loss": 0.48, "accuracy": 0.83}
     {"event": "summary", "model": "mlp", ..., "world_size": 2, "test": {...}, "config": {...}}
 
-``train`` lines come every ``log_every`` steps (rank 0's mean loss over those
-steps, the throughput of all workers), ``eval`` lines at each epoch end with
-the exact test metrics (``accuracy`` for classification, ``mse`` otherwise),
-one ``summary`` line at the end. A resumed run appends to the same file, so a
+``train`` lines come every ``log_every`` steps and for the steps left at an
+epoch's end or at ``max_steps`` (rank 0's mean loss over the steps the line
+covers, the throughput of all workers), ``eval`` lines at each epoch end with
+the exact test metrics (``accuracy`` for classification, ``mse`` otherwise)
+and at ``max_steps`` (its ``epoch`` a fraction: epochs trained), one
+``summary`` line at the end. The format is :mod:`ddpkit.tracking.jsonl_log`'s,
+which ``Tracker("jsonl")`` writes from an own loop. A resumed run appends to the same file, so a
 step after the resumed checkpoint may appear twice; the later line is the one
 that counts.
 
