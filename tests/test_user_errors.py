@@ -92,6 +92,15 @@ def test_a_user_error_is_reported_as_its_line_and_any_other_with_its_traceback(c
             "error: checkpoint.sync_seconds=inf is not valid; it must be a finite number (not nan or inf)",
         ),
         (["momentum=-0.5"], "error: momentum=-0.5 is not valid; it must be >= 0"),
+        (["model=.:x"], "error: model '.:x' names no module or no function; write module:function"),
+        (["model=:x"], "error: model ':x' names no module or no function; write module:function"),
+        (["model=tests:"], "error: model 'tests:' names no module or no function; write module:function"),
+        # counts of work are bounded: a 23-digit epochs= spun for minutes before anything started
+        (
+            ["epochs=12345678901234567890123"],
+            "error: epochs=12345678901234567890123 is more than any run can do; use at most 1000000000",
+        ),
+        (["checkpoint.keep=10000000000"], "error: checkpoint.keep=10000000000 is more than any run can do"),
     ],
 )
 def test_bad_names_and_combinations_fail_before_any_worker_starts(tmp_path, monkeypatch, capsys, words, message):
@@ -148,3 +157,54 @@ def test_an_own_script_s_init_refuses_a_timeout_that_is_not_a_finite_positive_nu
 
     with pytest.raises(UserError, match=r"^timeout=\S+ is not valid; it must be"):
         ddpkit.init(timeout=timeout)
+
+
+def test_an_unclosed_quotation_in_the_slurm_command_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", "venv=/opt/venv", 'command=python "x']) == 2
+    assert capsys.readouterr().err == (
+        "error: command='python \"x' cannot be split into words (no closing quotation); close each quotation, "
+        "e.g. 'command=python train.py --name \"a b\"'\n"
+    )
+
+
+@pytest.mark.slow
+def test_a_read_only_output_dir_is_one_line_before_the_workers_start(tmp_path, monkeypatch, capsys):
+    """nproc=2 said it as a PermissionError from the launcher making the logs folder (exit 1); now as nproc=1 does."""
+    from tests.tracking.own_loop import make_read_only, make_writable
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ro").mkdir()
+    make_read_only(tmp_path / "ro")
+    try:
+        for nproc in (1, 2):
+            assert main(["train", f"nproc={nproc}", *TINY, "output_dir=ro"]) == 2
+            out, err = capsys.readouterr()
+            assert err.startswith("error: cannot write to ro (") and err.endswith(
+                "); choose a folder this user can write (output_dir=...)\n"
+            ), err
+            assert err.count("\n") == 1 and "[rank" not in out + err
+    finally:
+        make_writable(tmp_path / "ro")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_full_disk_under_metrics_jsonl_is_one_line_and_the_storage_status(tmp_path, monkeypatch, capsys, nproc):
+    """A raw OSError, exit 1, before; now the line and EXIT_STORAGE (74), as for a checkpoint that cannot be written."""
+    from tests.checkpoint.test_storage import tmpfs
+
+    monkeypatch.chdir(tmp_path)
+    # two pages: the first lines fit, and a line every step fills the rest within the epoch
+    with tmpfs(tmp_path / "small", 8192):
+        words = [*TINY, "synthetic_samples=2048", "batch_size=8", "log_every=1", "checkpoint.enabled=false"]
+        status = main(["train", f"nproc={nproc}", *words, "output_dir=small/run", "show_ranks=0"])
+        out, err = capsys.readouterr()
+    assert status == 74, err
+    lines = [line for line in err.splitlines() if not line.startswith(("[rank", "ddpkit:"))]
+    prefix = "error: worker rank 0 failed (exit code 74): " if nproc == 2 else "error: "
+    assert lines == [
+        f"{prefix}cannot write small/run/metrics.jsonl: No space left on device (0 B free there); free space "
+        "there or choose another folder (output_dir=...), then continue with resume=auto"
+    ], err
+    assert "Traceback" not in out + err

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import os
+import re
 import shlex
 import sys
 import time
@@ -62,20 +63,33 @@ class Command:
     """What the command does, in one line of the top-level usage."""
 
 
-LAUNCHER_EXIT_STATUSES = (
-    ("0", "every worker finished"),
-    (str(EXIT_WORKER_FAILED), "a worker failed; one report names its rank, exit code and traceback"),
-    (str(EXIT_USER_ERROR), "bad input: one line names the fix, before any worker starts"),
-    (str(EXIT_STORAGE), "a checkpoint could not be written (no space, read-only folder): fix it, then run again"),
-    (
-        str(EXIT_PREEMPTED),
-        "preempted: a signal (SIGTERM, SIGUSR1, SIGUSR2) reached the launcher or a worker, and the workers "
-        "wrote a checkpoint and exited 75; run the same command again to continue (requeue)",
-    ),
-    (str(EXIT_INTERRUPTED), "Ctrl-C: the workers wrote a checkpoint and stopped; the same command continues"),
-    ("128+N", "the launcher received signal N and the workers did not checkpoint (143: SIGTERM); one line says so"),
+def _exit_statuses(again: str) -> tuple[tuple[str, str], ...]:
+    """What the exit status of ``ddpkit train`` or ``ddpkit run`` means (their --help lists it); ``again``: what
+    continues a run that stopped with a checkpoint."""
+    return (
+        ("0", "every worker finished"),
+        (str(EXIT_WORKER_FAILED), "a worker failed; one report names its rank, exit code and traceback"),
+        (str(EXIT_USER_ERROR), "bad input: one line names the fix, before any worker starts"),
+        (
+            str(EXIT_STORAGE),
+            "a checkpoint or metrics.jsonl could not be written (no space, read-only folder): fix it, then run again",
+        ),
+        (
+            str(EXIT_PREEMPTED),
+            "preempted: a signal (SIGTERM, SIGUSR1, SIGUSR2) reached the launcher or a worker, and the workers "
+            f"wrote a checkpoint and exited 75; {again} (a requeued Slurm job does so by itself)",
+        ),
+        (str(EXIT_INTERRUPTED), f"Ctrl-C: the workers wrote a checkpoint and stopped; {again}"),
+        ("128+N", "the launcher received signal N and the workers did not checkpoint (143: SIGTERM); one line says so"),
+    )
+
+
+TRAIN_EXIT_STATUSES = _exit_statuses(
+    "the last line prints the command that continues: the same words with output_dir=<the run's folder> resume=auto "
+    "(without output_dir, the same command starts a new run; resume=auto alone continues the newest run of this "
+    "model and data)"
 )
-"""What the exit status of ``ddpkit train`` and ``ddpkit run`` means (their --help lists it)."""
+RUN_EXIT_STATUSES = _exit_statuses("run the same command again to continue (a script with a ddpkit.Checkpointer)")
 
 TRAIN_HELP = CommandHelp(
     usage="ddpkit train [key=value ...] [config.yaml ...]",
@@ -92,7 +106,7 @@ TRAIN_HELP = CommandHelp(
         "ddpkit train nproc=2 resume=auto             # continue the latest run of this model and data",
         "torchrun --nproc-per-node 2 -m ddpkit train",
     ),
-    exit_statuses=LAUNCHER_EXIT_STATUSES,
+    exit_statuses=TRAIN_EXIT_STATUSES,
 )
 
 RUN_HELP = CommandHelp(
@@ -107,7 +121,7 @@ RUN_HELP = CommandHelp(
         ("-m MODULE [ARGS ...]", "or a module, as python -m runs it"),
     ),
     examples=("ddpkit run nproc=2 train.py --lr 0.1", "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"),
-    exit_statuses=LAUNCHER_EXIT_STATUSES,
+    exit_statuses=RUN_EXIT_STATUSES,
 )
 
 DOCTOR_HELP = CommandHelp(
@@ -231,7 +245,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     """
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.sagemaker import model_dir
-    from ddpkit.train.preflight import check_before_launch
+    from ddpkit.train.preflight import check_before_launch, cpu_cores, oversubscribed
     from ddpkit.train.run import run_worker
     from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 
@@ -245,6 +259,9 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     if cfg.node_rank == 0:  # the other nodes' workers take node 0's run folder (ddpkit.train.run)
         cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
     check_before_launch(cfg, cfg.nproc * cfg.nnodes)
+    crowded = oversubscribed(cfg, cpu_cores())
+    if crowded is not None:
+        print(f"ddpkit: warning: {crowded}", file=sys.stderr)
     if cfg.output_dir:
         claim_run_folder(Path(cfg.output_dir))
     try:
@@ -333,11 +350,41 @@ def run_command(args: Sequence[str]) -> int:
         return 0
     from ddpkit.launch.local import worker_server
 
-    config, target = parse_run_command(args)  # bad input is one line before any process starts
+    config, target = parse_run_command(run_words(args))  # bad input is one line before any process starts
     # The server's imports (torch, torch._dynamo) run beside this process's own, not after them: on a GPU
     # machine, where importing torch takes seconds, in sequence they put those seconds twice before the script.
     with worker_server():
         return _run_script(config, target)
+
+
+_NPROC_FLAG = re.compile(r"--nproc[-_]per[-_]node(?:=(.*))?")
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+
+
+def run_words(args: Sequence[str]) -> list[str]:
+    """The words of ``ddpkit run`` as torchrun users write them, in ddpkit's spelling.
+
+    ``python x.py`` and ``python -m mod`` drop the interpreter word (each worker runs the script with this
+    Python), and torchrun's ``--nproc-per-node N`` (``--nproc_per_node=N``) becomes ``nproc=N``; the program's
+    own words, from the script or ``-m`` on, are left as they are.
+    """
+    words: list[str] = []
+    i = 0
+    while i < len(args):
+        word, rest = args[i], args[i + 1 :]
+        if word.endswith(".py") or word.startswith("-m") or word in HELP_WORDS:
+            return words + list(args[i:])  # the program's command line starts here
+        flag = _NPROC_FLAG.fullmatch(word)
+        if flag is not None:
+            value = flag.group(1) if flag.group(1) is not None else (rest[0] if rest else "")
+            words.append(f"nproc={value}")
+            i += 1 if flag.group(1) is not None else 2
+            continue
+        is_python = _PYTHON.fullmatch(os.path.basename(word)) is not None or word == sys.executable
+        if not (is_python and rest and (rest[0].endswith(".py") or rest[0].startswith("-m"))):
+            words.append(word)
+        i += 1
+    return words
 
 
 def _run_script(config: RunConfig, target: ScriptTarget) -> int:

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 HELP_WORDS = ("-h", "--help")
+VALUE_RULE = (
+    "key=value: the value is taken exactly as written, not as YAML (output_dir=out #1 is the folder 'out #1'; "
+    "${...} is never filled in, in YAML files neither); a whole number, number or true/false option converts it; "
+    "a list option takes comma-separated values (workers=1,2); a .yaml file sets several options, later words win"
+)
+"""How a command-line value is read: every command with options says it in its help."""
 _WIDTH = 100
 
 
@@ -119,6 +125,7 @@ def render_help(help: CommandHelp) -> str:
     if help.positional:
         parts += ["", "arguments:"] + [_entry(name, meaning) for name, meaning in help.positional]
     if help.schema:
+        parts += ["", _wrap(VALUE_RULE, "")]
         for title, group in _grouped(options(load_schema(help.schema)), help.groups):
             parts += ["", f"{title}:"] + [_option_entry(option) for option in group]
     if help.exit_statuses:

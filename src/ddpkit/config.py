@@ -5,6 +5,14 @@ gives every field a type, a default and a docstring; YAML files and
 ``key=value`` words from the command line are merged on top, in the order
 given, and validated against the schema. Dotted keys reach nested groups
 (``checkpoint.every_steps=100``).
+
+A ``key=value`` word's value is read by the option's type, not as YAML
+(``--help`` says it: :data:`ddpkit.command_help.VALUE_RULE`): text options take the value exactly as written
+(``output_dir=out #1`` is the folder "out #1", ``time=2:00:00`` stays text),
+whole numbers, numbers and true/false are converted, a list option takes
+comma-separated values. ``${...}`` is never filled in, on the command line or
+in a YAML file: a value is what the user wrote, so no environment variable
+(a secret) reaches an option or an error line unasked.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
@@ -28,7 +35,9 @@ from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
 
 T = TypeVar("T")
-_SEXAGESIMAL = re.compile(r"[-+]?\d+(?::[0-5]?\d)+(?:\.\d*)?")
+_INTEGER = re.compile(r"[-+]?\d+")
+_INTERPOLATION = re.compile(r"(\\*)\$\{")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
 class ConfigError(UserError):
@@ -55,7 +64,7 @@ def parse(
         ConfigError: unknown key, bad value or unreadable file.
     """
     merged = OmegaConf.structured(schema)
-    layers = [("presets", dict(presets or {}))] + [(word, _keep_text(word, _read_layer(word), schema)) for word in args]
+    layers = [("presets", dict(presets or {}))] + [(word, _read_layer(word, schema)) for word in args]
     for word, layer in layers:
         _check_groups(word, layer, schema)
         try:
@@ -64,7 +73,7 @@ def parse(
             raise ConfigError(_explain(e, schema, word)) from None
     _check_finite(merged, schema)  # before the dataclasses' own checks, which compare (NaN passes any bound)
     try:
-        return OmegaConf.to_object(merged)  # resolves interpolations (${oc.env:NAME}), then validates
+        return OmegaConf.to_object(merged)  # validates (every ${ was escaped: nothing is filled in)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e, schema, "")) from None
     except UserError as e:
@@ -94,11 +103,15 @@ def _check_finite(merged: DictConfig, schema: type, prefix: str = "") -> None:
                 errors.check_finite(prefix + field.name, value, ConfigError)
 
 
-def peek(args: Sequence[str], key: str) -> str | None:
-    """The last value given for ``key`` by ``args`` (words or YAML files), if any."""
+def peek(args: Sequence[str], key: str, schema: type | None = None) -> str | None:
+    """The last value given for ``key`` by ``args`` (words or YAML files), if any, as text.
+
+    Args:
+        schema: the command's options, which its messages name (a word that is not key=value).
+    """
     value = None
     for word in args:
-        layer = OmegaConf.create(_read_layer(word))
+        layer = OmegaConf.create(_read_layer(word, schema))
         found = OmegaConf.select(layer, key, default=None, throw_on_resolution_failure=False)
         if found is not None:
             value = str(found)
@@ -115,7 +128,9 @@ def to_yaml(config: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def _read_layer(word: str) -> dict[str, Any]:
+def _read_layer(word: str, schema: type | None) -> dict[str, Any]:
+    """The options one word gives: a YAML file's, or a ``key=value`` word's (read by ``schema``'s types; text
+    where ``schema`` is None), with every ``${`` escaped so that OmegaConf fills nothing in."""
     if word.endswith((".yaml", ".yml")) and "=" not in word:
         if not os.path.isfile(word):
             raise ConfigError(f"config file {word!r} does not exist; pass an existing YAML file or key=value words")
@@ -128,46 +143,68 @@ def _read_layer(word: str) -> dict[str, Any]:
                 f"config file {word!r} holds a list, not options; write one option per line as "
                 "key: value, e.g. epochs: 5"
             )
-        return OmegaConf.to_container(loaded)
+        return _escaped(OmegaConf.to_container(loaded, resolve=False))
     if "=" not in word:
-        raise ConfigError(f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. epochs=5")
-    key, value = word.split("=", 1)
-    if not key:
-        raise ConfigError(f"{word!r} has an empty key; write it as key=value, e.g. epochs=5")
-    if _SEXAGESIMAL.fullmatch(value.strip()):
-        value = f"'{value}'"  # YAML 1.1 would read 2:00:00 as the number 7200; keep it a string (a time limit)
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
-    except (OmegaConfBaseException, yaml.YAMLError) as e:
-        reason = str(e).splitlines()[0]
         raise ConfigError(
-            f"cannot read {word!r} ({reason}); the value is read as YAML: write plain text "
-            f"or quote it, e.g. {key}='a b'"
-        ) from None
-
-
-def _keep_text(word: str, layer: dict[str, Any], schema: type) -> dict[str, Any]:
-    """``layer`` with a text option's value as the word wrote it, where YAML read a bool or a number, and a list
-    option's single value or comma-separated values as a list.
-
-    ``resume=false`` or ``output_dir=1e3`` would otherwise reach the option as "False" or "1000.0", and
-    ``workers=1`` would be refused (OmegaConf takes only ``workers=[1]`` for a list).
-    """
-    key, _, raw = word.partition("=")
-    kind = _field_type(schema, key)
-    is_list = typing.get_origin(kind) is list
-    if not raw or (kind is not str and not is_list):
-        return layer
+            f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. {_first_key(schema)}"
+        )
+    key, raw = word.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"{word!r} has an empty key; write it as key=value, e.g. {_first_key(schema)}")
+    value = _escaped(_typed_value(word, raw, _field_type(schema, key) if schema is not None else str, schema))
+    layer: dict[str, Any] = {}
     *groups, name = key.split(".")
     leaf = layer
     for group in groups:
-        leaf = leaf[group]
-    if is_list and not isinstance(leaf[name], list):
-        # workers=1 or workers=1,2 for a list option: a list as [1] or [1, 2] would write it
-        leaf[name] = [] if leaf[name] in ("", None) else OmegaConf.to_container(OmegaConf.create(f"[{raw}]"))
-    elif kind is str and isinstance(leaf[name], (bool, int, float)):
-        leaf[name] = raw.strip()
+        leaf = leaf.setdefault(group, {})
+    leaf[name] = value
     return layer
+
+
+def _first_key(schema: type | None) -> str:
+    """``key=DEFAULT`` of the schema's first option, for the messages that show how a word is written."""
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return "key=value"
+    return _example(schema, _field_names(schema)[0])
+
+
+def _typed_value(word: str, raw: str, kind: Any, schema: type | None) -> Any:
+    """``raw`` converted to the option's type ``kind`` (see the module docstring); text for a group or an unknown key, whose
+    merge names the problem."""
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind) or (str,)
+        text = raw.strip()
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]  # workers=[0,1], as YAML writes a list
+        return [_typed_value(word, part.strip(), item, schema) for part in text.split(",")] if text.strip() else []
+    if kind is bool:
+        if raw.strip().lower() in _TRUE + _FALSE:
+            return raw.strip().lower() in _TRUE
+    elif kind is int:
+        if _INTEGER.fullmatch(raw.strip()):
+            return int(raw.strip())
+    elif kind is float:
+        try:
+            # YAML's .inf and .nan too, so that the finite check names them (lr=.nan)
+            return float(raw.strip().lower().replace(".inf", "inf").replace(".nan", "nan"))
+        except ValueError:
+            pass
+    else:
+        return raw
+    key = word.split("=", 1)[0]
+    example = _example(schema, key) if schema is not None else f"{key}=..."
+    raise ConfigError(f"bad value for {key!r}: {key} must be {_TYPE_WORDS[kind]}, e.g. {example} (given {word!r})")
+
+
+def _escaped(value: Any) -> Any:
+    """``value`` with every ``${`` of its text (in lists and mappings too) escaped for OmegaConf: kept as written."""
+    if isinstance(value, str):
+        return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, list):
+        return [_escaped(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _escaped(item) for key, item in value.items()}
+    return value
 
 
 def _explain(error: OmegaConfBaseException, schema: type, word: str) -> str:
@@ -238,7 +275,7 @@ def _field_names(schema: type, prefix: str = "") -> list[str]:
 
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
-LOGGERS = ("jsonl", *sorted(BACKENDS))
+LOGGERS = ("jsonl", *sorted(set(BACKENDS) - {"jsonl"}))
 """Values of TrainConfig.logger: metrics.jsonl alone, or also one of ddpkit.tracking's backends."""
 
 
@@ -250,6 +287,36 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     """Raise ConfigError unless ``value`` > 0 (or >= 0 with ``allow_zero``)."""
     errors.check_positive(name, value, allow_zero, ConfigError)
+
+
+COUNT_LIMIT = 1_000_000_000
+"""The most an option that counts work (epochs, steps, samples, workers) may ask: a billion epochs or steps
+never end, and numbers beyond it (a 23-digit epochs=) only make the run's sums spin before it starts."""
+
+COUNTS = (
+    "epochs",
+    "max_steps",
+    "warmup_steps",
+    "lr_step_epochs",
+    "log_every",
+    "synthetic_samples",
+    "batch_size",
+    "grad_accum_steps",
+    "nproc",
+    "nnodes",
+    "num_workers",
+    "threads",
+    "max_restarts",
+)
+"""The TrainConfig options held to COUNT_LIMIT."""
+
+
+def check_count(name: str, value: int) -> None:
+    """Raise ConfigError when ``value`` exceeds COUNT_LIMIT."""
+    if value > COUNT_LIMIT:
+        raise ConfigError(
+            f"{name}={value} is more than any run can do; use at most {COUNT_LIMIT} (max_steps=N stops a long run)"
+        )
 
 
 def shown_ranks(show_ranks: str) -> frozenset[int] | None:
@@ -334,6 +401,8 @@ class CheckpointConfig(CheckpointOptions):
         """The Checkpointer's checks, and best_metric among the metrics the trainer reports."""
         super().check()
         check_choice("checkpoint.best_metric", self.best_metric, BEST_METRICS)
+        for name in ("every_steps", "keep"):
+            check_count(f"checkpoint.{name}", getattr(self, name))
 
     def for_run(self, quality_metric: str) -> CheckpointOptions:
         """The options of the run's Checkpointer: ``auto`` resolved for a task whose quality metric is
@@ -554,6 +623,8 @@ class TrainConfig:
         check_positive("threads", self.threads, allow_zero=True)
         check_positive("max_steps", self.max_steps, allow_zero=True)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        for name in COUNTS:
+            check_count(name, getattr(self, name))
         self.resume = resume_choice(self.resume)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
@@ -565,5 +636,5 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
     """TrainConfig from words, with the chosen model's recipe as defaults."""
     from ddpkit.models.registry import get_model_spec  # deferred: the registry imports torch
 
-    model = peek(args, "model") or TrainConfig.model
+    model = peek(args, "model", TrainConfig) or TrainConfig.model
     return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))

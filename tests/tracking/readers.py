@@ -98,5 +98,26 @@ def wandb_series(folder: Path) -> tuple[dict[str, list[int]], set[str]]:
     return series, {run_id for _, run_id, _, _ in segments}
 
 
-READERS = {"csv": csv_series, "tensorboard": tensorboard_series, "mlflow": mlflow_series, "wandb": wandb_series}
+def jsonl_series(folder: Path) -> tuple[dict[str, list[int]], set[str]]:
+    """metrics.jsonl line by line (every line, as written: no later line hides an earlier one): a train line's
+    metrics by their names, an eval line's as ``<split>_<name>`` (test_accuracy)."""
+    series: dict[str, list[int]] = {}
+    for row in (folder / "metrics.jsonl").read_text().splitlines():
+        line = json.loads(row)
+        if line["event"] not in ("train", "eval"):
+            continue
+        prefix = "" if line["event"] == "train" else line["split"] + "_"
+        for name in line:
+            if name not in ("event", "time", "global_step", "split"):
+                series.setdefault(prefix + name, []).append(line["global_step"])
+    return series, {str(folder / "metrics.jsonl")}
+
+
+READERS = {
+    "csv": csv_series,
+    "jsonl": jsonl_series,
+    "tensorboard": tensorboard_series,
+    "mlflow": mlflow_series,
+    "wandb": wandb_series,
+}
 """Each backend's reader, by Tracker kind."""

@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
+from ddpkit.cli import main
+from ddpkit.train.plot import read_run
 from tests.cli_runner import REPO
 from tests.helpers.launch_in_process import Commands
 from tests.tracking.own_loop import make_writable
@@ -95,3 +97,16 @@ def test_read_only_database_is_one_warning_and_training_goes_on(runs):
         verify_checkpoint(info.path)
     series, _ = READERS["mlflow"](folder / "tracking")
     assert series == {"loss": list(range(1, READ_ONLY_AT + 1)), "test_accuracy": [6]}
+
+
+def test_jsonl_run_of_an_own_loop_is_plotted(runs, tmp_path, capsys):
+    """Tracker("jsonl") writes metrics.jsonl as ddpkit train does: ``ddpkit plot`` draws the killed and resumed run."""
+    folder = runs["jsonl"][0] / "tracking"
+    run = read_run(folder)
+    assert [line["global_step"] for line in run.train] == EXPECTED["loss"]
+    assert [line["global_step"] for line in run.test] == EXPECTED["test_accuracy"]
+    assert run.settings == {"lr": 0.1, "epochs": 3, "seed": 0}
+    output = tmp_path / "own.png"
+    assert main(["plot", str(folder), f"output={output}"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {output} (1 run(s)")
+    assert output.stat().st_size > 10_000

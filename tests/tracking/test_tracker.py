@@ -21,7 +21,7 @@ from tests.train.checkpoint_helpers import LogRecords
 def test_unknown_kind_names_the_kinds():
     with pytest.raises(
         ddpkit.UserError,
-        match=r"^Tracker kind 'neptune' is not known; choose one of: csv, mlflow, "
+        match=r"^Tracker kind 'neptune' is not known; choose one of: csv, jsonl, mlflow, "
         r"tensorboard, wandb$",
     ):
         ddpkit.Tracker("neptune")

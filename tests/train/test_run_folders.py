@@ -45,6 +45,9 @@ def test_resume_auto_and_restarts_continue_the_newest_run_of_the_same_model_and_
     older = claim_run_folder(plan_run_folder(cfg(), {}, now=NOON))
     newer = claim_run_folder(plan_run_folder(cfg(), {}, now=NOON + 60))
     claim_run_folder(plan_run_folder(cfg("model=cnn"), {}, now=NOON + 120))  # another series: not a candidate
+    assert plan_run_folder(cfg("resume=auto"), {}, now=NOON + 180) not in (newer, older)  # no checkpoint to continue
+    (newer / "checkpoints" / "step-000000008").mkdir(parents=True)
+    (newer / "checkpoints" / "step-000000008" / "manifest.json").write_text("{}")
     assert plan_run_folder(cfg("resume=auto"), {}) == newer != older
     assert plan_run_folder(cfg(), {"TORCHELASTIC_RESTART_COUNT": "1"}) == newer
 
@@ -89,3 +92,32 @@ def test_train_twice_in_one_folder_then_resume_auto_continues_the_latest(here, c
     finished = json.loads((second / "summary.json").read_text())
     assert finished["train_time_s"] == pytest.approx(summary["train_time_s"], rel=0.2)
     assert finished["samples_per_s"] == pytest.approx(summary["samples_per_s"], rel=0.2)
+
+
+@pytest.mark.parametrize("resume", ["never", "auto"])
+def test_a_fresh_run_never_writes_into_another_run_s_files_nor_beside_other_files(here, capsys, resume):
+    """Without a checkpoint to continue, a run refuses a folder holding another run (its metrics.jsonl and
+    summary.json would get this run's lines), or other files (output_dir=/etc), in one line; a new folder works."""
+    words = [*TINY, "epochs=1", "checkpoint.enabled=false"]
+    assert main(["train", *words, "output_dir=first"]) == 0
+    metrics, summary = (here / "first" / "metrics.jsonl").read_text(), (here / "first" / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["train", *words, "output_dir=first", f"resume={resume}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: output_dir first holds another run (metrics.jsonl, summary.json, .ddpkit.lock) with no checkpoint "
+        "to continue; start this run in a new folder (another output_dir=..., or none for a new one under runs/) "
+        "or remove that run\n"
+    ), err
+    assert (here / "first" / "metrics.jsonl").read_text() == metrics
+    assert (here / "first" / "summary.json").read_text() == summary
+    (here / "things").mkdir()
+    (here / "things" / "notes.txt").write_text("mine")
+    assert main(["train", *words, "output_dir=things"]) == 2
+    assert capsys.readouterr().err == (
+        "error: output_dir things is not empty (notes.txt) and holds no ddpkit run; choose a new or empty folder "
+        "(output_dir=...), or none for a new one under runs/\n"
+    )
+    assert sorted(path.name for path in (here / "things").iterdir()) == ["notes.txt"]
+    (here / "empty").mkdir()
+    assert main(["train", *words, "output_dir=empty"]) == 0

@@ -196,9 +196,24 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
         requeue=bool(signal_name) if requeue == "auto" else requeue == "true",
         train_args=(*train_args, *unread),
         python=config.python,
-        command=tuple(shlex.split(config.command)),
+        command=_command_words(config.command),
         max_restarts=max_restarts,
     )
+
+
+def _command_words(command: str) -> tuple[str, ...]:
+    """The words of ``command`` as a shell splits them.
+
+    Raises:
+        ConfigError: an unclosed quotation or a trailing backslash.
+    """
+    try:
+        return tuple(shlex.split(command))
+    except ValueError as e:
+        raise ConfigError(
+            f"command={command!r} cannot be split into words ({str(e).lower()}); close each quotation, "
+            "e.g. 'command=python train.py --name \"a b\"'"
+        ) from None
 
 
 def _check_train_words(words: Sequence[str]) -> TrainConfig:

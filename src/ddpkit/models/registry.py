@@ -77,9 +77,14 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def _import_model(path: str) -> ModelSpec:
     module_name, _, attr = path.partition(":")
+    if not module_name.strip(".") or not attr:  # .:x, :x and m: name no module or no function to import
+        raise UserError(
+            f"model {path!r} names no module or no function; write module:function, e.g. model=my_models:build "
+            "(my_models.py in the current folder)"
+        )
     try:
         build = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, TypeError, ValueError) as e:  # TypeError, ValueError: a relative name
         raise UserError(f"model {path!r} cannot be imported ({e}); check the module:function path") from None
     registered = next((spec for spec in MODELS.values() if spec.build is build), None)
     return registered or ModelSpec(path, build, "classification")

@@ -27,6 +27,7 @@ class BackendSpec:
 
 BACKENDS = {
     "csv": BackendSpec("ddpkit.tracking.csv_log", "CsvLog", (), ""),
+    "jsonl": BackendSpec("ddpkit.tracking.jsonl_log", "JsonlLog", (), ""),
     "mlflow": BackendSpec("ddpkit.tracking.mlflow_run", "MlflowRun", ("mlflow", "sqlalchemy", "alembic"), "mlflow"),
     "tensorboard": BackendSpec(
         "ddpkit.tracking.tensorboard_events", "TensorBoardEvents", ("tensorboard",), "tensorboard"

@@ -16,8 +16,9 @@ same tracked run::
         tracker.log({"test_accuracy": evaluate()}, step=ckpt.global_step)
     tracker.close()
 
-Backends (``kind``, one file each): ``csv``, ``tensorboard``, ``mlflow``,
-``wandb`` (:mod:`ddpkit.tracking.backends`).
+Backends (``kind``, one file each): ``csv``, ``jsonl`` (``metrics.jsonl`` as
+``ddpkit train`` writes it, which ``ddpkit plot`` draws), ``tensorboard``,
+``mlflow``, ``wandb`` (:mod:`ddpkit.tracking.backends`).
 
 Resume. ``state_dict()`` (which the Checkpointer calls at every save) makes
 everything logged so far durable and returns the run's identity and the last
@@ -53,14 +54,15 @@ REDUCE_OPS = ("mean", "sum")
 
 
 class Tracker:
-    """One tracked run (CSV, TensorBoard, MLflow or W&B), written by rank 0; see the module docstring.
+    """One tracked run (CSV, JSON lines, TensorBoard, MLflow or W&B), written by rank 0; see the module docstring.
 
     Build it on every rank after ``ddpkit.init()``; pass it to the
     Checkpointer (``extra={"tracker": tracker}``) so that checkpoints hold the
     run's identity.
 
     Args:
-        kind: csv, tensorboard, mlflow or wandb.
+        kind: csv, jsonl (metrics.jsonl, for ``ddpkit plot``; name metrics ``test/accuracy`` for a split),
+            tensorboard, mlflow or wandb.
         dir: the folder the backend writes into (CSV file, event files, the MLflow SQLite
             database unless a tracking URI is given, W&B's offline files).
         project: the MLflow experiment or W&B project of the run.

@@ -192,29 +192,28 @@ class Trainer:
         state, loader, cfg = self.state, self.loader, self.cfg
         self.model.train()
         bar = self._progress_bar()
-        running = torch.zeros((), device=self.ctx.device)
-        window_samples, window_start = 0, time.perf_counter()
+        window = _Window(torch.zeros((), device=self.ctx.device), 0, 0, time.perf_counter())
         clock = _TrainClock(state, self.checkpointer)
         try:
             for batch in loader:
-                running += self.train_step(batch)
+                window.running += self.train_step(batch)
                 count = loader.last_global_batch_length
                 state.global_step += 1
                 state.samples_seen += count
-                window_samples += count
+                window.steps += 1
+                window.samples += count
                 if self._save_due():
                     self._check_weights()
-                if state.global_step % cfg.log_every == 0:
-                    self._check_loss(running)
-                    window_start, window_samples, running = self._log_window(bar, running, window_samples, window_start)
+                stop = bool(cfg.max_steps and state.global_step >= cfg.max_steps)
+                # A line every log_every steps, and one for the steps left at an epoch's end or at max_steps, so
+                # that every step is logged once and a line's loss is the mean of the steps it covers.
+                if state.global_step % cfg.log_every == 0 or loader.step_in_epoch >= loader.steps_per_epoch or stop:
+                    self._check_loss(window)
+                    window = self._log_window(bar, window)
                 if self.checkpointer is not None:
                     clock.update()  # a checkpoint written now holds the train time up to this step
                     self.checkpointer.step()
-                if (
-                    cfg.max_steps
-                    and state.global_step >= cfg.max_steps
-                    and loader.step_in_epoch < loader.steps_per_epoch
-                ):
+                if stop and loader.step_in_epoch < loader.steps_per_epoch:
                     raise StopTraining(f"max_steps={cfg.max_steps} reached")
         finally:  # also when training stops mid-epoch
             clock.update()
@@ -249,9 +248,9 @@ class Trainer:
             self._diverged(f"the weights hold NaN or infinity ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         self._finite_at = self.state.global_step
 
-    def _check_loss(self, running: torch.Tensor) -> None:
+    def _check_loss(self, window: _Window) -> None:
         """Stop (TrainingDiverged) when the window's running loss is NaN or infinite on some rank."""
-        flag = (~torch.isfinite(running)).to(torch.float32)
+        flag = (~torch.isfinite(window.running)).to(torch.float32)
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
@@ -259,7 +258,7 @@ class Trainer:
         if self.scaler is not None and self.scaler.is_enabled():
             self._check_weights()  # fp16's scaler skips steps of infinite gradients: only NaN weights stop
             return
-        loss = running.item() / self.cfg.log_every
+        loss = window.running.item() / window.steps
         self._diverged(f"the training loss became {loss}")
 
     def _diverged(self, what: str) -> None:
@@ -284,12 +283,13 @@ class Trainer:
             f"(now {cfg.lr}) or check the data and the model: {good}"
         )
 
-    def _log_window(self, bar, running, window_samples, window_start):
+    def _log_window(self, bar: Any, window: _Window) -> _Window:
+        """Write the window's train line (rank 0) and move the progress bar; returns the next, empty window."""
         now = time.perf_counter()
         if self.ctx.is_main_process:
             # Rank 0's mean loss over the window's steps: a cheap estimate of the global loss.
-            loss = running.item() / self.cfg.log_every
-            rate = window_samples / max(now - window_start, 1e-9)
+            loss = window.running.item() / window.steps
+            rate = window.samples / max(now - window.start, 1e-9)
             self.metrics.write(
                 "train",
                 epoch=self.loader.epoch,
@@ -299,9 +299,9 @@ class Trainer:
                 lr=self.optimizer.param_groups[0]["lr"],
             )
             if bar is not None:
-                bar.update(self.cfg.log_every)
+                bar.update(window.steps)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
-        return now, 0, torch.zeros((), device=self.ctx.device)
+        return _Window(torch.zeros((), device=self.ctx.device), 0, 0, now)
 
     def _progress_bar(self):
         if not (self.ctx.is_main_process and self.cfg.progress and stderr_is_terminal()):
@@ -381,6 +381,9 @@ class Trainer:
                 self.checkpointer.save("max_steps")
         if tested_at != self.state.global_step:  # stopped mid-epoch, or resumed with nothing left to train
             test = self.evaluate(self.test_loader)
+            # epoch: the epochs trained, a fraction mid-epoch (as the plot's epoch axis reads it)
+            done = self.loader.epoch + self.loader.step_in_epoch / self.loader.steps_per_epoch
+            self.metrics.write("eval", epoch=done, global_step=self.state.global_step, split="test", **test)
             log.info("test " + _format(test))
         if self.checkpointer is not None:
             self.checkpointer.close()  # the last epoch's checkpoint, while metrics.jsonl (on_save) is open
@@ -410,6 +413,16 @@ class Trainer:
         if self.train_loader_for_eval is not None:
             summary["train"] = self.evaluate(self.train_loader_for_eval)
         return summary
+
+
+@dataclass
+class _Window:
+    """The optimizer steps since the last train line: their summed loss (a tensor), count, samples and start time."""
+
+    running: torch.Tensor
+    steps: int
+    samples: int
+    start: float
 
 
 class _TrainClock:

@@ -7,10 +7,13 @@ The lines a run writes (``time`` is seconds since the epoch, on every line)::
     {"event": "eval", "epoch": 1, "global_step": 938, "split": "test", "loss": 0.48, "accuracy": 0.83}
     {"event": "summary", "model": "mlp", ..., "world_size": 2, "test": {...}, "config": {...}}
 
-``train`` lines come every ``log_every`` steps (rank 0's mean loss over those
-steps, the throughput of all workers), ``eval`` lines at each epoch end with
-the exact test metrics (``accuracy`` for classification, ``mse`` otherwise),
-one ``summary`` line at the end. A resumed run appends to the same file, so a
+``train`` lines come every ``log_every`` steps and for the steps left at an
+epoch's end or at ``max_steps`` (rank 0's mean loss over the steps the line
+covers, the throughput of all workers), ``eval`` lines at each epoch end with
+the exact test metrics (``accuracy`` for classification, ``mse`` otherwise)
+and at ``max_steps`` (its ``epoch`` a fraction: epochs trained), one
+``summary`` line at the end. The format is :mod:`ddpkit.tracking.jsonl_log`'s,
+which ``Tracker("jsonl")`` writes from an own loop. A resumed run appends to the same file, so a
 step after the resumed checkpoint may appear twice; the later line is the one
 that counts.
 
@@ -21,13 +24,16 @@ tracked run on resume without repeating a step.
 
 from __future__ import annotations
 
-import json
-import time
+import contextlib
 from pathlib import Path
 from typing import Any
 
+from ddpkit.checkpoint.storage import format_bytes, free_bytes
 from ddpkit.config import ConfigError
+from ddpkit.errors import UserError
+from ddpkit.names import EXIT_STORAGE
 from ddpkit.tracking.backends import BACKENDS, install_hint
+from ddpkit.tracking.jsonl_log import FILE, format_line
 
 
 def check_logger(logger: str) -> None:
@@ -59,6 +65,21 @@ def tracked_scalars(line: dict[str, Any]) -> dict[str, float]:
     }
 
 
+class MetricsWriteError(UserError):
+    """metrics.jsonl (or summary.json) could not be written: a full disk, a quota, a folder gone read-only."""
+
+    exit_status = EXIT_STORAGE
+    """The exit status of the worker and of ``ddpkit train``, as for a checkpoint that cannot be written."""
+
+
+def write_error(path: Path, error: OSError) -> MetricsWriteError:
+    """The one line for ``error`` writing ``path``: the reason, the room there, and the fix."""
+    return MetricsWriteError(
+        f"cannot write {path}: {error.strerror or error} ({format_bytes(free_bytes(path.parent))} free there); free "
+        "space there or choose another folder (output_dir=...), then continue with resume=auto"
+    )
+
+
 class MetricsWriter:
     """Appends JSON lines to ``metrics.jsonl`` (rank 0 only; other ranks write nothing).
 
@@ -71,23 +92,39 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str | Path, enabled: bool, tracker: Any = None):
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / FILE
         self.tracker = tracker if enabled else None
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", buffering=1)
+            except OSError as e:
+                raise write_error(self.path, e) from None
 
     def write(self, event: str, **fields: Any) -> None:
         """Write one line ``{"event": event, "time": ..., **fields}`` (and give the tracker its scalars)."""
         if not self.enabled:
             return
-        line = {"event": event, "time": round(time.time(), 3), **fields}
-        self._file.write(json.dumps(line) + "\n")
-        scalars = tracked_scalars(line)
+        try:
+            self._file.write(format_line(event, fields))
+        except OSError as e:
+            self._drop()
+            raise write_error(self.path, e) from None
+        scalars = tracked_scalars({"event": event, **fields})
         if self.tracker is not None and scalars:
-            self.tracker.log(scalars, step=line["global_step"])
+            self.tracker.log(scalars, step=fields["global_step"])
 
     def close(self) -> None:
         """Close the file."""
         if self.enabled:
-            self._file.close()
+            self.enabled = False
+            try:
+                self._file.close()
+            except OSError as e:
+                raise write_error(self.path, e) from None
+
+    def _drop(self) -> None:
+        """After a failed write: close the file, dropping what the full disk would not take; write no more."""
+        self.enabled = False
+        with contextlib.suppress(OSError):
+            self._file.close()  # the unwritten buffer is flushed once more, and fails again

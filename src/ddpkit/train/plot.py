@@ -92,7 +92,8 @@ class Run:
     def steps_per_epoch(self) -> float | None:
         """Optimizer steps per epoch, from an epoch-end eval line; None before the first epoch ends."""
         for line in self.test:
-            if line.get("epoch", 0) > 0:
+            # an epoch's end (a whole number); a run stopped by max_steps also writes a fraction of an epoch
+            if line.get("epoch", 0) > 0 and float(line["epoch"]).is_integer():
                 return line["global_step"] / line["epoch"]
         return None
 
@@ -153,6 +154,9 @@ def read_run(path: Path) -> Run:
     summary = next((line for line in reversed(lines) if line.get("event") == "summary"), None)
     if summary is None and (metrics.parent / "summary.json").is_file():
         summary = json.loads((metrics.parent / "summary.json").read_text())
+    if not (summary or {}).get("config"):  # an own loop's Tracker("jsonl") writes its config on a line of its own
+        config = next((line for line in lines if line.get("event") == "config"), None)
+        summary = {**(summary or {}), **({"config": config["config"]} if config else {})}
     return Run(metrics.parent if path.is_file() else path, train, test, _settings(summary or {}))
 
 

@@ -66,6 +66,7 @@ from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
+from ddpkit.train.metrics_file import write_error
 from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import SETTINGS, apply_changed_rates, base_rates, build_scheduler
 from ddpkit.train.state import TrainState
@@ -320,7 +321,10 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         summary = _train(cfg, ctx, export_dir)  # its trainer is gone on return, before the group is left below
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
-            path.write_text(json.dumps(summary, indent=2) + "\n")
+            try:
+                path.write_text(json.dumps(summary, indent=2) + "\n")
+            except OSError as e:
+                raise write_error(path, e) from None
             get_logger().info(_final_line(summary))
         return summary
     except Exception as error:

@@ -7,6 +7,12 @@ to it. ``resume=auto`` without ``output_dir`` continues the newest run of the
 same model and dataset (and starts a new one when there is none); so does a
 restarted job (torchrun's ``max_restarts``, a Slurm requeue).
 
+A fresh run (one that resumes no checkpoint) never writes into another
+run's files nor into a folder of other things: :func:`check_fresh_run_folder`
+refuses, in one line, an ``output_dir`` that is not empty (a new run goes to
+a new or empty folder; ``resume=auto`` without ``output_dir`` continues the
+newest run only when it holds a checkpoint, else starts a new folder).
+
 The folder is planned (:func:`plan_run_folder`, no side effects, so that
 bad input leaves nothing behind) and then claimed (:func:`claim_run_folder`:
 created, ``runs/latest`` pointed to it). Every rank must write into the same
@@ -16,13 +22,16 @@ another launcher take the folder rank 0 chose (see ``ddpkit.train.run``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpkit.checkpoint.select import restart_count
+from ddpkit.checkpoint.folder_lock import FolderLock
+from ddpkit.checkpoint.select import candidates, restart_count
 from ddpkit.config import TrainConfig
 from ddpkit.errors import UserError
 
@@ -43,7 +52,10 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
         return series / f"slurm-{_safe(job)}"
     if cfg.resume == "auto" or restart_count(environ):
         newest = newest_run(series)
-        if newest is not None:
+        # continued only where there is a checkpoint to continue from: else its files are another run's
+        if newest is not None and (
+            restart_count(environ) or candidates(Path(cfg.checkpoint.dir or newest / "checkpoints"))
+        ):
             return newest
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     folder, n = series / stamp, 1
@@ -75,6 +87,7 @@ def claim_run_folder(folder: Path) -> Path:
             f"cannot create output_dir {folder} ({e.strerror or e}); choose a folder this user can write "
             "(output_dir=...)"
         ) from None
+    _check_writable(folder)
     if folder.resolve().is_relative_to(RUNS_DIR.resolve()) and folder.resolve() != LATEST.resolve():
         _point_latest(folder)
     return folder
@@ -106,6 +119,50 @@ def check_run_folder(folder: Path) -> None:
                 )
         except OSError:
             return  # not searchable: the mkdir or the lock names the problem
+
+
+def _check_writable(folder: Path) -> None:
+    """Raise UserError when no file can be created in ``folder`` (read-only, immutable, not this user's): said here,
+    before any worker starts or the launcher makes the logs folder in it."""
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=".ddpkit-write-test-", dir=folder)
+    except OSError as e:
+        raise UserError(
+            f"cannot write to {folder} ({e.strerror or e}); choose a folder this user can write (output_dir=...)"
+        ) from None
+    os.close(descriptor)
+    os.unlink(probe)
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "logs", ".ddpkit.lock")
+"""What a run leaves in its folder: a folder holding one of these holds a run."""
+
+
+def check_fresh_run_folder(folder: Path) -> None:
+    """Raise UserError, in one line, when a run that resumes nothing would write into ``folder`` beside other files.
+
+    Another run's metrics.jsonl would get this run's lines and its summary.json this run's summary; a folder of
+    other things (``output_dir=/etc``) is no place for a run. A missing or empty folder is fine.
+    """
+    try:
+        names = sorted(path.name for path in folder.iterdir())
+    except OSError:
+        return  # missing (created later), or not readable: the mkdir or the lock names the problem
+    if not names:
+        return
+    ran = [name for name in RUN_FILES if name in names]
+    if ran:
+        with contextlib.suppress(OSError), FolderLock(folder, fix="output_dir=..."):
+            pass  # a run still writing there is named by the lock's refusal (FolderInUseError): who holds it
+        raise UserError(
+            f"output_dir {folder} holds another run ({', '.join(ran)}) with no checkpoint to continue; start this "
+            "run in a new folder (another output_dir=..., or none for a new one under runs/) or remove that run"
+        )
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    raise UserError(
+        f"output_dir {folder} is not empty ({shown}) and holds no ddpkit run; choose a new or empty folder "
+        "(output_dir=...), or none for a new one under runs/"
+    )
 
 
 def _point_latest(folder: Path) -> None:
