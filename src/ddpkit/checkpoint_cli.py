@@ -179,7 +179,11 @@ def _epoch(manifest: dict) -> str:
         manifest.get("step_in_epoch", 0),
         manifest.get("steps_per_epoch"),
     )
-    return f"{done}" if not step else f"{done}+{step}/{per_epoch}"
+    if not step:
+        return f"{done}"
+    if per_epoch is None:  # no loader told the epoch's length: a loop without epochs, or inside its first
+        return f"{done}+{step}" if done else "-"
+    return f"{done}+{step}/{per_epoch}"
 
 
 def _metric(manifest: dict) -> str:

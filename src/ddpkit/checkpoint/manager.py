@@ -36,17 +36,18 @@ at the same global batch of the same sample order, close but not bit-identical
 from __future__ import annotations
 
 import atexit
+import builtins
 import itertools
 import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import SaidOnce, unwritten_at_exit
+from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unwritten_at_exit
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.folder_lock import FolderLock
@@ -62,14 +63,23 @@ from ddpkit.checkpoint.preemption import (
     signal_name,
 )
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.restore import Restored, ResumePoint, choose_and_load, log_resume, restore_checkpoint
+from ddpkit.checkpoint.restore import (
+    Restored,
+    ResumePoint,
+    choose_and_load,
+    continue_batches,
+    epoch_length,
+    log_resume,
+    restore_checkpoint,
+    resume_point_by_length,
+)
 from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.sharded import sharded_state
 from ddpkit.checkpoint.writer import CheckpointWriter
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
-from ddpkit.errors import check_positive
+from ddpkit.errors import UserError, check_positive
 from ddpkit.log import get_logger
 
 
@@ -128,18 +138,25 @@ class Checkpointer:
         """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
         check_positive("timeout", timeout)
         self.root = Path(dir)
+        if self.root.exists() and not self.root.is_dir():  # else found at the first save, an epoch later
+            raise UserError(f"checkpoint folder {self.root} is a file; pass the path of a folder (or of a new one)")
+        self.environ = dict(os.environ if environ is None else environ)
+        self.rank, self.world_size = rank_and_size(self.environ)
+        self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
+        """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
+        self.steps_per_epoch = epoch_length(loader) if self.loader is None else None
+        """Batches per epoch of a torch DataLoader given as ``loader=`` (its ``len()``), which count the epochs
+        when ``epoch_end()`` does not; None otherwise."""
+        if self.steps_per_epoch is not None:
+            loader = None  # a torch DataLoader holds no state: its position is counted by the steps
         self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
         self.per_rank = sorted(per_rank or {})
         """The names of the objects saved for every rank (``per_rank=``)."""
-        self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
-        """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
         self.timeout = timeout
         self.best = BestMetric(self.options.best_metric, self.options.best_mode)
         """The best value of ``best_metric`` so far, which picks the ``best-*`` checkpoint."""
         self.config = dict(config or {})
         self.meta = dict(meta or {})
-        self.environ = dict(os.environ if environ is None else environ)
-        self.rank, self.world_size = rank_and_size()
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.completed_epochs = 0
@@ -171,6 +188,9 @@ class Checkpointer:
             )
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
+        self._continue_at = 0  # the batches the next pass of enumerate() continues after (a resume's)
+        self._last_reason = ""  # why the newest checkpoint was written (its epoch position depends on it)
+        self._epoch_ends = 0  # epoch_end() calls in this process
         self.finished = False
         """True when the checkpoint resumed from was written by a run that finished (``close()`` after it)."""
         self._told = SaidOnce(self.rank)  # the once-only warnings
@@ -264,12 +284,14 @@ class Checkpointer:
         if path is None:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
         epoch, step = self._resume_point()
+        self._continue_at = step  # where the first pass of enumerate() continues
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _apply(self, path: Path, restored: Restored) -> None:
         """Take the counters and facts of the checkpoint restored; rank 0 says where training continues."""
         self.global_step, self.completed_epochs = restored.global_step, restored.completed_epochs
         self._epoch_start_step, self.finished = restored.epoch_start_step, restored.finished
+        self._last_reason = restored.reason
         self.best.restore(restored.best)
         self.last_path = path
         self.schedule.saved(self.global_step)
@@ -285,6 +307,7 @@ class Checkpointer:
                 finished=self.finished,
                 saved_world_size=restored.saved_world_size,
                 world_size=self.world_size,
+                steps_per_epoch=self.steps_per_epoch if not self.completed_epochs else None,
             )
 
     def _loader_position(self) -> LoaderPosition | None:
@@ -295,7 +318,30 @@ class Checkpointer:
         position = self._loader_position()
         if position is not None:
             return position.resume_point  # an epoch the loop ran out of is complete, its code included
+        if self.steps_per_epoch is not None and not self.completed_epochs:  # a torch DataLoader, no epoch_end()
+            return resume_point_by_length(self.global_step, self.steps_per_epoch, self._first_epoch, self._last_reason)
         return self._first_epoch + self.completed_epochs, self.global_step - self._epoch_start_step
+
+    def enumerate(self, batches: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+        """``enumerate(batches)`` counting the batches of the epoch: after a resume, from where it continues.
+
+        ``for i, batch in ckpt.enumerate(loader):`` gives ``i``, the batch's index in its epoch
+        (``step_in_epoch``), in a resumed run as in an uninterrupted one, so that ``if i % 100 == 0`` runs
+        at the same batches. The first pass after a mid-epoch resume continues the epoch: a torch DataLoader
+        (or any iterable) skips the batches trained already, reading them with every generator put back
+        afterwards; the ddpkit.DataLoader given as ``loader=`` skips them itself. Every later pass counts
+        from 0. Use it for the training loader only (an evaluation loop's ``enumerate`` is its own).
+
+        Args:
+            batches: the loader the loop iterates.
+
+        Returns:
+            An iterator of (step_in_epoch, batch).
+        """
+        skip, self._continue_at = self._continue_at, 0
+        if batches is self.loader:  # restored: it hands out the epoch's remaining batches
+            return builtins.enumerate(batches, skip)
+        return builtins.enumerate(continue_batches(batches, skip) if skip else batches, skip)
 
     # -- the per-step and per-epoch hooks ---------------------------------------------
 
@@ -346,6 +392,8 @@ class Checkpointer:
     def _save_pending_or(self, reason: str) -> None:
         """Write this step's checkpoint, with the metrics and best mark ``epoch_end()`` gave it when it waited."""
         metrics, best = self._pending_metrics if self.schedule.pending_at(self.global_step) else ({}, False)
+        if reason == "epoch_end" and not self._epoch_ends and self.best.metric:  # an epoch ended, no metrics came
+            self._told.say("best_metric", no_best_metric(self.best.metric, None))
         self._pending_metrics = ({}, False)
         self._write(reason, metrics, best)
 
@@ -370,6 +418,8 @@ class Checkpointer:
             # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         values = dict(metrics or {})
+        self._epoch_ends += 1
+        self._told.say("best_metric", no_best_metric(self.best.metric, values))
         improved = self.best.improves(values)
         saved_here = self.schedule.saved_step == self.global_step and self.last_path is not None
         if self.loader is not None and saved_here:
@@ -434,6 +484,7 @@ class Checkpointer:
 
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
+        self._last_reason = reason  # where in its epoch the checkpoint falls depends on it (a torch DataLoader's)
         if self.loader is None:  # a checkpoint inside an epoch holds no data position: said once
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         self._told.scheduler_not_held(self.objects)
@@ -449,7 +500,7 @@ class Checkpointer:
             self.completed_epochs,
             self._epoch_start_step,
             self._resume_point(),
-            position.steps_per_epoch if position is not None else None,
+            position.steps_per_epoch if position is not None else self.steps_per_epoch,
             values,
             best,
             self.best.info(),
@@ -495,20 +546,31 @@ class Checkpointer:
     # -- the end ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Write what is due, then restore the signal handlers that were there before (safe to call twice).
+        """Write the final state, then restore the signal handlers that were there before (safe to call twice).
 
-        Call it on every rank when training ends: the checkpoint of the last
-        epoch is written then, holding what the loop did after its batch loop,
-        and a write in flight (``async_save``) is complete. While an exception
-        unwinds, nothing new is written (the other ranks may be gone), but a
-        write in flight is completed.
+        Call it on every rank when training ends (a collective). The state is
+        written when steps were taken since the last checkpoint: the last
+        epoch's checkpoint, holding what the loop did after its batch loop, or
+        a checkpoint of the last step (reason "final") in a loop without
+        epochs or with steps after the last cadence; the newest checkpoint is
+        marked finished (``ResumePoint.finished``), and a write in flight
+        (``async_save``) is complete. While an exception unwinds, nothing new
+        is written (the other ranks may be gone), but a write in flight is
+        completed; after a preemption, its checkpoint is the last.
         """
         failed = sys.exc_info()[0] is not None
         try:
+            steps_unsaved = self.global_step > max(self.schedule.saved_step, 0)
+            if not failed and not self._closed and not self._preempted and steps_unsaved:
+                self.start()  # a loop with no cadence may have written nothing yet: its steps are saved now
             if not failed and self._started and not self._closed:
                 save = self.schedule.at_close(self.global_step)
                 if save is not None:
                     self._carry_out(Save(save.reason))
+                if not self._preempted and self.global_step > max(self.schedule.saved_step, 0):
+                    self._write("final")  # the steps since the last checkpoint
+                if self.best.metric and self.best.value is None:
+                    self._told.say("best_metric", no_best_metric(self.best.metric, None))
                 if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
                     # The run ends here: a resume from this checkpoint has nothing left to train (ResumePoint.finished).
                     self._on_rank_zero(lambda: self._annotate({"finished": True}))
