@@ -488,6 +488,9 @@ class Checkpointer:
         if self.loader is None:  # a checkpoint inside an epoch holds no data position: said once
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         self._told.scheduler_not_held(self.objects)
+        if self.steps_per_epoch and not self._epoch_ends and self.global_step >= self.steps_per_epoch:
+            # A torch DataLoader's epoch has ended without epoch_end(): no metric can have come.
+            self._told.say("best_metric", no_best_metric(self.best.metric, None))
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
         if replacing and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.

@@ -395,10 +395,10 @@ def world_size_line(name: str, saved_world_size: int, world_size: int, positione
         )
     return (
         f"checkpoint {name} was written by {saved_world_size} worker(s) and this run has {world_size}, "
-        "without a ddpkit.DataLoader as loader= to hold the data position: each rank draws its batches as "
-        f"before, so a global batch of {world_size}/{saved_world_size} the size it was, and the random states "
-        "of the ranks differ; results differ from an uninterrupted run (resume with the same number of workers "
-        "to continue exactly)"
+        "without a ddpkit.DataLoader as loader= to hold the data position: each rank draws batches of the size "
+        f"it did, so the global batch is {world_size}/{saved_world_size} of what it was, there is no sample order "
+        "to continue, and the ranks' random states differ; results differ from an uninterrupted run (resume with "
+        f"{saved_world_size} workers to continue exactly)"
     )
 
 
