@@ -58,7 +58,9 @@ def runs(tmp_path_factory) -> dict:
         results["reference"] = _run(commands, root / "reference", "torch_loader")
         for name, step in (("mid_epoch", MID_EPOCH_KILL), ("epoch_end", EPOCH_END_KILL)):
             env = {"KILL_AT_STEP": str(step)}
-            results[name] = _run(commands, root / name, "torch_loader", options=("max_restarts=1", "show_ranks=all"), env=env)
+            results[name] = _run(
+                commands, root / name, "torch_loader", options=("max_restarts=1", "show_ranks=all"), env=env
+            )
         results["close_first"] = _run(commands, root / "close", "no_epochs", "--every", "5", "--steps", "22")
         results["close_listing"] = [info.global_step for info in list_checkpoints(root / "close" / "ck")]
         results["close_again"] = _run(commands, root / "close", "no_epochs", "--every", "5", "--steps", "22")

@@ -339,7 +339,8 @@ class Checkpointer:
             An iterator of (step_in_epoch, batch).
         """
         skip, self._continue_at = self._continue_at, 0
-        if batches is self.loader:  # restored: it hands out the epoch's remaining batches
+        held: object = self.loader
+        if batches is held:  # restored: it hands out the epoch's remaining batches
             return builtins.enumerate(batches, skip)
         return builtins.enumerate(continue_batches(batches, skip) if skip else batches, skip)
 

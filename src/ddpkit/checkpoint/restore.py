@@ -196,9 +196,7 @@ def epoch_length(loader: Any) -> int | None:
         return None
 
 
-def resume_point_by_length(
-    global_step: int, steps_per_epoch: int, first_epoch: int, reason: str
-) -> tuple[int, int]:
+def resume_point_by_length(global_step: int, steps_per_epoch: int, first_epoch: int, reason: str) -> tuple[int, int]:
     """(epoch to train next, batches of it done) of a checkpoint of ``global_step``, one step per batch.
 
     A checkpoint of an epoch's last step taken inside ``step()`` (``reason`` in AT_STEP_REASONS) was written
@@ -405,11 +403,12 @@ def world_size_line(name: str, saved_world_size: int, world_size: int, positione
 def _by_length_line(path: Path, global_step: int, complete: int, step: int, length: int, finished: bool) -> str:
     """Where a loop over a torch DataLoader (``loader=``, counted by its length) continues."""
     if step >= length:
-        where = f"{complete} epoch(s) complete and all {length} steps of the next: the code after its batch loop runs again"
+        where = (
+            f"{complete} epoch(s) complete and all {length} steps of the next: the code after its batch loop runs again"
+        )
     elif step:
         where = (
-            f"{complete} epoch(s) complete and {step} of {length} steps of the next: ckpt.enumerate(loader) skips "
-            "them"
+            f"{complete} epoch(s) complete and {step} of {length} steps of the next: ckpt.enumerate(loader) skips them"
         )
     else:
         where = f"{complete} epoch(s) complete"

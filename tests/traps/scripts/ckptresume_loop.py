@@ -53,7 +53,12 @@ def epochs_loop(args, ctx, best_metric: str = "") -> tuple[nn.Module, ddpkit.Che
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     ckpt = ddpkit.Checkpointer(
-        args.out, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, every_steps=1,
+        args.out,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        every_steps=1,
         best_metric=best_metric,
     )
     start = ckpt.resume("auto")
