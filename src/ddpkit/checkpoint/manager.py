@@ -9,11 +9,11 @@ attributes and never steps anything::
     start = ckpt.resume("auto")            # or "never", or the path of one checkpoint
     for epoch in range(start.epoch, epochs):
         loader.set_epoch(epoch)            # continues mid-epoch after a resume
-        for x, y in loader:
+        for i, (x, y) in ckpt.enumerate(loader):  # i: the batch's index in its epoch, also after a resume
             ...                            # forward, backward, optimizer.step(), sched.step()
             ckpt.step()                    # counts the step; saves when due; handles preemption
         ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
-    ckpt.close()                           # the last epoch's checkpoint, with what followed its batch loop
+    ckpt.close()                           # writes the final state: the steps since the last checkpoint
 
 The parts, each documented where it lives (the README's manual and "Design notes: layers"):
 
@@ -28,9 +28,11 @@ The parts, each documented where it lives (the README's manual and "Design notes
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points and rank 0 writes (every rank its shards, for a sharded model); a save
 some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.checkin`).
-With the same world size a resumed run continues bit for bit; with another,
-at the same global batch of the same sample order, close but not bit-identical
-(a warning says so).
+With the same world size a resumed run continues bit for bit (a torch
+DataLoader given as ``loader=``: with its batches skipped by ``enumerate()``, read
+in the training process). With another world size it is not bit-identical, and
+a warning says what carries over: with a ddpkit.DataLoader the global batch and
+the sample order; without one, neither.
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ class Checkpointer:
         optimizer: the optimizer.
         scheduler: the LR scheduler.
         scaler: the ``torch.amp.GradScaler``.
-        loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch).
+        loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch, saved and restored), or a torch
+            DataLoader (its length counts the epochs when ``epoch_end()`` does not; ``enumerate()`` skips the
+            batches a resumed epoch trained already).
         extra: more objects by name: each with state_dict/load_state_dict, or a dict of plain values
             (restored in place). Saved from rank 0 and restored on every rank: the same on every rank,
             or rank 0's is the one that counts (a timer).
@@ -110,10 +114,11 @@ class Checkpointer:
             field.
 
     Nothing happens outside the object until :meth:`start`, which ``resume()``,
-    ``step()``, ``save()`` and ``epoch_end()`` call on first use.
+    ``step()``, ``save()``, ``epoch_end()`` and ``close()`` call on first use.
 
     Raises:
-        ValueError: an object without state_dict/load_state_dict, a bad name or option.
+        ValueError: an object without state_dict/load_state_dict, a bad name or option, a ``dir`` that is a
+            file, or a launcher's WORLD_SIZE above 1 without a process group (``ddpkit.init()`` comes first).
     """
 
     def __init__(
@@ -191,6 +196,7 @@ class Checkpointer:
         self._continue_at = 0  # the batches the next pass of enumerate() continues after (a resume's)
         self._last_reason = ""  # why the newest checkpoint was written (its epoch position depends on it)
         self._epoch_ends = 0  # epoch_end() calls in this process
+        self._write_failed = False  # a save raised (a full disk, a rank missing)
         self.finished = False
         """True when the checkpoint resumed from was written by a run that finished (``close()`` after it)."""
         self._told = SaidOnce(self.rank)  # the once-only warnings
@@ -256,7 +262,10 @@ class Checkpointer:
                 with the loader's own numbering.
 
         Returns:
-            Where training continues.
+            Where training continues. Its epoch and ``step_in_epoch`` come from the ddpkit.DataLoader's
+            position, else from the ``epoch_end()`` calls, else from a torch DataLoader's length (``loader=``);
+            a loop with none of them has no epochs: ``step_in_epoch`` is then the global step (the resume
+            line says so).
 
         Raises:
             CheckpointError: the checkpoint is unusable or does not fit the
@@ -510,7 +519,11 @@ class Checkpointer:
             self.best.info(),
             replacing,
         )
-        path = self._saving.save(facts, lambda: bool(self.signals.received))
+        try:
+            path = self._saving.save(facts, lambda: bool(self.signals.received))
+        except BaseException:
+            self._write_failed = True  # close() then writes nothing more: the same write would fail again
+            raise
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
             return None
         self.last_path = path
@@ -562,7 +575,7 @@ class Checkpointer:
         is written (the other ranks may be gone), but a write in flight is
         completed; after a preemption, its checkpoint is the last.
         """
-        failed = sys.exc_info()[0] is not None
+        failed = sys.exc_info()[0] is not None or self._write_failed
         try:
             steps_unsaved = self.global_step > max(self.schedule.saved_step, 0)
             if not failed and not self._closed and not self._preempted and steps_unsaved:
