@@ -7,6 +7,8 @@ are in tests/traps/test_ckptresume.py.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -116,3 +118,46 @@ def test_a_world_size_change_says_what_carries_over():
 )
 def test_the_listing_shows_an_epoch_only_as_far_as_it_is_known(manifest, shown):
     assert _epoch(manifest) == shown
+
+
+def _warnings(caplog_records) -> list[str]:
+    return [r.getMessage() for r in caplog_records if r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def ddpkit_warnings():
+    """What ddpkit logs at WARNING and above (its logger does not propagate)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("ddpkit")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("with_metric", [True, False])
+def test_best_metric_is_warned_only_when_no_epoch_end_gave_it(tmp_path, ddpkit_warnings, with_metric):
+    loader = DataLoader(DATA, batch_size=4)  # 5 steps an epoch
+    for run in range(2):  # a fresh run, then one resumed mid-epoch
+        ckpt = ddpkit.Checkpointer(
+            tmp_path, extra={"seen": {}}, loader=loader, every_steps=1, best_metric="accuracy", preempt_signals=()
+        )
+        start = ckpt.resume("auto")
+        for epoch in range(start.epoch, 3):
+            for _ in ckpt.enumerate(loader):
+                ckpt.step()
+                if run == 0 and ckpt.global_step == 7:  # stopped 2 steps into the second epoch
+                    break
+            else:
+                if with_metric:
+                    ckpt.epoch_end({"accuracy": 0.5 + epoch})
+                continue
+            break
+        ckpt.close()
+        assert (run, start.epoch, start.step_in_epoch) == (run, 1 if run else 0, 2 if run else 0)
+    said = _warnings(ddpkit_warnings)
+    assert said == ([] if with_metric else [said[0]] * 2), said  # once per run, no other warning
+    assert with_metric or said[0].startswith("best_metric='accuracy' but no epoch_end() call gave it")

@@ -316,7 +316,7 @@ class Checkpointer:
                 finished=self.finished,
                 saved_world_size=restored.saved_world_size,
                 world_size=self.world_size,
-                steps_per_epoch=self.steps_per_epoch if not self.completed_epochs else None,
+                steps_per_epoch=self.steps_per_epoch,
             )
 
     def _loader_position(self) -> LoaderPosition | None:
@@ -425,6 +425,7 @@ class Checkpointer:
         if self.loader is None:
             self.completed_epochs += 1
             self._epoch_start_step = self.global_step
+        if self.loader is None and self.steps_per_epoch is None:
             # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         values = dict(metrics or {})
@@ -495,11 +496,11 @@ class Checkpointer:
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
         self._last_reason = reason  # where in its epoch the checkpoint falls depends on it (a torch DataLoader's)
-        if self.loader is None:  # a checkpoint inside an epoch holds no data position: said once
+        if self.loader is None and self.steps_per_epoch is None:  # a checkpoint inside an epoch: no data position
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         self._told.scheduler_not_held(self.objects)
-        if self.steps_per_epoch and not self._epoch_ends and self.global_step >= self.steps_per_epoch:
-            # A torch DataLoader's epoch has ended without epoch_end(): no metric can have come.
+        if self.steps_per_epoch and not self.completed_epochs and self.global_step > self.steps_per_epoch:
+            # A torch DataLoader's first epoch has ended, and no epoch_end() came after it: no metric either.
             self._told.say("best_metric", no_best_metric(self.best.metric, None))
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
         if replacing and metrics is None:
@@ -532,6 +533,10 @@ class Checkpointer:
         self.agreement.last_save = time.monotonic()
         self.save_seconds += time.perf_counter() - start
         return path
+
+    def _epochs_unknown(self) -> bool:
+        """True when no loader tells where the loop's epochs end (no ddpkit.DataLoader, no torch DataLoader)."""
+        return self.loader is None and self.steps_per_epoch is None and not self.completed_epochs
 
     def _saved(self, path: Path, reason: str) -> None:
         if self.on_save is not None:
@@ -586,7 +591,8 @@ class Checkpointer:
                     self._carry_out(Save(save.reason))
                 if not self._preempted and self.global_step > max(self.schedule.saved_step, 0):
                     self._write("final")  # the steps since the last checkpoint
-                if self.best.metric and self.best.value is None:
+                if self.best.metric and self.best.value is None and not self._epoch_ends and self._epochs_unknown():
+                    # No loader tells where epochs end, and none ended with metrics: the run ends without a best.
                     self._told.say("best_metric", no_best_metric(self.best.metric, None))
                 if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
                     # The run ends here: a resume from this checkpoint has nothing left to train (ResumePoint.finished).
