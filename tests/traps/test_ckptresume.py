@@ -116,6 +116,12 @@ def test_close_writes_the_steps_after_the_last_cadence_and_the_next_launch_resum
     assert again.returncode == 0, _log(again)
     assert "resumed from ck/step-000000022 (global step 22); the run that wrote it had finished there" in _log(again)
     assert "checkpoint ck/" not in _log(again)  # nothing trained, nothing written
+    # Without a loader= nor epoch_end(), the resume line says that no epochs are counted, and the fix for a loop
+    # that has them (a torch DataLoader's, whose ResumePoint would otherwise count steps past its epoch's length).
+    assert (
+        "no epochs are counted (no loader=, no epoch_end()): a loop over the epochs of a DataLoader passes it as "
+        "loader= to continue at its epoch and batch" in _log(again)
+    )
 
 
 def test_close_writes_a_loop_without_any_cadence(runs):
