@@ -222,7 +222,9 @@ def _epoch(manifest: dict) -> str:
     )
     if not step:
         return f"{done}"
-    return f"{done}+{step}" if per_epoch is None else f"{done}+{step}/{per_epoch}"  # None: a loop without a loader
+    if per_epoch is None:  # no loader told the epoch's length: a loop without epochs, or inside its first
+        return f"{done}+{step}" if done else "-"
+    return f"{done}+{step}/{per_epoch}"
 
 
 def _metric(manifest: dict) -> str:

@@ -121,7 +121,7 @@ def test_a_stopped_run_resumed_ends_bit_equal(runs) -> None:
     _, outcomes = runs
     whole, stopped = outcomes["whole"].get(), outcomes["stopped"].get()
     for rank in range(2):
-        assert stopped[rank]["resumed_at"] == [0, 4]  # the checkpoint of step 4, not the stop at 5
+        assert stopped[rank]["resumed_at"] == [0, 5]  # close() wrote the stop at 5 (the cadence: step 4)
         for a, b in zip(whole[rank]["params"], stopped[rank]["params"]):
             assert torch.equal(a, b), rank
         assert torch.equal(whole[rank]["rng"], stopped[rank]["rng"])  # each rank's generator continued
@@ -131,10 +131,12 @@ def test_a_run_saving_in_the_background_stopped_and_resumed_ends_bit_equal(runs)
     root, outcomes = runs
     whole, stopped = outcomes["whole"].get(), outcomes["async_stopped"].get()
     for rank in range(2):
-        assert stopped[rank]["resumed_at"] == [0, 4]
+        assert stopped[rank]["resumed_at"] == [0, 5]
         assert all(torch.equal(a, b) for a, b in zip(whole[rank]["params"], stopped[rank]["params"])), rank
         assert torch.equal(whole[rank]["rng"], stopped[rank]["rng"])
-    for step in ("step-000000004", "step-000000008"):  # the same files, the same tensors, as a synchronous save
+    # The same files, the same tensors, as a synchronous save (step 4 of the stopped run is pruned: keep=2 holds
+    # the stop at 5, which close() wrote, and step 8).
+    for step in ("step-000000008",):
         sync, background = read_manifest(root / "whole" / step), read_manifest(root / "async_stopped" / step)
         assert sorted(sync["files"]) == sorted(background["files"])
         verify_checkpoint(root / "async_stopped" / step)

@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ddpkit.log import get_logger
 
-__all__ = ["SaidOnce", "differing_extras", "no_position", "unheld_scheduler", "unwritten_at_exit"]
+__all__ = ["SaidOnce", "differing_extras", "no_best_metric", "no_position", "unheld_scheduler", "unwritten_at_exit"]
 
 
 class SaidOnce:
@@ -99,4 +99,20 @@ def unwritten_at_exit(global_step: int, reason: str) -> str:
         f"the checkpoint of global step {global_step} ({reason}) was not written: the script ended without "
         "Checkpointer.close(), which writes the last epoch's checkpoint; call ckpt.close() on every rank after "
         "training"
+    )
+
+
+def no_best_metric(metric: str, given: Mapping[str, float] | None) -> str:
+    """``best_metric`` is set but never reaches the Checkpointer: no ``best-*`` checkpoint would be written.
+
+    ``given``: the metrics an ``epoch_end()`` call gave (None: an epoch ended, or training did, without one).
+    """
+    if not metric or (given is not None and metric in given):
+        return ""
+    fix = f"call ckpt.epoch_end({{{metric!r}: value}}) after each epoch's evaluation"
+    if given is None:
+        return f"best_metric={metric!r} but no epoch_end() call gave it: no best-* checkpoint is written; {fix}"
+    return (
+        f"best_metric={metric!r} is not among the metrics epoch_end() was given "
+        f"({', '.join(sorted(given)) or 'none'}): no best-* checkpoint is written; {fix}"
     )

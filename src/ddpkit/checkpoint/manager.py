@@ -9,11 +9,11 @@ attributes and never steps anything::
     start = ckpt.resume("auto")            # or "never", or the path of one checkpoint
     for epoch in range(start.epoch, epochs):
         loader.set_epoch(epoch)            # continues mid-epoch after a resume
-        for x, y in loader:
+        for i, (x, y) in ckpt.enumerate(loader):  # i: the batch's index in its epoch, also after a resume
             ...                            # forward, backward, optimizer.step(), sched.step()
             ckpt.step()                    # counts the step; saves when due; handles preemption
         ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
-    ckpt.close()                           # the last epoch's checkpoint, with what followed its batch loop
+    ckpt.close()                           # writes the final state: the steps since the last checkpoint
 
 The parts, each documented where it lives (the README's manual and "Design notes: layers"):
 
@@ -28,25 +28,28 @@ The parts, each documented where it lives (the README's manual and "Design notes
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points and rank 0 writes (every rank its shards, for a sharded model); a save
 some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.checkin`).
-With the same world size a resumed run continues bit for bit; with another,
-at the same global batch of the same sample order, close but not bit-identical
-(a warning says so).
+With the same world size a resumed run continues bit for bit (a torch
+DataLoader given as ``loader=``: with its batches skipped by ``enumerate()``, read
+in the training process). With another world size it is not bit-identical, and
+a warning says what carries over: with a ddpkit.DataLoader the global batch and
+the sample order; without one, neither.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import itertools
 import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import SaidOnce, unwritten_at_exit
+from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unwritten_at_exit
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.folder_lock import FolderLock
@@ -62,14 +65,23 @@ from ddpkit.checkpoint.preemption import (
     signal_name,
 )
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.restore import Restored, ResumePoint, choose_and_load, log_resume, restore_checkpoint
+from ddpkit.checkpoint.restore import (
+    Restored,
+    ResumePoint,
+    choose_and_load,
+    continue_batches,
+    epoch_length,
+    log_resume,
+    restore_checkpoint,
+    resume_point_by_length,
+)
 from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.sharded import sharded_state
 from ddpkit.checkpoint.writer import CheckpointWriter
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
-from ddpkit.errors import check_positive
+from ddpkit.errors import UserError, check_positive
 from ddpkit.log import get_logger
 
 
@@ -82,7 +94,9 @@ class Checkpointer:
         optimizer: the optimizer.
         scheduler: the LR scheduler.
         scaler: the ``torch.amp.GradScaler``.
-        loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch).
+        loader: the :class:`ddpkit.DataLoader` (its epoch and step in epoch, saved and restored), or a torch
+            DataLoader (its length counts the epochs when ``epoch_end()`` does not; ``enumerate()`` skips the
+            batches a resumed epoch trained already).
         extra: more objects by name: each with state_dict/load_state_dict, or a dict of plain values
             (restored in place). Saved from rank 0 and restored on every rank: the same on every rank,
             or rank 0's is the one that counts (a timer).
@@ -100,10 +114,11 @@ class Checkpointer:
             field.
 
     Nothing happens outside the object until :meth:`start`, which ``resume()``,
-    ``step()``, ``save()`` and ``epoch_end()`` call on first use.
+    ``step()``, ``save()``, ``epoch_end()`` and ``close()`` call on first use.
 
     Raises:
-        ValueError: an object without state_dict/load_state_dict, a bad name or option.
+        ValueError: an object without state_dict/load_state_dict, a bad name or option, a ``dir`` that is a
+            file, or a launcher's WORLD_SIZE above 1 without a process group (``ddpkit.init()`` comes first).
     """
 
     def __init__(
@@ -128,18 +143,25 @@ class Checkpointer:
         """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
         check_positive("timeout", timeout)
         self.root = Path(dir)
+        if self.root.exists() and not self.root.is_dir():  # else found at the first save, an epoch later
+            raise UserError(f"checkpoint folder {self.root} is a file; pass the path of a folder (or of a new one)")
+        self.environ = dict(os.environ if environ is None else environ)
+        self.rank, self.world_size = rank_and_size(self.environ)
+        self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
+        """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
+        self.steps_per_epoch = epoch_length(loader) if self.loader is None else None
+        """Batches per epoch of a torch DataLoader given as ``loader=`` (its ``len()``), which count the epochs
+        when ``epoch_end()`` does not; None otherwise."""
+        if self.steps_per_epoch is not None:
+            loader = None  # a torch DataLoader holds no state: its position is counted by the steps
         self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
         self.per_rank = sorted(per_rank or {})
         """The names of the objects saved for every rank (``per_rank=``)."""
-        self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
-        """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
         self.timeout = timeout
         self.best = BestMetric(self.options.best_metric, self.options.best_mode)
         """The best value of ``best_metric`` so far, which picks the ``best-*`` checkpoint."""
         self.config = dict(config or {})
         self.meta = dict(meta or {})
-        self.environ = dict(os.environ if environ is None else environ)
-        self.rank, self.world_size = rank_and_size()
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.completed_epochs = 0
@@ -171,6 +193,10 @@ class Checkpointer:
             )
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
+        self._continue_at = 0  # the batches the next pass of enumerate() continues after (a resume's)
+        self._last_reason = ""  # why the newest checkpoint was written (its epoch position depends on it)
+        self._epoch_ends = 0  # epoch_end() calls in this process
+        self._write_failed = False  # a save raised (a full disk, a rank missing)
         self.finished = False
         """True when the checkpoint resumed from was written by a run that finished (``close()`` after it)."""
         self._told = SaidOnce(self.rank)  # the once-only warnings
@@ -236,7 +262,10 @@ class Checkpointer:
                 with the loader's own numbering.
 
         Returns:
-            Where training continues.
+            Where training continues. Its epoch and ``step_in_epoch`` come from the ddpkit.DataLoader's
+            position, else from the ``epoch_end()`` calls, else from a torch DataLoader's length (``loader=``);
+            a loop with none of them has no epochs: ``step_in_epoch`` is then the global step (the resume
+            line says so).
 
         Raises:
             CheckpointError: the checkpoint is unusable or does not fit the
@@ -264,12 +293,14 @@ class Checkpointer:
         if path is None:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
         epoch, step = self._resume_point()
+        self._continue_at = step  # where the first pass of enumerate() continues
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _apply(self, path: Path, restored: Restored) -> None:
         """Take the counters and facts of the checkpoint restored; rank 0 says where training continues."""
         self.global_step, self.completed_epochs = restored.global_step, restored.completed_epochs
         self._epoch_start_step, self.finished = restored.epoch_start_step, restored.finished
+        self._last_reason = restored.reason
         self.best.restore(restored.best)
         self.last_path = path
         self.schedule.saved(self.global_step)
@@ -285,6 +316,7 @@ class Checkpointer:
                 finished=self.finished,
                 saved_world_size=restored.saved_world_size,
                 world_size=self.world_size,
+                steps_per_epoch=self.steps_per_epoch,
             )
 
     def _loader_position(self) -> LoaderPosition | None:
@@ -295,7 +327,31 @@ class Checkpointer:
         position = self._loader_position()
         if position is not None:
             return position.resume_point  # an epoch the loop ran out of is complete, its code included
+        if self.steps_per_epoch is not None and not self.completed_epochs:  # a torch DataLoader, no epoch_end()
+            return resume_point_by_length(self.global_step, self.steps_per_epoch, self._first_epoch, self._last_reason)
         return self._first_epoch + self.completed_epochs, self.global_step - self._epoch_start_step
+
+    def enumerate(self, batches: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+        """``enumerate(batches)`` counting the batches of the epoch: after a resume, from where it continues.
+
+        ``for i, batch in ckpt.enumerate(loader):`` gives ``i``, the batch's index in its epoch
+        (``step_in_epoch``), in a resumed run as in an uninterrupted one, so that ``if i % 100 == 0`` runs
+        at the same batches. The first pass after a mid-epoch resume continues the epoch: a torch DataLoader
+        (or any iterable) skips the batches trained already, reading them with every generator put back
+        afterwards; the ddpkit.DataLoader given as ``loader=`` skips them itself. Every later pass counts
+        from 0. Use it for the training loader only (an evaluation loop's ``enumerate`` is its own).
+
+        Args:
+            batches: the loader the loop iterates.
+
+        Returns:
+            An iterator of (step_in_epoch, batch).
+        """
+        skip, self._continue_at = self._continue_at, 0
+        held: object = self.loader
+        if batches is held:  # restored: it hands out the epoch's remaining batches
+            return builtins.enumerate(batches, skip)
+        return builtins.enumerate(continue_batches(batches, skip) if skip else batches, skip)
 
     # -- the per-step and per-epoch hooks ---------------------------------------------
 
@@ -346,6 +402,8 @@ class Checkpointer:
     def _save_pending_or(self, reason: str) -> None:
         """Write this step's checkpoint, with the metrics and best mark ``epoch_end()`` gave it when it waited."""
         metrics, best = self._pending_metrics if self.schedule.pending_at(self.global_step) else ({}, False)
+        if reason == "epoch_end" and not self._epoch_ends and self.best.metric:  # an epoch ended, no metrics came
+            self._told.say("best_metric", no_best_metric(self.best.metric, None))
         self._pending_metrics = ({}, False)
         self._write(reason, metrics, best)
 
@@ -367,9 +425,12 @@ class Checkpointer:
         if self.loader is None:
             self.completed_epochs += 1
             self._epoch_start_step = self.global_step
+        if self.loader is None and self.steps_per_epoch is None:
             # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         values = dict(metrics or {})
+        self._epoch_ends += 1
+        self._told.say("best_metric", no_best_metric(self.best.metric, values))
         improved = self.best.improves(values)
         saved_here = self.schedule.saved_step == self.global_step and self.last_path is not None
         if self.loader is not None and saved_here:
@@ -434,9 +495,13 @@ class Checkpointer:
 
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
-        if self.loader is None:  # a checkpoint inside an epoch holds no data position: said once
+        self._last_reason = reason  # where in its epoch the checkpoint falls depends on it (a torch DataLoader's)
+        if self.loader is None and self.steps_per_epoch is None:  # a checkpoint inside an epoch: no data position
             self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
         self._told.scheduler_not_held(self.objects)
+        if self.steps_per_epoch and not self.completed_epochs and self.global_step > self.steps_per_epoch:
+            # A torch DataLoader's first epoch has ended, and no epoch_end() came after it: no metric either.
+            self._told.say("best_metric", no_best_metric(self.best.metric, None))
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
         if replacing and metrics is None:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
@@ -449,13 +514,17 @@ class Checkpointer:
             self.completed_epochs,
             self._epoch_start_step,
             self._resume_point(),
-            position.steps_per_epoch if position is not None else None,
+            position.steps_per_epoch if position is not None else self.steps_per_epoch,
             values,
             best,
             self.best.info(),
             replacing,
         )
-        path = self._saving.save(facts, lambda: bool(self.signals.received))
+        try:
+            path = self._saving.save(facts, lambda: bool(self.signals.received))
+        except BaseException:
+            self._write_failed = True  # close() then writes nothing more: the same write would fail again
+            raise
         if path is None:  # not written, and the user chose to go on (on_write_error="warn")
             return None
         self.last_path = path
@@ -464,6 +533,10 @@ class Checkpointer:
         self.agreement.last_save = time.monotonic()
         self.save_seconds += time.perf_counter() - start
         return path
+
+    def _epochs_unknown(self) -> bool:
+        """True when no loader tells where the loop's epochs end (no ddpkit.DataLoader, no torch DataLoader)."""
+        return self.loader is None and self.steps_per_epoch is None and not self.completed_epochs
 
     def _saved(self, path: Path, reason: str) -> None:
         if self.on_save is not None:
@@ -495,20 +568,32 @@ class Checkpointer:
     # -- the end ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Write what is due, then restore the signal handlers that were there before (safe to call twice).
+        """Write the final state, then restore the signal handlers that were there before (safe to call twice).
 
-        Call it on every rank when training ends: the checkpoint of the last
-        epoch is written then, holding what the loop did after its batch loop,
-        and a write in flight (``async_save``) is complete. While an exception
-        unwinds, nothing new is written (the other ranks may be gone), but a
-        write in flight is completed.
+        Call it on every rank when training ends (a collective). The state is
+        written when steps were taken since the last checkpoint: the last
+        epoch's checkpoint, holding what the loop did after its batch loop, or
+        a checkpoint of the last step (reason "final") in a loop without
+        epochs or with steps after the last cadence; the newest checkpoint is
+        marked finished (``ResumePoint.finished``), and a write in flight
+        (``async_save``) is complete. While an exception unwinds, nothing new
+        is written (the other ranks may be gone), but a write in flight is
+        completed; after a preemption, its checkpoint is the last.
         """
-        failed = sys.exc_info()[0] is not None
+        failed = sys.exc_info()[0] is not None or self._write_failed
         try:
+            steps_unsaved = self.global_step > max(self.schedule.saved_step, 0)
+            if not failed and not self._closed and not self._preempted and steps_unsaved:
+                self.start()  # a loop with no cadence may have written nothing yet: its steps are saved now
             if not failed and self._started and not self._closed:
                 save = self.schedule.at_close(self.global_step)
                 if save is not None:
                     self._carry_out(Save(save.reason))
+                if not self._preempted and self.global_step > max(self.schedule.saved_step, 0):
+                    self._write("final")  # the steps since the last checkpoint
+                if self.best.metric and self.best.value is None and not self._epoch_ends and self._epochs_unknown():
+                    # No loader tells where epochs end, and none ended with metrics: the run ends without a best.
+                    self._told.say("best_metric", no_best_metric(self.best.metric, None))
                 if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
                     # The run ends here: a resume from this checkpoint has nothing left to train (ResumePoint.finished).
                     self._on_rank_zero(lambda: self._annotate({"finished": True}))

@@ -6,7 +6,7 @@ ranks must learn what it chose, or that it failed, and fail the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -16,10 +16,21 @@ from ddpkit.errors import UserError
 __all__ = ["default_store", "on_rank_zero", "rank_and_size"]
 
 
-def rank_and_size() -> tuple[int, int]:
-    """(rank, world size) of the process group; (0, 1) without one."""
+def rank_and_size(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size) of the process group; (0, 1) without one.
+
+    Raises:
+        UserError: ``environ`` is a launcher's with WORLD_SIZE above 1, but no process group exists yet: this
+            process would act as the only rank (rank 0 of 1) while the others run too.
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    launched = (environ or {}).get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        raise UserError(
+            f"the Checkpointer was made before the process group (WORLD_SIZE={launched} but ddpkit.init() has "
+            "not run): call ddpkit.init() before ddpkit.Checkpointer(...)"
+        )
     return 0, 1
 
 

@@ -12,16 +12,18 @@ larger world size) gets a stream of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ddpkit.checkpoint import select
 from ddpkit.checkpoint.format import CheckpointError, load_file, read_manifest
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
 from ddpkit.checkpoint.ranks import on_rank_zero
-from ddpkit.checkpoint.rng import restore_rng_state, seed_everything
+from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
 from ddpkit.checkpoint.sharded import ShardedState, sharded_names
 from ddpkit.data.position import LoaderPosition
 from ddpkit.log import get_logger
@@ -30,12 +32,19 @@ __all__ = [
     "ResumePoint",
     "Restored",
     "choose_and_load",
+    "continue_batches",
+    "epoch_length",
     "load_files",
     "log_resume",
     "restore_checkpoint",
     "restore_objects",
     "restore_rng",
+    "resume_point_by_length",
+    "world_size_line",
 ]
+
+AT_STEP_REASONS = ("every_steps", "every_seconds", "preempted")
+"""Why a checkpoint is written inside ``step()``: without a ddpkit.DataLoader, before the code after the batch loop."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,9 @@ class ResumePoint:
     the loader's ``steps_per_epoch``) so that the code after its batch loop runs again; on a fresh
     start, ``first_epoch``."""
     step_in_epoch: int = 0
-    """Batches of ``epoch`` already trained: a ddpkit.DataLoader given as ``loader=`` skips them; without
-    one, the loop must (``itertools.islice(loader, start.step_in_epoch, None)``), or they are trained twice."""
+    """Batches of ``epoch`` already trained: a ddpkit.DataLoader given as ``loader=`` skips them; a torch
+    DataLoader is skipped by ``for i, batch in ckpt.enumerate(loader)``; otherwise the loop must skip them
+    (``itertools.islice(loader, start.step_in_epoch, None)``), or they are trained twice."""
     global_step: int = 0
     """Optimizer steps done since the start of training."""
     path: Path | None = None
@@ -82,6 +92,8 @@ class Restored:
     """The metrics of its step."""
     best: Mapping[str, Any]
     """The manifest's ``best`` entry."""
+    reason: str = ""
+    """Why it was written (every_steps, preempted, epoch_end, ...)."""
 
 
 def choose_and_load(
@@ -167,7 +179,54 @@ def restore_checkpoint(
         finished=bool(manifest.get("finished")),
         metrics=dict(manifest.get("metrics") or {}),
         best=manifest.get("best", {}),
+        reason=str(manifest.get("reason", "")),
     )
+
+
+def epoch_length(loader: Any) -> int | None:
+    """Batches per epoch of a torch DataLoader without state of its own (its ``len()``); None for anything else.
+
+    With it, a Checkpointer whose loop does not call ``epoch_end()`` still knows in which epoch a step falls.
+    """
+    if not isinstance(loader, torch.utils.data.DataLoader) or hasattr(loader, "state_dict"):
+        return None
+    try:
+        return len(loader) or None
+    except TypeError:  # an IterableDataset without __len__: its epochs are known at their end only
+        return None
+
+
+def resume_point_by_length(global_step: int, steps_per_epoch: int, first_epoch: int, reason: str) -> tuple[int, int]:
+    """(epoch to train next, batches of it done) of a checkpoint of ``global_step``, one step per batch.
+
+    A checkpoint of an epoch's last step taken inside ``step()`` (``reason`` in AT_STEP_REASONS) was written
+    before the code after the epoch's batch loop (a per-epoch scheduler, evaluation): the run resumed from it
+    re-enters that epoch with no batch left, so that code runs again; one taken after it (``save()``,
+    ``close()``) continues at the next epoch's first batch.
+    """
+    epochs, step = divmod(global_step, steps_per_epoch)
+    if step == 0 and epochs > 0 and reason in AT_STEP_REASONS:
+        return first_epoch + epochs - 1, steps_per_epoch
+    return first_epoch + epochs, step
+
+
+def continue_batches(batches: Iterable[Any], skip: int) -> Iterator[Any]:
+    """The batches of ``batches`` after its first ``skip``, with every generator as it was before they were read.
+
+    The uninterrupted run read the skipped batches (and drew the DataLoader's seed) before the state the
+    checkpoint restored: reading them again must not move the generators that the training steps then draw
+    from (dropout, noise, augmentation in the loop's process), so their states are put back after the skip.
+    """
+    state = capture_rng_state()
+    iterator = iter(batches)
+    for _ in range(skip):
+        if next(iterator, _END) is _END:
+            break
+    restore_rng_state(state)
+    yield from iterator
+
+
+_END = object()
 
 
 def load_files(path: Path) -> dict[str, Any]:
@@ -265,22 +324,22 @@ def log_resume(
     finished: bool,
     saved_world_size: int,
     world_size: int,
+    steps_per_epoch: int | None = None,
 ) -> None:
     """Rank 0's lines after a resume: where training continues, and what a new world size changes.
 
     Epochs are named as the loop numbers them (``set_epoch``, ``first_epoch``);
     a loop without a loader that never called ``epoch_end()`` has no epochs
     to speak of (it samples its batches, e.g. from the restored generators).
+    ``steps_per_epoch``: a torch DataLoader's length (``loader=``), which counts the epochs without a position.
     """
     log = get_logger()
     if saved_world_size != world_size:
-        log.warning(
-            f"checkpoint {path.name} was written by {saved_world_size} worker(s) and this run has "
-            f"{world_size}: training continues at the same global batch of the same sample order "
-            "(no sample skipped or repeated), but results are not bit-identical to an uninterrupted run "
-            "(per-rank random states and the all_reduce order differ)"
-        )
+        log.warning(world_size_line(path.name, saved_world_size, world_size, position is not None))
     epoch, step = resume_point
+    if position is None and steps_per_epoch is not None:
+        log.info(_by_length_line(path, global_step, epoch - first_epoch, step, steps_per_epoch, finished))
+        return
     complete = epoch - first_epoch  # epochs counted, whatever the loop's numbering
     done = (
         "; the run that wrote it had finished there (Checkpointer.close() after its last step): this run "
@@ -289,7 +348,12 @@ def log_resume(
         else ""
     )
     if position is None and not epochs_counted:
-        log.info(f"resumed from {path} (global step {global_step}){done}")
+        # True of any loop: one that samples its own batches has no epochs; one over a DataLoader is told the fix.
+        log.info(
+            f"resumed from {path} (global step {global_step}){done}; no epochs are counted (no loader=, no "
+            "epoch_end()): a loop over the epochs of a DataLoader passes it as loader= to continue at its epoch "
+            "and batch"
+        )
         return
     if position is None and step:
         log.warning(
@@ -311,3 +375,42 @@ def log_resume(
     else:
         where = f"{complete} epoch(s) complete and {step} of {position.steps_per_epoch} steps of the next"
     log.info(f"resumed from {path} (global step {global_step}: {where}){done}")
+
+
+def world_size_line(name: str, saved_world_size: int, world_size: int, positioned: bool) -> str:
+    """What resuming a checkpoint of ``saved_world_size`` workers with ``world_size`` changes.
+
+    ``positioned``: a ddpkit.DataLoader holds the position, so the global batch and the sample order carry
+    over; a loop that draws its own batches (or a torch DataLoader's per-rank ``batch_size``) keeps each rank's
+    batch, so the global batch scales with the number of workers, and there is no sample order to continue.
+    """
+    if positioned:
+        return (
+            f"checkpoint {name} was written by {saved_world_size} worker(s) and this run has "
+            f"{world_size}: training continues at the same global batch of the same sample order "
+            "(no sample skipped or repeated), but results are not bit-identical to an uninterrupted run "
+            "(per-rank random states and the all_reduce order differ)"
+        )
+    return (
+        f"checkpoint {name} was written by {saved_world_size} worker(s) and this run has {world_size}, "
+        "without a ddpkit.DataLoader as loader= to hold the data position: each rank draws batches of the size "
+        f"it did, so the global batch is {world_size}/{saved_world_size} of what it was, there is no sample order "
+        "to continue, and the ranks' random states differ; results differ from an uninterrupted run (resume with "
+        f"{saved_world_size} workers to continue exactly)"
+    )
+
+
+def _by_length_line(path: Path, global_step: int, complete: int, step: int, length: int, finished: bool) -> str:
+    """Where a loop over a torch DataLoader (``loader=``, counted by its length) continues."""
+    if step >= length:
+        where = (
+            f"{complete} epoch(s) complete and all {length} steps of the next: the code after its batch loop runs again"
+        )
+    elif step:
+        where = (
+            f"{complete} epoch(s) complete and {step} of {length} steps of the next: ckpt.enumerate(loader) skips them"
+        )
+    else:
+        where = f"{complete} epoch(s) complete"
+    done = "; the run that wrote it had finished there (ResumePoint.finished)" if finished else ""
+    return f"resumed from {path} (global step {global_step}: {where}){done}"
