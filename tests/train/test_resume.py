@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints, load_file
+from ddpkit.config import parse_train_config
+from ddpkit.train.preflight import check_before_launch
 from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
 from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, close, final_state, make_trainer, train
 from tests.train.test_checkpoint import plant_payload
@@ -146,6 +148,15 @@ def test_fresh_start_refuses_a_folder_with_checkpoints_but_a_restart_resumes(tmp
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the Checkpointer reads the process environment
     _, start = train(0, 1, [*WORDS, f"output_dir={tmp_path}"])
     assert start.name == checkpoint_name(7)
+
+
+def test_a_requeued_slurm_job_passes_the_launchers_check_and_resumes(tmp_path, monkeypatch):
+    _checkpointed_run(tmp_path)
+    cfg = parse_train_config([*WORDS, f"output_dir={tmp_path}"])
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        check_before_launch(cfg, 1)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # sbatch --requeue: the same words again, resume=never
+    check_before_launch(cfg, 1)
 
 
 def test_interrupted_write_alone_means_a_fresh_start(tmp_path):

@@ -61,6 +61,9 @@ def runs(tmp_path_factory) -> dict:
             results[name] = _run(
                 commands, root / name, "torch_loader", options=("max_restarts=1", "show_ranks=all"), env=env
             )
+        results["plain_enumerate"] = _run(
+            commands, root / "plain", "plain_enumerate", options=("max_restarts=1",), env={"KILL_AT_STEP": "7"}
+        )
         results["close_first"] = _run(commands, root / "close", "no_epochs", "--every", "5", "--steps", "22")
         results["close_listing"] = [info.global_step for info in list_checkpoints(root / "close" / "ck")]
         results["close_again"] = _run(commands, root / "close", "no_epochs", "--every", "5", "--steps", "22")
@@ -106,6 +109,17 @@ def test_the_resume_line_says_where_a_torch_dataloader_loop_continues(runs):
     assert "(global step 10: 1 epoch(s) complete and all 5 steps of the next: the code after its batch loop runs " in (
         _log(runs["epoch_end"])
     )
+
+
+def test_a_resumed_torch_dataloader_loop_without_ckpt_enumerate_is_told_once_at_its_first_step(runs):
+    out = runs["plain_enumerate"]
+    assert out.returncode == 0, _log(out)
+    line = (
+        "resumed 1 batch(es) into epoch 1 of a torch DataLoader, and the loop took a step without iterating "
+        "ckpt.enumerate(loader)"
+    )
+    assert _log(out).count(line) == 1, _log(out)
+    assert _log(runs["mid_epoch"]).count(line) == 0
 
 
 def test_close_writes_the_steps_after_the_last_cadence_and_the_next_launch_resumes_there(runs):

@@ -14,7 +14,15 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ddpkit.log import get_logger
 
-__all__ = ["SaidOnce", "differing_extras", "no_best_metric", "no_position", "unheld_scheduler", "unwritten_at_exit"]
+__all__ = [
+    "SaidOnce",
+    "differing_extras",
+    "no_best_metric",
+    "no_position",
+    "unheld_scheduler",
+    "unskipped_batches",
+    "unwritten_at_exit",
+]
 
 
 class SaidOnce:
@@ -78,6 +86,16 @@ def no_position(global_step: int, epoch: int, step_in_epoch: int) -> str:
         "data: a run resumed from it starts that epoch again at its first batch, training those batches "
         "twice, unless the loop skips ResumePoint.step_in_epoch batches; pass loader=ddpkit.DataLoader(...) "
         "for an exact resume"
+    )
+
+
+def unskipped_batches(epoch: int, step_in_epoch: int) -> str:
+    """A run resumed inside an epoch of a torch DataLoader (``loader=``) trained a step without ``enumerate()``."""
+    return (
+        f"resumed {step_in_epoch} batch(es) into epoch {epoch} of a torch DataLoader, and the loop took a step "
+        "without iterating ckpt.enumerate(loader), which skips the batches trained already: unless the loop "
+        "skips ResumePoint.step_in_epoch batches itself (itertools.islice), it trains them twice; iterate "
+        "`for i, batch in ckpt.enumerate(loader):`"
     )
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unwritten_at_exit
+from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.folder_lock import FolderLock
@@ -194,6 +194,7 @@ class Checkpointer:
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
         self._continue_at = 0  # the batches the next pass of enumerate() continues after (a resume's)
+        self._resume_point_at_resume = (0, 0)  # (epoch, step_in_epoch) the last resume returned
         self._last_reason = ""  # why the newest checkpoint was written (its epoch position depends on it)
         self._epoch_ends = 0  # epoch_end() calls in this process
         self._write_failed = False  # a save raised (a full disk, a rank missing)
@@ -294,6 +295,7 @@ class Checkpointer:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
         epoch, step = self._resume_point()
         self._continue_at = step  # where the first pass of enumerate() continues
+        self._resume_point_at_resume = (epoch, step)
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _apply(self, path: Path, restored: Restored) -> None:
@@ -364,6 +366,9 @@ class Checkpointer:
             Preempted: a preemption signal reached some rank; the checkpoint is complete.
         """
         self.global_step += 1
+        if self._continue_at and self.steps_per_epoch is not None:  # resumed mid-epoch, enumerate() unused
+            self._told.say("unskipped", unskipped_batches(*self._resume_point_at_resume))
+            self._continue_at = 0
         loader = self.loader
         # The per-step path of every loop: two compares, no position built until something may be due.
         exhausted = loader is not None and loader.step_in_epoch >= loader.steps_per_epoch

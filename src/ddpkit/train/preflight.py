@@ -64,7 +64,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         check_run_folder(Path(cfg.output_dir))
     # (checkpoints off: only a path to check; no run folder: node 0's launcher checks it)
     if (cfg.checkpoint.enabled or cfg.resume not in RESUME_MODES) and (cfg.output_dir or cfg.checkpoint.dir):
-        check_resume(checkpoint_root(cfg), cfg.resume)
+        # A restarted or requeued job resumes its newest checkpoint whatever `resume` says (as its workers do).
+        check_resume(checkpoint_root(cfg), "auto" if restart_count(os.environ) else cfg.resume)
     if cfg.output_dir and not _resumes(cfg):
         check_fresh_run_folder(Path(cfg.output_dir))
     if cfg.dataset in _FILE_DATASETS:

@@ -9,6 +9,7 @@ Shapes:
     no_epochs     a loop that draws its own batches, no loader, no epoch_end(), every_steps=EVERY (default 5),
                   STEPS steps, then ckpt.close()
     best          torch_loader's loop with best_metric="accuracy" and no epoch_end()
+    plain_enumerate  torch_loader's loop counting with the builtin enumerate(loader), not ckpt.enumerate
     before_init   the Checkpointer made before ddpkit.init()
 
 Test hook: KILL_AT_STEP=n: on the first attempt (TORCHELASTIC_RESTART_COUNT=0), rank 1 sends itself SIGKILL
@@ -65,7 +66,7 @@ def epochs_loop(args, ctx, best_metric: str = "") -> tuple[nn.Module, ddpkit.Che
     print(f"rank {ctx.rank}: start epoch={start.epoch} step_in_epoch={start.step_in_epoch}", flush=True)
     for epoch in range(start.epoch, EPOCHS):
         sampler.set_epoch(epoch)
-        for i, (xb, yb) in ckpt.enumerate(loader):
+        for i, (xb, yb) in (enumerate if args.shape == "plain_enumerate" else ckpt.enumerate)(loader):
             noise = 0.1 * torch.randn_like(xb)  # DCGAN draws its noise per batch
             loss = F.cross_entropy(model(xb + noise), yb)
             optimizer.zero_grad()
