@@ -42,10 +42,11 @@ EXACT = [
     "big",
     "nanogpt",
     "imagenet",
+    "gan",
 ]
 SHARDED = EXACT[:10]
-"""The shapes run again with the model sharded (FSDP2, sharded checkpoints); nanoGPT's and imagenet's are
-DDP scripts."""
+"""The shapes run again with the model sharded (FSDP2, sharded checkpoints); nanoGPT's, imagenet's and DCGAN's
+are DDP scripts."""
 
 _rng = random.Random(SEED)
 MID_STEP = _rng.choice([s for s in range(2, STEPS_PER_EPOCH * 2) if s % STEPS_PER_EPOCH])

@@ -23,11 +23,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.errors import UserError
-from ddpkit.prepare import unwrap_model
+from ddpkit.prepare import gradient_sync, unwrap_model
 
-__all__ = ["CollectiveState", "PlainValues", "collect_objects", "is_collective", "model_devices", "tensor_digest"]
+__all__ = [
+    "CollectiveState",
+    "PlainValues",
+    "collect_objects",
+    "is_collective",
+    "model_devices",
+    "state_to_agree",
+    "tensor_digest",
+]
 
 TRAIN_FILE = "train.pt"
 """The Checkpointer's own counters (global step, completed epochs)."""
@@ -50,6 +59,20 @@ class CollectiveState(Protocol):
 def is_collective(obj: Any) -> bool:
     """True when ``obj.state_dict()`` is a collective (call it on every rank)."""
     return isinstance(obj, CollectiveState) and obj.state_dict_is_collective
+
+
+def state_to_agree(obj: Any) -> Any:
+    """The part of ``obj``'s state that must be the same on every rank for rank 0's to stand for all.
+
+    A module prepared by ``prepare_model`` whose buffers are rank 0's again at its next training forward
+    (DDP's ``broadcast_buffers``, ddpkit's flat and manual modes) contributes its parameters only: its
+    BatchNorm statistics differ between the ranks after each forward, and a resumed run broadcasts rank 0's
+    before the first, as the uninterrupted run does.
+    """
+    sync = gradient_sync(obj) if isinstance(obj, nn.Module) else None
+    if sync is not None and (sync.mode in ("flat", "manual") or (isinstance(obj, DDP) and obj.broadcast_buffers)):
+        return dict(unwrap_model(obj).named_parameters())
+    return obj.state_dict()
 
 
 def tensor_digest(state: Any) -> str:

@@ -32,7 +32,7 @@ from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
 from ddpkit.checkpoint.folder_lock import FolderLock, lock_checkpoint_folder
 from ddpkit.checkpoint.format import checkpoint_name
-from ddpkit.checkpoint.objects import is_collective, tensor_digest
+from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state
@@ -245,7 +245,7 @@ class CheckpointSave:
         """
         if self.world_size == 1 or self._extras_checked:
             return
-        digests = {name: tensor_digest(self.objects[name].state_dict()) for name in self.extras}
+        digests = {name: tensor_digest(state_to_agree(self.objects[name])) for name in self.extras}
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, digests)
         self._extras_checked = True

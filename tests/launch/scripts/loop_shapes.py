@@ -22,6 +22,10 @@ epochs:
                  model.require_backward_grad_sync, iteration counters in a plain dict (extra=), no epochs
     imagenet     pytorch/examples' imagenet/main.py: validate after each epoch, StepLR stepped after it,
                  best_acc1 kept in a plain dict, epoch_end(metrics) for the best checkpoint
+    gan          pytorch/examples' DCGAN: two models (netD as model=, netG with BatchNorm and its optimizer as
+                 extra=), noise drawn per batch from a seed of each rank's own, the batch counter of
+                 ckpt.enumerate driving an `if i % 2 == 0` block (a train-mode forward of netG whose output
+                 rank 0 alone writes)
     rank0_save   a save under `if rank == 0` (the tutorials' pattern): refused
 
 Kill hooks, from the environment:
@@ -58,6 +62,8 @@ def data(num: int, seed: int) -> TensorDataset:
 
 
 def network(shape: str) -> nn.Module:
+    if shape == "gan":  # the discriminator: is a sample real?
+        return nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
     width = 640 if shape == "big" else 32  # 640 * 640 float32 weights: 1.6 MB of gradients
     return nn.Sequential(
         nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4)
@@ -97,6 +103,12 @@ class Trainer:
         elif shape == "step_sched":
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1 / (1 + step))
         self.scaler = torch.amp.GradScaler("cpu", enabled=shape == "eval")
+        if shape == "gan":  # the generator, with BatchNorm: its running statistics move at every forward
+            generator = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))
+            self.netG = ddpkit.prepare_model(generator)
+            self.optG = torch.optim.Adam(self.netG.parameters(), lr=2e-3, betas=(0.5, 0.999))
+            self.fixed_noise = torch.randn(4, 8)
+            torch.manual_seed(1000 + ctx.rank)  # each rank draws noise of its own
         self.train_data = ddpkit.DataLoader(data(NUM_TRAIN, 1), global_batch_size=GLOBAL_BATCH, shuffle=True, seed=3)
         self.test_data = ddpkit.DataLoader(data(NUM_TEST, 2), global_batch_size=GLOBAL_BATCH, shuffle=False)
         # nanoGPT's: each rank seeds its own stream, samples its batches from it and prefetches the next one.
@@ -112,7 +124,7 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.scaler if shape == "eval" else None,
             loader=None if shape == "nanogpt" else self.train_data,
-            extra={"progress": self.progress} if shape in ("nanogpt", "imagenet") else None,
+            extra=self._extra(),
             per_rank={"batch": self.batch} if shape == "nanogpt" else None,
             every_steps=args.every_steps,
             sync_seconds=0.005,
@@ -121,6 +133,13 @@ class Trainer:
         )
         self.start = self.ckpt.resume("auto", first_epoch=1 if shape == "from1" else 0)
         self.killer = Killer(ctx.rank, self.start.resumed)
+
+    def _extra(self) -> dict | None:
+        if self.args.shape in ("nanogpt", "imagenet"):
+            return {"progress": self.progress}
+        if self.args.shape == "gan":
+            return {"netG": self.netG, "optG": self.optG}
+        return None
 
     def _get_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """nanoGPT's get_batch: a random batch of this rank's, drawn from torch's generator."""
@@ -159,6 +178,29 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
 
+    def _run_gan_batch(self, real: torch.Tensor) -> None:
+        """DCGAN's step: the discriminator on real and generated samples, then the generator through it."""
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        self.optimizer.zero_grad()
+        fake = self.netG(torch.randn(len(real), 8))
+        error_d = F.binary_cross_entropy_with_logits(self.model(real), ones)
+        error_d = error_d + F.binary_cross_entropy_with_logits(self.model(fake.detach()), zeros)
+        error_d.backward()
+        self.optimizer.step()
+        self.optG.zero_grad()
+        F.binary_cross_entropy_with_logits(self.model(fake), ones).backward()
+        self.optG.step()
+
+    def _run_gan_epoch(self) -> None:
+        for i, (real, _) in self.ckpt.enumerate(self.train_data):
+            self._run_gan_batch(real)
+            self.ckpt.step()
+            if i % 2 == 0:  # DCGAN's `if i % 100 == 0` block: netG in train mode, its output written by rank 0
+                samples = self.netG(self.fixed_noise).detach()
+                if self.ctx.rank == 0:
+                    torch.save(samples, os.devnull)
+            self.killer.at("step", self.ckpt.global_step)
+
     def _loss(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.train_data.global_mean(F.cross_entropy(self.model(source), targets, reduction="sum"))
 
@@ -168,6 +210,9 @@ class Trainer:
             print(f"[rank {self.ctx.rank}] epoch {epoch} | batch size {b_sz}", flush=True)
         if self.args.shape != "no_set_epoch":
             self.train_data.set_epoch(epoch)
+        if self.args.shape == "gan":
+            self._run_gan_epoch()
+            return
         for source, targets in self.train_data:
             self._run_batch(source, targets)
             if self.scheduler is not None and self.args.shape == "step_sched":
@@ -238,6 +283,8 @@ def main() -> None:
     )
     trainer.train(args.epochs)
     weights = ddpkit.unwrap_model(trainer.model).state_dict()
+    if args.shape == "gan":
+        weights.update({f"G.{k}": v for k, v in ddpkit.unwrap_model(trainer.netG).state_dict().items()})
     if args.shard:  # every rank takes part in gathering the full weights
         weights = {name: tensor.full_tensor() for name, tensor in weights.items()}
     if ctx.is_main_process:
