@@ -40,15 +40,18 @@ class Images(Dataset):
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, loader) -> float:
+def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Test accuracy and the confusion matrix (rows: true class, columns: predicted), over the whole test set."""
     model.eval()
-    sums = {"correct": 0, "count": 0}
+    sums = {"correct": 0, "count": 0, "confusion": torch.zeros(10, 10, dtype=torch.long, device=device)}
     for x, y in loader:
-        sums["correct"] += (model(x).argmax(1) == y).sum()
+        predicted = model(x).argmax(1)
+        sums["correct"] += (predicted == y).sum()
         sums["count"] += len(y)
-    sums = ddpkit.reduce_sums(sums)  # ddpkit: every rank saw its share of the test set
+        sums["confusion"] += torch.bincount(y * 10 + predicted, minlength=100).view(10, 10)
+    sums = ddpkit.reduce_sums(sums)  # ddpkit: every rank saw its share of the test set; tensors keep their shape
     model.train()
-    return sums["correct"] / sums["count"]
+    return sums["correct"] / sums["count"], sums["confusion"]
 
 
 def main() -> None:
@@ -70,6 +73,7 @@ def main() -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 50), nn.ReLU(), nn.Linear(50, 10))
     model = ddpkit.prepare_model(model)  # ddpkit
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     loader = ddpkit.DataLoader(train_set, global_batch_size=64, shuffle=True, seed=0, num_workers=2)  # ddpkit
     # Persistent: its workers are started once, not again at every evaluation (no fork while another iterator's
     # threads end, which can deadlock the forked worker in CPython 3.11).
@@ -80,7 +84,8 @@ def main() -> None:
         args.out,
         model=model,
         optimizer=optimizer,
-        loader=loader,  # ddpkit
+        scheduler=scheduler,
+        loader=loader,
         every_steps=500,
         best_metric="accuracy",
     )  # ddpkit
@@ -88,18 +93,21 @@ def main() -> None:
 
     for epoch in range(start.epoch, args.epochs):
         loader.set_epoch(epoch)  # ddpkit
-        for x, y in loader:
+        for i, (x, y) in ckpt.enumerate(loader):  # ddpkit: i counts the epoch's batches, after a resume too
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             ckpt.step()  # ddpkit
-        test_accuracy = accuracy(model, test_loader)
-        ckpt.epoch_end({"accuracy": test_accuracy})  # ddpkit
-        if ctx.is_main_process:
-            print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.2%}", flush=True)
-    ckpt.close()  # ddpkit
-
+            if i % 200 == 0 and ctx.is_main_process:  # ddpkit: rank 0 prints
+                print(f"  batch {i}: loss {loss.item():.3f}", flush=True)
+        scheduler.step()
+        test_accuracy, confusion = evaluate(model, test_loader, ctx.device)
+        ckpt.epoch_end({"accuracy": test_accuracy})  # ddpkit: the best-* checkpoint follows it
+        if ctx.is_main_process:  # ddpkit
+            worst = int((confusion.diag() / confusion.sum(1)).argmin())
+            print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.2%} (worst class {worst})", flush=True)
+    ckpt.close()  # ddpkit: writes the steps since the last checkpoint
 
 if __name__ == "__main__":
     main()
