@@ -241,7 +241,7 @@ def test_the_entry_points_arguments_become_words(two_hosts):
         "model=mlp",
         "batch_size=32",
         "seed=3",
-        "checkpoint.best_metric=''",
+        "checkpoint.best_metric=",
     ]  # '': "" as OmegaConf reads it
     with pytest.raises(ValueError, match="--epochs has no value"):
         key_value_words(environ, ["--epochs", "--lr", "0.1"])

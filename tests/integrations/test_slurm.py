@@ -50,11 +50,12 @@ def cluster() -> Iterator[SlurmCluster]:
 
 
 def submit(cluster: SlurmCluster, folder: Path, *words: str, env: str = "") -> int:
-    """``torchx run -s slurm ddpkit/integrations/torchx.py:train --nproc 2 CLI_WORDS... output_dir=folder``; the job id."""
+    """``torchx run -s slurm ddpkit/integrations/torchx.py:train --nproc 2 CLI_WORDS... output_dir=folder/run``, from
+    ``folder`` (where Slurm writes the job's output files: a run needs a folder of its own); the job id."""
     options = [w for w in CLI_WORDS if not w.startswith("nproc=")]
     command = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm", f"{component.__file__}:train"]
     command += ["--nproc", "2", "--cpu", "2", "--python", sys.executable, *(["--env", env] if env else [])]
-    command += [*options, f"output_dir={folder}", *words]
+    command += [*options, f"output_dir={folder / 'run'}", *words]
     environ = {**cluster.env, "PYTHONPATH": PYTHONPATH}
     out = subprocess.run(command, cwd=folder, env=environ, capture_output=True, text=True, timeout=120)
     handle = re.search(r"slurm://torchx/(\d+)", out.stdout)
@@ -67,13 +68,13 @@ def submit(cluster: SlurmCluster, folder: Path, *words: str, env: str = "") -> i
 def test_a_job_killed_under_torchx_on_slurm_resumes_to_the_uninterrupted_weights(cluster, tmp_path):
     killed = cluster.wait(submit(cluster, tmp_path, env="DDPKIT_TEST_SIGNAL_STEP=6,DDPKIT_TEST_SIGNAL=SIGKILL"))
     assert killed.state == "FAILED", killed
-    assert [m["global_step"] for m in manifests(tmp_path)] == [4], killed
+    assert [m["global_step"] for m in manifests(tmp_path / "run")] == [4], killed
     again = cluster.wait(submit(cluster, tmp_path, "resume=auto"))
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob(f"slurm-{again.job_id}-*.err")))
     assert again.state == "COMPLETED", logs
     assert "ddpkit launcher: world_size 2 on 1 node(s)" in logs, logs
-    assert f"resumed from {tmp_path}/checkpoints/step-000000004" in logs, logs
-    assert_same_weights(final_weights(tmp_path), reference_weights(), "killed at step 6 under torchx on Slurm")
+    assert f"resumed from {tmp_path}/run/checkpoints/step-000000004" in logs, logs
+    assert_same_weights(final_weights(tmp_path / "run"), reference_weights(), "killed at step 6 under torchx on Slurm")
 
 
 @pytest.mark.parametrize("script", ["lightning_trainer.py", "lightning_fabric.py"])

@@ -279,10 +279,12 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any
 
 
 def _word_value(value: Any) -> str:
-    # Strings stay as they are (OmegaConf reads "0.1" as a number, as on the command line),
-    # except "", which "key=" would make null; the rest in JSON, which OmegaConf reads: true, 0.1, [1, 2].
+    # Strings stay as they are ("key=" is the empty text, as on the command line: values are read by the
+    # option's type, not as YAML); the rest in JSON: true, 0.1, and lists written a,b as the command line does.
     if isinstance(value, str):
-        return value or "''"
+        return value
+    if isinstance(value, list):
+        return ",".join(_word_value(item) for item in value)
     return json.dumps(value)
 
 
