@@ -109,5 +109,6 @@ def main() -> None:
             print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.2%} (worst class {worst})", flush=True)
     ckpt.close()  # ddpkit: writes the steps since the last checkpoint
 
+
 if __name__ == "__main__":
     main()

@@ -245,7 +245,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     """
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.env.sagemaker import model_dir
-    from ddpkit.train.preflight import check_before_launch, cpu_cores, oversubscribed
+    from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
     from ddpkit.train.run_folder import claim_run_folder, plan_run_folder
 
@@ -259,9 +259,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
     if cfg.node_rank == 0:  # the other nodes' workers take node 0's run folder (ddpkit.train.run)
         cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
     check_before_launch(cfg, cfg.nproc * cfg.nnodes)
-    crowded = oversubscribed(cfg, cpu_cores())
-    if crowded is not None:
-        print(f"ddpkit: warning: {crowded}", file=sys.stderr)
+    _warn_if_oversubscribed(cfg.nproc, cfg.device)
     if cfg.output_dir:
         claim_run_folder(Path(cfg.output_dir))
     try:
@@ -387,6 +385,15 @@ def run_words(args: Sequence[str]) -> list[str]:
     return words
 
 
+def _warn_if_oversubscribed(nproc: int, device: str) -> None:
+    """One line on stderr when a CPU run starts more workers here than the cores it may use."""
+    from ddpkit.train.preflight import cpu_cores, oversubscribed
+
+    crowded = oversubscribed(nproc, device, cpu_cores())
+    if crowded is not None:
+        print(f"ddpkit: warning: {crowded}", file=sys.stderr)
+
+
 def _run_script(config: RunConfig, target: ScriptTarget) -> int:
     """``ddpkit run`` once its words are parsed: describe, launch ``target`` as the workers, say how it ended."""
     import torch
@@ -399,6 +406,7 @@ def _run_script(config: RunConfig, target: ScriptTarget) -> int:
         name = Path(target.path).stem if target.path else target.module
         config = dataclasses.replace(config, log_dir=str(default_log_dir(name)))
     print(describe(config, target), file=sys.stderr)
+    _warn_if_oversubscribed(config.nproc, config.device)
     # Always through the launcher, even for nproc=1 without restarts (where
     # `ddpkit train` runs in-process): a script expects what torchrun gives
     # it, a process of its own with RANK, WORLD_SIZE, MASTER_ADDR... set, and

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from ddpkit.cli import run_words
-from ddpkit.config import ConfigError, TrainConfig, parse
+from ddpkit.config import ConfigError, parse
 from ddpkit.launch.script import RunConfig
 from ddpkit.train.preflight import oversubscribed
 from tests.cli_runner import REPO
@@ -38,12 +38,12 @@ def test_torchrun_spellings_become_ddpkit_s_and_the_program_s_words_stay(words, 
 
 
 def test_more_workers_than_cores_on_a_cpu_run_is_one_warning():
-    crowded = oversubscribed(parse(TrainConfig, ["nproc=8", "device=cpu"]), cores=2)
+    crowded = oversubscribed(8, "cpu", cores=2)
     assert crowded == (
         "nproc=8 is more than the 2 CPU core(s) this machine gives the run: the workers take turns on them and "
         "train far slower than nproc=2 would"
     )
-    assert oversubscribed(parse(TrainConfig, ["nproc=2", "device=cpu"]), cores=2) is None
+    assert oversubscribed(2, "cpu", cores=2) is None
 
 
 @pytest.mark.slow

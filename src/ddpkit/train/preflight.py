@@ -79,17 +79,22 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def oversubscribed(cfg: TrainConfig, cores: int) -> str | None:
+def oversubscribed(nproc: int, device: str, cores: int) -> str | None:
     """One line when a CPU run starts more workers here than there are ``cores`` (a warning: it still runs), else None.
+
+    Args:
+        nproc: the workers started on this machine.
+        device: the run's ``device`` option (auto, cpu, cuda).
+        cores: the CPU cores the run may use (:func:`cpu_cores`).
 
     The workers then take turns on the cores, and each all_reduce waits for the slowest: 8 workers on 2 cores
     trained W1 at 3,524 samples/s against about 50,000 with 2.
     """
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if not on_cpu or cfg.nproc <= cores:
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not on_cpu or nproc <= cores:
         return None
     return (
-        f"nproc={cfg.nproc} is more than the {cores} CPU core(s) this machine gives the run: the workers take turns "
+        f"nproc={nproc} is more than the {cores} CPU core(s) this machine gives the run: the workers take turns "
         f"on them and train far slower than nproc={cores} would"
     )
 
