@@ -15,7 +15,11 @@ MANIFEST = [{"name": f"shard-{i:05d}.pt", "samples": 10} for i in range(4)]
 def test_write_stage_and_read_one_node_of_two(tmp_path):
     write_shards([torch.arange(46), torch.arange(46) * 2.0], tmp_path / "all", 5)
     stage_node_shards(tmp_path / "all", tmp_path / "node-1", node=1, nodes=2)
-    assert sorted(p.name for p in (tmp_path / "node-1").iterdir()) == ["manifest.json", "shard-00001.pt", "shard-00003.pt"]
+    assert sorted(p.name for p in (tmp_path / "node-1").iterdir()) == [
+        "manifest.json",
+        "shard-00001.pt",
+        "shard-00003.pt",
+    ]
     # One process: the whole job is one node, so node 1's folder alone misses shards 0, 2 and 4.
     with pytest.raises(UserError, match=r"^shards 0,2,4 of 5 are on no node \(node 0 holds 1,3\)"):
         NodeShards(tmp_path / "node-1")
@@ -56,7 +60,9 @@ def test_an_epoch_has_the_steps_of_the_largest_node_and_the_smaller_ends_on_empt
     sampler = NodeBatchSampler([28, 18], 1, 8, 1, 2, seed=0, shuffle=True, drop_last=False)
     shares = list(sampler.shares(0))
     assert sampler.steps_per_epoch == 4 and [len(s) for s in shares] == [4, 4, 1, 0]
-    everyone = sorted(i for rank in (0, 1) for s in NodeBatchSampler([28, 18], 1, 8, rank, 2, 0, True, False).shares(0) for i in s)
+    everyone = sorted(
+        i for rank in (0, 1) for s in NodeBatchSampler([28, 18], 1, 8, rank, 2, 0, True, False).shares(0) for i in s
+    )
     assert everyone == list(range(18))
     # Step 2: node 0 has 8 samples, node 1 has 2: each rank's sum is scaled by 4 ranks / 10 samples.
     assert sampler.job_mean_scale(2) == pytest.approx(0.4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,16 @@ from tests.cli_runner import PYTHONPATH
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "shards_train.py"
 NUM_SAMPLES, NUM_SHARDS = 46, 5
 """Shards of 10, 9, 9, 9, 9 samples: node 0 holds 0,2,4 (28 samples, 7 steps), node 1 holds 1,3 (18, 5 steps)."""
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM", "OMPI")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_",
+    "TORCHELASTIC",
+    "SLURM",
+    "OMPI",
+)
 
 
 def _data_set(root: Path) -> Path:
@@ -34,8 +44,14 @@ def _data_set(root: Path) -> Path:
     return root
 
 
-def _two_nodes(cwd: Path, *args: str, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
-    """``ddpkit run nproc=1 nnodes=2`` twice, one per node_rank; their results once both have ended."""
+def _two_nodes(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, stop_node_0: bool = False
+) -> list[subprocess.CompletedProcess[str]]:
+    """``ddpkit run nproc=1 nnodes=2`` twice, one per node_rank; their results once both have ended.
+
+    With ``stop_node_0``, node 0's launcher gets SIGTERM once node 1's has ended, as a scheduler ends a job
+    whose other node failed (its worker otherwise waits for the dead peer).
+    """
     environ = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
     environ.update(PYTHONPATH=PYTHONPATH, **(env or {}))
     port = free_port()
@@ -52,6 +68,9 @@ def _two_nodes(cwd: Path, *args: str, env: dict[str, str] | None = None) -> list
         for rank in (0, 1)
     ]
     try:
+        if stop_node_0:
+            nodes[1].wait(timeout=150)
+            nodes[0].send_signal(signal.SIGTERM)
         outputs = [node.communicate(timeout=150) for node in nodes]
     finally:
         for node in nodes:
@@ -69,17 +88,25 @@ def test_an_epoch_covers_every_sample_once_and_a_killed_run_resumes_to_the_same_
     _ok(_two_nodes(tmp_path, str(data / "node-{node}"), "plain", "plain.pt", "records"))
     for epoch in (0, 1):
         seen = [
-            sorted(int(line.split()[1]) for line in (tmp_path / f"records-rank{r}.txt").read_text().splitlines()
-                   if line.split()[0] == str(epoch))
+            sorted(
+                int(line.split()[1])
+                for line in (tmp_path / f"records-rank{r}.txt").read_text().splitlines()
+                if line.split()[0] == str(epoch)
+            )
             for r in (0, 1)
         ]
         assert sorted(seen[0] + seen[1]) == list(range(NUM_SAMPLES))
         # Node 0 holds shards 0, 2, 4 (samples 0-9, 19-27, 37-45), node 1 shards 1, 3.
         assert set(seen[1]) == set(range(10, 19)) | set(range(28, 37))
 
-    killed = _two_nodes(tmp_path, str(data / "node-{node}"), "ckpt", "resumed.pt", env={"KILL_AT_STEP": "9"})
-    assert killed[1].returncode != 0 and "SIGKILL after step 9" in killed[1].stdout
-    _ok(_two_nodes(tmp_path, str(data / "node-{node}"), "ckpt", "resumed.pt"))
+    killed = _two_nodes(
+        tmp_path, str(data / "node-{node}"), "ckpt", "resumed.pt", env={"KILL_AT_STEP": "9"}, stop_node_0=True
+    )
+    assert killed[1].returncode != 0 and "worker rank 1 failed (exit code -9)" in killed[1].stderr
+    resumed_run = _two_nodes(tmp_path, str(data / "node-{node}"), "ckpt", "resumed.pt")
+    _ok(resumed_run)
+    # 7 steps per epoch (node 0's 28 samples in batches of 4): the checkpoint of step 8 is epoch 1's step 1.
+    assert "rank 0: start epoch=1 step_in_epoch=1" in resumed_run[0].stdout
     plain, resumed = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(plain[name], resumed[name]) for name in plain)
 
@@ -101,7 +128,11 @@ def test_resuming_at_another_layout_is_refused_in_one_line(tmp_path):
     environ = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
     one_node = subprocess.run(
         [sys.executable, "-m", "ddpkit", "run", "nproc=2", str(SCRIPT), str(data / "all"), "ckpt", "one.pt"],
-        cwd=tmp_path, env={**environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=150,
+        cwd=tmp_path,
+        env={**environ, "PYTHONPATH": PYTHONPATH},
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert one_node.returncode != 0
     assert (

@@ -94,10 +94,17 @@ def node_layout() -> tuple[int, int, int, int]:
         return 0, 1, 0, 1
     ctx = context()
     # Launchers number ranks node after node: node k holds ranks k * local_world_size ...
-    return ctx.rank // ctx.local_world_size, ctx.world_size // ctx.local_world_size, ctx.local_rank, ctx.local_world_size
+    return (
+        ctx.rank // ctx.local_world_size,
+        ctx.world_size // ctx.local_world_size,
+        ctx.local_rank,
+        ctx.local_world_size,
+    )
 
 
-def stage_node_shards(source: str | Path, destination: str | Path, node: int | None = None, nodes: int | None = None) -> Path:
+def stage_node_shards(
+    source: str | Path, destination: str | Path, node: int | None = None, nodes: int | None = None
+) -> Path:
     """Copy node ``node``'s shards (shard i with i % nodes == node) and the manifest from ``source`` to ``destination``.
 
     Once per node: local rank 0 copies, the node's other ranks wait for it
@@ -179,7 +186,14 @@ class NodeShards(TensorDataset):
     def batch_sampler(self, node_batch_size: int, seed: int, shuffle: bool, drop_last: bool) -> NodeBatchSampler:
         """The sampler that ``ddpkit.DataLoader`` uses over this dataset (see the module's docstring)."""
         return NodeBatchSampler(
-            self.node_samples, self.node, node_batch_size, self.local_rank, self.local_world_size, seed, shuffle, drop_last
+            self.node_samples,
+            self.node,
+            node_batch_size,
+            self.local_rank,
+            self.local_world_size,
+            seed,
+            shuffle,
+            drop_last,
         )
 
 
@@ -193,13 +207,19 @@ def check_layout(everyone: Sequence[tuple[int, int, list[int], list[dict[str, An
     sizes = sorted({(node, size) for node, size, _, _, _ in everyone})
     if len({size for _, size in sizes}) > 1:
         said = ", ".join(f"node {node} {size}" for node, size in sizes)
-        raise UserError(f"nodes run different numbers of ranks ({said}); node-sharded data needs the same nproc on every node")
+        raise UserError(
+            f"nodes run different numbers of ranks ({said}); node-sharded data needs the same nproc on every node"
+        )
     by_node: dict[int, list[int]] = {}
     for node, _, held, manifest, folder in everyone:
         if manifest != first_manifest:
-            raise UserError(f"node {node}'s manifest in {folder} differs from rank 0's; stage every node from one data set")
+            raise UserError(
+                f"node {node}'s manifest in {folder} differs from rank 0's; stage every node from one data set"
+            )
         if by_node.setdefault(node, held) != held:
-            raise UserError(f"the ranks of node {node} see different shards in {folder}; give a node's ranks one folder")
+            raise UserError(
+                f"the ranks of node {node} see different shards in {folder}; give a node's ranks one folder"
+            )
     owner: dict[int, int] = {}
     for node, held in sorted(by_node.items()):
         for index in held:

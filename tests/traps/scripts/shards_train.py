@@ -32,6 +32,7 @@ def main(data: str, out: str, final: str, records: str = "") -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = ddpkit.Checkpointer(out, model=model, optimizer=optimizer, loader=loader, every_steps=1)
     start = ckpt.resume("auto")
+    print(f"rank {ctx.rank}: start epoch={start.epoch} step_in_epoch={start.step_in_epoch}", flush=True)
     log = open(f"{records}-rank{ctx.rank}.txt", "a") if records else None
     for epoch in range(start.epoch, EPOCHS):
         loader.set_epoch(epoch)
