@@ -85,7 +85,13 @@ def _ok(done: list[subprocess.CompletedProcess[str]]) -> None:
 @pytest.mark.timeout(300)
 def test_an_epoch_covers_every_sample_once_and_a_killed_run_resumes_to_the_same_weights(tmp_path):
     data = _data_set(tmp_path)
-    _ok(_two_nodes(tmp_path, str(data / "node-{node}"), "plain", "plain.pt", "records"))
+    staged, stage = str(data / "staged-{node}"), {"STAGE_FROM": str(data / "all")}
+    _ok(_two_nodes(tmp_path, staged, "plain", "plain.pt", "records", env=stage))
+    assert sorted(p.name for p in (data / "staged-1").iterdir()) == [
+        "manifest.json",
+        "shard-00001.pt",
+        "shard-00003.pt",
+    ]
     for epoch in (0, 1):
         seen = [
             sorted(
@@ -99,11 +105,9 @@ def test_an_epoch_covers_every_sample_once_and_a_killed_run_resumes_to_the_same_
         # Node 0 holds shards 0, 2, 4 (samples 0-9, 19-27, 37-45), node 1 shards 1, 3.
         assert set(seen[1]) == set(range(10, 19)) | set(range(28, 37))
 
-    killed = _two_nodes(
-        tmp_path, str(data / "node-{node}"), "ckpt", "resumed.pt", env={"KILL_AT_STEP": "9"}, stop_node_0=True
-    )
+    killed = _two_nodes(tmp_path, staged, "ckpt", "resumed.pt", env={"KILL_AT_STEP": "9", **stage}, stop_node_0=True)
     assert killed[1].returncode != 0 and "worker rank 1 failed (exit code -9)" in killed[1].stderr
-    resumed_run = _two_nodes(tmp_path, str(data / "node-{node}"), "ckpt", "resumed.pt")
+    resumed_run = _two_nodes(tmp_path, staged, "ckpt", "resumed.pt", env=stage)
     _ok(resumed_run)
     # 7 steps per epoch (node 0's 28 samples in batches of 4): the checkpoint of step 8 is epoch 1's step 1.
     assert "rank 0: start epoch=1 step_in_epoch=1" in resumed_run[0].stdout
@@ -112,12 +116,21 @@ def test_an_epoch_covers_every_sample_once_and_a_killed_run_resumes_to_the_same_
 
 
 @pytest.mark.timeout(200)
-def test_a_shard_on_two_nodes_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        ("copy", "node 1 holds shards 1,3 of 5 but node 0 also holds shard 3; keep each shard on one node only"),
+        ("remove", "shards 3 of 5 are on no node (node 0 holds 0,2,4; node 1 holds 1); copy them to one node's folder"),
+    ],
+)
+def test_a_shard_on_two_nodes_or_on_none_is_refused_in_one_line(tmp_path, change, line):
     data = _data_set(tmp_path)
-    shutil.copyfile(data / "node-1" / "shard-00003.pt", data / "node-0" / "shard-00003.pt")
+    if change == "copy":
+        shutil.copyfile(data / "node-1" / "shard-00003.pt", data / "node-0" / "shard-00003.pt")
+    else:
+        (data / "node-1" / "shard-00003.pt").unlink()
     done = _two_nodes(tmp_path, str(data / "node-{node}"), "out", "final.pt")
-    assert [d.returncode for d in done] != [0, 0]
-    line = "node 1 holds shards 1,3 of 5 but node 0 also holds shard 3; keep each shard on one node only"
+    assert [d.returncode for d in done] == [1, 1]
     assert line in done[0].stderr and "Traceback" not in done[0].stderr
 
 

@@ -6,6 +6,8 @@ DATA is a node's shard folder, ``{node}`` replaced by this process's node. Each 
 "epoch sample-id" lines to RECORDS-rank<r>.txt for every sample it trains on. Rank 0 saves the
 model's state_dict to FINAL at the end.
 
+STAGE_FROM=folder: first copy this node's shards from that data set into DATA (stage_node_shards).
+
 Test hook: KILL_AT_STEP=n: the last rank sends itself SIGKILL after the optimizer step of global step n,
 before ckpt.step() counts it.
 """
@@ -18,14 +20,17 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.data.node_shards import NodeShards
+from ddpkit.data.node_shards import NodeShards, stage_node_shards
 
 EPOCHS = 2
 
 
 def main(data: str, out: str, final: str, records: str = "") -> None:
     ctx = ddpkit.init()
-    shards = NodeShards(data.format(node=ctx.rank // ctx.local_world_size))
+    folder = data.format(node=ctx.rank // ctx.local_world_size)
+    if os.environ.get("STAGE_FROM"):
+        stage_node_shards(os.environ["STAGE_FROM"], folder)
+    shards = NodeShards(folder)
     loader = ddpkit.DataLoader(shards, batch_size=4, shuffle=True, seed=1)
     torch.manual_seed(0)
     model = ddpkit.prepare_model(nn.Linear(8, 1))
