@@ -39,7 +39,7 @@ def test_a_second_staging_copies_nothing(tmp_path):
     ("held", "line"),
     [
         ({0: [0, 1], 1: [1, 2, 3]}, "node 1 holds shards 1,2,3 of 4 but node 0 also holds shard 1; "),
-        ({0: [0, 2], 1: [3]}, "shards 1 of 4 are on no node (node 0 holds 0,2; node 1 holds 3); "),
+        ({0: [0, 2], 1: [3]}, "shard 1 of 4 is on no node (node 0 holds 0,2; node 1 holds 3); "),
     ],
 )
 def test_the_layout_check_names_what_is_where(held, line):

@@ -120,7 +120,7 @@ def test_an_epoch_covers_every_sample_once_and_a_killed_run_resumes_to_the_same_
     ("change", "line"),
     [
         ("copy", "node 1 holds shards 1,3 of 5 but node 0 also holds shard 3; keep each shard on one node only"),
-        ("remove", "shards 3 of 5 are on no node (node 0 holds 0,2,4; node 1 holds 1); copy them to one node's folder"),
+        ("remove", "shard 3 of 5 is on no node (node 0 holds 0,2,4; node 1 holds 1); copy it to one node's folder"),
     ],
 )
 def test_a_shard_on_two_nodes_or_on_none_is_refused_in_one_line(tmp_path, change, line):

@@ -232,8 +232,13 @@ def check_layout(everyone: Sequence[tuple[int, int, list[int], list[dict[str, An
     missing = [index for index in range(num_shards) if index not in owner]
     if missing:
         said = "; ".join(f"node {node} holds {_numbers(held)}" for node, held in sorted(by_node.items()))
+        which = (
+            f"shards {_numbers(missing)} of {num_shards} are"
+            if len(missing) > 1
+            else f"shard {missing[0]} of {num_shards} is"
+        )
         raise UserError(
-            f"shards {_numbers(missing)} of {num_shards} are on no node ({said}); copy them to one node's folder"
+            f"{which} on no node ({said}); copy {'them' if len(missing) > 1 else 'it'} to one node's folder"
         )
 
 
