@@ -57,6 +57,7 @@ from ddpkit.data.arguments import (
 from ddpkit.data.device import on_device, resolve_loader_device
 from ddpkit.data.epochs import EpochCursor
 from ddpkit.data.loader_samplers import KeyBatchSampler, LoaderSampler
+from ddpkit.data.node_shards import NodeBatchSampler, NodeShards
 from ddpkit.data.position import LoaderPosition, StepBoundary
 from ddpkit.data.sample_seeds import SeededDataset, _mix
 from ddpkit.data.sampler import GlobalBatchSampler
@@ -162,6 +163,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         refuse_batch_sampler(batch_sampler)
         self._device = resolve_loader_device(device, worker_device(), torch.cuda.is_available)
         pin_memory = self._device is not None if pin_memory is None else pin_memory
+        if isinstance(dataset, NodeShards):  # each node's ranks split that node's samples only
+            rank, world_size = dataset.local_rank, dataset.local_world_size
         rank, world_size = rank_and_world(rank, world_size)
         global_batch_size = global_batch(batch_size, global_batch_size, world_size, rank)
         seed = loader_seed(seed, generator)
@@ -237,9 +240,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 f"{type(dataset).__name__} is neither: give it __len__, or make it a torch IterableDataset"
             )
         shuffle, seed, order = read_sampler(sampler, shuffle, seed, len(dataset), rank, world_size)
-        self._sampler = GlobalBatchSampler(
-            len(dataset), global_batch_size, rank, world_size, seed, shuffle, drop_last=drop_last, order=order
-        )
+        if isinstance(dataset, NodeShards):
+            if order is not None:
+                raise UserError("node-sharded data is read in its own order; pass shuffle= and seed=, not sampler=")
+            self._sampler = dataset.batch_sampler(global_batch_size, seed, shuffle, drop_last)
+        else:
+            self._sampler = GlobalBatchSampler(
+                len(dataset), global_batch_size, rank, world_size, seed, shuffle, drop_last=drop_last, order=order
+            )
         num_workers = torch_arguments["num_workers"]
         # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
         self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
@@ -422,6 +430,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         """
         if self._global_count is None:
             raise RuntimeError("global_mean scales the loss of a batch; call it after taking a batch from the loader")
+        if isinstance(self._sampler, NodeBatchSampler):  # the step's samples are spread over every node
+            return loss_sum * self._sampler.job_mean_scale(self._cursor.step_in_epoch - 1)
         return loss_sum * (self._world_size / self._global_count)
 
     # -- position -----------------------------------------------------------
