@@ -47,6 +47,10 @@ _PUBLIC = {
     # data
     "DataLoader": "ddpkit.data.loader",
     "GlobalBatchSampler": "ddpkit.data.sampler",
+    # data that each node holds only its own part of
+    "NodeShards": "ddpkit.data.node_shards",
+    "stage_node_shards": "ddpkit.data.node_shards",
+    "write_shards": "ddpkit.data.node_shards",
     # checkpoints
     "Checkpointer": "ddpkit.checkpoint.manager",
     "CheckpointOptions": "ddpkit.checkpoint.options",
@@ -90,6 +94,7 @@ if TYPE_CHECKING:
     from ddpkit.checkpoint.transfer import TransferReport, apply_transfer
     from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.data.loader import DataLoader
+    from ddpkit.data.node_shards import NodeShards, stage_node_shards, write_shards
     from ddpkit.data.sampler import GlobalBatchSampler
     from ddpkit.distributed import Context, context, init, main_process_first, shutdown
     from ddpkit.errors import UserError
