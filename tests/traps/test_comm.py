@@ -8,16 +8,13 @@ shape.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddpkit.env.ports import free_port
-from tests.helpers.launch_in_process import LAUNCHER_VARIABLES, Commands
+from tests.helpers.launch_in_process import Commands
+from tests.helpers.local_nodes import run_two_local_nodes
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -35,27 +32,9 @@ def test_two_ddp_models_with_the_shared_memory_hook_train_200_steps(tmp_path):
 def test_two_ddp_models_with_the_ring_hook_train_200_steps_on_two_nodes(tmp_path):
     # `ddpkit run nnodes=2` twice on this machine, one worker each: the ring's send/recv of two models'
     # buckets crossed (gloo's "Connection reset by peer", an abort or a hang) before.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ddpkit", "run", "nproc=1", "nnodes=2", f"node_rank={rank}"]
-            + ["master_addr=127.0.0.1", f"master_port={port}", str(SCRIPTS / "comm_gan.py"), "200", "ring", "gan.pt"],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=200) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    assert "trained 200 steps, weights equal on every rank" in outputs[0][0]
+    done = run_two_local_nodes(SCRIPTS / "comm_gan.py", "200", "ring", "gan.pt", cwd=tmp_path, timeout=200)
+    assert [node.returncode for node in done] == [0, 0], done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    assert "trained 200 steps, weights equal on every rank" in done[0].stdout
     assert set(torch.load(tmp_path / "gan.pt")) == {"G", "D"}
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,22 +16,13 @@ import pytest
 import torch
 
 from ddpkit.data.node_shards import stage_node_shards, write_shards
-from ddpkit.env.ports import free_port
 from tests.cli_runner import PYTHONPATH
+from tests.helpers.launch_in_process import LAUNCHER_VARIABLES
+from tests.helpers.local_nodes import run_two_local_nodes
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "shards_train.py"
 NUM_SAMPLES, NUM_SHARDS = 46, 5
 """Shards of 10, 9, 9, 9, 9 samples: node 0 holds 0,2,4 (28 samples, 7 steps), node 1 holds 1,3 (18, 5 steps)."""
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_",
-    "TORCHELASTIC",
-    "SLURM",
-    "OMPI",
-)
 
 
 def _data_set(root: Path) -> Path:
@@ -47,35 +37,8 @@ def _data_set(root: Path) -> Path:
 def _two_nodes(
     cwd: Path, *args: str, env: dict[str, str] | None = None, stop_node_0: bool = False
 ) -> list[subprocess.CompletedProcess[str]]:
-    """``ddpkit run nproc=1 nnodes=2`` twice, one per node_rank; their results once both have ended.
-
-    With ``stop_node_0``, node 0's launcher gets SIGTERM once node 1's has ended, as a scheduler ends a job
-    whose other node failed (its worker otherwise waits for the dead peer).
-    """
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
-    environ.update(PYTHONPATH=PYTHONPATH, **(env or {}))
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ddpkit", "run", "nproc=1", "nnodes=2", f"node_rank={rank}"]
-            + ["master_addr=127.0.0.1", f"master_port={port}", str(SCRIPT), *args],
-            cwd=cwd,
-            env=environ,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        if stop_node_0:
-            nodes[1].wait(timeout=150)
-            nodes[0].send_signal(signal.SIGTERM)
-        outputs = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    return [subprocess.CompletedProcess(node.args, node.returncode, *output) for node, output in zip(nodes, outputs)]
+    """The training script as a job of two local nodes (see :func:`run_two_local_nodes`)."""
+    return run_two_local_nodes(SCRIPT, *args, cwd=cwd, env=env, stop_node_0=stop_node_0)
 
 
 def _ok(done: list[subprocess.CompletedProcess[str]]) -> None:
