@@ -146,18 +146,7 @@ def _two_models_one_backward(rank: int, world_size: int) -> list[str]:
     second = DDP(nn.Sequential(nn.Linear(5, 200), nn.ReLU(), nn.Linear(200, 1)), bucket_cap_mb=1e-5)
     for model in (first, second):
         register_allreduce_hook(model, resolve_allreduce("ring"))
-    failures = []
-    for step in range(30):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        first.zero_grad()
-        second.zero_grad()
-        second(first(torch.randn(4, 6, generator=g))).sum().backward()
-        grads = torch.cat([p.grad.reshape(-1) for m in (first, second) for p in m.parameters()])
-        mine = grads.clone()
-        dist.broadcast(grads, 0)
-        if not torch.equal(mine, grads):
-            failures.append(f"step {step}: rank {rank}'s averaged gradients differ from rank 0's")
-    return failures
+    return _steps_with_equal_gradients(first, second, rank)
 
 
 def test_two_ddp_models_with_hooks_reduce_in_one_order_on_every_rank():
@@ -180,21 +169,27 @@ def _ddp_and_flat_in_one_backward(rank: int, world_size: int) -> list[str]:
     register_allreduce_hook(big, resolve_allreduce("ring"))
     small = nn.Sequential(nn.Linear(5, 300), nn.ReLU(), nn.Linear(300, 1))
     GradientSync(small, ctx, "ring", "flat")
-    failures = []
-    for step in range(30):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        big.zero_grad()
-        small.zero_grad()
-        small(big(torch.randn(4, 6, generator=g))).sum().backward()
-        grads = torch.cat([p.grad.reshape(-1) for m in (big, small) for p in m.parameters()])
-        mine = grads.clone()
-        dist.broadcast(grads, 0)
-        if not torch.equal(mine, grads):
-            failures.append(f"step {step}: rank {rank}'s averaged gradients differ from rank 0's")
-    return failures
+    return _steps_with_equal_gradients(big, small, rank)
 
 
 def test_a_flat_model_and_a_ddp_model_with_a_hook_reduce_in_one_order_on_every_rank():
     with warm_workers(DYNAMO):
         results = run_on_ranks(_ddp_and_flat_in_one_backward, 2, timeout=120)
     assert results == [[], []]
+
+
+def _steps_with_equal_gradients(first: nn.Module, second: nn.Module, rank: int) -> list[str]:
+    """30 backwards through ``second(first(x))`` on rank-own inputs; the steps whose averaged gradients differ
+    from rank 0's."""
+    failures = []
+    for step in range(30):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        first.zero_grad()
+        second.zero_grad()
+        second(first(torch.randn(4, 6, generator=g))).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for m in (first, second) for p in m.parameters()])
+        mine = grads.clone()
+        dist.broadcast(grads, 0)
+        if not torch.equal(mine, grads):
+            failures.append(f"step {step}: rank {rank}'s averaged gradients differ from rank 0's")
+    return failures
