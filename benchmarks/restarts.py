@@ -1,6 +1,6 @@
 """Restarts under each launcher, many rounds: how many end bit-equal to the uninterrupted run.
 
-Each round runs tests/launch/scripts/own_bn.py (DataLoader workers,
+Each round runs tests/launchers/scripts/own_bn.py (DataLoader workers,
 BatchNorm, AdamW + OneCycleLR, ``no_sync`` accumulation, a Checkpointer)
 with 2 workers and one restart allowed, and SIGKILLs one rank after an
 optimizer step drawn from ``random.Random(seed)`` (the same draws for every

@@ -57,7 +57,7 @@ def under_ddpkit_run(tmp_path_factory) -> dict:
 
     The commands run in this process (``ddpkit.cli.main``) with the variables of outer launchers hidden,
     their workers forked from one worker server shared by all of them; the ``ddpkit`` command's own
-    process is started by tests/launch/test_run.py and others.
+    process is started by tests/launchers/test_run.py and others.
     """
     from tests.horovod.ddp_reference import SCRIPT, TINY as HOROVOD_TINY
 

@@ -94,7 +94,7 @@ def test_each_benchmark_help_lists_every_field(capsys, kind):
 
 
 def test_help_after_the_script_belongs_to_the_script():
-    from ddpkit.launch.script import wants_run_help
+    from ddpkit.launchers.script import wants_run_help
 
     assert wants_run_help(["nproc=2", "-h"])
     assert not wants_run_help(["nproc=2", "train.py", "--help"])

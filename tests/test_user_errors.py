@@ -13,7 +13,7 @@ from ddpkit.data.idx import CorruptDataError
 from ddpkit.data.sources import DataNotFoundError
 from ddpkit.env.base import InconsistentEnvironment
 from ddpkit.errors import UserError
-from ddpkit.launch.failure import run_reporting_failure
+from ddpkit.launchers.failure import run_reporting_failure
 from tests.cli_runner import run_ddpkit
 from tests.helpers.launch_in_process import Commands
 

@@ -37,7 +37,7 @@ _PUBLIC = {
     "main_process_first": "ddpkit.distributed",
     "shutdown": "ddpkit.distributed",
     # starting the workers from Python: a script, a REPL, a notebook cell
-    "launch": "ddpkit.launch.function",
+    "launch": "ddpkit.launchers.function",
     # the model and its gradients
     "prepare_model": "ddpkit.prepare",
     "no_sync": "ddpkit.prepare",
@@ -98,7 +98,7 @@ if TYPE_CHECKING:
     from ddpkit.data.sampler import GlobalBatchSampler
     from ddpkit.distributed import Context, context, init, main_process_first, shutdown
     from ddpkit.errors import UserError
-    from ddpkit.launch.function import launch
+    from ddpkit.launchers.function import launch
     from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE
     from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
     from ddpkit.reduce import reduce_sums

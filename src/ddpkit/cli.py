@@ -31,9 +31,9 @@ from ddpkit.config import (  # no torch import: `ddpkit slurm` starts fast
     peek,
 )
 from ddpkit.errors import UserError
-from ddpkit.launch.failure import LaunchError, record_for_launcher
-from ddpkit.launch.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
-from ddpkit.launch.slurm_cli import SLURM_HELP
+from ddpkit.launchers.failure import LaunchError, record_for_launcher
+from ddpkit.launchers.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
+from ddpkit.launchers.slurm_cli import SLURM_HELP
 from ddpkit.names import (
     DEFAULT_PREEMPT_SIGNALS,
     EXIT_DIVERGED,
@@ -47,8 +47,8 @@ from ddpkit.version import __version__
 
 if TYPE_CHECKING:
     from ddpkit.checkpoint.format import CheckpointInfo
-    from ddpkit.launch.local import LaunchSpec
-    from ddpkit.launch.script import RunConfig
+    from ddpkit.launchers.local import LaunchSpec
+    from ddpkit.launchers.script import RunConfig
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ RUN_HELP = CommandHelp(
     "gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT... and runs the program as "
     "__main__. The key=value words before the program are ddpkit's; the program's own arguments "
     "follow it and are not read by ddpkit.",
-    schema="ddpkit.launch.script:RunConfig",
+    schema="ddpkit.launchers.script:RunConfig",
     positional=(
         ("SCRIPT.py [ARGS ...]", "the script each worker runs, with its arguments"),
         ("-m MODULE [ARGS ...]", "or a module, as python -m runs it"),
@@ -161,7 +161,9 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(
         "ddpkit.bench.cli:bench_command", BENCH_HELP, "benchmarks: bench train | bench comm | bench scaling"
     ),
-    "slurm": Command("ddpkit.launch.slurm_cli:main", SLURM_HELP, "write or submit an sbatch script for a training job"),
+    "slurm": Command(
+        "ddpkit.launchers.slurm_cli:main", SLURM_HELP, "write or submit an sbatch script for a training job"
+    ),
     "doctor": Command(
         "ddpkit.doctor:main", DOCTOR_HELP, "print the detected environment and check the network between workers"
     ),
@@ -226,7 +228,7 @@ def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
     from ddpkit.env.sagemaker import key_value_words, train_words
-    from ddpkit.launch.local import worker_server
+    from ddpkit.launchers.local import worker_server
 
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
@@ -266,7 +268,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
-        from ddpkit.launch.output import default_log_dir
+        from ddpkit.launchers.output import default_log_dir
 
         signals = cfg.checkpoint.signal_names() if cfg.checkpoint.enabled else ()
         # One folder per launch: a resumed run (resume=auto, a requeued job) keeps the earlier launches' output.
@@ -346,7 +348,7 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
-    from ddpkit.launch.local import worker_server
+    from ddpkit.launchers.local import worker_server
 
     config, target = parse_run_command(run_words(args))  # bad input is one line before any process starts
     # The server's imports (torch, torch._dynamo) run beside this process's own, not after them: on a GPU
@@ -398,8 +400,8 @@ def _run_script(config: RunConfig, target: ScriptTarget) -> int:
     """``ddpkit run`` once its words are parsed: describe, launch ``target`` as the workers, say how it ended."""
     import torch
 
-    from ddpkit.launch.output import default_log_dir
-    from ddpkit.launch.script import describe, run_script, worker_environ
+    from ddpkit.launchers.output import default_log_dir
+    from ddpkit.launchers.script import describe, run_script, worker_environ
 
     extra = worker_environ(config, torch.cuda.device_count())  # NVML's count: the launcher leaves CUDA uninitialized
     if not config.log_dir:
@@ -461,7 +463,7 @@ def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
     """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts, the ranks shown), with
     ``options`` added."""
     from ddpkit.config import shown_ranks
-    from ddpkit.launch.local import LaunchSpec
+    from ddpkit.launchers.local import LaunchSpec
 
     return LaunchSpec(
         config.nproc,
@@ -490,7 +492,7 @@ def _launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> tuple
     """
     import signal
 
-    from ddpkit.launch.local import StoppedBySignal, launch_local
+    from ddpkit.launchers.local import StoppedBySignal, launch_local
 
     try:
         launch_local(spec, fn, *args)

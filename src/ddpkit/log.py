@@ -2,7 +2,7 @@
 
 Under ``ddpkit run`` and ``ddpkit train nproc=N`` (several workers) the
 launcher prefixes every line a worker writes with the same ``[rank r/w]``
-(:mod:`ddpkit.launch.output`) and says so in :data:`PREFIXED_VARIABLE`; the
+(:mod:`ddpkit.launchers.output`) and says so in :data:`PREFIXED_VARIABLE`; the
 logger then leaves its own out, so that a line carries one prefix.
 """
 

@@ -6,9 +6,9 @@ SECURITY.md: the distributed features assume a trusted network), so
 anything that reaches the port can write the keys the workers read. Given a
 listening socket (``master_listen_fd``), the server accepts on that socket
 instead; :class:`ServedStore` binds it to the one address the job needs:
-``127.0.0.1`` for a job on one machine (:mod:`ddpkit.launch.loopback`),
+``127.0.0.1`` for a job on one machine (:mod:`ddpkit.launchers.loopback`),
 node 0's address on the interface chosen for the job for a job of several
-machines (:mod:`ddpkit.launch.static`), and rank 0's address on that
+machines (:mod:`ddpkit.launchers.static`), and rank 0's address on that
 interface for a job whose launcher set ``MASTER_ADDR`` (srun, mpirun:
 ``ddpkit.init``). :func:`listen_address` picks it.
 """

@@ -2,7 +2,7 @@
 
 The launcher is what those tests exercise (its variables, the rendezvous,
 the run folder), not the workload's final quality, which
-tests/launch/test_local.py holds W1 to after its 5 epochs. A short run still
+tests/launchers/test_local.py holds W1 to after its 5 epochs. A short run still
 trains on the real Fashion-MNIST files, on every worker of the job, long
 enough to show that it learns: W1's first 150 steps (global batches of 64,
 seed 0) end at 77.1% test accuracy, the same for any number of workers, as

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ddpkit.launch.hostfile import render_hostfile
+from ddpkit.launchers.hostfile import render_hostfile
 from tests.helpers.mpi import run_mpirun
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

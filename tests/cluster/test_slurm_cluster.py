@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.sbatch import LAUNCH_MODES, SbatchSpec, render_sbatch
+from ddpkit.launchers.sbatch import LAUNCH_MODES, SbatchSpec, render_sbatch
 from tests.helpers.restarts import STEPS, launch
 from tests.helpers.slurm import JobResult, SlurmCluster, SlurmError, derived_port
 
@@ -54,7 +54,7 @@ WORKER = textwrap.dedent(
 )
 
 RESTART_SEED = 2026
-"""Draws where the SIGKILL falls in the restart test, as tests/launch/test_restarts.py does."""
+"""Draws where the SIGKILL falls in the restart test, as tests/launchers/test_restarts.py does."""
 
 # mpirun refuses root without these; sbatch passes them on to the job.
 MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -230,7 +230,7 @@ def listening_on(port: int) -> Iterator[None]:
 
 @pytest.mark.timeout(600)
 def test_torchrun_inside_srun_restarts_a_killed_rank_and_the_run_ends_bit_equal(slurm_cluster: SlurmCluster, tmp_path):
-    # tests/launch/test_restarts.py's kill, under the launch `ddpkit slurm launch=torchrun` writes: torchrun with
+    # tests/launchers/test_restarts.py's kill, under the launch `ddpkit slurm launch=torchrun` writes: torchrun with
     # --max-restarts 1 as the one task of an srun step. The restart happens inside the step: Slurm sees one task
     # that ran to its end.
     rng = random.Random(RESTART_SEED)

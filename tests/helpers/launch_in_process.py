@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ddpkit.cli import main
-from ddpkit.launch.local import worker_server
+from ddpkit.launchers.local import worker_server
 
 LAUNCHER_VARIABLES = (
     "MASTER_",

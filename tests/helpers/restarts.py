@@ -1,4 +1,4 @@
-"""One rank of tests/launch/scripts/own_bn.py SIGKILLed, restarted by a launcher, compared with an uninterrupted run.
+"""One rank of tests/launchers/scripts/own_bn.py SIGKILLed, restarted by a launcher, compared with an uninterrupted run.
 
 The launchers whose restarts ddpkit promises to survive, as a user types them::
 
@@ -13,7 +13,7 @@ Slurm task per node, torchrun inside it), on one node: it needs a running
 Slurm cluster, whose environment (``SLURM_CONF``) ``launch`` is given.
 Each command runs in a fresh process with this checkout importable
 (``tests.cli_runner.PYTHONPATH``) and a hard timeout, so that a hang is an
-outcome, not a stuck test. tests/launch/test_restarts.py runs each local
+outcome, not a stuck test. tests/launchers/test_restarts.py runs each local
 launcher once, tests/cluster/test_slurm_cluster.py the Slurm one;
 benchmarks/restarts.py runs them many times and writes the counts.
 """
@@ -34,7 +34,7 @@ import torch
 from ddpkit.env.ports import free_port
 from tests.cli_runner import PYTHONPATH
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "scripts" / "own_bn.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "launchers" / "scripts" / "own_bn.py"
 STEPS = 12
 """Optimizer steps of the script's 2 epochs."""
 LAUNCHERS = ("torchrun-c10d", "torchrun-static", "ddpkit-run")
@@ -57,7 +57,7 @@ def command(launcher: str, job_name: str = "ddpkit-restarts") -> list[str]:
         # show_ranks=all: the tests read what rank 1 prints, as torchrun shows every rank.
         return [sys.executable, "-m", "ddpkit", "run", "nproc=2", "max_restarts=1", "show_ranks=all", str(SCRIPT)]
     if launcher == "srun-torchrun":
-        # As the script of `ddpkit slurm launch=torchrun` has it (ddpkit.launch.sbatch), for one node: the
+        # As the script of `ddpkit slurm launch=torchrun` has it (ddpkit.launchers.sbatch), for one node: the
         # rendezvous endpoint is the node's host name, the job's id the rendezvous id.
         srun = ["srun", "--nodes=1", "--ntasks=1", "--cpus-per-task=2", "--kill-on-bad-exit=1", "--job-name"]
         endpoint = f"{socket.gethostname()}:{free_port('0.0.0.0')}"

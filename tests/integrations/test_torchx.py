@@ -93,7 +93,7 @@ def test_run_starts_the_users_script_or_module_under_ddpkit_run():
 
 
 def test_run_starts_a_users_script_as_two_workers_under_local_cwd(tmp_path):
-    script = Path(__file__).parents[1] / "launch" / "scripts" / "all_reduce.py"
+    script = Path(__file__).parents[1] / "launchers" / "scripts" / "all_reduce.py"
     command = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd", f"{COMPONENT}:run"]
     command += ["--nproc", "2", "--python", sys.executable, "--script", str(script), "--", "--flag", "x"]
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ import pytest
 
 from ddpkit.cli import run_words
 from ddpkit.config import ConfigError, parse
-from ddpkit.launch.script import RunConfig
+from ddpkit.launchers.script import RunConfig
 from ddpkit.train.preflight import oversubscribed
 from tests.cli_runner import REPO
 from tests.helpers.launch_in_process import Commands

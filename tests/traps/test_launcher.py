@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.cli_runner import PYTHONPATH, run_ddpkit
-from tests.launch.test_function import _gone, _kill
+from tests.launchers.test_function import _gone, _kill
 
 SCRIPTS = Path(__file__).parent / "scripts"
 START_TIMEOUT = 120.0

@@ -680,10 +680,10 @@ def main(words: list[str]) -> int:
 
     Raises:
         ValueError: bad options (unknown key or value, an algorithm that cannot run here).
-        ddpkit.launch.failure.LaunchError: a local worker failed.
+        ddpkit.launchers.failure.LaunchError: a local worker failed.
     """
     from ddpkit.env.detect import detect_environment
-    from ddpkit.launch.local import LaunchSpec, launch_local
+    from ddpkit.launchers.local import LaunchSpec, launch_local
 
     cfg = parse_config(words)
     if detect_environment(os.environ).source != "local":

@@ -581,9 +581,9 @@ def measure(cfg: ScalingBenchConfig, run: RunSpec) -> dict[str, Any]:
 
     Raises:
         ValueError: nodes=2 where namespaces cannot be created.
-        RuntimeError, ddpkit.launch.failure.LaunchError: a worker failed.
+        RuntimeError, ddpkit.launchers.failure.LaunchError: a worker failed.
     """
-    from ddpkit.launch.local import LaunchSpec, launch_local
+    from ddpkit.launchers.local import LaunchSpec, launch_local
 
     with tempfile.TemporaryDirectory(prefix="ddpkit-scaling-") as scratch:
         job = {
@@ -787,7 +787,7 @@ def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int
 def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) -> dict[str, Any]:
     """Measure every configuration in turn and build the report."""
     from ddpkit.config import TrainConfig
-    from ddpkit.launch.local import worker_server
+    from ddpkit.launchers.local import worker_server
     from ddpkit.models.registry import get_model_spec
 
     cores = len(os.sched_getaffinity(0))
@@ -861,7 +861,7 @@ def main(words: list[str]) -> int:
 
     Raises:
         ValueError: bad options, or nodes=2 where namespaces cannot be created.
-        RuntimeError, ddpkit.launch.failure.LaunchError: a worker failed.
+        RuntimeError, ddpkit.launchers.failure.LaunchError: a worker failed.
     """
     cfg = parse_config(words)
     report = run_scaling_benchmark(cfg, words)

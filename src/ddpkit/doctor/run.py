@@ -107,7 +107,7 @@ def main(words: Sequence[str]) -> int:
         report = examine(cfg, os.environ)
         print_report(report, cfg.json)
         return 0 if report.ok else 1
-    from ddpkit.launch.local import LaunchSpec, launch_local
+    from ddpkit.launchers.local import LaunchSpec, launch_local
 
     resolved_backend(cfg, 0)  # bad options fail here, once, rather than in every worker
     results = launch_local(LaunchSpec(cfg.nproc, cfg.master_port), _local_worker, cfg)

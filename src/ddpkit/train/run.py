@@ -17,9 +17,9 @@ the imports to this list):
   ``[rank r/w]`` log lines;
 - ``ddpkit.gc_pause.import_paused``: torch._dynamo imported with garbage
   collection paused, a start-up cost of the command;
-- ``ddpkit.launch.failure.record_for_launcher``: the error file that torchrun
+- ``ddpkit.launchers.failure.record_for_launcher``: the error file that torchrun
   and ddpkit's launcher read for their one failure report (torch's
-  ``@record`` does this for a script); ``ddpkit.launch.failure.FAILURE_DIR_VARIABLE``,
+  ``@record`` does this for a script); ``ddpkit.launchers.failure.FAILURE_DIR_VARIABLE``,
   which only ddpkit's launcher sets, so that its workers (torch's elastic
   agent starts them, with torchrun's variables) name it rather than torchrun;
 - ``ddpkit.distributed.exit_process``: a failed rank leaves at once, so that
@@ -62,7 +62,7 @@ from ddpkit.config import TrainConfig, to_dict
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
 from ddpkit.gc_pause import import_paused
-from ddpkit.launch.failure import FAILURE_DIR_VARIABLE, record_for_launcher
+from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size

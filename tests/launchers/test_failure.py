@@ -6,7 +6,7 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ddpkit.launch.failure import root_cause
+from ddpkit.launchers.failure import root_cause
 
 
 def _error(message: str, at: float, peer_lost: bool = False) -> dict:

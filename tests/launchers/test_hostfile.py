@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.launch.hostfile import parse_hostfile, render_hostfile, total_slots
+from ddpkit.launchers.hostfile import parse_hostfile, render_hostfile, total_slots
 
 
 def test_render_gives_one_line_per_host():

@@ -1,6 +1,6 @@
 """A rank SIGKILLed mid-run under torchrun (c10d and static rendezvous) and ``ddpkit run``: the restart ends bit-equal.
 
-The script (tests/launch/scripts/own_bn.py) is a user's own loop on the
+The script (tests/launchers/scripts/own_bn.py) is a user's own loop on the
 public API: DataLoader workers, BatchNorm, AdamW + OneCycleLR, ``no_sync``
 accumulation, a Checkpointer. torch's agent keeps its store across restarts,
 and a restarted round that formed its group on the same keys read the dead

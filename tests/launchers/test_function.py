@@ -26,11 +26,11 @@ import torch
 import ddpkit
 import ddpkit.distributed
 from ddpkit.errors import UserError
-from ddpkit.launch.failure import LaunchError
-from ddpkit.launch.function import SHOWN, _rank_output, choose_start_method, fork_hazard, importable
-from ddpkit.launch.output import ConsoleTee
+from ddpkit.launchers.failure import LaunchError
+from ddpkit.launchers.function import SHOWN, _rank_output, choose_start_method, fork_hazard, importable
+from ddpkit.launchers.output import ConsoleTee
 from tests.cli_runner import PYTHONPATH, REPO
-from tests.launch import function_workers
+from tests.launchers import function_workers
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CELL_TIMEOUT = 90
@@ -291,7 +291,7 @@ try:
     print("results", ddpkit.launch(work, sys.argv[1], nproc=2), flush=True)
 except KeyboardInterrupt as e:
     print("KeyboardInterrupt:", e, flush=True)
-except ddpkit.launch.failure.LaunchError as e:
+except ddpkit.launchers.failure.LaunchError as e:
     print("LaunchError rank", e.failure.rank, e.failure.traceback.splitlines()[-1], flush=True)
 """
 
@@ -569,7 +569,7 @@ def test_a_kernel_that_dies_takes_its_workers_with_it():
 
 
 def _spawn_shape(folder: Path, out: str, *, stop: str = "") -> subprocess.CompletedProcess:
-    """Run tests/launch/scripts/spawn_shape.py (2 workers, 2 epochs of 64 steps); ``stop``: the signal for its launcher."""
+    """Run tests/launchers/scripts/spawn_shape.py (2 workers, 2 epochs of 64 steps); ``stop``: the signal for its launcher."""
     environ = _environ()
     if stop:
         environ.update(STOP_AT_STEP="20", STOP_SIGNAL=stop)

@@ -1,6 +1,6 @@
 """A run that succeeds after a restart prints no traceback and leaves no process it started.
 
-tests/launch/scripts/stuck_loader_worker.py: in the first round, rank 1's
+tests/launchers/scripts/stuck_loader_worker.py: in the first round, rank 1's
 DataLoader worker is inside a slow ``__getitem__`` (signals ignored, as in a
 read from a stalled file system) when rank 1 is SIGKILLed; the restarted
 round succeeds. The command runs in a process of its own, so that its exit
@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.cli_runner import run_ddpkit
-from tests.launch.test_run import SCRIPTS
+from tests.launchers.test_run import SCRIPTS
 
 
 def _alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ machines ``nnodes``, ``node_rank``, ``master_addr``); the first word ending in
 ddpkit does not read: each worker sees ``sys.argv = [SCRIPT, *ARGS]``.
 
 Each worker is a process spawned by torch's elastic agent
-(:func:`ddpkit.launch.local.launch_local`, the launcher of ``ddpkit
+(:func:`ddpkit.launchers.local.launch_local`, the launcher of ``ddpkit
 train``), with torchrun's environment variables set (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``,

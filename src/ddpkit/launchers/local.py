@@ -12,21 +12,21 @@ the command lacks:
 
 - on one node, a rendezvous on loopback (``127.0.0.1``) at a free port asked
   from the OS (or the one given, checked first), and a fresh loopback store
-  for each round of workers (:mod:`ddpkit.launch.loopback`), so nothing
+  for each round of workers (:mod:`ddpkit.launchers.loopback`), so nothing
   listens on the network and a restarted round never reads the keys of the
   one before;
 - on several nodes, node 0's store served on the address it reaches
   ``master_addr`` from only, not on every interface
-  (:mod:`ddpkit.launch.static`);
-- one report of the root-cause failure (:mod:`ddpkit.launch.failure`)
+  (:mod:`ddpkit.launchers.static`);
+- one report of the root-cause failure (:mod:`ddpkit.launchers.failure`)
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned (see below);
 - a worker that ends with ``os._exit(0)``, returning nothing, counts as
   finished (torch's agent would wait for its return value forever);
 - each worker's stdout and stderr in files of its own, the chosen ranks'
-  lines on the console prefixed ``[rank r/w]`` (:mod:`ddpkit.launch.output`),
+  lines on the console prefixed ``[rank r/w]`` (:mod:`ddpkit.launchers.output`),
   and a process title that names the rank and the program
-  (:mod:`ddpkit.launch.proctitle`);
+  (:mod:`ddpkit.launchers.proctitle`);
 - a signal to the launcher (SIGTERM from a scheduler) is passed on to the
   workers as torchrun does, and :class:`StoppedBySignal` then says how each
   worker ended, so that the command's exit status can say whether they
@@ -37,7 +37,7 @@ by rank, or LaunchError carrying the root cause, or StoppedBySignal.
 
 ``LaunchSpec(start_method="fork")`` forks the workers from this process
 instead, as it is, so that ``fn`` need not be importable (a function
-defined in a notebook cell or a REPL: :mod:`ddpkit.launch.function`, which
+defined in a notebook cell or a REPL: :mod:`ddpkit.launchers.function`, which
 also says when such a fork is safe). The agent then runs in a thread of its
 own, which forks every worker (see :func:`_in_a_thread_of_its_own`), while
 the caller's thread passes the job's signals on to the workers.
@@ -56,7 +56,7 @@ launcher's own on the other core.
 Why a fork here is safe: the server only imports. It never runs a torch
 operator nor asks for the thread count, so torch's intra-op (OpenMP) pool
 and autograd threads do not exist when it forks (the server has one thread,
-which tests/launch/test_worker_server.py checks); it never initializes CUDA,
+which tests/launchers/test_worker_server.py checks); it never initializes CUDA,
 joins no process group and holds no store or socket of torch's. A forked worker gets the
 server's environment, not the launcher's of the moment, so
 :func:`_worker_main` installs the launcher's environment as it was at the
@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
 from ddpkit.gc_pause import enable_in_forked_worker
-from ddpkit.launch.failure import (
+from ddpkit.launchers.failure import (
     FAILURE_DIR_VARIABLE,
     LaunchError,
     WorkerFailure,
@@ -105,11 +105,11 @@ from ddpkit.launch.failure import (
     root_cause,
     run_reporting_failure,
 )
-from ddpkit.launch.proctitle import set_process_title
+from ddpkit.launchers.proctitle import set_process_title
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 if TYPE_CHECKING:
-    from ddpkit.launch.output import ConsoleTee
+    from ddpkit.launchers.output import ConsoleTee
 
 LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
@@ -125,7 +125,7 @@ EXIT_BARRIER_GRACE_S = 30.0
 """The longest node 0's agent waits, past the exit barrier, for the other agents to leave it."""
 
 WORKER_PRELOAD = (
-    "ddpkit.launch.local",
+    "ddpkit.launchers.local",
     "torch",
     "torch._dynamo",
     "torch.distributed.elastic.multiprocessing",
@@ -225,7 +225,7 @@ class LaunchSpec:
     """How workers start: "forkserver", forked from ddpkit's warm worker server (``fn`` and its arguments are
     pickled, so ``fn`` must be importable), or "fork", forked from this process as it is (nothing is pickled)."""
     log_dir: str = ""
-    """Folder of each worker's stdout and stderr files (ddpkit.launch.output), created for this launch (where
+    """Folder of each worker's stdout and stderr files (ddpkit.launchers.output), created for this launch (where
     it exists already, another launch's, ``log_dir-2``, ``-3``...); empty: the workers write to this process's
     stdout and stderr, as they are."""
     show_ranks: frozenset[int] | None = None
@@ -666,13 +666,13 @@ def _in_a_thread_of_its_own(call: Callable[..., Any], *args: Any) -> Any:
     A forked worker is a copy of the thread that forked it. Where that thread
     has run a parallel torch operator, GNU OpenMP (torch's CPU thread pool)
     keeps a pool of threads for it, which a fork does not copy: the worker
-    then hangs in its first parallel operator (tests/launch/test_function.py
+    then hangs in its first parallel operator (tests/launchers/test_function.py
     shows it). The pool belongs to the thread, so a worker forked from a
     thread that never ran an operator (this one: torch's agent forks every
     worker, restarts included, from the thread that runs it) starts clean.
     The caller's thread keeps handling the signals meanwhile. A daemon: if
     the caller's thread ends (the interpreter exits), the workers, which die
-    with the thread that forked them (:mod:`ddpkit.launch.function`), go too.
+    with the thread that forked them (:mod:`ddpkit.launchers.function`), go too.
     """
     outcome: dict[str, Any] = {}
 
@@ -706,7 +706,7 @@ def _launch_config(spec: LaunchSpec) -> Any:
 
 def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     """A job on this machine alone: the rendezvous on loopback, at a free port unless one is given."""
-    from ddpkit.launch import loopback
+    from ddpkit.launchers import loopback
 
     if spec.master_port:
         check_port_free(spec.master_port)
@@ -724,7 +724,7 @@ def _loopback_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 
 def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
     """This machine's part in a job of ``spec.nnodes``: a static rendezvous, node 0's store on one address."""
-    from ddpkit.launch import static
+    from ddpkit.launchers import static
     from ddpkit.served_store import listen_address, warn_if_wildcard
 
     configs: dict[str, Any] = {"rank": spec.node_rank, "timeout": int(spec.rendezvous_timeout)}
@@ -753,7 +753,7 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
     if not spec.log_dir:
         yield None
         return
-    from ddpkit.launch import output
+    from ddpkit.launchers import output
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
@@ -772,7 +772,7 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
 
 def with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
     """``failure`` (of a launch whose output ``tee`` follows) naming the failed rank's files; a rank not shown that left no traceback: its stderr's last lines."""
-    from ddpkit.launch.output import last_lines
+    from ddpkit.launchers.output import last_lines
 
     files = tee.files_of(failure.rank)
     if files is None:  # not a rank of this node

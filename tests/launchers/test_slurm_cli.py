@@ -12,8 +12,8 @@ import pytest
 
 from ddpkit.cli import main
 from ddpkit.config import parse
-from ddpkit.launch import slurm_cli
-from ddpkit.launch.sbatch import SbatchSpec, render_sbatch
+from ddpkit.launchers import slurm_cli
+from ddpkit.launchers.sbatch import SbatchSpec, render_sbatch
 
 
 def run(argv, capsys):

@@ -1,7 +1,7 @@
 """sbatch scripts: golden files for launch modes x environments, and validation errors.
 
 To update the golden files after an intended change, run
-``DDPKIT_UPDATE_GOLDEN=1 pytest tests/launch/test_sbatch.py`` and review the diff.
+``DDPKIT_UPDATE_GOLDEN=1 pytest tests/launchers/test_sbatch.py`` and review the diff.
 The scripts are run for real on a Slurm cluster in tests/cluster.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.sbatch import SbatchSpec, render_sbatch
+from ddpkit.launchers.sbatch import SbatchSpec, render_sbatch
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -23,12 +23,12 @@ def failed(tmp_path_factory) -> dict:
     with Commands() as commands:
         return {
             "raises": commands.run(
-                "train", "nproc=2", "model=tests.launch.failing_model:fails_on_rank_one", *SMALL, cwd=folder
+                "train", "nproc=2", "model=tests.launchers.failing_model:fails_on_rank_one", *SMALL, cwd=folder
             ),
             "killed": commands.run(
                 "train",
                 "nproc=2",
-                "model=tests.launch.failing_model:killed_on_rank_one",
+                "model=tests.launchers.failing_model:killed_on_rank_one",
                 *SMALL,
                 "timeout=30",
                 cwd=folder,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import ddpkit.launch.local
+import ddpkit.launchers.local
 from ddpkit.cli import main
-from ddpkit.launch.script import USAGE, RunConfig, ScriptTarget, parse_run_command
+from ddpkit.launchers.script import USAGE, RunConfig, ScriptTarget, parse_run_command
 from ddpkit.names import EXIT_PREEMPTED
 from tests.cli_runner import PYTHONPATH
 from tests.helpers.launch_in_process import Commands
@@ -77,7 +77,7 @@ def test_bad_input_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")
     (tmp_path / "folder.py").mkdir()
-    monkeypatch.setattr(ddpkit.launch.local, "launch_local", _no_launch)
+    monkeypatch.setattr(ddpkit.launchers.local, "launch_local", _no_launch)
     assert main(words) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
@@ -285,7 +285,7 @@ def test_more_workers_than_gpus_is_one_line_before_any_worker(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(ddpkit.launch.local, "launch_local", _no_launch)
+    monkeypatch.setattr(ddpkit.launchers.local, "launch_local", _no_launch)
     assert main(["run", "nproc=2", "a.py"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
@@ -302,7 +302,7 @@ def test_more_workers_than_gpus_is_one_line_before_any_worker(tmp_path, monkeypa
     ],
 )
 def test_the_workers_environment_for_the_device_option(tmp_path, monkeypatch, words, num_gpus, expected):
-    from ddpkit.launch.script import worker_environ
+    from ddpkit.launchers.script import worker_environ
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")

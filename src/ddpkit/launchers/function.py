@@ -13,7 +13,7 @@
 
 ``fn(*args)`` runs in ``nproc`` workers on this machine, started by the
 launcher of ``ddpkit run`` and ``ddpkit train``
-(:func:`ddpkit.launch.local.launch_local`: torch's elastic agent, a
+(:func:`ddpkit.launchers.local.launch_local`: torch's elastic agent, a
 rendezvous on loopback at a free port, torchrun's variables in every worker,
 so ``ddpkit.init()`` joins the job, one report of a failed rank, restarts).
 ``fn`` is called with ``args`` only: a worker learns its rank from
@@ -27,7 +27,7 @@ What comes back
 ---------------
 The workers' return values, in rank order (they travel pickled, so return
 tensors, numbers or containers of them). A failed rank raises one
-:class:`~ddpkit.launch.failure.LaunchError` naming the rank, its exit code,
+:class:`~ddpkit.launchers.failure.LaunchError` naming the rank, its exit code,
 the error and its traceback (one line for a :class:`ddpkit.UserError`);
 ``max_restarts=K`` restarts all workers up to K times first. Ctrl-C (in a
 notebook, the stop button) is passed on to the workers once: a loop with a
@@ -63,7 +63,7 @@ A worker is forked from a thread of the launcher's own, never from the
 caller's: where the notebook ran a parallel torch operator, torch's OpenMP
 thread pool belongs to the thread that ran it, and a worker forked from that
 thread would hang in its first one (see
-:func:`ddpkit.launch.local._in_a_thread_of_its_own`). A worker dies with
+:func:`ddpkit.launchers.local._in_a_thread_of_its_own`). A worker dies with
 the launcher (``PR_SET_PDEATHSIG``, through the worker server where that
 is its parent): a kernel that is restarted or killed leaves no worker
 behind. The first fork imports ``torch._dynamo`` here
@@ -75,7 +75,7 @@ Output
 Each worker writes its ``stdout`` and ``stderr`` (Python's and the file
 descriptors', so C libraries' too) to files of its rank, in a folder of
 this launch under ``<tmp>/ddpkit-logs-<uid>/`` (named on the first line;
-:mod:`ddpkit.launch.output`, which keeps the newest launches' folders).
+:mod:`ddpkit.launchers.output`, which keeps the newest launches' folders).
 As under ``ddpkit run``, a thread of the launcher shows rank 0's lines
 here as they grow; every rank's whole output, a failed rank's traceback
 included, is in its files. Here is the caller's ``sys.stdout`` and
@@ -106,9 +106,9 @@ from typing import Any, TextIO
 from ddpkit import allocator
 from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.gc_pause import import_paused
-from ddpkit.launch.failure import LaunchError, append_to_output, record_for_launcher
-from ddpkit.launch.local import LaunchSpec, launch_local, with_its_output
-from ddpkit.launch.output import ConsoleTee, default_log_dir, hidden_stderr_note, log_files, new_log_dir, where
+from ddpkit.launchers.failure import LaunchError, append_to_output, record_for_launcher
+from ddpkit.launchers.local import LaunchSpec, launch_local, with_its_output
+from ddpkit.launchers.output import ConsoleTee, default_log_dir, hidden_stderr_note, log_files, new_log_dir, where
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 SHOWN = frozenset({0})
@@ -352,7 +352,7 @@ def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
 @contextlib.contextmanager
 def _rank_output(tee: ConsoleTee, folder: Path, nproc: int) -> Iterator[None]:
     """For the block, show the shown ranks' output files in ``folder`` through ``tee`` (the console tee of
-    ``ddpkit run``, :class:`~ddpkit.launch.output.ConsoleTee`), after one line saying where every rank's is.
+    ``ddpkit run``, :class:`~ddpkit.launchers.output.ConsoleTee`), after one line saying where every rank's is.
 
     Then, as ``ddpkit run`` does, one line names the ranks not shown that wrote to stderr.
     """

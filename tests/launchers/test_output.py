@@ -1,7 +1,7 @@
-"""ddpkit.launch.output: the console's copy of the workers' files, and the files torch's agent is given.
+"""ddpkit.launchers.output: the console's copy of the workers' files, and the files torch's agent is given.
 
 Level 1: files in a temp folder, the consoles StringIO (a terminal where the test says so); the real launches
-are in tests/launch/test_run.py.
+are in tests/launchers/test_run.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from ddpkit.config import ConfigError, shown_ranks
 from ddpkit.errors import UserError
-from ddpkit.launch.output import (
+from ddpkit.launchers.output import (
     CLEAR_TO_END_OF_LINE,
     ConsoleTee,
     RankLogs,
@@ -149,7 +149,7 @@ def test_show_ranks_refuses_anything_else_in_one_line(text):
     ],
 )
 def test_a_workers_name_is_its_program_short(title, name):
-    from ddpkit.launch.local import _program_name
+    from ddpkit.launchers.local import _program_name
 
     assert _program_name(title) == name
 

@@ -87,7 +87,7 @@ def _run(
 
 def _launcher_and_worker_lines(result, capsys) -> str:
     """The launcher's stderr: captured by Commands, and by pytest once the test runs (capsys replaces sys.stderr
-    after the fixtures started); the workers' lines reach it through the launcher (ddpkit.launch.output)."""
+    after the fixtures started); the workers' lines reach it through the launcher (ddpkit.launchers.output)."""
     return result.stderr + capsys.readouterr().err
 
 

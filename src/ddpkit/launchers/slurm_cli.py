@@ -18,7 +18,7 @@ The environment is the virtual environment ddpkit runs from unless
 Every job writes into its own run folder (``runs/<model>-<dataset>/slurm-<job
 id>``, see ``ddpkit train --help``: output_dir), so resubmitting the same
 script starts a new run and a requeued job continues its own. See
-:mod:`ddpkit.launch.sbatch` for what the script does.
+:mod:`ddpkit.launchers.sbatch` for what the script does.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from ddpkit.command_help import CommandHelp
 from ddpkit.config import ConfigError, TrainConfig, check_choice, parse
 from ddpkit.errors import UserError
-from ddpkit.launch.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
+from ddpkit.launchers.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
 
 SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
 NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
@@ -46,8 +46,8 @@ _DEFAULTS = {field.name: field.default for field in dataclasses.fields(SbatchSpe
 class SlurmConfig(SlurmResources):
     """Options of ``ddpkit slurm``; every field can be set as key=value.
 
-    The resources (nodes to output files) are :class:`~ddpkit.launch.sbatch.SlurmResources`, shared with
-    :class:`~ddpkit.launch.sbatch.SbatchSpec`; the rest says how to launch and what to do with the script.
+    The resources (nodes to output files) are :class:`~ddpkit.launchers.sbatch.SlurmResources`, shared with
+    :class:`~ddpkit.launchers.sbatch.SbatchSpec`; the rest says how to launch and what to do with the script.
     """
 
     launch: str = "srun"
@@ -102,7 +102,7 @@ SLURM_HELP = CommandHelp(
     "mpirun). Key=value words that are not the options below are training options, checked against "
     "ddpkit train's (ddpkit train --help); train.KEY=VALUE says so explicitly. Each job trains into its "
     "own folder runs/<model>-<dataset>/slurm-<job id>.",
-    schema="ddpkit.launch.slurm_cli:SlurmConfig",
+    schema="ddpkit.launchers.slurm_cli:SlurmConfig",
     examples=(
         "ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
         'ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command="python train.py" submit=true',
