@@ -5,6 +5,7 @@ A code block is marked by an HTML comment on the line before its fence:
 - ``<!-- fragment: why -->``: not run (part of a script, needs a cluster, trains for minutes...); the reason
   says why, and where the real thing is tested;
 - ``<!-- file: NAME -->``: saved as NAME in the page's folder, for the blocks after it on the page to run;
+- ``<!-- run-with: python -->``: a python block that starts its own workers (``ddpkit.launch``), run with python;
 - no marker: run (tests/docs/test_snippets.py): ``python`` as a script under ``ddpkit run nproc=2``,
   ``bash`` with bash, ``console`` its ``$ `` lines with bash.
 """
@@ -21,7 +22,7 @@ CHECKED = ("python", "bash", "console")
 """The languages whose blocks either run or say why not."""
 
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
-_MARKER = re.compile(r"^\s*<!-- (fragment|file): *(.*?) *-->\s*$")
+_MARKER = re.compile(r"^\s*<!-- (fragment|file|run-with): *(.*?) *-->\s*$")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^(#{1,6}) +(.*?) *#*$")
 
@@ -36,9 +37,9 @@ class CodeBlock:
     language: str
     code: str
     marker: str
-    """``fragment``, ``file`` or empty (run)."""
+    """``fragment``, ``file``, ``run-with`` or empty (run)."""
     argument: str
-    """The fragment's reason, or the file's name."""
+    """The fragment's reason, the file's name, or the program that runs the block."""
 
     def __str__(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.line} ({self.language})"

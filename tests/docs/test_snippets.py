@@ -40,6 +40,9 @@ def _run_block(block: CodeBlock, folder: Path) -> subprocess.CompletedProcess:
         script = folder / f"block_{block.line}.py"
         script.write_text(block.code)
         command = [sys.executable, "-m", "ddpkit", "run", "nproc=2", script.name]
+        if block.marker == "run-with":
+            assert block.argument == "python", f"{block}: run-with: {block.argument}; only python is known"
+            command = [sys.executable, script.name]
     else:
         code = block.code
         if block.language == "console":
@@ -70,7 +73,7 @@ def page_runs(tmp_path_factory) -> dict[str, tuple[Path, list[tuple[CodeBlock, s
         for block in filter(_checked, code_blocks(page)):
             if block.marker == "file":
                 (folder / block.argument).write_text(block.code)
-            elif not block.marker:
+            elif block.marker != "fragment":
                 results.append((block, _run_block(block, folder)))
         runs[_name(page)] = (folder, results)
     return runs
@@ -84,7 +87,7 @@ def test_every_code_block_runs_or_says_why_not(page):
     assert not reasonless, f"fragments without a reason: {reasonless}"
     for index, block in enumerate(blocks):
         if block.marker == "file":
-            later = [b for b in blocks[index + 1 :] if not b.marker and block.argument in b.code]
+            later = [b for b in blocks[index + 1 :] if b.marker in ("", "run-with") and block.argument in b.code]
             assert later, f"{block} is saved as {block.argument} but no later block of the page runs it"
 
 
