@@ -15,6 +15,7 @@ An unknown marker fails the build (``mkdocs build --strict`` runs in the tests).
 
 from __future__ import annotations
 
+import html
 import re
 from typing import Any
 
@@ -50,15 +51,20 @@ def _render(kind: str, name: str) -> str:
     if kind == "command-help":
         return f"```text\n{render_help(helps[name])}\n```"
     if kind == "exit-statuses":
-        rows = [(f"`{status}`", meaning) for status, meaning in helps[name].exit_statuses]
+        rows = [(f"`{status}`", _text(meaning)) for status, meaning in helps[name].exit_statuses]
         return _table(("status", "meaning"), rows)
-    return _table(("command", "what it does"), [(f"[`ddpkit {n}`](#ddpkit-{n})", b) for n, b in briefs.items()])
+    return _table(("command", "what it does"), [(f"[`ddpkit {n}`](#ddpkit-{n})", _text(b)) for n, b in briefs.items()])
 
 
 def options_table(schema: type) -> str:
     """A Markdown table of every option of a config dataclass: key, type, default, meaning."""
-    rows = [(f"`{o.key}`", f"`{o.type}`", _default(o.default), o.doc) for o in options(schema)]
+    rows = [(f"`{o.key}`", f"`{o.type}`", _default(o.default), _text(o.doc)) for o in options(schema)]
     return _table(("option", "type", "default", "meaning"), rows)
+
+
+def _text(plain: str) -> str:
+    """Plain text (a docstring) as Markdown that shows it as written: ``<tmp>`` is no HTML tag, ``*`` no emphasis."""
+    return re.sub(r"([\\`*_\[\]])", r"\\\1", html.escape(plain, quote=False))
 
 
 def _default(value: Any) -> str:
