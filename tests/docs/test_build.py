@@ -38,6 +38,7 @@ def site(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_the_manual_builds_in_strict_mode(site):
     assert (site / "index.html").is_file()
     assert (site / "getting-started" / "index.html").is_file()

@@ -91,6 +91,7 @@ def test_every_code_block_runs_or_says_why_not(page):
             assert later, f"{block} is saved as {block.argument} but no later block of the page runs it"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [_name(page) for page in _runnable_pages()])
 def test_the_runnable_blocks_run(page_runs, page):
     _, results = page_runs[page]
@@ -98,6 +99,7 @@ def test_the_runnable_blocks_run(page_runs, page):
         assert result.returncode == 0, f"{block} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", RESUMED_SCRIPTS)
 def test_the_script_stopped_mid_run_and_run_again_ends_with_the_uninterrupted_weights(page_runs, page, tmp_path):
     reference_folder, results = page_runs[page]
