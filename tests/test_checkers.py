@@ -6,6 +6,7 @@ installed fails the test (it is in the ``test`` extra): a check that cannot run 
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 
 import ddpkit
+from tests.docs.markdown import code_blocks, pages
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["src", "tests", "examples", "benchmarks"]
+SOURCES = ["src", "tests", "examples", "benchmarks", "docs"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,6 +49,35 @@ def test_ruff_format() -> None:
 def test_mypy() -> None:
     """mypy on the modules pyproject's [tool.mypy] names (strict on the public API's modules)."""
     _assert_clean(_run("mypy", "--no-incremental"))
+
+
+def test_ruff_format_markdown_code() -> None:
+    """The python blocks of README.md and docs/ are as ``ruff format`` writes them (those that are whole Python;
+    a fragment with lines elided inside a loop is not)."""
+    unformatted = []
+    for page in pages():
+        for block in code_blocks(page):
+            if block.language != "python" or not _parses(block.code):
+                continue
+            result = subprocess.run(
+                [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "--stdin-filename", "block.py", "-"],
+                input=block.code,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if result.returncode:
+                unformatted.append(f"{block}: {result.stdout}{result.stderr}")
+    assert not unformatted, "\n".join(unformatted)
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except SyntaxError:
+        return False
+    return True
 
 
 def test_public_names_are_visible() -> None:

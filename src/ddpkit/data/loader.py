@@ -73,8 +73,8 @@ __all__ = ["ArrowBatchDataset", "BatchReadDataset", "DataLoader", "SeededDataset
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` of this rank's share of each global batch, with torch's arguments.
 
-    Every argument of torch's DataLoader has torch's meaning (the README has
-    the table); ddpkit's additions are keyword-only.
+    Every argument of torch's DataLoader has torch's meaning (the manual's Data
+    page has the table); ddpkit's additions are keyword-only.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``), or an
@@ -92,9 +92,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         drop_last: leave out the last global batch when it is incomplete
             (a stream: each worker's last incomplete batch, as torch).
         generator: its ``initial_seed()`` is the seed (instead of ``seed``).
-        num_workers, collate_fn, timeout, worker_init_fn,
-            multiprocessing_context, prefetch_factor, persistent_workers,
-            pin_memory_device, in_order: as torch's DataLoader.
+        num_workers: as torch's DataLoader; so are ``collate_fn``,
+            ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
+            ``prefetch_factor``, ``persistent_workers``, ``pin_memory_device``
+            and ``in_order``.
         pin_memory: as torch's; by default (None) on when the loader places
             batches on a CUDA device, else off.
         global_batch_size: samples per optimizer step over all ranks (a
