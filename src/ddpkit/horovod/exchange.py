@@ -35,10 +35,11 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object
 
     The first dimension may differ between ranks; the others and the dtype must agree.
     """
-    return _Allgather.apply(tensor, name, process_set)
+    result: torch.Tensor = _Allgather.apply(tensor, name, process_set)
+    return result
 
 
-def _allgather(tensor: torch.Tensor, name: str | None, process_set: object, with_dims: bool = False) -> Future:
+def _allgather(tensor: torch.Tensor, name: str | None, process_set: object, with_dims: bool = False) -> Future[Any]:
     check_process_set(process_set)
     rows_shape = tuple(tensor.shape) if tensor.dim() else (1,)
     trailing = rows_shape[1:]
@@ -61,12 +62,13 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: object) -> torch.Tensor:
-        out, dims = _allgather(tensor, name, process_set, with_dims=True).result()
+        gathered: tuple[torch.Tensor, list[int]] = _allgather(tensor, name, process_set, with_dims=True).result()
+        out, dims = gathered
         ctx.rows = (sum(dims[: engine.current().rank]), dims[engine.current().rank], tuple(tensor.shape))
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         offset, count, shape = ctx.rows
         reduced = allreduce(grad, op=Average)
         return reduced.narrow(0, offset, count).reshape(shape), None, None
@@ -93,17 +95,19 @@ def broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
 ) -> torch.Tensor:
     """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable."""
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    result: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, process_set)
+    return result
 
 
 def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
 ) -> torch.Tensor:
     """Overwrite ``tensor`` with rank ``root_rank``'s and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    result: torch.Tensor = synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return result
 
 
-def _broadcast(output: torch.Tensor, root_rank: int, name: str | None, process_set: object) -> Future:
+def _broadcast(output: torch.Tensor, root_rank: int, name: str | None, process_set: object) -> Future[Any]:
     check_process_set(process_set)
     eng = engine.current()
     if not 0 <= root_rank < eng.world_size:
@@ -131,10 +135,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: object) -> torch.Tensor:
         ctx.root_rank = root_rank
-        return _broadcast(tensor.detach().clone(), root_rank, name, process_set).result()
+        result: torch.Tensor = _broadcast(tensor.detach().clone(), root_rank, name, process_set).result()
+        return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         reduced = allreduce(grad, op=Average)
         if engine.current().rank != ctx.root_rank:
             reduced = reduced * 0

@@ -60,7 +60,7 @@ Product = ReduceOp.PRODUCT
 _ENGINE_OP = {Average: 0, Sum: 0, Min: 1, Max: 2, Product: 3}  # index in engine.REDUCE_OPS; Average sums first
 assert [REDUCE_OPS[i].name for i in (0, 1, 2, 3)] == ["SUM", "MIN", "MAX", "PRODUCT"]
 
-_futures: dict[int, Future] = {}
+_futures: dict[int, Future[Any]] = {}
 _handle_numbers = itertools.count()
 
 
@@ -84,7 +84,7 @@ def synchronize(handle: int) -> Any:
     return future.result()
 
 
-def _future(handle: int) -> Future:
+def _future(handle: int) -> Future[Any]:
     try:
         return _futures[handle]
     except KeyError:
@@ -172,7 +172,10 @@ def allreduce_(
     process_set: object = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place over every rank (Average by default) and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    result: torch.Tensor = synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
+    return result
 
 
 def grouped_allreduce_async_(
@@ -201,7 +204,9 @@ def grouped_allreduce_async(
 ) -> int:
     """Queue one allreduce of all ``tensors`` into new tensors; ``synchronize`` returns them."""
     outputs = [t.detach().clone() for t in tensors]
-    return new_handle(_grouped(list(tensors), outputs, average, name, op, prescale_factor, postscale_factor, process_set))
+    return new_handle(
+        _grouped(list(tensors), outputs, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 def grouped_allreduce(
@@ -214,9 +219,10 @@ def grouped_allreduce(
     process_set: object = global_process_set,
 ) -> list[torch.Tensor]:
     """The reductions of ``tensors``, moved as one collective, as new tensors."""
-    return synchronize(
+    result: list[torch.Tensor] = synchronize(
         grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
+    return result
 
 
 def grouped_allreduce_(
@@ -229,9 +235,10 @@ def grouped_allreduce_(
     process_set: object = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce ``tensors`` in place, as one collective, and return them."""
-    return synchronize(
+    result: list[torch.Tensor] = synchronize(
         grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
+    return result
 
 
 def _reduce_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
@@ -254,7 +261,7 @@ def _allreduce(
     prescale: float,
     postscale: float,
     process_set: object,
-) -> Future:
+) -> Future[Any]:
     return _grouped([tensor], [output], average, name, op, prescale, postscale, process_set, single=True)
 
 
@@ -268,7 +275,7 @@ def _grouped(
     postscale: float,
     process_set: object,
     single: bool = False,
-) -> Future:
+) -> Future[Any]:
     check_process_set(process_set)
     op = _reduce_op(average, op)
     if len({t.dtype for t in tensors}) > 1:
@@ -331,12 +338,13 @@ class _Allreduce(torch.autograd.Function):
         process_set: object,
     ) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(
+        result: torch.Tensor = synchronize(
             new_handle(_allreduce(tensor, tensor.detach().clone(), None, name, op, prescale, postscale, process_set))
         )
+        return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         op, prescale, postscale, process_set = ctx.args
         return (
             allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set),
