@@ -20,6 +20,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+# The stores' home: torch.distributed re-exports them without listing them, so the type checker misses them there.
+from torch._C._distributed_c10d import HashStore, Store, TCPStore
+
 from ddpkit import round_store
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.network import gloo_interface_environ
@@ -70,9 +73,8 @@ def form_process_group(
     """Form the default group; ``options`` are :func:`ddpkit.distributed.process_group_options`'s."""
     if env.world_size == 1:
         # One worker needs no network: a store in memory keeps collectives callable.
-        store = dist.HashStore()  # type: ignore[attr-defined]  # public in torch, missing from its __all__
         dist.init_process_group(
-            backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout), **options
+            backend, store=HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout), **options
         )
         return
     if "gloo" in backend:
@@ -103,7 +105,7 @@ def form_process_group(
         raise RuntimeError(explain_init_failure(env, time.monotonic() - started, timeout, e)) from e
 
 
-def job_store(env: JobEnvironment, timeout: timedelta) -> Any:
+def job_store(env: JobEnvironment, timeout: timedelta) -> Store:
     """The store the group forms on, at MASTER_ADDR:MASTER_PORT: rank 0 serves it, the others are its clients.
 
     What ``init_method="env://"`` does, except that rank 0's store listens on
@@ -112,10 +114,7 @@ def job_store(env: JobEnvironment, timeout: timedelta) -> Any:
     the keys the ranks read.
     """
     if env.rank != 0:
-        # (TCPStore and Store are public in torch, missing from its __all__: hence Any and the ignore.)
-        return dist.TCPStore(  # type: ignore[attr-defined]
-            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
-        )
+        return TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     from ddpkit.served_store import serve_at_master
 
     try:
@@ -125,7 +124,7 @@ def job_store(env: JobEnvironment, timeout: timedelta) -> Any:
     except OSError:
         # The port is taken: by a store this process serves already (``ddpkit doctor``'s, multi-tenant as
         # env://'s is), which torch's store then shares, or by another process, which it reports.
-        return dist.TCPStore(  # type: ignore[attr-defined]
+        return TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master=True, timeout=timeout, multi_tenant=True
         )
     assert served.store is not None
