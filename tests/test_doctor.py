@@ -306,8 +306,8 @@ def test_master_port_taken_on_rank_zero(doctor_as):
 def test_rank_zero_s_store_listens_on_the_master_s_address_only_and_init_shares_it():
     import psutil
 
-    from ddpkit.distributed import _job_store
     from ddpkit.doctor.checks import open_store
+    from ddpkit.process_group import job_store
 
     port = free_port()
     env = environment(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
@@ -319,5 +319,5 @@ def test_rank_zero_s_store_listens_on_the_master_s_address_only_and_init_shares_
     }
     assert listening == {"127.0.0.1"}  # torch's own store server listens on every address ("::" or 0.0.0.0)
     store.set("roll call", "done")
-    shared = _job_store(env, timedelta(seconds=5))  # what ddpkit.init does next in the same process
+    shared = job_store(env, timedelta(seconds=5))  # what ddpkit.init does next in the same process
     assert shared.get("roll call") == b"done"

@@ -15,6 +15,12 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    _StreamHandler = logging.StreamHandler[TextIO]
+else:  # subscriptable at run time from Python 3.11 only
+    _StreamHandler = logging.StreamHandler
 
 _LOGGER_NAME = "ddpkit"
 
@@ -76,7 +82,7 @@ def _one_line_warning(
     return f"{prefix} warning: {text} ({category.__name__}, {origin}:{lineno})\n"
 
 
-class _UnlessConfigured(logging.StreamHandler):
+class _UnlessConfigured(_StreamHandler):
     """Writes to stderr only while the program has set up no logging of its own (no root handler)."""
 
     def emit(self, record: logging.LogRecord) -> None:

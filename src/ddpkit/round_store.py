@@ -42,13 +42,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+# The stores' home: torch.distributed re-exports them without listing them, so the type checker misses them there.
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
 WELCOME_WAIT = 1.0
 """Seconds a worker waits for rank 0's answer under a token before reading the token again."""
 POLL = 0.01
 """Seconds between two looks for the answer (``check``: a timed-out ``wait`` would leave its answer in the socket)."""
 
 
-def round_store(environ: Mapping[str, str], rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+def round_store(environ: Mapping[str, str], rank: int, world_size: int, timeout: timedelta) -> Store:
     """The agent's store (MASTER_ADDR:MASTER_PORT) under a prefix that only this round of workers uses.
 
     Collective: every rank of the round calls it.
@@ -56,16 +59,16 @@ def round_store(environ: Mapping[str, str], rank: int, world_size: int, timeout:
     Raises:
         DistStoreError: rank 0 of the round did not hand over its token within ``timeout``.
     """
-    agent_store = dist.TCPStore(
+    agent_store = TCPStore(
         environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
     )
     base = f"ddpkit/{environ.get('TORCHELASTIC_RUN_ID', '')}"
     deadline = time.monotonic() + timeout.total_seconds()
     token = _hand_out(agent_store, base, world_size) if rank == 0 else _take(agent_store, base, rank, deadline)
-    return dist.PrefixStore(f"{base}/{token}", agent_store)
+    return PrefixStore(f"{base}/{token}", agent_store)
 
 
-def _hand_out(store: dist.Store, base: str, world_size: int) -> str:
+def _hand_out(store: Store, base: str, world_size: int) -> str:
     """Rank 0: publish a new token and welcome each rank's hello under it; return the token."""
     token = uuid.uuid4().hex
     store.set(f"{base}/token", token)
@@ -75,7 +78,7 @@ def _hand_out(store: dist.Store, base: str, world_size: int) -> str:
     return token
 
 
-def _take(store: dist.Store, base: str, rank: int, deadline: float) -> str:
+def _take(store: Store, base: str, rank: int, deadline: float) -> str:
     """Rank r > 0: the token that a live rank 0 answers this process's hello under."""
     nonce = uuid.uuid4().hex
     while True:

@@ -20,7 +20,8 @@ import socket
 import sys
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+# TCPStore's home: torch.distributed re-exports it without listing it, so the type checker misses it there.
+from torch._C._distributed_c10d import TCPStore
 
 from ddpkit.env.network import names_loopback, source_address_for
 from ddpkit.errors import UserError

@@ -117,15 +117,17 @@ def _same_files(model: nn.Module, optimizer: Any, folder: Path) -> bool:
         )
         paths.append(ckpt.save())
         ckpt.close()
-    if paths[0] is None or paths[1] is None:
+    first, second = paths
+    if first is None or second is None:
         return False
-    names = sorted(p.name for p in paths[0].iterdir())
-    if names != sorted(p.name for p in paths[1].iterdir()):
+    names = sorted(p.name for p in first.iterdir())
+    if names != sorted(p.name for p in second.iterdir()):
         return False
     compared = [n for n in names if n not in _OWN_IDS]
-    files = all((paths[0] / n).read_bytes() == (paths[1] / n).read_bytes() for n in compared)
-    manifests = [{k: v for k, v in read_manifest(p).items() if k not in ("created", "files")} for p in paths]
-    listed = [{k: v for k, v in read_manifest(p)["files"].items() if k not in _OWN_IDS} for p in paths]
+    files = all((first / n).read_bytes() == (second / n).read_bytes() for n in compared)
+    saved = (first, second)
+    manifests = [{k: v for k, v in read_manifest(p).items() if k not in ("created", "files")} for p in saved]
+    listed = [{k: v for k, v in read_manifest(p)["files"].items() if k not in _OWN_IDS} for p in saved]
     return files and manifests[0] == manifests[1] and listed[0] == listed[1]
 
 
@@ -201,12 +203,14 @@ def _folder(cfg: StallConfig) -> Iterator[str]:
         return
     box = [tempfile.mkdtemp(prefix="ddpkit-stall-", dir=cfg.folder or None) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
+    folder = box[0]
+    assert folder is not None, "rank 0's, broadcast to every rank"
     try:
-        yield box[0]
+        yield folder
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
-            shutil.rmtree(box[0], ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(words: list[str]) -> None:

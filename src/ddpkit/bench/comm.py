@@ -632,12 +632,12 @@ def target_ratios(collectives: list[dict[str, Any]], world_size: int, dtype: str
     else:
         sizes = [s for s in sorted(shm) if s in builtin and TARGET_T3["min_bytes"] <= s <= TARGET_T3["max_bytes"]]
         speedups = {s: builtin[s] / shm[s] for s in sizes}
-        worst = min(speedups, key=speedups.get) if speedups else None
+        worst = min(speedups, key=lambda s: speedups[s]) if speedups else None
         targets["T3"] = {
             "what": "builtin time / shm time, all_reduce, every size 4 B..32 MiB",
             "target": f">= {TARGET_T3['min_speedup']}",
             "per_size": {str(s): v for s, v in speedups.items()},
-            "worst": speedups.get(worst),
+            "worst": speedups[worst] if worst is not None else None,
             "worst_bytes": worst,
             "sizes": [min(sizes), max(sizes)] if sizes else [],
             "covers_range": bool(sizes) and min(sizes) <= 4 and max(sizes) >= TARGET_T3["max_bytes"],
@@ -649,12 +649,12 @@ def target_ratios(collectives: list[dict[str, Any]], world_size: int, dtype: str
     else:
         sizes = [s for s in sorted(ring) if s in builtin and s >= TARGET_T4["min_bytes"]]
         ratios = {s: ring[s] / builtin[s] for s in sizes}
-        worst = max(ratios, key=ratios.get) if ratios else None
+        worst = max(ratios, key=lambda s: ratios[s]) if ratios else None
         targets["T4"] = {
             "what": "ring time / builtin time, all_reduce, sizes >= 1 MiB",
             "target": f"<= {TARGET_T4['max_ratio']}",
             "per_size": {str(s): v for s, v in ratios.items()},
-            "worst": ratios.get(worst),
+            "worst": ratios[worst] if worst is not None else None,
             "worst_bytes": worst,
             "sizes": [min(sizes), max(sizes)] if sizes else [],
             "met": bool(ratios) and max(ratios.values()) <= TARGET_T4["max_ratio"],

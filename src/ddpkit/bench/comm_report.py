@@ -155,13 +155,13 @@ def _markdown_op(op: str, algorithms: list[str], rows: list[dict[str, Any]]) -> 
     for size, cells in sorted(by_size.items()):
         texts = []
         for name in algorithms:
-            r = cells.get(name)
-            if r is None:
+            cell = cells.get(name)
+            if cell is None:
                 texts.append("-")
-            elif name == BUILTIN or r["vs_builtin"] is None:
-                texts.append(f"{r['time_us']['median']:.1f}")
+            elif name == BUILTIN or cell["vs_builtin"] is None:
+                texts.append(f"{cell['time_us']['median']:.1f}")
             else:
-                texts.append(f"{r['time_us']['median']:.1f} ({r['vs_builtin']:.2f})")
+                texts.append(f"{cell['time_us']['median']:.1f} ({cell['vs_builtin']:.2f})")
         best = max(cells.values(), key=lambda r: r["busbw_gbps"])
         lines.append(f"| {format_bytes(size)} | {' | '.join(texts)} | {best['busbw_gbps']:.3f} ({best['algorithm']}) |")
     return lines

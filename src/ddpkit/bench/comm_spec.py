@@ -8,7 +8,7 @@ other.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypedDict
 
 from ddpkit.config import ConfigError, check_positive
 
@@ -36,8 +36,33 @@ BUILTIN = "builtin"
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 MIB = 1 << 20
 
-TARGET_T3 = {"algorithm": "shm", "min_speedup": 5.0, "min_bytes": 4, "max_bytes": 32 * MIB, "world_size": 2}
-TARGET_T4 = {"algorithm": "ring", "max_ratio": 1.5, "min_bytes": 1 * MIB}
+
+class SpeedupTarget(TypedDict):
+    """T3: an algorithm at least ``min_speedup`` times faster than the built-in, over a range of sizes."""
+
+    algorithm: str
+    min_speedup: float
+    min_bytes: int
+    max_bytes: int
+    world_size: int
+
+
+class RatioTarget(TypedDict):
+    """T4: an algorithm at most ``max_ratio`` times the built-in's time, from ``min_bytes`` on."""
+
+    algorithm: str
+    max_ratio: float
+    min_bytes: int
+
+
+TARGET_T3: SpeedupTarget = {
+    "algorithm": "shm",
+    "min_speedup": 5.0,
+    "min_bytes": 4,
+    "max_bytes": 32 * MIB,
+    "world_size": 2,
+}
+TARGET_T4: RatioTarget = {"algorithm": "ring", "max_ratio": 1.5, "min_bytes": 1 * MIB}
 """T3 and T4 (see :mod:`ddpkit.bench.comm`): compared as ratios of median times from the same run."""
 
 DEVICES = ("cpu", "cuda")

@@ -20,4 +20,5 @@ def cycles_per_ms() -> float:
     torch.cuda._sleep(10_000_000)
     end.record()
     torch.cuda.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
+    elapsed_ms: float = start.elapsed_time(end)
+    return 10_000_000 / elapsed_ms

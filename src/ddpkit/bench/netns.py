@@ -25,7 +25,7 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
 """Default addresses of host A and host B, on one /24."""
@@ -46,7 +46,7 @@ class Host:
         """argv prefixed to run inside this host's namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+    def run(self, argv: Sequence[str], timeout: float = 60.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run argv inside this host's namespace and wait; text output is captured."""
         return subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
 

@@ -63,7 +63,7 @@ class OwnLoopConfig:
         check_choice("loader", self.loader, LOADERS)
 
 
-class PerSampleImages(Dataset):
+class PerSampleImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """One image at a time, pixels scaled to [0, 1], as a textbook Dataset does it."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
@@ -93,7 +93,9 @@ def _loaders(cfg: OwnLoopConfig, ctx: Any, data: Any) -> tuple[Any, Any]:
             num_workers=cfg.num_workers,
             persistent_workers=cfg.num_workers > 0,
         ), test_loader
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed
+    )
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=cfg.batch_size // ctx.world_size,
@@ -113,7 +115,8 @@ def _accuracy(model: torch.nn.Module, loader: Any) -> float:
         sums["count"] += len(y)
     totals = ddpkit.reduce_sums(sums)
     model.train()
-    return totals["correct"] / totals["count"]
+    accuracy: float = totals["correct"] / totals["count"]
+    return accuracy
 
 
 def own_loop(cfg: OwnLoopConfig) -> dict[str, Any] | None:

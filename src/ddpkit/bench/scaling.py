@@ -586,17 +586,19 @@ def measure(cfg: ScalingBenchConfig, run: RunSpec) -> dict[str, Any]:
     from ddpkit.launchers.local import LaunchSpec, launch_local
 
     with tempfile.TemporaryDirectory(prefix="ddpkit-scaling-") as scratch:
+        result_path = Path(scratch) / "result.json"
         job = {
             "bench": dataclasses.asdict(cfg),
             "allreduce": run.allreduce,
             "scratch_dir": scratch,
-            "result_path": str(Path(scratch) / "result.json"),
+            "result_path": str(result_path),
         }
         if run.nodes == 1:
             launch_local(LaunchSpec(run.workers), run_configuration, job)
         else:
             _run_on_two_hosts(job, run.workers, cfg.timeout)
-        return json.loads(Path(job["result_path"]).read_text())
+        result: dict[str, Any] = json.loads(result_path.read_text())
+        return result
 
 
 # --- the analysis ------------------------------------------------------------------------------
@@ -618,7 +620,8 @@ def predict_step(measured: dict[str, Any]) -> float:
     comm = 0.0
     if measured["comm_s"]:
         comm = perfmodel.fit_line(measured["comm_sizes"], measured["comm_s"])(measured["gradient_bytes"])
-    return measured["slowest_rank"]["compute"] + sync_overhead(measured) + comm
+    compute: float = measured["slowest_rank"]["compute"]
+    return compute + sync_overhead(measured) + comm
 
 
 def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:

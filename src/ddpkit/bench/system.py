@@ -54,7 +54,7 @@ def machine_tag() -> str:
     return f"{len(os.sched_getaffinity(0))}core-{family}"
 
 
-def check_run(out: subprocess.CompletedProcess, name: str) -> None:
+def check_run(out: subprocess.CompletedProcess[str], name: str) -> None:
     """Raise RuntimeError, with the end of its stderr, if the benchmark run ``name`` failed."""
     if out.returncode != 0:
         raise RuntimeError(f"benchmark run {name!r} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")

@@ -282,7 +282,8 @@ def _last_json_line(command: list[str], timeout: float, name: str) -> dict[str, 
     """Run ``command`` (a bare loop or an own loop, which print their result last, as JSON); that result."""
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     check_run(out, name)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def ddpkit_summary(
@@ -299,7 +300,8 @@ def ddpkit_summary(
             timeout=timeout,
         )
         check_run(out, name or "ddpkit train " + " ".join(words))
-        return json.loads((Path(tmp) / "summary.json").read_text())
+        summary: dict[str, Any] = json.loads((Path(tmp) / "summary.json").read_text())
+        return summary
 
 
 def _bare_loops_at_once(

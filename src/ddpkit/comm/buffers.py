@@ -36,7 +36,9 @@ def broadcast_buffers(model: nn.Module, src: int = 0, group: dist.ProcessGroup |
     buffers = list(model.buffers())
     root = dist.get_global_rank(group, src) if group is not None else src
     is_root = dist.get_rank(group) == src
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+    # (A private torch helper, the one DDP uses, missing from torch.autograd's __all__.)
+    preserve = torch.autograd._unsafe_preserve_version_counter  # type: ignore[attr-defined]
+    with torch.no_grad(), preserve(tuple(buffers)):
         # The version counters stay as they were, as in DDP: a graph that saved a buffer (BatchNorm in
         # eval mode) is not invalidated by receiving the values it already had on rank 0.
         for device in dict.fromkeys(b.device for b in buffers):

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import chunks, ops, p2p
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import Op, RedOpType, ReduceOp
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` across all ranks of ``group`` in place, by recursive halving and doubling.
 
     Args:
@@ -57,7 +57,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     ops.run_all_reduce(tensor, op, group, _butterfly)
 
 
-def _butterfly(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
+def _butterfly(flat: torch.Tensor, op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
     p = 1 << (n.bit_length() - 1)  # largest power of two <= n
     extra = n - p
     scratch = chunks.workspace(flat.numel(), flat.dtype, flat.device)

@@ -70,7 +70,10 @@ class FlatGradients:
                 p.grad = buffer[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             self.buffers.append(buffer)
-        self.views = [p.grad for p in self.params]
+        self.views: list[torch.Tensor] = []
+        for p in self.params:
+            assert p.grad is not None, "set to its view of a buffer above"
+            self.views.append(p.grad)
         self._pairs = list(zip(self.params, self.views))
 
     def zero_grad(self) -> None:

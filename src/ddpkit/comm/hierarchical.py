@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import chunks, ops
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import Op, ReduceOp
 
 
 class HierarchicalAllReduce:
@@ -55,7 +55,7 @@ class HierarchicalAllReduce:
         self.leader_group = dist.new_group(leaders)
         self.is_leader = rank in leaders
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: Op = ReduceOp.SUM) -> None:
         """Reduce ``tensor`` in place across all ranks (see the module docstring)."""
         from ddpkit.comm import shm
 
@@ -85,7 +85,7 @@ def node_key() -> Hashable:
     return ("node", ctx.node_rank) if ctx is not None else ("host", socket.gethostname())
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` across all ranks in place: shared memory per node, gloo between nodes.
 
     The first call is collective on every rank: it learns each rank's node

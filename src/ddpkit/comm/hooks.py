@@ -41,11 +41,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# GradBucket's home; torch.distributed re-exports it without listing it, so the type checker misses it there.
+from torch._C._distributed_c10d import GradBucket
+
 from ddpkit.comm.ops import ReduceOp, divide
 from ddpkit.comm.tree import broadcast
 
 AllReduce = Callable[..., None]
-CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
+CommHook = Callable[[dist.ProcessGroup | None, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
@@ -64,7 +67,7 @@ def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
         the bucket's averaged gradients.
     """
 
-    def hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
@@ -73,7 +76,7 @@ def allreduce_hook(all_reduce_fn: AllReduce) -> CommHook:
                 all_reduce_fn(buffer, op=ReduceOp.SUM, group=state)
                 divide(buffer, dist.get_world_size(state))
             except BaseException as e:  # surface the failure to DDP's wait() on the training thread
-                future.set_exception(e)
+                future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types the exception as the result
                 return
             future.set_result(buffer)
 

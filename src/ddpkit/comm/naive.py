@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import chunks, ops, p2p
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import Op, RedOpType, ReduceOp
 
 ROOT = 0
 """Group rank that gathers, reduces and redistributes."""
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` across all ranks of ``group`` in place, through rank 0.
 
     Args:
@@ -43,7 +43,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     ops.run_all_reduce(tensor, op, group, _through_root)
 
 
-def _through_root(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
+def _through_root(flat: torch.Tensor, op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
     """Everyone sends to ROOT, ROOT reduces in rank order and sends the result back."""
     if rank == ROOT:
         received = chunks.workspace(flat.numel(), flat.dtype, flat.device)

@@ -39,6 +39,8 @@ from ddpkit.comm import chunks, p2p
 
 ReduceOp = dist.ReduceOp
 RedOpType = dist.ReduceOp.RedOpType
+Op = ReduceOp | RedOpType
+"""An operator as callers pass it: ``ReduceOp.SUM`` and friends (``RedOpType`` in torch's stubs) or a ``ReduceOp``."""
 
 AllReduceAlgorithm = Callable[[torch.Tensor, RedOpType, int, int, dist.ProcessGroup | None], None]
 """``algorithm(flat, op, rank, world_size, group)``: reduce the contiguous 1-d ``flat`` in place across ``group``."""
@@ -50,7 +52,7 @@ SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, Red
 _valid: set[tuple[RedOpType, torch.dtype]] = set()  # (op, dtype) pairs already checked
 
 
-def check(op: ReduceOp | RedOpType, dtype: torch.dtype) -> RedOpType:
+def check(op: Op, dtype: torch.dtype) -> RedOpType:
     """Validate ``op`` for ``dtype`` and return it as a plain ``ReduceOp.RedOpType``.
 
     Args:
@@ -63,7 +65,8 @@ def check(op: ReduceOp | RedOpType, dtype: torch.dtype) -> RedOpType:
     Raises:
         ValueError: the operator is not supported, or not for this dtype.
     """
-    op_type = op if isinstance(op, RedOpType) else op.op
+    # A ReduceOp instance carries its RedOpType in .op, which torch's stub leaves out.
+    op_type = op if isinstance(op, RedOpType) else op.op  # type: ignore[attr-defined]
     key = (op_type, dtype)
     if key in _valid:  # every collective call starts here: keep the common case cheap
         return op_type
@@ -154,7 +157,7 @@ def divide(tensor: torch.Tensor, divisor: int) -> None:
 
 
 def run_all_reduce(
-    tensor: torch.Tensor, op: ReduceOp | RedOpType, group: dist.ProcessGroup | None, algorithm: AllReduceAlgorithm
+    tensor: torch.Tensor, op: Op, group: dist.ProcessGroup | None, algorithm: AllReduceAlgorithm
 ) -> None:
     """Reduce ``tensor`` in place with ``algorithm``, around it the steps every all_reduce shares.
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.comm import butterfly, dissemination, linear, naive, ops, pairwise, ring, tree
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import Op, ReduceOp
 from ddpkit.errors import UserError
 
 AllReduce = Callable[..., None]
@@ -47,9 +47,7 @@ AllReduce = Callable[..., None]
 _SHM_MODULE = "ddpkit.comm.shm"
 
 
-def builtin_all_reduce(
-    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None
-) -> None:
+def builtin_all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """``torch.distributed.all_reduce`` with ddpkit's operator rules (AVG = SUM then divide).
 
     Args:
@@ -80,13 +78,13 @@ def _shm_unavailable_reason() -> str | None:
 
 
 def hierarchical_all_reduce(
-    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None
+    tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None
 ) -> None:
     """Forward to ``ddpkit.comm.hierarchical.all_reduce`` (imported on first call: it needs shm)."""
     importlib.import_module("ddpkit.comm.hierarchical").all_reduce(tensor, op=op, group=group)
 
 
-def shm_all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def shm_all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Forward to ``ddpkit.comm.shm.all_reduce`` (imported on first call)."""
     importlib.import_module(_SHM_MODULE).all_reduce(tensor, op=op, group=group)
 
@@ -104,7 +102,7 @@ ALLREDUCE_ALGORITHMS: dict[str, AllReduce] = {
 
 _NEEDS_SHM = ("shm", "hierarchical")
 
-COLLECTIVES: dict[str, dict[str, Callable[..., object]]] = {
+COLLECTIVES: dict[str, Mapping[str, Callable[..., object]]] = {
     "all_reduce": ALLREDUCE_ALGORITHMS,
     "reduce": {"builtin": dist.reduce, "tree": tree.reduce},
     "broadcast": {"builtin": dist.broadcast, "tree": tree.broadcast},

@@ -69,10 +69,10 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import chunks, ops, p2p
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import Op, RedOpType, ReduceOp
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` across all ranks of ``group`` in place, with a pipelined ring.
 
     Args:
@@ -86,7 +86,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     ops.run_all_reduce(tensor, op, group, _ring_all_reduce)
 
 
-def _ring_all_reduce(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
+def _ring_all_reduce(flat: torch.Tensor, op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
     """Two ranks swap in one step; more go around the pipelined ring (see the module docstring)."""
     if n == 2:
         _swap(flat, op, rank, group)
@@ -94,7 +94,7 @@ def _ring_all_reduce(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group:
         _pipelined_ring(flat, op, rank, n, group)
 
 
-def _swap(flat: torch.Tensor, op: ReduceOp, rank: int, group: dist.ProcessGroup | None) -> None:
+def _swap(flat: torch.Tensor, op: RedOpType, rank: int, group: dist.ProcessGroup | None) -> None:
     """The ring of two ranks in one step: swap whole tensors (in pipelined segments) and reduce."""
     peer = 1 - rank
     mine = chunks.segments(flat)
@@ -107,7 +107,7 @@ def _swap(flat: torch.Tensor, op: ReduceOp, rank: int, group: dist.ProcessGroup 
         ops.combine(first, second, op, out=mine[j])
 
 
-def _pipelined_ring(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
+def _pipelined_ring(flat: torch.Tensor, op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     parts = chunks.split(flat, n)
     segs = [chunks.segments(part) for part in parts]
@@ -158,7 +158,7 @@ def _pipelined_ring(flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: 
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: ReduceOp = ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Reduce ``input_list[i]`` over all ranks into ``output`` of rank ``i``, around a ring.
@@ -196,7 +196,7 @@ def reduce_scatter(
 
 
 def _ring_reduce_scatter(
-    out: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None
+    out: torch.Tensor, inputs: list[torch.Tensor], op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None
 ) -> None:
     # The partial result for chunk c travels the ring starting at rank c + 1;
     # each rank adds its own input[c] and passes it on; rank c adds last.
@@ -213,7 +213,7 @@ def _ring_reduce_scatter(
 
 
 def reduce_scatter_tensor(
-    output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None
+    output: torch.Tensor, input: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None
 ) -> None:
     """Like :func:`reduce_scatter`, the inputs concatenated in one tensor of ``world_size * output.numel()`` elements.
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import chunks, ops, p2p
-from ddpkit.comm.ops import ReduceOp
+from ddpkit.comm.ops import Op, RedOpType, ReduceOp
 
 
 def _neighbours(rank: int, root: int, n: int) -> tuple[int | None, list[int]]:
@@ -40,7 +40,7 @@ def _neighbours(rank: int, root: int, n: int) -> tuple[int | None, list[int]]:
     return parent, children
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def reduce(tensor: torch.Tensor, dst: int, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` from all ranks into ``tensor`` of rank ``dst``, up a binary tree.
 
     On other ranks ``tensor`` is left holding a partial result (unspecified, as
@@ -66,7 +66,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: d
         ops.finish(tensor, op, world_size)
 
 
-def _reduce(flat: torch.Tensor, root: int, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
+def _reduce(flat: torch.Tensor, root: int, op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None) -> None:
     parent, children = _neighbours(rank, root, n)
     segs = chunks.segments(flat)
     scratch = chunks.workspace(len(children) * flat.numel(), flat.dtype, flat.device)
@@ -110,14 +110,14 @@ def _broadcast(flat: torch.Tensor, root: int, rank: int, n: int, group: dist.Pro
     segs = chunks.segments(flat)
     tag = p2p.COLLECTIVE_TAG
     arrivals = [p2p.irecv(seg, parent, group, tag + j) if parent is not None else None for j, seg in enumerate(segs)]
-    sends = []
+    sends: list[p2p.Work | None] = []
     for j, seg in enumerate(segs):
         p2p.wait_all((arrivals[j],))
         sends.extend(p2p.isend(seg, child, group, tag + j) for child in children)
     p2p.wait_all(sends)
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+def all_reduce(tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` across all ranks of ``group`` in place: tree reduce to rank 0, then tree broadcast.
 
     Args:
@@ -132,7 +132,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
 
 
 def _reduce_then_broadcast(
-    flat: torch.Tensor, op: ReduceOp, rank: int, n: int, group: dist.ProcessGroup | None
+    flat: torch.Tensor, op: RedOpType, rank: int, n: int, group: dist.ProcessGroup | None
 ) -> None:
     _reduce(flat, 0, op, rank, n, group)
     _broadcast(flat, 0, rank, n, group)

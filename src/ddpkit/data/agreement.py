@@ -29,6 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.errors import UserError
 
 _FIXES = {
@@ -46,6 +47,27 @@ WAIT_S = 5.0
 _KEY = "ddpkit/loader-order"
 _checked = 0
 """Loaders this process has checked: the n-th loader checked on one rank is compared with the n-th on the others."""
+
+
+def agree_on_order(sampler: GlobalBatchSampler | None, rank: int, world_size: int) -> None:
+    """Check a loader's order-defining settings against the other ranks' (:func:`check_same_order`).
+
+    Only for a map-style loader (``sampler`` is its global order) sharded over
+    the world group (the one its rank and world size came from); a stream's
+    shards (``sampler`` None) need no common order.
+    """
+    if sampler is None or world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    if (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
+        return  # rank= and world_size= given for another layout: no group to compare over
+    settings = {
+        "seed": sampler.seed,
+        "shuffle": int(sampler.shuffle),
+        "dataset length": sampler.num_samples,
+        "global batch size": sampler.global_batch_size,
+        "drop_last": int(sampler.drop_last),
+    }
+    check_same_order(settings, rank, world_size)
 
 
 def check_same_order(settings: dict[str, int], rank: int, world_size: int, wait_s: float = WAIT_S) -> None:

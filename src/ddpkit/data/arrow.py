@@ -23,14 +23,14 @@ __all__ = ["ArrowBatchReader", "arrow_batch_reader"]
 
 
 def _numeric(arrow_type: Any) -> bool:
-    import pyarrow as pa
+    import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no type information
 
-    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
+    return bool(pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type))
 
 
 def _columns_read_directly(dataset: Any) -> list[str] | None:
     """The dataset's output columns when each is numbers or fixed-size lists of numbers; else None."""
-    import pyarrow as pa
+    import pyarrow as pa  # (untyped: see _numeric)
 
     fmt = dataset.format
     if fmt.get("type") != "torch" or fmt.get("format_kwargs") or fmt.get("output_all_columns"):
@@ -59,9 +59,10 @@ class ArrowBatchReader:
         self._formatter: Any = None
 
     def __call__(self, indices: list[int]) -> dict[str, Any]:
+        # (pyarrow and Hugging Face datasets ship no type information.)
         import pyarrow as pa
-        from datasets.formatting import query_table
-        from datasets.formatting.torch_formatter import TorchFormatter
+        from datasets.formatting import query_table  # type: ignore[import-untyped]
+        from datasets.formatting.torch_formatter import TorchFormatter  # type: ignore[import-untyped]
 
         dataset = self.dataset
         table = query_table(dataset._data, indices, indices=dataset._indices)  # HF's gather, its index mapping too
@@ -69,7 +70,8 @@ class ArrowBatchReader:
         for name in self.columns:
             column = table.column(name).combine_chunks()
             if column.null_count:
-                return dataset[indices]  # HF's path knows what a null becomes
+                batch: dict[str, Any] = dataset[indices]  # HF's path knows what a null becomes
+                return batch
             if pa.types.is_fixed_size_list(column.type):
                 # flatten(), unlike .values, honours the gathered array's offset.
                 values = column.flatten().to_numpy(zero_copy_only=False)
@@ -78,7 +80,8 @@ class ArrowBatchReader:
                 arrays[name] = column.to_numpy(zero_copy_only=False)
         if self._formatter is None:
             self._formatter = TorchFormatter(features=dataset.features)
-        return self._formatter.recursive_tensorize(arrays)
+        tensors: dict[str, Any] = self._formatter.recursive_tensorize(arrays)
+        return tensors
 
     def __getstate__(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "columns": self.columns, "_formatter": None}

@@ -23,6 +23,7 @@ import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
@@ -104,7 +105,7 @@ class DataOptions:
 Loader = Callable[[DataOptions, Mapping[str, str]], ImageData]
 IMAGE_DATASETS: dict[str, Loader] = {}
 """The built-in image datasets by name: loaders ``(options, environ) -> ImageData``."""
-Splits = tuple[Dataset, Dataset]
+Splits = tuple[Dataset[Any], Dataset[Any]]
 DATASETS: dict[str, Callable[[], Splits]] = {}
 """Datasets registered by users: functions returning (train, test)."""
 
@@ -171,7 +172,8 @@ def dataset_function(name: str) -> Callable[[], Splits]:
         )
     module_name, _, attr = name.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        function: Callable[[], Splits] = getattr(importlib.import_module(module_name), attr)
+        return function
     except (ImportError, AttributeError) as e:
         raise UserError(
             f"dataset {name!r} cannot be imported ({e}); check the module:function path "
@@ -196,7 +198,9 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
     cache = user_cache_dir(environ) / "idx" / source.name  # (MNIST and Fashion-MNIST share file names)
     arrays = [map_idx(folder / f.name, cache) for f in source.files]
     train_x, train_y, test_x, test_y = (torch.from_numpy(a) for a in arrays)
-    pixels = tuple(torch.from_numpy(map_pixels(folder / f.name, cache)).unsqueeze(1) for f in source.files[0::2])
+    train_pixels, test_pixels = (
+        torch.from_numpy(map_pixels(folder / f.name, cache)).unsqueeze(1) for f in source.files[0::2]
+    )
     for images, labels, split in ((train_x, train_y, "train"), (test_x, test_y, "test")):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise CorruptDataError(
@@ -209,7 +213,7 @@ def _load_idx_dataset(source: DatasetSource, options: DataOptions, environ: Mapp
         train_y.long(),
         test_x.unsqueeze(1),
         test_y.long(),
-        pixels=pixels,
+        pixels=(train_pixels, test_pixels),
     )
 
 

@@ -24,6 +24,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from ddpkit.errors import UserError
 
@@ -34,7 +35,7 @@ class CorruptDataError(UserError):
     """A data file is truncated, corrupt or not of the expected shape."""
 
 
-def read_idx(path: str | Path) -> np.ndarray:
+def read_idx(path: str | Path) -> npt.NDArray[np.uint8]:
     """Read an IDX file of unsigned bytes (``.gz`` or raw) into an array.
 
     Args:
@@ -67,7 +68,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape)
 
 
-def map_idx(path: str | Path, cache_dir: str | Path) -> np.ndarray:
+def map_idx(path: str | Path, cache_dir: str | Path) -> npt.NDArray[np.uint8]:
     """An IDX file of unsigned bytes as a copy-on-write memory map; a ``.gz`` file through a decompressed copy.
 
     The decompressed copy lives in ``cache_dir``, named after the file and a
@@ -93,7 +94,8 @@ def map_idx(path: str | Path, cache_dir: str | Path) -> np.ndarray:
         try:
             _write_atomically(copy, _header(array) + array.tobytes())
         except OSError:
-            return array.copy()
+            copied: npt.NDArray[np.uint8] = array.copy()  # (numpy's stub returns Any here)
+            return copied
         for old in copy.parent.glob(f"{stem}-*"):
             if old != copy and not old.name.endswith((".part", ".npy")):
                 with contextlib.suppress(OSError):
@@ -101,7 +103,7 @@ def map_idx(path: str | Path, cache_dir: str | Path) -> np.ndarray:
     return _mapped(copy)
 
 
-def map_pixels(path: str | Path, cache_dir: str | Path) -> np.ndarray:
+def map_pixels(path: str | Path, cache_dir: str | Path) -> npt.NDArray[np.float32]:
     """An IDX image file as float32 pixels in [0, 1] (``value / 255``), memory-mapped from a copy in ``cache_dir``.
 
     The copy (``.npy``, beside :func:`map_idx`'s and keyed the same way) is
@@ -120,7 +122,7 @@ def map_pixels(path: str | Path, cache_dir: str | Path) -> np.ndarray:
     stem = path.name[: -len(".gz")] if path.name.endswith(".gz") else path.name
     copy = Path(cache_dir) / f"{stem}-pixels-{key}.npy"
     if not copy.is_file():
-        pixels = np.divide(images, np.float32(255.0), dtype=np.float32)
+        pixels: npt.NDArray[np.float32] = np.divide(images, np.float32(255.0), dtype=np.float32)
         try:
             _write_atomically(copy, _npy_bytes(pixels))
         except OSError:
@@ -129,7 +131,8 @@ def map_pixels(path: str | Path, cache_dir: str | Path) -> np.ndarray:
             if old != copy:
                 with contextlib.suppress(OSError):
                     old.unlink()
-    return np.load(copy, mmap_mode="c")
+    mapped: npt.NDArray[np.float32] = np.load(copy, mmap_mode="c")
+    return mapped
 
 
 def write_idx(path: str | Path, array: np.ndarray) -> None:
@@ -145,7 +148,7 @@ def _header(array: np.ndarray) -> bytes:
     return bytes([0, 0, _UBYTE, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
 
 
-def _mapped(path: Path) -> np.ndarray:
+def _mapped(path: Path) -> npt.NDArray[np.uint8]:
     """A raw IDX file as a copy-on-write memory map, its header checked against its size."""
     size = path.stat().st_size
     with open(path, "rb") as f:

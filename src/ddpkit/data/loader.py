@@ -23,6 +23,9 @@ loader (README, "The DataLoader"):
 - batches placed on the worker's GPU (:mod:`ddpkit.data.device`), and worker
   processes that survive a preemption signal and die with their training
   process (:mod:`ddpkit.data.workers`).
+
+A map-style loader's order and reader come from :mod:`ddpkit.data.map_style`;
+:mod:`ddpkit.data.hand_out` hands the batches to the loop, step by step.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils.data
 from torch.utils.data import (
     Dataset,
@@ -43,26 +45,27 @@ from torch.utils.data import (
 )
 
 from ddpkit.data import shm_budget
-from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, reader_for, tensor_batches
-from ddpkit.data.agreement import check_same_order
+from ddpkit.data.adapters import ArrowBatchDataset, BatchReadDataset, Collate, tensor_batches
+from ddpkit.data.agreement import agree_on_order
 from ddpkit.data.arguments import (
     BATCH_SIZE_DEFAULT,
     global_batch,
     loader_seed,
     rank_and_world,
-    read_sampler,
     refuse_batch_sampler,
     refuse_for_streaming,
 )
-from ddpkit.data.device import on_device, resolve_loader_device
+from ddpkit.data.device import resolve_loader_device
 from ddpkit.data.epochs import EpochCursor
+from ddpkit.data.hand_out import hand_out, hand_out_stream
 from ddpkit.data.loader_samplers import KeyBatchSampler, LoaderSampler
+from ddpkit.data.map_style import map_style_source
 from ddpkit.data.node_shards import NodeBatchSampler, NodeShards
 from ddpkit.data.position import LoaderPosition, StepBoundary
 from ddpkit.data.sample_seeds import SeededDataset, _mix
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.data.streaming import Stream, StreamShard, passed_on
-from ddpkit.data.workers import WorkerInit, kill_workers, settle_stopped_queues, track_workers
+from ddpkit.data.workers import WorkerInit, settle_stopped_queues, track_workers
 from ddpkit.distributed import worker_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
@@ -191,18 +194,26 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             refuse_for_streaming(shuffle, sampler, persistent_workers, num_workers)
             self._init_stream(dataset, global_batch_size, rank, world_size, drop_last, collate_fn, torch_arguments)
         else:
-            self._init_map_style(
+            source = map_style_source(
                 dataset,
                 global_batch_size,
                 rank,
                 world_size,
                 drop_last,
                 collate_fn,
-                torch_arguments,
+                num_workers,
                 shuffle=shuffle,
                 sampler=sampler,
                 seed=seed,
                 seed_per_sample=seed_per_sample,
+            )
+            self._sampler, self._tensor_fast_path = source.sampler, source.tensor_fast_path
+            torch_arguments["pin_memory"] = pin_memory and not source.tensor_fast_path
+            super().__init__(
+                source.dataset,
+                batch_sampler=KeyBatchSampler(source.sampler),
+                collate_fn=Collate(collate_fn or default_collate),
+                **torch_arguments,
             )
         # torch's attributes, read by tools that inspect loaders; torch forbids setting them once built.
         object.__setattr__(self, "sampler", LoaderSampler(self, sampler))
@@ -219,48 +230,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         """Hooks run each time the loop asks for the next batch, and once when the epoch's batches run out:
         the points where the loop's body is complete (a Checkpointer registers its writes there)."""
         self._sample_bytes: int | None = None  # of one sample, read before the workers first start
-
-    def _init_map_style(
-        self,
-        dataset: Dataset[Any],
-        global_batch_size: int,
-        rank: int,
-        world_size: int,
-        drop_last: bool,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        torch_arguments: dict[str, Any],
-        *,
-        shuffle: bool | None,
-        sampler: Any,
-        seed: int,
-        seed_per_sample: bool,
-    ) -> None:
-        if not hasattr(dataset, "__len__"):
-            raise UserError(
-                f"ddpkit.DataLoader needs a map-style Dataset (__getitem__ and __len__) or an IterableDataset; "
-                f"{type(dataset).__name__} is neither: give it __len__, or make it a torch IterableDataset"
-            )
-        shuffle, seed, order = read_sampler(sampler, shuffle, seed, len(dataset), rank, world_size)
-        if isinstance(dataset, NodeShards):
-            if order is not None:
-                raise UserError("node-sharded data is read in its own order; pass shuffle= and seed=, not sampler=")
-            self._sampler = dataset.batch_sampler(global_batch_size, seed, shuffle, drop_last)
-        else:
-            self._sampler = GlobalBatchSampler(
-                len(dataset), global_batch_size, rank, world_size, seed, shuffle, drop_last=drop_last, order=order
-            )
-        num_workers = torch_arguments["num_workers"]
-        # TensorDataset has no randomness and needs no per-sample Python: index_select per tensor.
-        self._tensor_fast_path = isinstance(dataset, TensorDataset) and collate_fn is None and num_workers == 0
-        if not self._tensor_fast_path:
-            dataset = reader_for(dataset, collate_fn)(dataset, seed, seed_per_sample)
-        torch_arguments["pin_memory"] = torch_arguments["pin_memory"] and not self._tensor_fast_path
-        super().__init__(
-            dataset,
-            batch_sampler=KeyBatchSampler(self._sampler),
-            collate_fn=Collate(collate_fn or default_collate),
-            **torch_arguments,
-        )
 
     def _init_stream(
         self,
@@ -295,7 +264,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self._followed_epoch = follow.epoch
             self.set_epoch(follow.epoch)
         if not self._order_agreed:
-            self._agree_on_order()
+            self._order_agreed = True
+            agree_on_order(self._sampler, self._rank, self._world_size)
         if self._cursor.left_early():
             self._say_left_early()
         epoch, start = self._cursor.begin_pass()
@@ -307,7 +277,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self._stream.shard.set_epoch(epoch)
         else:
             key_sampler = self.batch_sampler
-            assert isinstance(key_sampler, KeyBatchSampler), "set by _init_map_style"
+            assert isinstance(key_sampler, KeyBatchSampler), "a map-style loader's"
             key_sampler.epoch, key_sampler.start = epoch, start
         # Workers' seeds a function of (seed, epoch), so a resumed epoch gets the same ones.
         self.generator.manual_seed(_mix(_mix(self._seed) + epoch))
@@ -318,29 +288,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         batches = super().__iter__()
         track_workers(batches)
         if self._stream is not None:
-            return self._hand_out_stream(batches, epoch, start)
+            cursor, boundary, device = self._cursor, self.step_boundary, self._device
+            return self._counted(hand_out_stream(batches, self._stream, epoch, start, cursor, boundary, device))
         return self._hand_out(batches)
-
-    def _agree_on_order(self) -> None:
-        """Once, before the first batch: every rank's order-defining settings are the same (else one line).
-
-        Only for a map-style loader sharded over the world group (the one its
-        rank and world size came from); a stream's shards need no common order.
-        """
-        self._order_agreed = True
-        sampler = self._sampler
-        if sampler is None or self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        if (self._rank, self._world_size) != (dist.get_rank(), dist.get_world_size()):
-            return  # rank= and world_size= given for another layout: no group to compare over
-        settings = {
-            "seed": sampler.seed,
-            "shuffle": int(sampler.shuffle),
-            "dataset length": sampler.num_samples,
-            "global batch size": sampler.global_batch_size,
-            "drop_last": int(sampler.drop_last),
-        }
-        check_same_order(settings, self._rank, self._world_size)
 
     def _say_left_early(self) -> None:
         """Rank 0, once, with a Checkpointer: a run resumed inside an epoch the loop leaves early differs."""
@@ -373,51 +323,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         return shm_budget.translate(error, self, self._sample_bytes or 0, self._rank_batch_size)
 
     def _hand_out(self, batches: Iterator[Any]) -> Iterator[Any]:
-        # Counted as the loop receives each batch: workers' prefetch runs the sampler ahead.
-        sampler, batches, boundary, cursor = self._global_sampler, iter(batches), self.step_boundary, self._cursor
-        placed = on_device(batches, self._device, pin=self._tensor_fast_path)
-        while True:
-            if boundary.hooks:
-                boundary.run()
-            try:
-                batch = next(placed)
-            except StopIteration:
-                break
-            except RuntimeError as error:
-                translated = self._shared_memory_error(error)
-                if translated is error:
-                    raise
-                # Workers blocked on the full /dev/shm do not stop when asked, and ignore SIGTERM (WorkerInit):
-                # torch's shutdown would wait on each in turn. This loader cannot go on: end them now.
-                kill_workers(batches)
-                raise translated from error
-            self._global_count = sampler.global_batch_length(cursor.step_in_epoch)
-            cursor.handed_out()
-            yield batch
-        cursor.ran_out()
+        sampler, device, boundary = self._global_sampler, self._device, self.step_boundary
+        pin, translate = self._tensor_fast_path, self._shared_memory_error
+        return self._counted(hand_out(iter(batches), sampler, self._cursor, boundary, device, pin, translate))
 
-    def _hand_out_stream(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
-        # As _hand_out; each worker's position is kept once its batch reaches the loop.
-        stream = self._stream
-        assert stream is not None, "a loader over an IterableDataset"
-        stream.positions, stream.known_steps = dict(stream.shard.start), None
-        agreed = on_device(stream.agreed(iter(batches), epoch, start), self._device, batch_first=True)
-        boundary, cursor = self.step_boundary, self._cursor
-        while True:
-            if boundary.hooks:
-                boundary.run()
-            item = next(agreed, None)
-            if item is None:
-                break
-            batch, worker, position, self._global_count, last = item
-            stream.positions[worker] = position
-            cursor.handed_out()
-            if last:
-                stream.known_steps = cursor.step_in_epoch
+    def _counted(self, handed: Iterator[tuple[Any, int]]) -> Iterator[Any]:
+        """The batches of ``handed`` (:mod:`ddpkit.data.hand_out`), keeping each one's global batch length."""
+        for batch, self._global_count in handed:
             yield batch
-        stream.known_steps = cursor.step_in_epoch
-        stream.shard.start = {}
-        cursor.ran_out()
 
     def global_mean(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Scale this rank's summed loss so that averaging gradients over ranks gives the global mean.

@@ -174,13 +174,12 @@ class NodeShards(TensorDataset):
     def _agree(self, folder: Path, shards: list[dict[str, Any]]) -> list[int]:
         """Every node's sample count, after checking that the nodes together hold each shard once."""
         mine = (self.node, self.local_world_size, self.held, shards, str(folder))
-        if self.nodes == 1 and self.local_world_size == 1:
-            everyone = [mine]
-        else:
-            everyone = [None] * dist.get_world_size()
+        everyone = [mine]
+        if not (self.nodes == 1 and self.local_world_size == 1):
+            everyone *= dist.get_world_size()  # placeholders, each replaced by that rank's own
             dist.all_gather_object(everyone, mine)
-        check_layout(everyone, len(shards))  # type: ignore[arg-type]
-        held = {node: held for node, _, held, _, _ in everyone}  # type: ignore[misc]
+        check_layout(everyone, len(shards))
+        held = {node: held for node, _, held, _, _ in everyone}
         return [sum(shards[index]["samples"] for index in held[node]) for node in range(self.nodes)]
 
     def batch_sampler(self, node_batch_size: int, seed: int, shuffle: bool, drop_last: bool) -> NodeBatchSampler:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from ddpkit.errors import UserError
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch, and so here
-    np = None
+    np = None  # type: ignore[assignment]  # a module or None: every use checks for None first
 
 _MASK64 = (1 << 64) - 1
 
@@ -85,14 +86,11 @@ class SamplerOrder:
         sampler, seed = self.sampler, epoch_seed(self.seed, epoch)
         own = getattr(sampler, "generator", None)
         own = own if isinstance(own, torch.Generator) else None
-        saved = (
-            torch.random.get_rng_state(),
-            random.getstate(),
-            np and np.random.get_state(),
-            own.get_state() if own is not None else None,
-        )
+        torch_state, python_state = torch.random.get_rng_state(), random.getstate()
+        numpy_state = np.random.get_state() if np is not None else None
+        own_state = own.get_state() if own is not None else None
         try:
-            torch.random.default_generator.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             random.seed(seed)
             if np is not None:
                 np.random.seed(seed >> 32)
@@ -102,15 +100,15 @@ class SamplerOrder:
                 sampler.set_epoch(epoch)
             drawn = list(sampler)
         finally:
-            torch.random.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            if np is not None:
-                np.random.set_state(saved[2])
-            if own is not None:
-                own.set_state(saved[3])
+            torch.random.set_rng_state(torch_state)
+            random.setstate(python_state)
+            if numpy_state is not None:
+                np.random.set_state(numpy_state)
+            if own is not None and own_state is not None:
+                own.set_state(own_state)
         return self._indices(drawn)
 
-    def _indices(self, drawn: list) -> torch.Tensor:
+    def _indices(self, drawn: list[Any]) -> torch.Tensor:
         try:
             order = torch.as_tensor([int(index) for index in drawn], dtype=torch.int64)
         except (TypeError, ValueError):

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset, get_worker_info
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch, and so here
-    np = None
+    np = None  # type: ignore[assignment]  # a module or None: every use checks for None first
 
 __all__ = ["SeededDataset"]
 
@@ -141,7 +141,7 @@ def _cpython_random_layout() -> bool:
         return False
     probe.random()  # two 32-bit words
     after = probe.getstate()[1]
-    return index.value == after[-1] == 2 and first.value == after[0]
+    return bool(index.value == after[-1] == 2 and first.value == after[0])
 
 
 class _NumPy:
@@ -161,7 +161,8 @@ class _NumPy:
             address = self.bit_generator.ctypes.state_address  # struct {uint32 key[624]; int pos}
             self.words = ctypes.c_uint32.from_address(address), ctypes.c_int.from_address(address + 624 * 4)
         sentinel = np.random.RandomState(_SENTINEL_SEED).get_state()
-        self.sentinel = int(sentinel[1][0]), int(sentinel[2])
+        assert isinstance(sentinel, tuple), "the legacy form: ('MT19937', key, pos, ...)"
+        self.sentinel: tuple[int, int] = int(sentinel[1][0]), int(sentinel[2])
 
     def seed(self, seed: int) -> None:
         np.random.seed(seed >> 32)
@@ -189,7 +190,7 @@ def _generators() -> list[Any]:
     return [_TorchCPU(), _Python()] + ([_NumPy()] if np is not None else [])
 
 
-class SeededDataset(Dataset):
+class SeededDataset(Dataset[Any]):
     """A map-style dataset read with keys ``(epoch, index, empty)``, seeding the RNGs per sample.
 
     ``ddpkit.DataLoader`` wraps the user's dataset in it, so ``loader.dataset``
@@ -206,7 +207,7 @@ class SeededDataset(Dataset):
         seed_per_sample: False to read samples without touching any generator.
     """
 
-    def __init__(self, dataset: Dataset, seed: int, seed_per_sample: bool = True):
+    def __init__(self, dataset: Dataset[Any], seed: int, seed_per_sample: bool = True):
         self.dataset = dataset
         self.seed = seed
         self.seed_per_sample = seed_per_sample

@@ -26,7 +26,7 @@ from ddpkit.log import get_logger
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch, and so here
-    np = None
+    np = None  # type: ignore[assignment]  # a module or None: every use checks for None first
 
 _NUMBER_BYTES = 8
 """A Python number in a sample: default_collate makes a float64 or int64 tensor of it."""
@@ -50,7 +50,7 @@ def sample_bytes(sample: Any) -> int:
     return 0  # strings and other objects travel pickled, not in shared memory
 
 
-def need_bytes(loader: torch.utils.data.DataLoader, one_sample_bytes: int, batch_size: int) -> tuple[int, int]:
+def need_bytes(loader: torch.utils.data.DataLoader[Any], one_sample_bytes: int, batch_size: int) -> tuple[int, int]:
     """(bytes of /dev/shm the loaders like ``loader`` of this node hold, training processes on this node)."""
     _, local_world_size = distributed.local_ranks()
     per_process = shared_memory.loader_bytes(
@@ -59,7 +59,7 @@ def need_bytes(loader: torch.utils.data.DataLoader, one_sample_bytes: int, batch
     return per_process * local_world_size, local_world_size
 
 
-def warn_if_too_small(loader: torch.utils.data.DataLoader, sample: Any, batch_size: int) -> None:
+def warn_if_too_small(loader: torch.utils.data.DataLoader[Any], sample: Any, batch_size: int) -> None:
     """Warn in one line (on local rank 0) when /dev/shm cannot hold what the workers of ``loader`` will put there.
 
     Args:
@@ -77,7 +77,7 @@ def warn_if_too_small(loader: torch.utils.data.DataLoader, sample: Any, batch_si
 
 
 def translate(
-    error: RuntimeError, loader: torch.utils.data.DataLoader, one_sample_bytes: int, batch_size: int
+    error: RuntimeError, loader: torch.utils.data.DataLoader[Any], one_sample_bytes: int, batch_size: int
 ) -> Exception:
     """The error to raise for ``error`` from ``loader``'s iteration: one line when /dev/shm ran out, else itself."""
     space = shared_memory.measure()
@@ -88,7 +88,7 @@ def translate(
     return shared_memory.SharedMemoryError(f"a DataLoader worker ran out of shared memory: {message}")
 
 
-def _what(loader: torch.utils.data.DataLoader, processes: int) -> str:
+def _what(loader: torch.utils.data.DataLoader[Any], processes: int) -> str:
     ahead = loader.num_workers * (loader.prefetch_factor or 2)
     return (
         f"a DataLoader with {loader.num_workers} worker processes ({ahead} batches ahead) in each of "

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,23 @@ def _hf_iterable(dataset: Any) -> bool:
     """True for a Hugging Face ``datasets.IterableDataset`` (without importing ``datasets``)."""
     module = sys.modules.get("datasets")
     return module is not None and isinstance(dataset, module.IterableDataset)
+
+
+class EpochStream(Protocol):
+    """A stream whose order depends on the epoch it is told (HF IterableDataset, a user's with ``set_epoch``)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch``'s order next."""
+
+
+class StatefulStream(Protocol):
+    """A stream that reports and restores its position (:func:`is_stateful`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, to pass to ``load_state_dict``."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a position ``state_dict`` reported."""
 
 
 def is_stateful(dataset: Any) -> bool:
@@ -82,7 +99,7 @@ def batch_rows(batch: Any) -> int:
     return batch_rows(values[0]) if values else 0
 
 
-class StreamShard(IterableDataset):
+class StreamShard(IterableDataset[tuple[Any, int, dict[str, Any]]]):
     """This rank's share of a stream, batched in each loader worker, each batch with the worker's position.
 
     Yields ``(batch, worker_id, position)``. The loader sets ``epoch`` and
@@ -99,7 +116,7 @@ class StreamShard(IterableDataset):
 
     def __init__(
         self,
-        dataset: IterableDataset,
+        dataset: IterableDataset[Any],
         rank: int,
         world_size: int,
         batch_size: int,
@@ -108,7 +125,7 @@ class StreamShard(IterableDataset):
     ):
         self.round_robin = not _hf_iterable(dataset)
         if not self.round_robin:
-            from datasets.distributed import split_dataset_by_node
+            from datasets.distributed import split_dataset_by_node  # type: ignore[import-untyped]  # (no type information)
 
             dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
@@ -128,19 +145,19 @@ class StreamShard(IterableDataset):
         """
         self.epoch = epoch
         if not self.round_robin:
-            self.dataset.set_epoch(epoch)
+            cast(EpochStream, self.dataset).set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         dataset = self.dataset
         if self.round_robin and hasattr(dataset, "set_epoch"):  # (an HF dataset's is told by set_epoch above)
-            dataset.set_epoch(self.epoch)
+            cast(EpochStream, dataset).set_epoch(self.epoch)
         position, count = self.start.get(worker), 0
         if position is not None:
             count = position["count"]
             if self.stateful:
-                dataset.load_state_dict(position["dataset"])
+                cast(StatefulStream, dataset).load_state_dict(position["dataset"])
         stride, mine = self.world_size * num_workers, self.rank * num_workers + worker
         batch: list[Any] = []
         for sample in dataset:
@@ -157,7 +174,7 @@ class StreamShard(IterableDataset):
     def _sent(self, batch: list[Any], worker: int, count: int) -> tuple[Any, int, dict[str, Any]]:
         position: dict[str, Any] = {"count": count}
         if self.stateful:
-            position["dataset"] = self.dataset.state_dict()
+            position["dataset"] = cast(StatefulStream, self.dataset).state_dict()
         return self.collate_fn(batch), worker, position
 
 
@@ -200,7 +217,7 @@ class Stream:
             yield (*current, rows, following is None)
             current, rows = following, following_rows
 
-    def _fetch(self, batches: Iterator, epoch: int, step: int) -> tuple[Any, int]:
+    def _fetch(self, batches: Iterator[tuple[Any, int, dict[str, Any]]], epoch: int, step: int) -> tuple[Any, int]:
         item = next(batches, None)
         rows = batch_rows(item[0]) if item is not None else 0
         world_size = self.shard.world_size

@@ -124,7 +124,9 @@ def _parse(hostlist: str) -> list[_Expression]:
 
 def _split_expressions(hostlist: str) -> list[str]:
     """Split at commas and whitespace outside brackets, checking the brackets pair up."""
-    expressions, current, inside = [], [], False
+    expressions: list[str] = []
+    current: list[str] = []
+    inside = False
     for char in hostlist:
         if char == "[":
             if inside:

@@ -71,7 +71,7 @@ def source_address_for(address: str) -> str | None:
         family, _, _, _, sockaddr = socket.getaddrinfo(address, _PROBE_PORT, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as sock:
             sock.connect(sockaddr)
-            source = sock.getsockname()[0]
+            source: str = sock.getsockname()[0]
     # gaierror for unknown names, ENETUNREACH without a route, UnicodeError for
     # names that are not even syntactically host names ("a..b").
     except (OSError, UnicodeError):
@@ -128,7 +128,7 @@ def interface_addresses() -> list[tuple[str, ipaddress.IPv4Address | ipaddress.I
     if libc.getifaddrs(ctypes.byref(head)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"getifaddrs: {os.strerror(errno)}")
-    pairs = []
+    pairs: list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]] = []
     try:
         node = head
         while node:

@@ -35,7 +35,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as sock:
         sock.bind(address)
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def port_from_job_id(job_id: str) -> int:

@@ -102,6 +102,7 @@ class SlurmVariables:
         else:
             tasks_per_node = parse_tasks_per_node(environ[tasks_var], tasks_var)
         if len(tasks_per_node) != num_nodes or sum(tasks_per_node) != world_size:
+            assert tasks_var is not None, "without it, one node's tasks are all the tasks"
             raise InconsistentEnvironment(
                 f"{tasks_var}={environ.get(tasks_var)!r} does not spread SLURM_NTASKS={world_size} "
                 f"over {nodes_var}={num_nodes} nodes; {_FIX}"

@@ -19,7 +19,7 @@ torchrun or ``ddpkit run nproc=4 train.py``.
 
 Where things live: :mod:`~ddpkit.horovod.basics` (init, shutdown, what torch was built with),
 :mod:`~ddpkit.horovod.ranks` (ranks and sizes),
-:mod:`~ddpkit.horovod.ops` (collectives and handles),
+:mod:`~ddpkit.horovod.ops` (handles and allreduce), :mod:`~ddpkit.horovod.exchange` (the other collectives),
 :mod:`~ddpkit.horovod.engine` (the background thread and join),
 :mod:`~ddpkit.horovod.optimizer` (DistributedOptimizer),
 :mod:`~ddpkit.horovod.functions` (broadcasting parameters, optimizer state,
@@ -49,6 +49,18 @@ from ddpkit.horovod.basics import (
     shutdown,
 )
 from ddpkit.horovod.compression import Compression
+from ddpkit.horovod.exchange import (
+    allgather,
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    join,
+)
 from ddpkit.horovod.functions import (
     allgather_object,
     broadcast_object,
@@ -63,24 +75,14 @@ from ddpkit.horovod.ops import (
     Product,
     ReduceOp,
     Sum,
-    allgather,
-    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    join,
     poll,
     synchronize,
 )

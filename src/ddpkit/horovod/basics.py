@@ -8,6 +8,8 @@ collectives. Ranks and sizes are read in :mod:`ddpkit.horovod.ranks`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -21,7 +23,7 @@ from ddpkit.horovod.unsupported import COMM, HorovodUnsupportedError
 _homogeneous = True
 
 
-def init(comm: object = None, process_sets: object = None) -> None:
+def init(comm: object = None, process_sets: Sequence[object] | None = None) -> None:
     """Join the job (``ddpkit.init()``) and start the collectives' background thread; a second call does nothing.
 
     A collective: every rank calls it.
@@ -90,7 +92,7 @@ def nccl_built() -> int:
     """NCCL's version code (as NCCL_VERSION_CODE) when torch has NCCL and CUDA, else 0."""
     if not (dist.is_nccl_available() and torch.cuda.is_available()):
         return 0
-    major, minor, patch = torch.cuda.nccl.version()
+    major, minor, patch = (int(part) for part in torch.cuda.nccl.version())
     return major * 10000 + minor * 100 + patch if (major, minor) >= (2, 9) else major * 1000 + minor * 100 + patch
 
 

@@ -108,7 +108,7 @@ class Call:
     """Rows this rank sends (allgather, alltoall); 0 otherwise."""
     row_numel: int = 0
     """Elements per row (allgather, alltoall), or of the whole tensor."""
-    shape: tuple = ()
+    shape: tuple[int, ...] | tuple[tuple[int, ...], ...] = ()
     """The shape that must agree: the whole tensor's, or a row's for allgather and alltoall."""
     name: str | None = None
     splits: Sequence[int] = field(default=())
@@ -136,7 +136,7 @@ class _Item:
     """A queued collective: ``run(rows)`` on the worker thread, or for a fusable allreduce, prepare/finish."""
 
     call: Call | None  # None: a join
-    future: Future
+    future: Future[Any]
     run: Callable[[Rows], Any] | None = None
     prepare: Callable[[], torch.Tensor] | None = None
     """The flat buffer to reduce (scaled, on its device)."""
@@ -145,7 +145,19 @@ class _Item:
     device: torch.device | None = None
 
 
-_STOP = object()
+_STOP = _Item(None, Future())  # ends the worker thread (compared by identity)
+
+
+def _prepared(item: _Item) -> torch.Tensor:
+    """The flat buffer of a fusable allreduce."""
+    assert item.prepare is not None, "a fusable allreduce"
+    return item.prepare()
+
+
+def _finished(item: _Item, part: torch.Tensor) -> Any:
+    """A fusable allreduce's result from its reduced ``part`` of the fused buffer."""
+    assert item.finish is not None, "a fusable allreduce"
+    return item.finish(part)
 
 
 class Engine:
@@ -176,7 +188,7 @@ class Engine:
         self._keys_column = self._sizes_column + FUSION_LIMIT
         self._header_length = self._keys_column + FUSION_LIMIT
         self._last_active = list(range(world_size))  # the ranks active in the latest exchange that had any
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque[_Item] = collections.deque()
         self._condition = threading.Condition()
         # A daemon: a script that never calls hvd.shutdown() still exits.
         self._thread = threading.Thread(target=self._loop, name="ddpkit-horovod", daemon=True)
@@ -198,7 +210,8 @@ class Engine:
         Returns:
             The rank that joined last (the highest of those that joined in the same round).
         """
-        return self._put(_Item(None, Future())).result()
+        last: int = self._put(_Item(None, Future())).result()
+        return last
 
     def stop(self) -> None:
         """Finish the queued collectives and end the worker thread."""
@@ -207,7 +220,7 @@ class Engine:
             self._condition.notify()
         self._thread.join()
 
-    def _put(self, item: _Item) -> Future:
+    def _put(self, item: _Item) -> Future[Any]:
         with self._condition:
             self._queue.append(item)
             self._condition.notify()
@@ -231,6 +244,7 @@ class Engine:
                 elif head.prepare is not None:
                     self._allreduce_fused(batch, followers)
                 else:
+                    assert head.run is not None, "a collective other than a fusable allreduce has its run"
                     rows = self._exchange(self._header([head.call]))
                     self._check_agreement(rows)
                     head.future.set_result(head.run(rows))
@@ -241,12 +255,14 @@ class Engine:
 
     def _fusable_followers(self, head: _Item) -> list[_Item]:
         """The allreduces queued right behind ``head`` that can share its buffer (the lock is held)."""
-        followers = []
+        assert head.call is not None, "an allreduce"
+        followers: list[_Item] = []
         for item in self._queue:
             if (
                 len(followers) == FUSION_LIMIT - 1
                 or item is _STOP
                 or item.prepare is None
+                or item.call is None  # (a join, which has no prepare either)
                 or (item.call.dtype, item.call.op, item.device) != (head.call.dtype, head.call.op, head.device)
             ):
                 break
@@ -258,17 +274,18 @@ class Engine:
 
         The fused followers are appended to ``batch`` as soon as they leave the queue.
         """
-        rows = self._exchange(self._header([item.call for item in [*batch, *followers]]))
+        # (Every allreduce has its call; only a join, never fused, has none.)
+        rows = self._exchange(self._header([item.call for item in [*batch, *followers] if item.call is not None]))
         count = self._fused_count(rows)
         with self._condition:  # the fused followers are still the first in the queue: only this thread pops
             batch += [self._queue.popleft() for _ in range(count - 1)]
         self._check_agreement(rows)
-        flats = [item.prepare() for item in batch]
+        flats = [_prepared(item) for item in batch]
         fused = flats[0] if count == 1 else torch.cat(flats)
         self.all_reduce(rows, fused)
         parts = [fused] if count == 1 else torch.split(fused, [f.numel() for f in flats])
         for item, part in zip(batch, parts):
-            item.future.set_result(item.finish(part))
+            item.future.set_result(_finished(item, part))
 
     def _header(self, calls: list[Call]) -> list[int]:
         """This rank's header row announcing ``calls`` (several only for fusable allreduces)."""

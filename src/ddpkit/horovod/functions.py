@@ -20,7 +20,8 @@ import torch
 
 from ddpkit.distributed import control_device
 from ddpkit.horovod import ranks
-from ddpkit.horovod.ops import allgather, broadcast_, broadcast_async_, synchronize
+from ddpkit.horovod.exchange import allgather, broadcast_, broadcast_async_
+from ddpkit.horovod.ops import synchronize
 from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
 
 

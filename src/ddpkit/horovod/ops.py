@@ -1,4 +1,4 @@
-"""Horovod's collectives: allreduce, allgather, broadcast, alltoall, join and barrier, with async handles.
+"""Horovod's handles and allreduce (:mod:`ddpkit.horovod.exchange` has allgather, broadcast, alltoall, join, barrier).
 
 Each ``*_async`` function queues the collective on this rank's background
 thread (:mod:`ddpkit.horovod.engine`) and returns an integer handle at once;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -35,7 +34,7 @@ import torch
 
 from ddpkit.horovod import engine
 from ddpkit.horovod.compression import Compression, Compressor
-from ddpkit.horovod.engine import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE_OPS, Call, Rows
+from ddpkit.horovod.engine import ALLREDUCE, REDUCE_OPS, Call
 from ddpkit.horovod.process_sets import check as check_process_set, global_process_set
 from ddpkit.horovod.unsupported import ADASUM, HorovodUnsupportedError
 
@@ -61,7 +60,7 @@ Product = ReduceOp.PRODUCT
 _ENGINE_OP = {Average: 0, Sum: 0, Min: 1, Max: 2, Product: 3}  # index in engine.REDUCE_OPS; Average sums first
 assert [REDUCE_OPS[i].name for i in (0, 1, 2, 3)] == ["SUM", "MIN", "MAX", "PRODUCT"]
 
-_futures: dict[int, Future] = {}
+_futures: dict[int, Future[Any]] = {}
 _handle_numbers = itertools.count()
 
 
@@ -85,7 +84,7 @@ def synchronize(handle: int) -> Any:
     return future.result()
 
 
-def _future(handle: int) -> Future:
+def _future(handle: int) -> Future[Any]:
     try:
         return _futures[handle]
     except KeyError:
@@ -94,7 +93,8 @@ def _future(handle: int) -> Future:
         ) from None
 
 
-def _handle(future: Future) -> int:
+def new_handle(future: Future[Any]) -> int:
+    """A new handle for ``future``, for ``poll`` and ``synchronize``."""
     number = next(_handle_numbers)
     _futures[number] = future
     return number
@@ -113,7 +113,7 @@ def allreduce_async(
     process_set: object = global_process_set,
 ) -> int:
     """Queue an allreduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
-    return _handle(
+    return new_handle(
         _allreduce(tensor, tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor, process_set)
     )
 
@@ -128,7 +128,7 @@ def allreduce_async_(
     process_set: object = global_process_set,
 ) -> int:
     """Queue an allreduce of ``tensor`` in place; ``synchronize`` returns ``tensor``."""
-    return _handle(_allreduce(tensor, tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return new_handle(_allreduce(tensor, tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def allreduce(
@@ -172,7 +172,10 @@ def allreduce_(
     process_set: object = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place over every rank (Average by default) and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    result: torch.Tensor = synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
+    return result
 
 
 def grouped_allreduce_async_(
@@ -185,7 +188,7 @@ def grouped_allreduce_async_(
     process_set: object = global_process_set,
 ) -> int:
     """Queue one allreduce of all ``tensors`` (same dtype) in place; ``synchronize`` returns the list."""
-    return _handle(
+    return new_handle(
         _grouped(list(tensors), list(tensors), average, name, op, prescale_factor, postscale_factor, process_set)
     )
 
@@ -201,7 +204,9 @@ def grouped_allreduce_async(
 ) -> int:
     """Queue one allreduce of all ``tensors`` into new tensors; ``synchronize`` returns them."""
     outputs = [t.detach().clone() for t in tensors]
-    return _handle(_grouped(list(tensors), outputs, average, name, op, prescale_factor, postscale_factor, process_set))
+    return new_handle(
+        _grouped(list(tensors), outputs, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 def grouped_allreduce(
@@ -214,9 +219,10 @@ def grouped_allreduce(
     process_set: object = global_process_set,
 ) -> list[torch.Tensor]:
     """The reductions of ``tensors``, moved as one collective, as new tensors."""
-    return synchronize(
+    result: list[torch.Tensor] = synchronize(
         grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
+    return result
 
 
 def grouped_allreduce_(
@@ -229,9 +235,10 @@ def grouped_allreduce_(
     process_set: object = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce ``tensors`` in place, as one collective, and return them."""
-    return synchronize(
+    result: list[torch.Tensor] = synchronize(
         grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
+    return result
 
 
 def _reduce_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
@@ -254,7 +261,7 @@ def _allreduce(
     prescale: float,
     postscale: float,
     process_set: object,
-) -> Future:
+) -> Future[Any]:
     return _grouped([tensor], [output], average, name, op, prescale, postscale, process_set, single=True)
 
 
@@ -268,7 +275,7 @@ def _grouped(
     postscale: float,
     process_set: object,
     single: bool = False,
-) -> Future:
+) -> Future[Any]:
     check_process_set(process_set)
     op = _reduce_op(average, op)
     if len({t.dtype for t in tensors}) > 1:
@@ -331,12 +338,13 @@ class _Allreduce(torch.autograd.Function):
         process_set: object,
     ) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(
-            _handle(_allreduce(tensor, tensor.detach().clone(), None, name, op, prescale, postscale, process_set))
+        result: torch.Tensor = synchronize(
+            new_handle(_allreduce(tensor, tensor.detach().clone(), None, name, op, prescale, postscale, process_set))
         )
+        return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         op, prescale, postscale, process_set = ctx.args
         return (
             allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set),
@@ -346,202 +354,3 @@ class _Allreduce(torch.autograd.Function):
             None,
             None,
         )
-
-
-# -- allgather ------------------------------------------------------------------------------
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: object = global_process_set) -> int:
-    """Queue an allgather; ``synchronize`` returns the ranks' tensors concatenated along dimension 0."""
-    return _handle(_allgather(tensor, name, process_set))
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object = global_process_set) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dimension 0, in rank order; differentiable.
-
-    The first dimension may differ between ranks; the others and the dtype must agree.
-    """
-    return _Allgather.apply(tensor, name, process_set)
-
-
-def _allgather(tensor: torch.Tensor, name: str | None, process_set: object, with_dims: bool = False) -> Future:
-    check_process_set(process_set)
-    rows_shape = tuple(tensor.shape) if tensor.dim() else (1,)
-    trailing = rows_shape[1:]
-    source = tensor.detach().reshape(-1)
-    call = Call(
-        ALLGATHER, dtype=tensor.dtype, dim0=rows_shape[0], row_numel=math.prod(trailing), shape=trailing, name=name
-    )
-    eng = engine.current()
-
-    def run(rows: Rows) -> Any:
-        parts = eng.all_gather(rows, source)
-        out = torch.cat(parts).view(-1, *trailing)
-        return (out, [p.numel() // max(1, math.prod(trailing)) for p in parts]) if with_dims else out
-
-    return eng.submit(call, run)
-
-
-class _Allgather(torch.autograd.Function):
-    """allgather with a gradient: this rank's rows of the averaged incoming gradient (as Horovod)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: object) -> torch.Tensor:
-        out, dims = _allgather(tensor, name, process_set, with_dims=True).result()
-        ctx.rows = (sum(dims[: engine.current().rank]), dims[engine.current().rank], tuple(tensor.shape))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        offset, count, shape = ctx.rows
-        reduced = allreduce(grad, op=Average)
-        return reduced.narrow(0, offset, count).reshape(shape), None, None
-
-
-# -- broadcast ------------------------------------------------------------------------------
-
-
-def broadcast_async(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
-) -> int:
-    """Queue a broadcast from ``root_rank`` into a new tensor; ``synchronize`` returns it."""
-    return _handle(_broadcast(tensor.detach().clone(), root_rank, name, process_set))
-
-
-def broadcast_async_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
-) -> int:
-    """Queue a broadcast from ``root_rank`` into ``tensor`` itself; ``synchronize`` returns it."""
-    return _handle(_broadcast(tensor, root_rank, name, process_set))
-
-
-def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
-) -> torch.Tensor:
-    """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable."""
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
-
-
-def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = global_process_set
-) -> torch.Tensor:
-    """Overwrite ``tensor`` with rank ``root_rank``'s and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
-
-
-def _broadcast(output: torch.Tensor, root_rank: int, name: str | None, process_set: object) -> Future:
-    check_process_set(process_set)
-    eng = engine.current()
-    if not 0 <= root_rank < eng.world_size:
-        raise ValueError(
-            f"root_rank={root_rank} is not a rank of this job of {eng.world_size}; pass 0..{eng.world_size - 1}"
-        )
-    result, output = output, output.detach()
-    call = Call(
-        BROADCAST, dtype=output.dtype, root=root_rank, row_numel=output.numel(), shape=tuple(output.shape), name=name
-    )
-
-    def run(rows: Rows) -> torch.Tensor:
-        flat = output.view(-1) if output.is_contiguous() else output.reshape(-1).clone()
-        eng.broadcast(rows, flat)
-        if flat.data_ptr() != output.data_ptr():
-            output.copy_(flat.view_as(output))
-        return result
-
-    return eng.submit(call, run)
-
-
-class _Broadcast(torch.autograd.Function):
-    """broadcast with a gradient: the averaged incoming gradient on the root, zero elsewhere (as Horovod)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: object) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return _broadcast(tensor.detach().clone(), root_rank, name, process_set).result()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        reduced = allreduce(grad, op=Average)
-        if engine.current().rank != ctx.root_rank:
-            reduced = reduced * 0
-        return reduced, None, None, None
-
-
-# -- alltoall, join, barrier ------------------------------------------------------------------
-
-
-def alltoall_async(
-    tensor: torch.Tensor,
-    splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None,
-    process_set: object = global_process_set,
-) -> int:
-    """Queue an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    check_process_set(process_set)
-    eng = engine.current()
-    rows_shape = tuple(tensor.shape) if tensor.dim() else (1,)
-    dim0, trailing = rows_shape[0], rows_shape[1:]
-    if splits is None:
-        if dim0 % eng.world_size:
-            raise ValueError(
-                f"alltoall without splits divides the first dimension ({dim0}) evenly over "
-                f"{eng.world_size} ranks; pass splits= (rows for each rank)"
-            )
-        splits = [dim0 // eng.world_size] * eng.world_size
-    splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    if len(splits) != eng.world_size or sum(splits) != dim0 or min(splits) < 0:
-        raise ValueError(
-            f"alltoall splits {splits} must be {eng.world_size} non-negative row counts adding up to "
-            f"the first dimension, {dim0}"
-        )
-    source = tensor.detach().reshape(-1).contiguous()
-    call = Call(
-        ALLTOALL, dtype=tensor.dtype, dim0=dim0, row_numel=math.prod(trailing), shape=trailing, name=name, splits=splits
-    )
-
-    def run(rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        out, received = eng.all_to_all(rows, source)
-        return out.view(-1, *trailing), torch.tensor(received, dtype=torch.int32)
-
-    return _handle(eng.submit(call, run))
-
-
-def alltoall(
-    tensor: torch.Tensor,
-    splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None,
-    process_set: object = global_process_set,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[r]`` rows of ``tensor`` (in order) to each rank r; receive the rows sent here.
-
-    Without ``splits`` the first dimension is divided evenly over the ranks.
-
-    Returns:
-        The received rows, concatenated in rank order; with ``splits``, also
-        a tensor of how many rows came from each rank (as Horovod).
-    """
-    output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
-    return output if splits is None else (output, received)
-
-
-def join(device: int = -1) -> int:
-    """Declare that this rank has no more data; take part in the others' collectives until all have joined.
-
-    Until every rank has called join, this rank contributes zeros to the other
-    ranks' allreduces (Average still divides by every rank) and no rows to
-    their allgathers; a broadcast from a joined rank fails.
-
-    Args:
-        device: accepted for Horovod compatibility; unused.
-
-    Returns:
-        The rank that joined last.
-    """
-    return engine.current().join()
-
-
-def barrier(process_set: object = global_process_set) -> None:
-    """Wait until every rank has reached the barrier (after this rank's queued collectives)."""
-    check_process_set(process_set)
-    eng = engine.current()
-    eng.submit(Call(BARRIER), lambda rows: None).result()

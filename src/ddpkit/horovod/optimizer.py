@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -87,10 +87,11 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average; drop the factor or use Average")
-    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    # A subclass of both _DistributedOptimizer and the optimizer's own class, made at run time.
+    cls: type[torch.optim.Optimizer] = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks, no re-initialisation
-    wrapped._setup(
+    cast(_DistributedOptimizer, wrapped)._setup(
         named_parameters,
         compression,
         backward_passes_per_step,
@@ -152,6 +153,7 @@ class _DistributedOptimizer:
                 self._delay[p] = self.backward_passes_per_step
                 grad = self._compression.decompress(out, c)
                 if grad is not p.grad:
+                    assert p.grad is not None, "a reduced gradient belongs to a parameter that has one"
                     p.grad.copy_(grad)
         self._handles.clear()
         for ready in self._ready.values():

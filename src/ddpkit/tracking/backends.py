@@ -59,4 +59,5 @@ def install_hint(kind: str) -> str | None:
 def backend_class(kind: str) -> type[Backend]:
     """The Backend subclass of ``kind`` (its module imports the backend's package only when a run opens)."""
     spec = BACKENDS[kind]
-    return getattr(importlib.import_module(spec.module), spec.cls)
+    cls: type[Backend] = getattr(importlib.import_module(spec.module), spec.cls)
+    return cls

@@ -61,7 +61,7 @@ class JsonlLog(Backend):
         if run_id is None and self.path.exists():
             raise FileExistsError(f"{self.path} exists; a new run would mix with it: track into another folder")
         if drop_from is not None and self.path.exists():
-            _rewrite(self.path, [row for row in _rows(self.path) if _step(row) is None or _step(row) < drop_from])
+            _rewrite(self.path, [row for row in _rows(self.path) if _before(row, drop_from)])
         self.file = open(self.path, "a", buffering=1)
         if run_id is None and config:
             self.file.write(format_line("config", {"config": dict(config)}))
@@ -94,6 +94,12 @@ class JsonlLog(Backend):
 def _rows(path: Path) -> list[str]:
     # A run killed while writing leaves its last line without a newline: it is dropped with the steps after it.
     return [row for row in path.read_text().splitlines(keepends=True) if row.endswith("\n")]
+
+
+def _before(row: str, step: int) -> bool:
+    """True for a row without a global step, or with one before ``step``."""
+    row_step = _step(row)
+    return row_step is None or row_step < step
 
 
 def _step(row: str) -> int | None:

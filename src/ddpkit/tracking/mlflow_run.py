@@ -71,7 +71,7 @@ class MlflowRun(Backend):
         params = [Param(key, str(value)) for key, value in flatten(config or {}).items()]
         for start in range(0, len(params), _PARAMS_PER_BATCH):
             self.client.log_batch(run_id, params=params[start : start + _PARAMS_PER_BATCH])
-        return run_id
+        return str(run_id)
 
     def _continue(self, drop_from: int | None) -> None:
         if drop_from is not None:
@@ -111,16 +111,21 @@ def delete_from_step(uri: str, run_id: str, step: int) -> None:
     from sqlalchemy import create_engine, delete, select
     from sqlalchemy.orm import Session
 
+    # MLflow's models declare plain Column attributes (SQLAlchemy 1.x style): the type checker reads a
+    # comparison as a bool and a row's field as a Column, hence the ignores and the str() of a key.
     engine = create_engine(uri)
     try:
         with Session(engine) as session, session.begin():
-            session.execute(delete(SqlMetric).where(SqlMetric.run_uuid == run_id, SqlMetric.step >= step))
+            session.execute(
+                delete(SqlMetric).where(SqlMetric.run_uuid == run_id, SqlMetric.step >= step)  # type: ignore[arg-type]
+            )
             session.execute(delete(SqlLatestMetric).where(SqlLatestMetric.run_uuid == run_id))
             rows = session.execute(select(SqlMetric).where(SqlMetric.run_uuid == run_id)).scalars()
             latest: dict[str, Any] = {}
             for row in rows:  # MLflow's order: the highest step, then the newest, then the largest value
-                if row.key not in latest or _rank(row) > _rank(latest[row.key]):
-                    latest[row.key] = row
+                key = str(row.key)
+                if key not in latest or _rank(row) > _rank(latest[key]):
+                    latest[key] = row
             session.add_all(
                 SqlLatestMetric(
                     key=row.key,

@@ -64,7 +64,7 @@ class WandbRun(Backend):
             self.run = self._init(resume_from=f"{run_id}?_step={drop_from * ROWS_PER_STEP - 1}")
         else:
             self.run = self._init(id=run_id, resume="allow")
-        self.run_id = self.run.id
+        self.run_id = str(self.run.id)
         return self.run_id
 
     def _init(self, **how: Any) -> Any:
@@ -74,7 +74,8 @@ class WandbRun(Backend):
         settings: dict[str, Any] = {"console": "off", "silent": True}
         if "x_transaction_log_flush_interval" in wandb.Settings.model_fields:  # wandb >= 0.31
             settings["x_transaction_log_flush_interval"] = float(self.options.get("flush_seconds", FLUSH_SECONDS))
-        mode = self.options.get("mode") or (None if os.environ.get("WANDB_MODE") else "offline")
+        # (A user's option, which wandb checks: online, offline, disabled or shared.)
+        mode: Any = self.options.get("mode") or (None if os.environ.get("WANDB_MODE") else "offline")
         named = {key: self.options[key] for key in ("entity", "group", "tags") if key in self.options}
         run = wandb.init(
             project=self.project,

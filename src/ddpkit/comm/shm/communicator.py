@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import weakref
+from typing import NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,7 @@ class ShmCommunicator:
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._handle = ctypes.c_void_p()
-        self._lib = None
+        self._lib: ctypes.CDLL | None = None
         self._name = ""
         if self.world_size > 1:
             self._connect(group)
@@ -121,8 +122,9 @@ class ShmCommunicator:
             name = f"/{_SEGMENT_PREFIX}-{os.getuid()}-{secrets.token_hex(8)}"
             problem = self._open(name)
         try:
-            first = [None] * self.world_size
-            dist.all_gather_object(first, (_node_id(), name, problem), group=group)
+            gathered: list[object] = [None] * self.world_size
+            dist.all_gather_object(gathered, (_node_id(), name, problem), group=group)
+            first = cast("list[tuple[tuple[str, str], str | None, str | None]]", gathered)
             nodes = [node for node, _, _ in first]
             if len(set(nodes)) > 1:
                 by_node = {node: [r for r, n in enumerate(nodes) if n == node] for node in dict.fromkeys(nodes)}
@@ -135,9 +137,10 @@ class ShmCommunicator:
                 if why:
                     raise RuntimeError(f"shm all_reduce: rank {rank} could not set up the shared-memory segment: {why}")
             name = first[0][1]
+            assert name is not None, "rank 0 named the segment, or said why not"
             if self.rank != 0:
                 problem = self._open(name)
-            problems = [None] * self.world_size
+            problems: list[str | None] = [None] * self.world_size
             dist.all_gather_object(problems, problem, group=group)
             failed = [(r, p) for r, p in enumerate(problems) if p]
             if failed:
@@ -148,15 +151,17 @@ class ShmCommunicator:
                 )
         except BaseException:
             self.close()
-            if self.rank == 0 and name:
+            if self.rank == 0 and name and lib is not None:
                 lib.ddpkit_shm_unlink(name.encode())  # gone already if every rank mapped it
             raise
+        assert lib is not None, "a rank without the library failed the handshake"
         self._name = name  # unlinked already; kept for error messages and tests
         self._info = (ctypes.c_int64 * 8)()
         self._all_reduce_fn = lib.ddpkit_shm_all_reduce
         self._resume_fn = lib.ddpkit_shm_resume
 
     def _open(self, name: str) -> str | None:
+        assert self._lib is not None, "loaded by _connect"
         slot = slot_bytes(self.world_size)
         rc = self._lib.ddpkit_shm_open(
             name.encode(),
@@ -234,6 +239,7 @@ class ShmCommunicator:
                 while rc == _lib.RC_AGAIN:  # every ~50 ms: signal handlers (Ctrl-C) run here
                     rc = self._resume_fn(handle, info)
             except BaseException:
+                assert self._lib is not None, "a communicator of several ranks has its library"
                 self._lib.ddpkit_shm_abort(handle)
                 self._failure = "interrupted during a collective"
                 raise
@@ -320,6 +326,7 @@ def get_communicator(group: dist.ProcessGroup | None = None, timeout: float | No
             comm = _communicators.get(key) if key is not None else None
             if comm is None:
                 comm = ShmCommunicator(key, timeout)
+                assert key is not None, "ShmCommunicator refuses a missing group"
                 _communicators[key] = comm
     return comm
 
@@ -348,7 +355,7 @@ def all_reduce(
     get_communicator(group).all_reduce(tensor, op)
 
 
-def _reject(tensor: torch.Tensor, op: object) -> None:
+def _reject(tensor: torch.Tensor, op: object) -> NoReturn:
     if not tensor.is_cpu:
         raise ValueError(
             f"ddpkit.comm.shm.all_reduce takes CPU tensors, got one on {tensor.device}; "
