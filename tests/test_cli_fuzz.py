@@ -32,7 +32,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 import ddpkit.cli
 import ddpkit.launchers.local
 import ddpkit.train.run
-from ddpkit.config import TrainConfig, _example, _field_names
+from ddpkit.keyvalue import _example, _field_names
+from ddpkit.train.config import TrainConfig
 
 KEYS = _field_names(TrainConfig)
 FOLDER_KEYS = {"output_dir", "checkpoint.dir", "data_dir", "init_from"}

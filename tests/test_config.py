@@ -3,7 +3,8 @@
 import pytest
 
 from ddpkit.cli import parse_train_config
-from ddpkit.config import ConfigError, TrainConfig, parse
+from ddpkit.keyvalue import ConfigError, parse
+from ddpkit.train.config import TrainConfig
 
 
 def test_words_files_and_order(tmp_path):

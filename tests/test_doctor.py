@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from ddpkit import cli
-from ddpkit.config import ConfigError, parse
 from ddpkit.doctor import (
     Check,
     Devices,
@@ -33,6 +32,7 @@ from ddpkit.doctor import (
 )
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.ports import free_port
+from ddpkit.keyvalue import ConfigError, parse
 from tests.helpers.launch_in_process import Commands
 
 

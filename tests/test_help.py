@@ -10,7 +10,7 @@ from ddpkit import __version__
 from ddpkit.bench.cli import KINDS
 from ddpkit.cli import COMMANDS, main
 from ddpkit.command_help import field_docs, load_schema
-from ddpkit.config import TrainConfig
+from ddpkit.train.config import TrainConfig
 
 
 def help_text(capsys, *words: str) -> str:
@@ -54,7 +54,7 @@ def test_a_field_in_no_group_is_still_listed(capsys):
         CommandHelp(
             usage="x",
             summary="y",
-            schema="ddpkit.config:CheckpointConfig",
+            schema="ddpkit.train.config:CheckpointConfig",
             groups=(("cadence", ("every_steps", "every_seconds")),),
         )
     )

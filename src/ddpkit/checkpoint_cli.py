@@ -17,8 +17,8 @@ import re
 from collections.abc import Sequence
 
 from ddpkit.command_help import CommandHelp
-from ddpkit.config import check_choice, parse
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import check_choice, parse
 
 
 @dataclasses.dataclass

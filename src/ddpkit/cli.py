@@ -24,13 +24,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ddpkit.bench.cli import BENCH_HELP
 from ddpkit.checkpoint_cli import CHECKPOINTS_HELP, EXPORT_HELP
 from ddpkit.command_help import HELP_WORDS, CommandHelp, render_help, wants_help
-from ddpkit.config import (  # no torch import: `ddpkit slurm` starts fast
-    TRAIN_OPTION_GROUPS,
-    TrainConfig,
-    parse_train_config,
-    peek,
-)
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import peek  # no torch import: `ddpkit slurm` starts fast
 from ddpkit.launchers.failure import LaunchError, record_for_launcher
 from ddpkit.launchers.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
 from ddpkit.launchers.slurm_cli import SLURM_HELP
@@ -43,6 +38,7 @@ from ddpkit.names import (
     EXIT_USER_ERROR,
     EXIT_WORKER_FAILED,
 )
+from ddpkit.train.config import TRAIN_OPTION_GROUPS, TrainConfig, parse_train_config
 from ddpkit.version import __version__
 
 if TYPE_CHECKING:
@@ -98,7 +94,7 @@ TRAIN_HELP = CommandHelp(
     "the model's recipe sets the defaults of some options (lr, epochs...). The run writes "
     "metrics.jsonl, summary.json and checkpoints into its own folder runs/<model>-<dataset>/<time> "
     "(runs/latest points to it).",
-    schema="ddpkit.config:TrainConfig",
+    schema="ddpkit.train.config:TrainConfig",
     groups=TRAIN_OPTION_GROUPS,
     examples=(
         "ddpkit train nproc=2                          # the MLP on Fashion-MNIST, 2 workers",
@@ -462,8 +458,8 @@ def _environ_set(variables: Mapping[str, str]) -> Iterator[None]:
 def _launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
     """The LaunchSpec of a command's options (nproc, the nodes, the port, restarts, the ranks shown), with
     ``options`` added."""
-    from ddpkit.config import shown_ranks
     from ddpkit.launchers.local import LaunchSpec
+    from ddpkit.launchers.options import shown_ranks
 
     return LaunchSpec(
         config.nproc,

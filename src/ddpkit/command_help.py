@@ -2,7 +2,7 @@
 
 Every option of a command is a field of a dataclass with a type, a default
 and a docstring (the string literal under the field, as in
-:class:`ddpkit.config.TrainConfig`). The help lists them all from the class
+:class:`ddpkit.train.config.TrainConfig`). The help lists them all from the class
 itself, so it cannot drift from what the parser accepts: nested dataclasses
 appear as dotted keys (``checkpoint.every_steps``), and a field that no
 group names still appears, under "other options".

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ddpkit.cli import main
-from ddpkit.config import parse
+from ddpkit.keyvalue import parse
 from ddpkit.launchers import slurm_cli
 from ddpkit.launchers.sbatch import SbatchSpec, render_sbatch
 

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddpkit.cli import main, parse_train_config
-from ddpkit.config import ConfigError
+from ddpkit.keyvalue import ConfigError
 from tests.helpers.launch_in_process import Commands
 
 RUN = [

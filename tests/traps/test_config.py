@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from ddpkit.cli import run_words
-from ddpkit.config import ConfigError, parse
+from ddpkit.keyvalue import ConfigError, parse
 from ddpkit.launchers.script import RunConfig
 from ddpkit.train.preflight import oversubscribed
 from tests.cli_runner import REPO

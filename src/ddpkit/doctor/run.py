@@ -6,7 +6,6 @@ import os
 import socket
 from collections.abc import MutableMapping, Sequence
 
-from ddpkit.config import parse
 from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce, uses_agent_store
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.describe import choose_network, describe_devices, network_stack_id, resolved_backend, run_hints
@@ -16,6 +15,7 @@ from ddpkit.doctor.report import print_report
 from ddpkit.doctor.results import Check, DoctorProblem, Report, WorkerInfo
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
+from ddpkit.keyvalue import parse
 
 
 def examine(cfg: DoctorConfig, environ: MutableMapping[str, str]) -> Report:

@@ -46,7 +46,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpkit.config import SHOW_RANKS_DEFAULT, ConfigError, check_choice, check_nodes, check_positive, parse, shown_ranks
+from ddpkit.keyvalue import ConfigError, check_choice, check_positive, parse
+from ddpkit.launchers.options import SHOW_RANKS_DEFAULT, check_nodes, shown_ranks
 
 USAGE = (
     "usage: ddpkit run [nproc=N] [device=auto|cpu] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "

@@ -32,9 +32,10 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.command_help import CommandHelp
-from ddpkit.config import ConfigError, TrainConfig, check_choice, parse
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import ConfigError, check_choice, parse
 from ddpkit.launchers.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
+from ddpkit.train.config import TrainConfig
 
 SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
 NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
@@ -217,7 +218,7 @@ def _command_words(command: str) -> tuple[str, ...]:
 
 
 def _check_train_words(words: Sequence[str]) -> TrainConfig:
-    from ddpkit.config import parse_train_config
+    from ddpkit.train.config import parse_train_config
 
     try:
         return parse_train_config(words)

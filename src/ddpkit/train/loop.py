@@ -41,6 +41,7 @@ the scale lowered), so there the run stops only when the weights are non-finite.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,7 +56,6 @@ from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, n
 from ddpkit.checkpoint.format import set_aside
 from ddpkit.checkpoint.manager import Checkpointer
 from ddpkit.comm.fsdp import is_sharded
-from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader
 from ddpkit.distributed import Context, control_device
 from ddpkit.errors import UserError
@@ -63,6 +63,7 @@ from ddpkit.log import get_logger, stderr_is_terminal
 from ddpkit.names import EXIT_DIVERGED
 from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
 from ddpkit.reduce import reduce_sums
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.metrics_file import MetricsWriter
 from ddpkit.train.state import TrainState
 from ddpkit.train.task import Task, split_batch
@@ -408,7 +409,7 @@ class Trainer:
             "train_time_s": round(self.state.train_time, 4),
             "samples_per_s": round(self.state.samples_seen / max(self.state.train_time, 1e-9), 1),
             "test": test,
-            "config": to_dict(self.cfg),
+            "config": dataclasses.asdict(self.cfg),
         }
         if self.train_loader_for_eval is not None:
             summary["train"] = self.evaluate(self.train_loader_for_eval)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpkit.config import ConfigError, check_choice, parse
+from ddpkit.keyvalue import ConfigError, check_choice, parse
 
 PANELS = {
     # name: (event, metric, y-axis label)

@@ -7,7 +7,7 @@
 and its ``resume``, and ``ddpkit.export_checkpoint`` at the end. Those come
 from ``ddpkit``'s public names (``ddpkit.__all__``) and the datasets from
 :mod:`ddpkit.datasets`. Besides the trainer's own modules (``ddpkit.train``,
-``ddpkit.config``), the only other imports are this plumbing of the command,
+``ddpkit.train.config``), the only other imports are this plumbing of the command,
 which an own loop does without (``tests/train/test_run_imports.py`` keeps
 the imports to this list):
 
@@ -58,13 +58,13 @@ from ddpkit import (
     prepare_model,
     seed_everything,
 )
-from ddpkit.config import TrainConfig, to_dict
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
 from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
@@ -240,7 +240,7 @@ def build_tracker(cfg: TrainConfig) -> Tracker | None:
         folder / "tensorboard" if cfg.logger == "tensorboard" else folder,
         project=project,
         run_name=folder.name,
-        config=to_dict(cfg),
+        config=dataclasses.asdict(cfg),
     )
 
 
@@ -257,7 +257,7 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         loader=trainer.loader,
         extra={"train_state": trainer.state},
         options=cfg.checkpoint.for_run(trainer.task.quality_metric),
-        config=to_dict(cfg),
+        config=dataclasses.asdict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}},
         timeout=cfg.timeout,
     )
@@ -317,7 +317,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
             f"{_launcher_name(ctx)}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
             f"master {ctx.env.master_addr}:{ctx.env.master_port}, backend {ctx.backend}, device {ctx.device}"
         )
-        log.info("config: " + " ".join(f"{k}={v}" for k, v in to_dict(cfg).items()))
+        log.info("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
         summary = _train(cfg, ctx, export_dir)  # its trainer is gone on return, before the group is left below
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
