@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddpkit.cli import parse_train_config
+from ddpkit.commands.dispatch import parse_train_config
 from ddpkit.keyvalue import ConfigError, parse
 from ddpkit.train.config import TrainConfig
 

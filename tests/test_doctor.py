@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ddpkit import cli
+from ddpkit.commands import dispatch as cli
 from ddpkit.doctor import (
     Check,
     Devices,

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from ddpkit.checkpoint.format import CheckpointError
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.data.idx import CorruptDataError
 from ddpkit.data.sources import DataNotFoundError
 from ddpkit.env.base import InconsistentEnvironment

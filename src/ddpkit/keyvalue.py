@@ -7,7 +7,7 @@ given, and validated against the schema. Dotted keys reach nested groups
 (``checkpoint.every_steps=100``).
 
 A ``key=value`` word's value is read by the option's type, not as YAML
-(``--help`` says it: :data:`ddpkit.command_help.VALUE_RULE`): text options take the value exactly as written
+(``--help`` says it: :data:`ddpkit.commands.help.VALUE_RULE`): text options take the value exactly as written
 (``output_dir=out #1`` is the folder "out #1", ``time=2:00:00`` stays text),
 whole numbers, numbers and true/false are converted, a list option takes
 comma-separated values. ``${...}`` is never filled in, on the command line or

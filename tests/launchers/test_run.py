@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit.launchers.local
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.launchers.script import USAGE, RunConfig, ScriptTarget, parse_run_command
 from ddpkit.names import EXIT_PREEMPTED
 from tests.cli_runner import PYTHONPATH
@@ -91,7 +91,7 @@ def _no_launch(*args, **kwargs):
 def launched(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The ``ddpkit run`` commands of the tests below, by name: each one's exit status, stdout and stderr.
 
-    They run in this process (``ddpkit.cli.main``), their workers forked from one worker server shared by
+    They run in this process (``ddpkit.commands.dispatch.main``), their workers forked from one worker server shared by
     all of them; the command's own process is what the console-script tests below start.
     """
     folder = tmp_path_factory.mktemp("run")
@@ -259,7 +259,7 @@ def ensure_running():
     print("torch in the launcher when the server starts:", "torch" in sys.modules, file=sys.stderr)
     start()
 forkserver.ensure_running = ensure_running
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 sys.exit(main(sys.argv[1:]))
 """
     (tmp_path / "a.py").write_text("print('the script ran')\n")

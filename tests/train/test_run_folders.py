@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.keyvalue import parse
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.run_folder import LATEST, claim_run_folder, plan_run_folder

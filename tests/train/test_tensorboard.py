@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit.cli import main, parse_train_config
+from ddpkit.commands.dispatch import main, parse_train_config
 from ddpkit.keyvalue import ConfigError
 from tests.helpers.launch_in_process import Commands
 

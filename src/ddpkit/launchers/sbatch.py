@@ -1,7 +1,7 @@
 """sbatch scripts for ddpkit training jobs: ``render_sbatch(SbatchSpec(...))``.
 
 ``render_sbatch`` is a pure function from a :class:`SbatchSpec` to the text
-of a batch script; ``ddpkit slurm`` (:mod:`ddpkit.launchers.slurm_cli`) prints,
+of a batch script; ``ddpkit slurm`` (:mod:`ddpkit.commands.slurm`) prints,
 writes or submits it. The script has four parts, in this order:
 
 1. ``#SBATCH`` directives: nodes, tasks per node, GPUs per node, CPUs per
@@ -112,7 +112,7 @@ class SlurmResources:
     """What a job asks Slurm for in its ``#SBATCH`` lines: nodes, tasks, GPUs, CPUs, where, how long, its name and output.
 
     Declared once: :class:`SbatchSpec` and ``ddpkit slurm``'s options
-    (:class:`ddpkit.launchers.slurm_cli.SlurmConfig`) extend it. Empty strings and
+    (:class:`ddpkit.commands.slurm.SlurmConfig`) extend it. Empty strings and
     zeros mean "not set": the directive is left out and the cluster's default applies.
     """
 

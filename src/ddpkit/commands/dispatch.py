@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ddpkit.bench.cli import BENCH_HELP
-from ddpkit.checkpoint_cli import CHECKPOINTS_HELP, EXPORT_HELP
-from ddpkit.command_help import HELP_WORDS, CommandHelp, render_help, wants_help
+from ddpkit.commands.bench import BENCH_HELP
+from ddpkit.commands.checkpoints import CHECKPOINTS_HELP, EXPORT_HELP
+from ddpkit.commands.help import HELP_WORDS, CommandHelp, render_help, wants_help
+from ddpkit.commands.slurm import SLURM_HELP
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import peek  # no torch import: `ddpkit slurm` starts fast
 from ddpkit.launchers.failure import LaunchError, record_for_launcher
 from ddpkit.launchers.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
-from ddpkit.launchers.slurm_cli import SLURM_HELP
 from ddpkit.names import (
     DEFAULT_PREEMPT_SIGNALS,
     EXIT_DIVERGED,
@@ -145,31 +145,29 @@ PLOT_HELP = CommandHelp(
 
 COMMANDS: dict[str, Command] = {
     "train": Command(
-        "ddpkit.cli:train_command",
+        "ddpkit.commands.dispatch:train_command",
         TRAIN_HELP,
         "train a model data-parallel (nproc=N workers here, or one worker of a torchrun/srun/mpirun job)",
     ),
     "run": Command(
-        "ddpkit.cli:run_command",
+        "ddpkit.commands.dispatch:run_command",
         RUN_HELP,
         "run your own Python script as nproc=N workers here, as torchrun does (RANK, WORLD_SIZE... set)",
     ),
     "bench": Command(
-        "ddpkit.bench.cli:bench_command", BENCH_HELP, "benchmarks: bench train | bench comm | bench scaling"
+        "ddpkit.commands.bench:bench_command", BENCH_HELP, "benchmarks: bench train | bench comm | bench scaling"
     ),
-    "slurm": Command(
-        "ddpkit.launchers.slurm_cli:main", SLURM_HELP, "write or submit an sbatch script for a training job"
-    ),
+    "slurm": Command("ddpkit.commands.slurm:main", SLURM_HELP, "write or submit an sbatch script for a training job"),
     "doctor": Command(
         "ddpkit.doctor:main", DOCTOR_HELP, "print the detected environment and check the network between workers"
     ),
     "checkpoints": Command(
-        "ddpkit.checkpoint_cli:checkpoints_command",
+        "ddpkit.commands.checkpoints:checkpoints_command",
         CHECKPOINTS_HELP,
         "list the checkpoints of a folder, with step, epoch, metric and whether each verifies",
     ),
     "export": Command(
-        "ddpkit.checkpoint_cli:export_command",
+        "ddpkit.commands.checkpoints:export_command",
         EXPORT_HELP,
         "write a checkpoint's weights and model config for inference",
     ),

@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from ddpkit.command_help import CommandHelp
+from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import check_choice, parse
 
@@ -54,7 +54,7 @@ EXPORT_HELP = CommandHelp(
     usage="ddpkit export CHECKPOINT OUT [key=value ...]",
     summary="Write a checkpoint's weights and model config for inference: OUT/model.pt (the weights, loadable "
     "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
-    schema="ddpkit.checkpoint_cli:ExportConfig",
+    schema="ddpkit.commands.checkpoints:ExportConfig",
     positional=(
         ("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified checkpoint)"),
         ("OUT", "the folder to write"),
@@ -67,7 +67,7 @@ CHECKPOINTS_HELP = CommandHelp(
     "verifies (newest, best, incomplete, corrupt, unreadable or non-finite). Exit status 1 when the newest one is "
     "not usable; 'newest' tags the one resume=auto would take. With digest=..., check one checkpoint against the "
     "digest recorded when it was written.",
-    schema="ddpkit.checkpoint_cli:CheckpointsConfig",
+    schema="ddpkit.commands.checkpoints:CheckpointsConfig",
     positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
     examples=(
         "ddpkit checkpoints runs/latest",

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from ddpkit.command_help import CommandHelp
+from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import ConfigError, check_choice, parse
 from ddpkit.launchers.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
@@ -103,7 +103,7 @@ SLURM_HELP = CommandHelp(
     "mpirun). Key=value words that are not the options below are training options, checked against "
     "ddpkit train's (ddpkit train --help); train.KEY=VALUE says so explicitly. Each job trains into its "
     "own folder runs/<model>-<dataset>/slurm-<job id>.",
-    schema="ddpkit.launchers.slurm_cli:SlurmConfig",
+    schema="ddpkit.commands.slurm:SlurmConfig",
     examples=(
         "ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
         'ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command="python train.py" submit=true',

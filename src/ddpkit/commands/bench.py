@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from ddpkit.command_help import CommandHelp, render_help, wants_help
+from ddpkit.commands.help import CommandHelp, render_help, wants_help
 from ddpkit.errors import UserError
 
 # Each kind's module has ``main(words) -> int`` and its config dataclass.
