@@ -30,6 +30,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import ddpkit.commands.dispatch
+import ddpkit.commands.train
 import ddpkit.launchers.local
 import ddpkit.train.run
 from ddpkit.keyvalue import _example, _field_names
@@ -144,7 +145,7 @@ class Workers:
 def workers(monkeypatch) -> Workers:
     stand_in = Workers()
     monkeypatch.setattr(ddpkit.train.run, "run_worker", stand_in.run_worker)
-    monkeypatch.setattr(ddpkit.commands.dispatch, "_launch", stand_in.launch)
+    monkeypatch.setattr(ddpkit.commands.train, "launch", stand_in.launch)
     monkeypatch.setattr(ddpkit.launchers.local, "worker_server", contextlib.nullcontext)
     return stand_in
 

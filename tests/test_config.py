@@ -2,9 +2,8 @@
 
 import pytest
 
-from ddpkit.commands.dispatch import parse_train_config
 from ddpkit.keyvalue import ConfigError, parse
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import TrainConfig, parse_train_config
 
 
 def test_words_files_and_order(tmp_path):

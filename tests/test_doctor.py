@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ddpkit.commands import dispatch as cli
+from ddpkit.commands.doctor import doctor_command as main
 from ddpkit.doctor import (
     Check,
     Devices,
@@ -25,7 +26,6 @@ from ddpkit.doctor import (
     format_report,
     join_diagnosis,
     loopback_diagnosis,
-    main,
     missing_diagnosis,
     network_stack_id,
     reach_master,

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from ddpkit.commands.dispatch import run_words
+from ddpkit.commands.run import run_words
 from ddpkit.keyvalue import ConfigError, parse
 from ddpkit.launchers.script import RunConfig
 from ddpkit.train.preflight import oversubscribed

@@ -1,4 +1,4 @@
-"""``ddpkit plot``: one PNG of a run's curves from its metrics.jsonl, several runs overlaid.
+"""The curves of ``ddpkit plot`` (:mod:`ddpkit.commands.plot`): one PNG of a run's curves from its metrics.jsonl, several runs overlaid.
 
 ::
 
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpkit.keyvalue import ConfigError, check_choice, parse
+from ddpkit.keyvalue import ConfigError, check_choice
 
 PANELS = {
     # name: (event, metric, y-axis label)
@@ -96,23 +95,6 @@ class Run:
             if line.get("epoch", 0) > 0 and float(line["epoch"]).is_integer():
                 return line["global_step"] / line["epoch"]
         return None
-
-
-def plot_command(args: Sequence[str]) -> int:
-    """``ddpkit plot RUN_DIR [RUN_DIR ...] [key=value ...]``: write the PNG and say where."""
-    folders = [word for word in args if not _is_config_word(word)]
-    cfg = parse(PlotConfig, [word for word in args if _is_config_word(word)])
-    if not folders:
-        raise PlotError("ddpkit plot needs a run folder (the output_dir of ddpkit train), e.g. ddpkit plot runs/latest")
-    runs = label_runs([read_run(Path(folder)) for folder in folders])
-    output = Path(cfg.output) if cfg.output else default_output(runs)
-    draw(runs, cfg, output)
-    print(f"wrote {output} ({len(runs)} run(s): {', '.join(cfg.panel_names())} against {cfg.x})")
-    return 0
-
-
-def _is_config_word(word: str) -> bool:
-    return "=" in word or (word.endswith((".yaml", ".yml")) and os.path.isfile(word))
 
 
 def default_output(runs: Sequence[Run]) -> Path:
