@@ -291,3 +291,34 @@ def check_count(name: str, value: int) -> None:
         raise ConfigError(
             f"{name}={value} is more than any run can do; use at most {COUNT_LIMIT} (max_steps=N stops a long run)"
         )
+
+
+HELP, GROUP, COUNTED = "help", "group", "counted"
+"""The keys of an option's field metadata: its help text (else its docstring gives it), the group of the command's
+help it is listed under, and whether it counts work (held to COUNT_LIMIT)."""
+
+
+def option(default: T, *, help: str = "", group: str = "", counted: bool = False) -> T:
+    """A dataclass field for a key=value option, its help, help group and count limit in the field's metadata.
+
+    The one declaration that ``--help``, the groups of the help and the count checks read
+    (:func:`option_names`), so that no list of field names is kept beside the class.
+    """
+    metadata = {HELP: help, GROUP: group, COUNTED: counted}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def option_names(schema: type, *, group: str | None = None, counted: bool | None = None) -> tuple[str, ...]:
+    """The names of ``schema``'s fields, in field order, whose metadata matches ``group`` and ``counted``."""
+    return tuple(
+        field.name
+        for field in dataclasses.fields(schema)
+        if (group is None or field.metadata.get(GROUP, "") == group)
+        and (counted is None or field.metadata.get(COUNTED, False) == counted)
+    )
+
+
+def check_counts(config: Any) -> None:
+    """Raise ConfigError when an option of ``config`` declared ``counted`` exceeds COUNT_LIMIT."""
+    for name in option_names(type(config), counted=True):
+        check_count(name, getattr(config, name))

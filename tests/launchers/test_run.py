@@ -312,7 +312,7 @@ def test_the_workers_environment_for_the_device_option(tmp_path, monkeypatch, wo
 
 def test_device_cpu_hides_the_gpus_from_the_workers_only(tmp_path, monkeypatch):
     """The launcher's own environment is as it was after the launch."""
-    from ddpkit import cli
+    from ddpkit.commands import run as run_command
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")
@@ -323,7 +323,7 @@ def test_device_cpu_hides_the_gpus_from_the_workers_only(tmp_path, monkeypatch):
         seen["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         return 0, ""
 
-    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.setattr(run_command, "launch", launch)
     assert main(["run", "device=cpu", "a.py"]) == 0
     assert seen == {"CUDA_VISIBLE_DEVICES": ""} and "CUDA_VISIBLE_DEVICES" not in os.environ
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit.keyvalue import HELP
+
 HELP_WORDS = ("-h", "--help")
 VALUE_RULE = (
     "key=value: the value is taken exactly as written, not as YAML (output_dir=out #1 is the folder 'out #1'; "
@@ -72,14 +74,18 @@ def wants_help(words: Sequence[str]) -> bool:
 
 
 def field_docs(schema: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass and of the dataclasses it extends, read from their source.
+    """The help of each field of a dataclass and of the dataclasses it extends: the help its metadata holds, else
+    the docstring under it, read from the source.
 
-    A field a subclass declares again (a new default) takes the subclass's docstring. {} without source.
+    A field a subclass declares again (a new default) takes the subclass's docstring. No docstrings without source.
     """
     docs: dict[str, str] = {}
     for cls in reversed(schema.__mro__):
         if dataclasses.is_dataclass(cls):
             docs.update(_own_field_docs(cls))
+    for field in dataclasses.fields(schema):  # an option declared with its help in its metadata (keyvalue.option)
+        if field.metadata.get(HELP):
+            docs[field.name] = " ".join(str(field.metadata[HELP]).split())
     return docs
 
 

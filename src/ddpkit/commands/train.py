@@ -37,7 +37,8 @@ TRAIN_EXIT_STATUSES = exit_statuses(
 TRAIN_HELP = CommandHelp(
     usage="ddpkit train [key=value ...] [config.yaml ...]",
     summary="Train a model data-parallel: nproc=N workers on this machine, or one worker of a torchrun, "
-    "srun or mpirun job (detected). YAML files and key=value words are merged in the order given; "
+    "srun or mpirun job (detected; there the launcher's own options replace nproc, nnodes, node_rank, master_addr, "
+    "master_port and max_restarts). YAML files and key=value words are merged in the order given; "
     "the model's recipe sets the defaults of some options (lr, epochs...). The run writes "
     "metrics.jsonl, summary.json and checkpoints into its own folder runs/<model>-<dataset>/<time> "
     "(runs/latest points to it).",

@@ -1,11 +1,15 @@
-"""The options of a launch from the command line (``ddpkit train``, ``ddpkit run``): their checks.
+"""The options of a launch of local workers from the command line: :class:`LaunchOptions`, declared once.
 
+``ddpkit train``'s TrainConfig and ``ddpkit run``'s RunConfig both extend it, so both commands take the same
+words (``nproc``, the nodes, the port, restarts, the ranks shown), with the same help and the same checks.
 No torch: ``ddpkit train --help`` and ``ddpkit run --help`` read this module.
 """
 
 from __future__ import annotations
 
-from ddpkit.keyvalue import ConfigError, check_positive
+import dataclasses
+
+from ddpkit.keyvalue import ConfigError, check_counts, check_positive, option
 
 SHOW_RANKS_DEFAULT = "0"
 """The workers whose output ``ddpkit train`` and ``ddpkit run`` show: rank 0 (README, "Your own script")."""
@@ -60,3 +64,56 @@ def check_nodes(nnodes: int, node_rank: int, master_addr: str, master_port: int)
             f"nnodes={nnodes} needs master_port=PORT, a free TCP port on node 0, the same on every "
             "node (e.g. master_port=29500)"
         )
+
+
+@dataclasses.dataclass
+class LaunchOptions:
+    """Where and how many workers a command starts, and what its console shows; set as key=value.
+
+    A command's config extends it (its fields come first); its checks run once, in ``__post_init__``.
+    """
+
+    nproc: int = option(1, help="Workers to start on this machine.", group="distributed", counted=True)
+    max_restarts: int = option(
+        0,
+        help="Times all workers are restarted after one fails (ddpkit train, and a script with a "
+        "ddpkit.Checkpointer, continue from the latest checkpoint); nproc workers here only.",
+        group="distributed",
+        counted=True,
+    )
+    master_port: int = option(
+        0,
+        help="Rendezvous port on node 0; 0 asks the OS for a free one (one node only: nnodes > 1 needs a port).",
+        group="distributed",
+    )
+    nnodes: int = option(
+        1,
+        help="Machines (or containers) of the job, each running this command with its node_rank.",
+        group="distributed",
+        counted=True,
+    )
+    node_rank: int = option(0, help="This machine's index among the nnodes, 0 on the master.", group="distributed")
+    master_addr: str = option(
+        "",
+        help="With nnodes > 1: host name or address of node 0 (e.g. its container name), the same on every node.",
+        group="distributed",
+    )
+    show_ranks: str = option(
+        SHOW_RANKS_DEFAULT,
+        help="Workers whose output this console shows, each line prefixed [rank r/w]: 0 (rank 0, which speaks for "
+        "the run), a list (0,1) or all (as torchrun's --local-ranks-filter, by global rank); every rank's whole "
+        "stdout and stderr are in the launch's log folder either way (rank-N.stdout.log, rank-N.stderr.log): "
+        "<output_dir>/logs/<date-time>/ for ddpkit train, log_dir for ddpkit run.",
+        group="output",
+    )
+
+    def __post_init__(self) -> None:
+        check_positive("nproc", self.nproc)
+        check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        check_counts(self)
+        check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
+        shown_ranks(self.show_ranks)
+
+
+LAUNCH_OPTIONS = tuple(field.name for field in dataclasses.fields(LaunchOptions))
+"""The names of the launch options, in declaration order."""

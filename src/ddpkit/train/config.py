@@ -10,8 +10,18 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from ddpkit.checkpoint.options import CheckpointOptions, resume_choice
-from ddpkit.keyvalue import ConfigError, check_choice, check_count, check_positive, parse, peek
-from ddpkit.launchers.options import SHOW_RANKS_DEFAULT, check_nodes, shown_ranks
+from ddpkit.keyvalue import (
+    GROUP,
+    ConfigError,
+    check_choice,
+    check_count,
+    check_positive,
+    option,
+    option_names,
+    parse,
+    peek,
+)
+from ddpkit.launchers.options import LaunchOptions
 from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
 
@@ -19,24 +29,6 @@ LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
 LOGGERS = ("jsonl", *sorted(set(BACKENDS) - {"jsonl"}))
 """Values of TrainConfig.logger: metrics.jsonl alone, or also one of ddpkit.tracking's backends."""
-
-
-COUNTS = (
-    "epochs",
-    "max_steps",
-    "warmup_steps",
-    "lr_step_epochs",
-    "log_every",
-    "synthetic_samples",
-    "batch_size",
-    "grad_accum_steps",
-    "nproc",
-    "nnodes",
-    "num_workers",
-    "threads",
-    "max_restarts",
-)
-"""The TrainConfig options held to COUNT_LIMIT."""
 
 
 BEST_METRICS = ("", "auto", "accuracy", "loss", "mse")
@@ -85,186 +77,110 @@ class CheckpointConfig(CheckpointOptions):
         return CheckpointOptions(**values)
 
 
-TRAIN_OPTION_GROUPS = (
-    (
-        "model and data",
-        (
-            "model",
-            "dataset",
-            "task",
-            "loss",
-            "data_dir",
-            "download",
-            "data_mirror",
-            "synthetic_samples",
-            "num_workers",
-            "init_from",
-            "freeze",
-        ),
-    ),
-    (
-        "optimization",
-        (
-            "epochs",
-            "max_steps",
-            "batch_size",
-            "batch_scope",
-            "optimizer",
-            "lr",
-            "momentum",
-            "lr_schedule",
-            "warmup_steps",
-            "lr_step_epochs",
-            "lr_gamma",
-            "weight_decay",
-            "scale_lr",
-            "grad_accum_steps",
-            "precision",
-            "seed",
-        ),
-    ),
-    (
-        "distributed",
-        (
-            "nproc",
-            "nnodes",
-            "node_rank",
-            "master_addr",
-            "master_port",
-            "backend",
-            "device",
-            "allreduce",
-            "grad_sync",
-            "sync_batchnorm",
-            "shard",
-            "timeout",
-            "threads",
-            "max_restarts",
-        ),
-    ),
-    ("checkpoints", ("checkpoint", "resume")),
-    ("output", ("output_dir", "show_ranks", "log_every", "logger", "progress", "eval_every_epoch", "eval_train")),
-)
-"""The groups of ``ddpkit train --help`` (a field in none is listed under "other options")."""
+TRAIN_GROUP_TITLES = ("model and data", "optimization", "distributed", "checkpoints", "output")
+"""The groups of ``ddpkit train --help``, in their order; each option names its group in its metadata."""
 
 
 @dataclasses.dataclass
-class TrainConfig:
-    """Everything ``ddpkit train`` needs; every field can be set as key=value."""
+class TrainConfig(LaunchOptions):
+    """Everything ``ddpkit train`` needs; every field can be set as key=value (the launch options first)."""
 
-    model: str = "mlp"
+    model: str = option("mlp", group="model and data")
     """Model: mlp, cnn, cnn_bn (cnn with BatchNorm), autoencoder, a registered name, or module:function returning an nn.Module."""
-    dataset: str = "fashion-mnist"
+    dataset: str = option("fashion-mnist", group="model and data")
     """Dataset: fashion-mnist, mnist, synthetic, a registered name, or module:function returning (train, test)."""
-    task: str = "auto"
+    task: str = option("auto", group="model and data")
     """classification (cross-entropy, accuracy), regression (MSE to the target), reconstruction (MSE to the input);
     auto: the model's registered task, else classification."""
-    loss: str = ""
+    loss: str = option("", group="model and data")
     """module:function(output, batch) returning the per-sample losses, instead of the task's loss."""
-    num_workers: int = 0
+    num_workers: int = option(0, group="model and data", counted=True)
     """DataLoader worker processes per training worker (0: load in the training process)."""
-    data_dir: str = ""
+    data_dir: str = option("", group="model and data")
     """Folder holding the dataset's IDX files; empty searches the usual places (see README)."""
-    download: bool = True
+    download: bool = option(True, group="model and data")
     """Download the dataset from its official mirrors when it is found nowhere."""
-    data_mirror: str = ""
+    data_mirror: str = option("", group="model and data")
     """A base URL tried before the official mirrors (e.g. a local copy of them)."""
-    synthetic_samples: int = 60000
+    synthetic_samples: int = option(60000, group="model and data", counted=True)
     """Number of training samples of the synthetic dataset (test set: one sixth)."""
-    epochs: int = 5
+    epochs: int = option(5, group="optimization", counted=True)
     """Number of passes over the training set."""
-    batch_size: int = 64
+    batch_size: int = option(64, group="optimization", counted=True)
     """Batch size: global (split across workers) or per worker, see batch_scope."""
-    batch_scope: str = "global"
+    batch_scope: str = option("global", group="optimization")
     """global: batch_size is the global batch; per_worker: each worker takes batch_size."""
-    optimizer: str = "adam"
+    optimizer: str = option("adam", group="optimization")
     """adam or sgd (with momentum)."""
-    lr: float = 1e-3
+    lr: float = option(1e-3, group="optimization")
     """Learning rate (before scale_lr)."""
-    momentum: float = 0.0
+    momentum: float = option(0.0, group="optimization")
     """SGD momentum."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = option("constant", group="optimization")
     """constant, step (times lr_gamma every lr_step_epochs), cosine (to 0 at the end) or onecycle."""
-    warmup_steps: int = 0
+    warmup_steps: int = option(0, group="optimization", counted=True)
     """Optimizer steps of linear warm-up from lr/100 to lr before the schedule."""
-    lr_step_epochs: int = 1
+    lr_step_epochs: int = option(1, group="optimization", counted=True)
     """Epochs between two decays of lr_schedule=step."""
-    lr_gamma: float = 0.1
+    lr_gamma: float = option(0.1, group="optimization")
     """Factor of each decay of lr_schedule=step."""
-    weight_decay: float = 0.0
+    weight_decay: float = option(0.0, group="optimization")
     """L2 weight decay."""
-    scale_lr: bool = False
+    scale_lr: bool = option(False, group="optimization")
     """Multiply lr by the number of workers (linear scaling rule)."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = option(1, group="optimization", counted=True)
     """Micro-batches accumulated per optimizer step (gradients synchronised once, via no_sync)."""
-    precision: str = "fp32"
+    precision: str = option("fp32", group="optimization")
     """fp32, or bf16 / fp16 mixed precision (autocast; fp16 uses a gradient scaler on CUDA)."""
-    sync_batchnorm: bool = False
+    sync_batchnorm: bool = option(False, group="distributed")
     """Convert BatchNorm layers to SyncBatchNorm."""
-    seed: int = 0
+    seed: int = option(0, group="optimization")
     """Seed of the model initialisation and of the global sample order."""
-    nproc: int = 1
-    """Workers to start on this machine; ignored when started by torchrun, srun or mpirun."""
-    nnodes: int = 1
-    """Machines (or containers) of the job, each running this command with its node_rank; ignored under
-    torchrun, srun or mpirun."""
-    node_rank: int = 0
-    """This machine's index among the nnodes, 0 on the master."""
-    master_addr: str = ""
-    """With nnodes > 1: host name or address of node 0 (e.g. its container name), the same on every node."""
-    backend: str = "auto"
+    backend: str = option("auto", group="distributed")
     """Process-group backend: auto (gloo on CPU, nccl on CUDA), gloo, nccl, or cpu:gloo,cuda:nccl."""
-    device: str = "auto"
+    device: str = option("auto", group="distributed")
     """auto (CUDA when available, bound to the local rank), cpu or cuda."""
-    allreduce: str = "auto"
+    allreduce: str = option("auto", group="distributed")
     """Gradient all_reduce: auto (CPU: shm on one node, hierarchical across nodes with several workers per node;
     else builtin), builtin, shm, hierarchical, ring, ..."""
-    grad_sync: str = "auto"
+    grad_sync: str = option("auto", group="distributed")
     """auto (flat with allreduce shm, and for gradients <= 1 MiB; else ddp), ddp (DistributedDataParallel with the
     all_reduce as its hook), flat (one all_reduce of all gradients after backward) or manual (per-parameter
     all_reduce)."""
-    shard: bool = False
+    shard: bool = option(False, group="distributed")
     """Shard parameters, gradients and optimizer state over the workers (torch's FSDP2 on the model's repeated
     blocks): for models larger than one device; checkpoints are written by every worker, export gives full weights."""
-    timeout: float = 300.0
+    timeout: float = option(300.0, group="distributed")
     """Seconds a collective or the rendezvous may wait for a peer before failing."""
-    threads: int = 0
+    threads: int = option(0, group="distributed", counted=True)
     """Torch threads per worker; 0 shares this machine's cores among the local workers."""
-    master_port: int = 0
-    """Rendezvous port on node 0; 0 asks the OS for a free one (one node only: nnodes > 1 needs a port)."""
-    output_dir: str = ""
+    output_dir: str = option("", group="output")
     """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
     runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
     runs/latest points to; with resume=auto, the newest run of this model and dataset."""
-    show_ranks: str = SHOW_RANKS_DEFAULT
-    """Workers whose output this console shows, each line prefixed [rank r/w]: 0 (rank 0, which speaks for the
-    run), a list (0,1) or all; every rank's whole stdout and stderr are in <output_dir>/logs/<date-time>/
-    rank-N.stdout.log and rank-N.stderr.log either way, a folder per launch (nproc workers here only)."""
-    log_every: int = 50
+    log_every: int = option(50, group="output", counted=True)
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
-    logger: str = "jsonl"
+    logger: str = option("jsonl", group="output")
     """jsonl (metrics.jsonl only), or also an experiment tracker, continued on resume: csv (<output_dir>/metrics.csv),
     tensorboard (event files in <output_dir>/tensorboard), mlflow (a run in $MLFLOW_TRACKING_URI, else
     sqlite:///<output_dir>/mlflow.db) or wandb (offline unless $WANDB_MODE says otherwise; <output_dir>/wandb);
     pip install ddpkit[tensorboard|mlflow|wandb]."""
-    progress: bool = True
+    progress: bool = option(True, group="output")
     """Show a progress bar on rank 0."""
-    eval_every_epoch: bool = True
+    eval_every_epoch: bool = option(True, group="output")
     """Evaluate on the test set after every epoch (always after the last)."""
-    eval_train: bool = False
+    eval_train: bool = option(False, group="output")
     """Also evaluate on the whole training set at the end (as long as an epoch of forward passes)."""
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig, metadata={GROUP: "checkpoints"})
     """Checkpoint cadence, folder, retention, best checkpoint and preemption (checkpoint.KEY=VALUE)."""
-    resume: str = "never"
+    resume: str = option("never", group="checkpoints")
     """never (start fresh), auto (the newest complete, verified checkpoint) or the path of one checkpoint;
     true means auto, false never."""
-    max_steps: int = 0
+    max_steps: int = option(0, group="optimization", counted=True)
     """Stop after this many optimizer steps in total, with a checkpoint (0: train all epochs)."""
-    max_restarts: int = 0
-    """Times the workers are restarted (from the latest checkpoint) after one fails; nproc workers here only."""
-    init_from: str = ""
+    init_from: str = option("", group="model and data")
     """Start from the weights of this checkpoint or export (matching names and shapes; the rest is reported)."""
-    freeze: str = ""
+    freeze: str = option("", group="model and data")
     """Comma-separated parameter name prefixes not to train, e.g. freeze=0,2 or freeze=encoder."""
 
     def __post_init__(self) -> None:
@@ -280,7 +196,7 @@ class TrainConfig:
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("lr_step_epochs", self.lr_step_epochs)
         check_positive("lr_gamma", self.lr_gamma)
-        for name in ("epochs", "batch_size", "grad_accum_steps", "nproc", "log_every", "synthetic_samples"):
+        for name in ("epochs", "batch_size", "grad_accum_steps", "log_every", "synthetic_samples"):
             check_positive(name, getattr(self, name))
         for name in ("lr", "timeout"):
             check_positive(name, getattr(self, name))
@@ -288,14 +204,10 @@ class TrainConfig:
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("threads", self.threads, allow_zero=True)
         check_positive("max_steps", self.max_steps, allow_zero=True)
-        check_positive("max_restarts", self.max_restarts, allow_zero=True)
-        for name in COUNTS:
-            check_count(name, getattr(self, name))
+        super().__post_init__()  # the launch options' checks, and every counted option's limit
         self.resume = resume_choice(self.resume)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
-        check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
-        shown_ranks(self.show_ranks)
 
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
@@ -304,3 +216,7 @@ def parse_train_config(args: Sequence[str]) -> TrainConfig:
 
     model = peek(args, "model", TrainConfig) or TrainConfig.model
     return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))
+
+
+TRAIN_OPTION_GROUPS = tuple((title, option_names(TrainConfig, group=title)) for title in TRAIN_GROUP_TITLES)
+"""The groups of ``ddpkit train --help``: (title, the options that name it), read from the fields' metadata."""
