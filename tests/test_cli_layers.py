@@ -1,0 +1,34 @@
+"""The commands sit on top: pyproject's layers contract places every module of ddpkit, and nothing below the
+commands imports them (import-linter holds the contract in tests/test_checkers.py; this test holds its shape)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import grimp
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+LAYERS = "Layers: commands on top of the clients, the clients on top of the core"
+
+
+def contracts() -> dict[str, dict]:
+    config = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
+    return {contract["name"]: contract for contract in config["contracts"]}
+
+
+def test_the_layers_contract_places_every_module_of_ddpkit():
+    layers = contracts()[LAYERS]["layers"]
+    assert layers[0] == "ddpkit.commands"
+    placed = {name for layer in layers for name in re.split(r"\s*[|:]\s*", layer)}
+    graph = grimp.build_graph("ddpkit", cache_dir=None)
+    children = graph.find_children("ddpkit") - {"ddpkit.__main__"}  # the entry point of python -m ddpkit
+    assert children - placed == set(), "place each new module of ddpkit in the layers contract"
+
+
+def test_nothing_outside_the_commands_imports_them():
+    graph = grimp.build_graph("ddpkit", cache_dir=None)
+    commands = {"ddpkit.commands", *graph.find_descendants("ddpkit.commands")}
+    importers = {m for module in commands for m in graph.find_modules_that_directly_import(module)} - commands
+    assert importers <= {"ddpkit.__main__"}
