@@ -4,10 +4,10 @@ commands imports them (import-linter holds the contract in tests/test_checkers.p
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import grimp
+import tomllib
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 LAYERS = "Layers: commands on top of the clients, the clients on top of the core"
