@@ -70,7 +70,8 @@ def parse(
             raise ConfigError(_explain(e, schema, word)) from None
     _check_finite(merged, schema)  # before the dataclasses' own checks, which compare (NaN passes any bound)
     try:
-        return OmegaConf.to_object(merged)  # validates (every ${ was escaped: nothing is filled in)
+        config: T = OmegaConf.to_object(merged)  # type: ignore[assignment]  # omegaconf types it as any container; a structured config gives the schema's instance
+        return config
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e, schema, "")) from None
     except UserError as e:
@@ -89,7 +90,7 @@ def _check_finite(merged: DictConfig, schema: type, prefix: str = "") -> None:
         if field.name not in merged:
             continue
         kind = _field_type(schema, field.name)
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             _check_finite(merged[field.name], kind, f"{prefix}{field.name}.")
         elif kind is float:
             try:
@@ -140,7 +141,8 @@ def _read_layer(word: str, schema: type | None) -> dict[str, Any]:
                 f"config file {word!r} holds a list, not options; write one option per line as "
                 "key: value, e.g. epochs: 5"
             )
-        return _escaped(OmegaConf.to_container(loaded, resolve=False))
+        options: dict[str, Any] = _escaped(OmegaConf.to_container(loaded, resolve=False))
+        return options
     if "=" not in word:
         raise ConfigError(
             f"{word!r} is neither key=value nor a .yaml file; write it as key=value, e.g. {_first_key(schema)}"
@@ -258,12 +260,11 @@ def _check_groups(word: str, layer: Mapping[str, Any], schema: type, prefix: str
 
 
 def _field_names(schema: type, prefix: str = "") -> list[str]:
+    """Every option's dotted key, in field order."""
     names = []
     for field in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(field.type) or (
-            isinstance(field.default_factory, type) and dataclasses.is_dataclass(field.default_factory)
-        ):
-            nested = field.default_factory if field.default_factory is not dataclasses.MISSING else field.type
+        nested = field.default_factory if field.default_factory is not dataclasses.MISSING else field.type
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
             names += _field_names(nested, f"{prefix}{field.name}.")
         else:
             names.append(prefix + field.name)

@@ -68,4 +68,5 @@ def bench_command(args: Sequence[str]) -> int:
     if wants_help(words):
         print(render_help(KINDS[kind]))
         return 0
-    return importlib.import_module(f"ddpkit.bench.{kind}").main(words)
+    status: int = importlib.import_module(f"ddpkit.bench.{kind}").main(words)
+    return status

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
@@ -212,7 +213,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
     return 0
 
 
-def _epoch(manifest: dict) -> str:
+def _epoch(manifest: dict[str, Any]) -> str:
     if "completed_epochs" not in manifest:
         return "-"
     done, step, per_epoch = (
@@ -227,7 +228,7 @@ def _epoch(manifest: dict) -> str:
     return f"{done}+{step}/{per_epoch}"
 
 
-def _metric(manifest: dict) -> str:
+def _metric(manifest: dict[str, Any]) -> str:
     metrics = manifest.get("metrics") or {}
     for name in ("accuracy", "mse", "loss"):
         if name in metrics:
@@ -235,7 +236,7 @@ def _metric(manifest: dict) -> str:
     return "-"
 
 
-def _size(num_bytes: int) -> str:
+def _size(num_bytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if num_bytes < 1024 or unit == "GB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"

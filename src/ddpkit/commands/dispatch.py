@@ -123,7 +123,9 @@ def _current_folder_importable() -> None:
     # process, not in main() (which tests call in-process). Spawned workers
     # receive the launcher's sys.path (multiprocessing's preparation data).
     cwd = os.getcwd()
-    if not sys.flags.safe_path and cwd not in sys.path:  # python -P / PYTHONSAFEPATH: the user asked for none
+    if (
+        not getattr(sys.flags, "safe_path", False) and cwd not in sys.path
+    ):  # python -P / PYTHONSAFEPATH: the user asked for none
         sys.path.insert(0, cwd)
 
 
@@ -166,4 +168,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 def load_function(path: str) -> Callable[[Sequence[str]], int]:
     """The function named by ``module:function``."""
     module, _, function = path.partition(":")
-    return getattr(importlib.import_module(module), function)
+    found: Callable[[Sequence[str]], int] = getattr(importlib.import_module(module), function)
+    return found

@@ -111,7 +111,7 @@ def options(schema: type, prefix: str = "") -> list[Option]:
     for field in dataclasses.fields(schema):
         factory = field.default_factory
         if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-            found += options(factory, f"{prefix}{field.name}.")  # type: ignore[arg-type]
+            found += options(factory, f"{prefix}{field.name}.")
             continue
         default = factory() if factory is not dataclasses.MISSING else field.default
         annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
@@ -122,7 +122,8 @@ def options(schema: type, prefix: str = "") -> list[Option]:
 def load_schema(path: str) -> type:
     """The class named by ``module:Class``."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    schema: type = getattr(importlib.import_module(module), name)
+    return schema
 
 
 def render_help(help: CommandHelp) -> str:

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
@@ -40,7 +41,7 @@ from ddpkit.train.config import TrainConfig
 SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
 NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
 """Folders that are on each node's own disk on most clusters: other nodes do not see what is there."""
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SbatchSpec)}
+_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(SbatchSpec)}
 
 
 @dataclasses.dataclass(frozen=True)

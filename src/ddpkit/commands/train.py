@@ -136,7 +136,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         with _stack_files_in(Path(cfg.output_dir) / "stacks" if cfg.output_dir else None):
             code, signal_name = launch(spec, run_worker, cfg, export_dir)
     except Preempted as stop:  # the one worker, in this process
-        code, signal_name = int(stop.code), ""
+        code, signal_name = int(str(stop.code)), ""
     except LaunchError as e:
         print(e.failure.report(), file=sys.stderr)
         # Not for a run refused its folder (the checkpoints there are another run's) or one that diverged

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
 from ddpkit.checkpoint.format import set_aside
@@ -127,7 +127,7 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------
 
-    def _forward_context(self) -> contextlib.AbstractContextManager:
+    def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
@@ -304,7 +304,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
         return _Window(torch.zeros((), device=self.ctx.device), 0, 0, now)
 
-    def _progress_bar(self):
+    def _progress_bar(self) -> Any:  # a tqdm bar (untyped), or None
         if not (self.ctx.is_main_process and self.cfg.progress and stderr_is_terminal()):
             return None
         return tqdm(

@@ -93,7 +93,7 @@ class Run:
         for line in self.test:
             # an epoch's end (a whole number); a run stopped by max_steps also writes a fraction of an epoch
             if line.get("epoch", 0) > 0 and float(line["epoch"]).is_integer():
-                return line["global_step"] / line["epoch"]
+                return float(line["global_step"] / line["epoch"])
         return None
 
 
@@ -228,7 +228,9 @@ def draw(runs: Sequence[Run], cfg: PlotConfig, output: Path) -> Path:
     from ddpkit.figures import new_figure, save_figure
 
     names = cfg.panel_names()
-    figure, axes = new_figure(len(names), ncols=3, panel_size=(5.0, 4.0))
+    drawn = new_figure(len(names), ncols=3, panel_size=(5.0, 4.0))
+    assert drawn is not None  # _require_matplotlib() made sure matplotlib is there
+    figure, axes = drawn
     if cfg.x == "epoch":
         for run in runs:
             if run.steps_per_epoch() is None:
@@ -291,7 +293,7 @@ def _draw_panel(ax: Any, name: str, runs: Sequence[Run], x: str) -> None:
 
 def _x_value(line: dict[str, Any], event: str, x: str, run: Run) -> float:
     if x == "step":
-        return line["global_step"]
+        return float(line["global_step"])
     if event == "eval":
-        return line["epoch"]  # epochs completed at this evaluation
-    return line["global_step"] / run.steps_per_epoch()
+        return float(line["epoch"])  # epochs completed at this evaluation
+    return float(line["global_step"] / run.steps_per_epoch())

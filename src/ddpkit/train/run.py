@@ -291,6 +291,7 @@ def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:
         if k in saved and saved[k] != getattr(cfg, k)
     ]
     if changed and start.resumed:
+        assert start.path is not None  # a resumed start names its checkpoint
         get_logger().warning(
             f"resuming {start.path.name} with changed settings ({'; '.join(changed)}): "
             "training continues, but not as the original run would have"
@@ -430,6 +431,9 @@ def _export_final(trainer: Trainer, ctx: Context, export_dir: str) -> None:
     trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
     final = trainer.checkpointer.save("export")
     trainer.checkpointer.wait()  # complete on disk before it is exported (checkpoint.async_save)
+    if final is None:  # checkpoint.on_write_error=continue, and the write failed (its own line said so)
+        get_logger().warning(f"no export to {export_dir}: the final checkpoint could not be written")
+        return
     if ctx.is_main_process:
         export_checkpoint(final, export_dir, readable_by=trainer.cfg.checkpoint.readable_by)
         get_logger().info(f"exported the model of {final.name} to {export_dir}")
