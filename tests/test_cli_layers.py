@@ -32,3 +32,20 @@ def test_nothing_outside_the_commands_imports_them():
     commands = {"ddpkit.commands", *graph.find_descendants("ddpkit.commands")}
     importers = {m for module in commands for m in graph.find_modules_that_directly_import(module)} - commands
     assert importers <= {"ddpkit.__main__"}
+
+
+def test_ddpkit_train_is_held_to_the_public_api():
+    contract = contracts()["ddpkit train imports only ddpkit's public names"]
+    assert contract["type"] == "forbidden" and contract["source_modules"] == ["ddpkit.train"]
+    assert contract["allow_indirect_imports"] is True
+    assert "ddpkit.checkpoint" in contract["forbidden_modules"] and "ddpkit" not in contract["forbidden_modules"]
+    # what the public API gives is read from it: Checkpointer, DataLoader, FolderLock...
+    assert not [line for line in contract.get("ignore_imports", []) if "-> ddpkit.checkpoint.manager" in line]
+
+
+def test_no_module_of_the_commands_or_the_trainer_is_over_500_lines():
+    src = PYPROJECT.parent / "src" / "ddpkit"
+    paths = [*(src / "commands").glob("*.py"), *(src / "train").glob("*.py"), src / "keyvalue.py"]
+    paths += [src / "launchers" / name for name in ("script.py", "options.py", "sbatch.py")]
+    long = {str(path.relative_to(src)): n for path in paths if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}

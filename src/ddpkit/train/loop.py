@@ -52,17 +52,14 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
+from ddpkit import Checkpointer, Context, DataLoader, gradient_sync, no_sync, reduce_sums, unwrap_model
 from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
 from ddpkit.checkpoint.format import set_aside
-from ddpkit.checkpoint.manager import Checkpointer
 from ddpkit.comm.fsdp import is_sharded
-from ddpkit.data.loader import DataLoader
-from ddpkit.distributed import Context, control_device
+from ddpkit.distributed import control_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, stderr_is_terminal
 from ddpkit.names import EXIT_DIVERGED
-from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
-from ddpkit.reduce import reduce_sums
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.metrics_file import MetricsWriter
 from ddpkit.train.state import TrainState

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpkit.checkpoint.folder_lock import FolderLock
+from ddpkit import FolderLock
 from ddpkit.checkpoint.select import candidates, restart_count
 from ddpkit.errors import UserError
 from ddpkit.train.config import TrainConfig
