@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ddpkit.commands.bench import BENCH_HELP
-from ddpkit.commands.checkpoints import CHECKPOINTS_HELP, EXPORT_HELP
+from ddpkit.commands.checkpoints import CHECKPOINTS_HELP
 from ddpkit.commands.doctor import DOCTOR_HELP
+from ddpkit.commands.export import EXPORT_HELP
 from ddpkit.commands.help import HELP_WORDS, CommandHelp, render_help, wants_help
 from ddpkit.commands.launching import failed_status
 from ddpkit.commands.plot import PLOT_HELP
@@ -69,7 +70,7 @@ COMMANDS: dict[str, Command] = {
         "list the checkpoints of a folder, with step, epoch, metric and whether each verifies",
     ),
     "export": Command(
-        "ddpkit.commands.checkpoints:export_command",
+        "ddpkit.commands.export:export_command",
         EXPORT_HELP,
         "write a checkpoint's weights and model config for inference",
     ),
