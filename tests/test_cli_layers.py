@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import grimp
+import pytest
 import tomllib
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -20,7 +21,7 @@ def contracts() -> dict[str, dict]:
 
 def test_the_layers_contract_places_every_module_of_ddpkit():
     layers = contracts()[LAYERS]["layers"]
-    assert layers[0] == "ddpkit.commands"
+    assert layers[:2] == ["ddpkit.cli", "ddpkit.commands"]  # the old entry point, then the commands
     placed = {name for layer in layers for name in re.split(r"\s*[|:]\s*", layer)}
     graph = grimp.build_graph("ddpkit", cache_dir=None)
     children = graph.find_children("ddpkit") - {"ddpkit.__main__"}  # the entry point of python -m ddpkit
@@ -31,7 +32,7 @@ def test_nothing_outside_the_commands_imports_them():
     graph = grimp.build_graph("ddpkit", cache_dir=None)
     commands = {"ddpkit.commands", *graph.find_descendants("ddpkit.commands")}
     importers = {m for module in commands for m in graph.find_modules_that_directly_import(module)} - commands
-    assert importers <= {"ddpkit.__main__"}
+    assert importers <= {"ddpkit.__main__", "ddpkit.cli"}  # the entry points: python -m ddpkit, the old one
 
 
 def test_ddpkit_train_is_held_to_the_public_api():
@@ -49,3 +50,11 @@ def test_no_module_of_the_commands_or_the_trainer_is_over_500_lines():
     paths += [src / "launchers" / name for name in ("script.py", "options.py", "sbatch.py")]
     long = {str(path.relative_to(src)): n for path in paths if (n := len(path.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_old_entry_point_of_a_script_still_runs_the_command(capsys):
+    import ddpkit.cli
+
+    with pytest.warns(DeprecationWarning, match="ddpkit.commands.dispatch.main"):
+        main = ddpkit.cli.main
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("ddpkit ")
