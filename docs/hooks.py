@@ -4,7 +4,7 @@ A page asks for a table with a marker on a line of its own; the hook replaces it
 
 - ``<!-- options: train -->``: every option of ``ddpkit train`` (``run``: of ``ddpkit run``), one row per
   field of the command's config dataclass: key (nested dataclasses as dotted keys), type, default, and the
-  field's docstring, read by the same code that writes ``--help`` (``ddpkit.command_help.options``), so the
+  field's docstring, read by the same code that writes ``--help`` (``ddpkit.commands.help.options``), so the
   manual, ``--help`` and the parser cannot drift apart;
 - ``<!-- command-help: NAME -->``: the text of ``ddpkit NAME --help``;
 - ``<!-- command-list -->``: every command with its one-line description;
@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ddpkit.command_help import CommandHelp, options, render_help
+from ddpkit.commands.help import CommandHelp, options, render_help
 
 _MARKER = re.compile(r"^<!-- (options|command-help|exit-statuses|command-list)(?:: *([\w-]+))? -->$", re.MULTILINE)
 
@@ -30,8 +30,8 @@ def _sources() -> tuple[dict[str, type], dict[str, CommandHelp], dict[str, str]]
 
     When a class moves to another module, the import here is the one line to change.
     """
-    from ddpkit.cli import COMMANDS
-    from ddpkit.config import TrainConfig
+    from ddpkit.commands.dispatch import COMMANDS
+    from ddpkit.train.config import TrainConfig
     from ddpkit.launchers.script import RunConfig
 
     schemas: dict[str, type] = {"train": TrainConfig, "run": RunConfig}

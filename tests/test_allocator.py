@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from ddpkit.allocator import GLIBC_VARIABLES, reason_to_leave_alone, setting
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.errors import UserError
 from tests.cli_runner import PYTHONPATH
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.models import MODELS, get_model_spec
 from tests.cli_runner import run_ddpkit
 

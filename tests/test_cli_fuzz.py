@@ -3,7 +3,7 @@
 Hypothesis draws sequences of key=value words (known keys, misspelt keys,
 groups, dotted keys; values of every type, YAML syntax, interpolations,
 empty values), YAML files (valid, broken, missing) and options, and runs
-``ddpkit.cli.main(["train", ...])`` on them in this process, in a fresh
+``ddpkit.commands.dispatch.main(["train", ...])`` on them in this process, in a fresh
 folder each time. Everything the command does before its workers start
 runs for real: parsing, the model's recipe, the pre-flight checks, the run
 folder. Only the workers are left out (500 examples must not start 500
@@ -29,10 +29,12 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-import ddpkit.cli
+import ddpkit.commands.dispatch
+import ddpkit.commands.train
 import ddpkit.launchers.local
 import ddpkit.train.run
-from ddpkit.config import TrainConfig, _example, _field_names
+from ddpkit.keyvalue import _example, _field_names
+from ddpkit.train.config import TrainConfig
 
 KEYS = _field_names(TrainConfig)
 FOLDER_KEYS = {"output_dir", "checkpoint.dir", "data_dir", "init_from"}
@@ -143,7 +145,7 @@ class Workers:
 def workers(monkeypatch) -> Workers:
     stand_in = Workers()
     monkeypatch.setattr(ddpkit.train.run, "run_worker", stand_in.run_worker)
-    monkeypatch.setattr(ddpkit.cli, "_launch", stand_in.launch)
+    monkeypatch.setattr(ddpkit.commands.train, "launch", stand_in.launch)
     monkeypatch.setattr(ddpkit.launchers.local, "worker_server", contextlib.nullcontext)
     return stand_in
 
@@ -167,7 +169,7 @@ def test_any_words_give_a_run_or_one_line_with_exit_2(drawn, workers, capfd):
                 argv.append(str(content))
         written = set(_files(folder))
         workers.configs.clear()
-        code = ddpkit.cli.main(["train", *argv])
+        code = ddpkit.commands.dispatch.main(["train", *argv])
         out, err = capfd.readouterr()
         event("exit 2" if code == 2 else "a run" if workers.configs else f"exit {code}, no run")
         assert "Traceback" not in out + err, f"{argv}: {err}"
@@ -210,7 +212,7 @@ def test_the_drawn_words_reach_every_outcome(workers, capfd):
     """The strategy is not too tame: a YAML file it draws is read, and its words give runs and errors."""
     with tempfile.TemporaryDirectory(prefix="ddpkit-fuzz-") as folder, _inside(folder):
         Path(folder, "a.yaml").write_text(yaml.safe_dump({"epochs": 2, "checkpoint": {"keep": 3}}))
-        assert ddpkit.cli.main(["train", "a.yaml", "nproc=2", "dataset=synthetic"]) == 0
+        assert ddpkit.commands.dispatch.main(["train", "a.yaml", "nproc=2", "dataset=synthetic"]) == 0
         assert workers.configs[-1].checkpoint.keep == 3 and workers.configs[-1].nproc == 2
-        assert ddpkit.cli.main(["train", "nproc=two"]) == 2
+        assert ddpkit.commands.dispatch.main(["train", "nproc=two"]) == 2
     assert "error: bad value for 'nproc': nproc must be a whole number, e.g. nproc=1" in capfd.readouterr().err

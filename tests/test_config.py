@@ -1,9 +1,12 @@
 """Config words and files: overrides, presets and one-line errors."""
 
+import dataclasses
+import re
+
 import pytest
 
-from ddpkit.cli import parse_train_config
-from ddpkit.config import ConfigError, TrainConfig, parse
+from ddpkit.keyvalue import ConfigError, parse
+from ddpkit.train.config import TrainConfig, parse_train_config
 
 
 def test_words_files_and_order(tmp_path):
@@ -155,3 +158,39 @@ def test_a_bad_checkpoint_option_names_its_dotted_key(word, message):
     with pytest.raises(ConfigError) as info:
         parse(TrainConfig, [word])
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        (["nproc=0"], "nproc=0 is not valid; it must be > 0"),
+        (["nproc=2000000000"], "nproc=2000000000 is more than any run can do"),
+        (["nnodes=2", "master_port=29500"], "nnodes=2 needs master_addr=HOST"),
+        (["show_ranks=first"], "show_ranks='first' is not valid"),
+    ],
+)
+def test_train_and_run_take_the_launch_options_of_one_declaration(words, message):
+    """TrainConfig and RunConfig extend LaunchOptions: the same words, help and checks (nproc's included, once)."""
+    from ddpkit.commands.help import field_docs
+    from ddpkit.launchers.options import LAUNCH_OPTIONS, LaunchOptions
+    from ddpkit.launchers.script import RunConfig
+
+    assert issubclass(TrainConfig, LaunchOptions) and issubclass(RunConfig, LaunchOptions)
+    train_docs, run_docs = field_docs(TrainConfig), field_docs(RunConfig)
+    assert all(train_docs[name] == run_docs[name] != "" for name in LAUNCH_OPTIONS)
+    for schema in (TrainConfig, RunConfig, LaunchOptions):
+        with pytest.raises(ConfigError, match="^" + re.escape(message)):
+            parse(schema, words)
+
+
+def test_the_help_groups_and_the_count_limits_come_from_each_options_declaration():
+    from ddpkit.keyvalue import GROUP, option_names
+    from ddpkit.train.config import TRAIN_GROUP_TITLES, TRAIN_OPTION_GROUPS
+
+    grouped = [name for _, names in TRAIN_OPTION_GROUPS for name in names]
+    assert sorted(grouped) == sorted(field.name for field in dataclasses.fields(TrainConfig))  # each in one group
+    assert [title for title, _ in TRAIN_OPTION_GROUPS] == list(TRAIN_GROUP_TITLES)
+    assert {"nproc", "nnodes", "max_restarts", "epochs"} <= set(option_names(TrainConfig, counted=True))
+    assert all(field.metadata[GROUP] for field in dataclasses.fields(TrainConfig))
+    with pytest.raises(ConfigError, match="^max_restarts=2000000000 is more than any run can do"):
+        parse(TrainConfig, ["max_restarts=2000000000"])

@@ -250,7 +250,7 @@ def test_allreduce_auto_picks_the_builtin_for_cuda_tensors():
 
 def test_bench_comm_on_cuda_leaves_the_shared_memory_algorithms_out():
     from ddpkit.bench.comm import CommBenchConfig, plan_algorithms
-    from ddpkit.config import ConfigError
+    from ddpkit.keyvalue import ConfigError
 
     plan, skipped = plan_algorithms(CommBenchConfig(ops=["all_reduce", "broadcast"], device="cuda"), num_nodes=1)
     assert "shm" not in plan["all_reduce"] and "hierarchical" not in plan["all_reduce"]

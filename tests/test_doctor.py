@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ddpkit import cli
-from ddpkit.config import ConfigError, parse
+from ddpkit.commands import dispatch as cli
+from ddpkit.commands.doctor import doctor_command as main
 from ddpkit.doctor import (
     Check,
     Devices,
@@ -26,13 +26,13 @@ from ddpkit.doctor import (
     format_report,
     join_diagnosis,
     loopback_diagnosis,
-    main,
     missing_diagnosis,
     network_stack_id,
     reach_master,
 )
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.ports import free_port
+from ddpkit.keyvalue import ConfigError, parse
 from tests.helpers.launch_in_process import Commands
 
 

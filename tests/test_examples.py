@@ -55,7 +55,7 @@ def _script(example: str) -> str:
 def under_ddpkit_run(tmp_path_factory) -> dict:
     """Every ``ddpkit run nproc=2`` of this module, by name: its folder and result.
 
-    The commands run in this process (``ddpkit.cli.main``) with the variables of outer launchers hidden,
+    The commands run in this process (``ddpkit.commands.dispatch.main``) with the variables of outer launchers hidden,
     their workers forked from one worker server shared by all of them; the ``ddpkit`` command's own
     process is started by tests/launchers/test_run.py and others.
     """

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from ddpkit import __version__
-from ddpkit.bench.cli import KINDS
-from ddpkit.cli import COMMANDS, main
-from ddpkit.command_help import field_docs, load_schema
-from ddpkit.config import TrainConfig
+from ddpkit.commands.bench import KINDS
+from ddpkit.commands.dispatch import COMMANDS, main
+from ddpkit.commands.help import field_docs, load_schema
+from ddpkit.train.config import TrainConfig
 
 
 def help_text(capsys, *words: str) -> str:
@@ -48,13 +48,13 @@ def test_train_help_names_every_config_field_with_its_default_and_docstring(caps
 
 
 def test_a_field_in_no_group_is_still_listed(capsys):
-    from ddpkit.command_help import CommandHelp, render_help
+    from ddpkit.commands.help import CommandHelp, render_help
 
     text = render_help(
         CommandHelp(
             usage="x",
             summary="y",
-            schema="ddpkit.config:CheckpointConfig",
+            schema="ddpkit.train.config:CheckpointConfig",
             groups=(("cadence", ("every_steps", "every_seconds")),),
         )
     )

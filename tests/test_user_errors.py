@@ -7,12 +7,12 @@ import textwrap
 import pytest
 
 from ddpkit.checkpoint.format import CheckpointError
-from ddpkit.cli import main
-from ddpkit.config import ConfigError
+from ddpkit.commands.dispatch import main
 from ddpkit.data.idx import CorruptDataError
 from ddpkit.data.sources import DataNotFoundError
 from ddpkit.env.base import InconsistentEnvironment
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import ConfigError
 from ddpkit.launchers.failure import run_reporting_failure
 from tests.cli_runner import run_ddpkit
 from tests.helpers.launch_in_process import Commands

@@ -1,5 +1,5 @@
 """``python -m ddpkit``: the same as the ``ddpkit`` command."""
 
-from ddpkit.cli import run
+from ddpkit.commands.dispatch import run
 
 run()

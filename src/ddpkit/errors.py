@@ -10,7 +10,7 @@ somewhere and is reported with its traceback and rank.
 It derives from ``ValueError`` so that code catching ``ValueError`` around
 ddpkit calls keeps working. :func:`check_choice`, :func:`check_positive` and :func:`check_finite`
 word the commonest checks of an option once, for the core's options
-(the Checkpointer's) and the commands' (``ddpkit.config``) alike.
+(the Checkpointer's) and the commands' (``ddpkit.keyvalue``) alike.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Plain constants, no imports: the core (``prepare``, ``checkpoint``, ``data``), the launcher and the
 ``ddpkit`` command read them from here, so no layer has to import another that sits above it
-(``ddpkit.config``, ``ddpkit.cli``) to learn a number or a name.
+(``ddpkit.keyvalue``, ``ddpkit.commands``) to learn a number or a name.
 """
 
 from __future__ import annotations

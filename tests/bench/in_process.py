@@ -1,4 +1,4 @@
-"""``ddpkit bench ...`` run through ``ddpkit.cli.main`` in the test's own process.
+"""``ddpkit bench ...`` run through ``ddpkit.commands.dispatch.main`` in the test's own process.
 
 The benchmark's own work still happens in fresh processes (each configuration,
 launched workers); only the command's process is the test's, which has
@@ -19,7 +19,7 @@ import tempfile
 
 import pytest
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from tests.cli_runner import PYTHONPATH
 
 

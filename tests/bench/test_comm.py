@@ -24,8 +24,8 @@ from ddpkit.bench.comm import (
 from ddpkit.bench.comm_report import plot_report, render_markdown
 from ddpkit.bench.report import write_report
 from ddpkit.comm import available_allreduce_algorithms
-from ddpkit.config import ConfigError
 from ddpkit.figures import format_bytes
+from ddpkit.keyvalue import ConfigError
 from tests.bench.in_process import run_main
 from tests.cluster.test_multinode import run_on_two_hosts
 from tests.helpers.netns import netns_hosts  # noqa: F401  (a fixture)

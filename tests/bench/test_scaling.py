@@ -16,7 +16,7 @@ from ddpkit.bench.scaling import (
     merge_rounds,
     parse_config,
 )
-from ddpkit.config import ConfigError
+from ddpkit.keyvalue import ConfigError
 from tests.bench.in_process import run_main
 
 # --- the model ------------------------------------------------------------------------------

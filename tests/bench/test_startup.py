@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ddpkit.bench.startup import DDPKIT_1, DDPKIT_2, T8, T9, TORCHRUN, StartupBenchConfig, _ratios, render_markdown
-from ddpkit.config import parse
+from ddpkit.keyvalue import parse
 from tests.bench.in_process import run_main
 
 

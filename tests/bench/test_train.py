@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ddpkit.bench.train import OWN_SAMPLES, OWN_TENSORS, OWN_TORCH, TrainBenchConfig, _configurations, _ratios
-from ddpkit.config import ConfigError, parse
+from ddpkit.keyvalue import ConfigError, parse
 from tests.bench.in_process import run_main
 
 

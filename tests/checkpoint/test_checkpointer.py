@@ -603,7 +603,7 @@ def test_an_lr_scheduler_the_checkpointer_does_not_hold_is_warned_once(tmp_path,
 
 
 def test_ddpkit_train_s_checkpoint_options_passed_as_they_are_are_refused_naming_for_run(tmp_path):
-    from ddpkit.config import CheckpointConfig
+    from ddpkit.train.config import CheckpointConfig
 
     with pytest.raises(ddpkit.UserError) as error:
         Checkpointer(tmp_path, model=_net(), options=CheckpointConfig(), preempt_signals=())

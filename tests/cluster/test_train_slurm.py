@@ -21,7 +21,7 @@ seconds of work left), and the requeued run, at full speed, ends in a
 moment. Preemption agreements are frequent (``checkpoint.sync_seconds``), so
 the workers stop within a step or two of the signal.
 
-``ddpkit slurm`` runs in the test's own process (``ddpkit.cli.main``;
+``ddpkit slurm`` runs in the test's own process (``ddpkit.commands.dispatch.main``;
 tests/cluster/test_slurm_cluster.py runs the command itself). sbatch passes
 its environment on to the job: the workers import this checkout.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.data.datasets import FASHION_MNIST
 from ddpkit.data.sources import DataNotFoundError, locate
 from tests.cli_runner import PYTHONPATH

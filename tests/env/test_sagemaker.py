@@ -215,7 +215,7 @@ def test_train_words(two_hosts):
 
 
 def test_empty_hyperparameters_stay_empty_strings(tmp_path):
-    from ddpkit.cli import parse_train_config
+    from ddpkit.train.config import parse_train_config
 
     environ, args = toolkit_environment(write_job(tmp_path, ["algo-1"], "algo-1", {"checkpoint.best_metric": ""}))
     assert parse_train_config(train_words(environ)).checkpoint.best_metric == ""

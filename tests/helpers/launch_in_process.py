@@ -5,7 +5,7 @@ spends most of its time importing torch twice: in the command's own
 interpreter, and in the worker server its workers are forked from. Where the
 command's process is not what a test is about (its exit path is checked by
 tests/test_cli.py and by the tests that still start it), :class:`Commands`
-runs the commands with :func:`ddpkit.cli.main` in this process, inside one
+runs the commands with :func:`ddpkit.commands.dispatch.main` in this process, inside one
 ``worker_server()`` block: the launches share one warm server, as nested
 blocks do in ddpkit itself, and the server is stopped when the block ends
 (before the test's guard against stray child processes looks)::
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.launchers.local import worker_server
 
 LAUNCHER_VARIABLES = (

@@ -179,7 +179,7 @@ class SlurmCluster:
         """Make os.environ this cluster's ``env`` plus extra for the rest of the test (pytest's monkeypatch undoes it).
 
         For code under test called in this process that runs Slurm's clients itself, e.g.
-        ``ddpkit.cli.main(["slurm", "submit=true", ...])``; a batch job inherits sbatch's environment.
+        ``ddpkit.commands.dispatch.main(["slurm", "submit=true", ...])``; a batch job inherits sbatch's environment.
         """
         for name in [name for name in os.environ if name.startswith("SLURM_")]:
             monkeypatch.delenv(name)

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from tests.cli_runner import run_ddpkit
 from tests.helpers.launch_in_process import Commands
 from tests.helpers.workloads import W1_ACCURACY_FLOOR
@@ -16,7 +16,7 @@ SMALL = ["dataset=synthetic", "synthetic_samples=256", "epochs=1", "progress=fal
 def failed(tmp_path_factory) -> dict:
     """``ddpkit train nproc=2`` with a model that fails on rank 1, by how it fails: each command's result.
 
-    The commands run in this process (``ddpkit.cli.main``), their workers forked from one worker server
+    The commands run in this process (``ddpkit.commands.dispatch.main``), their workers forked from one worker server
     shared by both; the command's own exit path is checked by tests/test_cli.py.
     """
     folder = tmp_path_factory.mktemp("failed")

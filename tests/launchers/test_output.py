@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.config import ConfigError, shown_ranks
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import ConfigError
+from ddpkit.launchers.options import shown_ranks
 from ddpkit.launchers.output import (
     CLEAR_TO_END_OF_LINE,
     ConsoleTee,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit.launchers.local
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.launchers.script import USAGE, RunConfig, ScriptTarget, parse_run_command
 from ddpkit.names import EXIT_PREEMPTED
 from tests.cli_runner import PYTHONPATH
@@ -91,7 +91,7 @@ def _no_launch(*args, **kwargs):
 def launched(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The ``ddpkit run`` commands of the tests below, by name: each one's exit status, stdout and stderr.
 
-    They run in this process (``ddpkit.cli.main``), their workers forked from one worker server shared by
+    They run in this process (``ddpkit.commands.dispatch.main``), their workers forked from one worker server shared by
     all of them; the command's own process is what the console-script tests below start.
     """
     folder = tmp_path_factory.mktemp("run")
@@ -259,7 +259,7 @@ def ensure_running():
     print("torch in the launcher when the server starts:", "torch" in sys.modules, file=sys.stderr)
     start()
 forkserver.ensure_running = ensure_running
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 sys.exit(main(sys.argv[1:]))
 """
     (tmp_path / "a.py").write_text("print('the script ran')\n")
@@ -312,7 +312,7 @@ def test_the_workers_environment_for_the_device_option(tmp_path, monkeypatch, wo
 
 def test_device_cpu_hides_the_gpus_from_the_workers_only(tmp_path, monkeypatch):
     """The launcher's own environment is as it was after the launch."""
-    from ddpkit import cli
+    from ddpkit.commands import run as run_command
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.py").write_text("")
@@ -323,7 +323,7 @@ def test_device_cpu_hides_the_gpus_from_the_workers_only(tmp_path, monkeypatch):
         seen["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         return 0, ""
 
-    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.setattr(run_command, "launch", launch)
     assert main(["run", "device=cpu", "a.py"]) == 0
     assert seen == {"CUDA_VISIBLE_DEVICES": ""} and "CUDA_VISIBLE_DEVICES" not in os.environ
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from ddpkit.cli import main
-from ddpkit.config import parse
-from ddpkit.launchers import slurm_cli
+from ddpkit.commands import slurm as slurm_cli
+from ddpkit.commands.dispatch import main
+from ddpkit.keyvalue import parse
 from ddpkit.launchers.sbatch import SbatchSpec, render_sbatch
 
 

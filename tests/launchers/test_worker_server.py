@@ -63,7 +63,7 @@ def test_ctrl_c_while_the_server_imports_is_the_launchers_one_line_and_leaves_no
     probe = (
         "import sys, ddpkit.launchers.local as local\n"
         "local.WORKER_PRELOAD = (*local.WORKER_PRELOAD[:1], 'tests.launchers.slow_server_import', *local.WORKER_PRELOAD[1:])\n"
-        "from ddpkit.cli import main\n"
+        "from ddpkit.commands.dispatch import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     (tmp_path / "a.py").write_text("print('never')\n")

@@ -6,7 +6,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit import distributed
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.models import MODELS, get_model_spec, register_model
 
 

@@ -5,7 +5,7 @@ nproc=2 max_restarts=1``; on its first attempt rank 0 SIGKILLs itself 3 steps
 into epoch 3 (after the epoch-2 checkpoint, so the killed run has logged steps
 that the resumed run logs again). Read back with the backend's own reader
 (tests/tracking/readers.py), each metric has exactly one value per step, none
-missing, in one run. The jobs run in this process (``ddpkit.cli.main``), their
+missing, in one run. The jobs run in this process (``ddpkit.commands.dispatch.main``), their
 workers forked from one worker server shared by the module.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.train.plot import read_run
 from tests.cli_runner import REPO
 from tests.helpers.launch_in_process import Commands

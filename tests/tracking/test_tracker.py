@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from tests.helpers.workers import run_on_ranks
 from tests.tracking.readers import READERS
 from tests.train.checkpoint_helpers import LogRecords

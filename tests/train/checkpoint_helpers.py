@@ -38,9 +38,10 @@ from torch.utils.data import TensorDataset
 from ddpkit import distributed
 from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
 from ddpkit.checkpoint.rng import capture_rng_state
-from ddpkit.config import TrainConfig, parse
 from ddpkit.data.datasets import DataOptions, load_datasets
+from ddpkit.keyvalue import parse
 from ddpkit.models.registry import get_model_spec
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import Trainer
 from ddpkit.train.run import build_trainer
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, verify_checkpoint
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from tests.cli_runner import PYTHONPATH
 
 WORDS = [

@@ -1,6 +1,6 @@
 """Elastic restarts through ddpkit's launcher: a killed worker costs a restart, not the run.
 
-The jobs run in this process (``ddpkit.cli.main``, tests/helpers/launch_in_process.py), their workers forked
+The jobs run in this process (``ddpkit.commands.dispatch.main``, tests/helpers/launch_in_process.py), their workers forked
 from a worker server as the command's are: what is tested is the launcher's restarts, not the command's process.
 """
 

@@ -20,7 +20,7 @@ import torch
 
 from ddpkit.checkpoint.folder_lock import HOLDER_FILE, LOCK_FILE
 from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, list_checkpoints, verify_checkpoint
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.log import setup_logging
 from ddpkit.names import EXIT_DIVERGED, EXIT_USER_ERROR
 from tests.cli_runner import PYTHONPATH

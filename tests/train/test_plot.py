@@ -10,7 +10,7 @@ import sys
 import pytest
 from PIL import Image
 
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.train.plot import label_runs, read_run
 from tests.cli_runner import REPO
 
@@ -122,7 +122,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, make, words, messa
 def test_without_matplotlib_names_the_extra(two_runs, tmp_path):
     # A Python where `import matplotlib` fails, as without the plot extra.
     code = (
-        "import sys; sys.modules['matplotlib'] = None; from ddpkit.cli import main; "
+        "import sys; sys.modules['matplotlib'] = None; from ddpkit.commands.dispatch import main; "
         f"sys.exit(main(['plot', {str(two_runs[0])!r}, 'output=out.png']))"
     )
     out = subprocess.run(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints, load_file
-from ddpkit.config import parse_train_config
+from ddpkit.train.config import parse_train_config
 from ddpkit.train.preflight import check_before_launch
 from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
 from tests.train.checkpoint_helpers import LogRecords, assert_bit_equal, close, final_state, make_trainer, train

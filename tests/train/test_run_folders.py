@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from ddpkit.cli import main
-from ddpkit.config import TrainConfig, parse
+from ddpkit.commands.dispatch import main
+from ddpkit.keyvalue import parse
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.run_folder import LATEST, claim_run_folder, plan_run_folder
 
 TINY = ["dataset=synthetic", "synthetic_samples=256", "batch_size=32", "progress=false", "nproc=1"]

@@ -17,7 +17,7 @@ import ddpkit.train.run
 RUN = Path(ddpkit.train.run.__file__)
 PUBLIC_MODULES = {"ddpkit": set(ddpkit.__all__), "ddpkit.datasets": set(ddpkit.datasets.__all__)}
 """Modules whose ``__all__`` is a promise to users, and the names it lists."""
-TRAINERS_OWN = ("ddpkit.train", "ddpkit.config")
+TRAINERS_OWN = ("ddpkit.train",)
 """The trainer's own modules (the layer it belongs to)."""
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.checkpoint.export import load_exported
-from ddpkit.cli import main
+from ddpkit.commands.dispatch import main
 from ddpkit.env.ports import free_port
 from tests.cli_runner import PYTHONPATH
 from tests.env.test_sagemaker import toolkit_environment, write_job
@@ -24,11 +24,11 @@ from tests.env.test_sagemaker import toolkit_environment, write_job
 ENTRY_POINT = """\
 import sys
 
-import ddpkit.cli
+import ddpkit.commands.dispatch
 
 if __name__ == "__main__":  # the workers ddpkit starts import this file again
     sys.argv[1:1] = ["train"]  # SageMaker runs: python train.py --epochs 5 --lr 0.01 ...
-    ddpkit.cli.run()
+    ddpkit.commands.dispatch.run()
 """
 """The entry_point script of the README's estimator."""
 HYPERPARAMETERS = {

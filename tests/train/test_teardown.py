@@ -21,7 +21,7 @@ PROBE = textwrap.dedent(
     import gc, sys
     import ddpkit
     from torch.nn.parallel import DistributedDataParallel
-    from ddpkit.config import parse_train_config
+    from ddpkit.train.config import parse_train_config
     from ddpkit.train.run import run_worker
 
     leave = ddpkit.shutdown

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit.cli import main, parse_train_config
-from ddpkit.config import ConfigError
+from ddpkit.commands.dispatch import main
+from ddpkit.keyvalue import ConfigError
+from ddpkit.train.config import parse_train_config
 from tests.helpers.launch_in_process import Commands
 
 RUN = [

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from ddpkit.cli import run_words
-from ddpkit.config import ConfigError, parse
+from ddpkit.commands.run import run_words
+from ddpkit.keyvalue import ConfigError, parse
 from ddpkit.launchers.script import RunConfig
 from ddpkit.train.preflight import oversubscribed
 from tests.cli_runner import REPO

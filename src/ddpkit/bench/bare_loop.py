@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit.checkpoint.rng import seed_everything
-from ddpkit.config import parse_train_config
 from ddpkit.data.datasets import load_images
 from ddpkit.data.sampler import epoch_permutation
 from ddpkit.distributed import default_num_threads
 from ddpkit.models.registry import get_model_spec
+from ddpkit.train.config import parse_train_config
 from ddpkit.train.loop import build_optimizer
 from ddpkit.train.run import data_options
 

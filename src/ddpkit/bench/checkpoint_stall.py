@@ -45,7 +45,7 @@ from torch import nn
 
 from ddpkit.checkpoint.format import MANIFEST, read_manifest
 from ddpkit.checkpoint.manager import Checkpointer
-from ddpkit.config import ConfigError, check_choice, parse
+from ddpkit.keyvalue import ConfigError, check_choice, parse
 
 MODES = ("none", "sync", "async")
 

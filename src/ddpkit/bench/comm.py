@@ -96,8 +96,8 @@ from ddpkit.bench.comm_spec import (
 )
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import machine_info, machine_tag, summarize
-from ddpkit.config import parse
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import parse
 
 _SPLIT_OPS = frozenset(BENCHMARKED_COLLECTIVES) - {"all_reduce", "reduce", "broadcast"}
 """Ops whose buffer is cut into ``world_size`` equal pieces."""

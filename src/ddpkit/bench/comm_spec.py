@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypedDict
 
-from ddpkit.config import ConfigError, check_positive
+from ddpkit.keyvalue import ConfigError, check_positive
 
 PINGPONG = "pingpong"
 """The point-to-point op: rank 0 with every other rank in turn."""

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
 import ddpkit
-from ddpkit.config import check_choice, parse
 from ddpkit.data.datasets import DataOptions, load_images
+from ddpkit.keyvalue import check_choice, parse
 from ddpkit.models.registry import get_model_spec
 
 LOADERS = ("tensors", "samples", "torch")

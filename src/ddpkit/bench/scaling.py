@@ -90,9 +90,9 @@ from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.scaling_report import plot_report, render_markdown, render_projection_sentence, render_table
 from ddpkit.bench.scaling_spec import PARTS
 from ddpkit.bench.system import machine_info, machine_tag
-from ddpkit.config import ConfigError, check_positive, parse
 from ddpkit.errors import UserError
 from ddpkit.figures import format_bytes
+from ddpkit.keyvalue import ConfigError, check_positive, parse
 
 if TYPE_CHECKING:
     from ddpkit.distributed import Context
@@ -464,9 +464,9 @@ def _measure_configuration(
 
     from ddpkit.comm import flat_grads
     from ddpkit.comm.registry import resolve_allreduce
-    from ddpkit.config import TrainConfig
     from ddpkit.data.datasets import load_datasets
     from ddpkit.models.registry import get_model_spec
+    from ddpkit.train.config import TrainConfig
     from ddpkit.train.run import build_trainer, data_options
 
     world_size = ctx.world_size
@@ -789,9 +789,9 @@ def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int
 
 def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) -> dict[str, Any]:
     """Measure every configuration in turn and build the report."""
-    from ddpkit.config import TrainConfig
     from ddpkit.launchers.local import worker_server
     from ddpkit.models.registry import get_model_spec
+    from ddpkit.train.config import TrainConfig
 
     cores = len(os.sched_getaffinity(0))
     runs = configurations(cfg)

@@ -35,8 +35,8 @@ from typing import Any
 
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import check_run, machine_info, machine_tag, summarize
-from ddpkit.config import parse
 from ddpkit.env.ports import free_port
+from ddpkit.keyvalue import parse
 
 BARE_SCRIPT = """\
 import torch

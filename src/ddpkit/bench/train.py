@@ -61,7 +61,7 @@ from typing import Any
 from ddpkit.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
 from ddpkit.bench.report import file_stem, write_report
 from ddpkit.bench.system import check_run, machine_info, machine_tag, summarize
-from ddpkit.config import check_choice, parse
+from ddpkit.keyvalue import check_choice, parse
 from ddpkit.names import GRAD_SYNC_MODES
 
 

@@ -8,7 +8,7 @@ Three readers take them from these lines and nowhere else:
 - ``ddpkit train``: its ``checkpoint.KEY=VALUE`` options are this class extended with the
   trainer's own fields (``ddpkit.config.CheckpointConfig``: ``enabled``, ``dir``, ``auto`` for
   the best checkpoint), so the same values are checked by the same code;
-- ``ddpkit train --help``: generated from the field docstrings below (``ddpkit.command_help``).
+- ``ddpkit train --help``: generated from the field docstrings below (``ddpkit.commands.help``).
 
 A bad value is one line naming the option as its user wrote it (``keep=0`` for the
 Checkpointer's keyword, ``checkpoint.keep=0`` on the command line: ``key_prefix``) and the fix.

@@ -51,7 +51,7 @@ Where each part lives:
 - ``measure``: step 5, latency and bandwidth.
 - ``diagnoses``: the plain-words explanations of failed checks.
 - ``report``: the report as text, and who prints what.
-- ``run``: one worker's whole run (``examine``) and ``main``.
+- ``run``: one worker's whole run (``examine``); ``ddpkit doctor`` is :mod:`ddpkit.commands.doctor`.
 """
 
 from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce, uses_agent_store
@@ -61,7 +61,7 @@ from ddpkit.doctor.diagnoses import join_diagnosis, loopback_diagnosis, missing_
 from ddpkit.doctor.measure import allreduce_latency, measure_peers
 from ddpkit.doctor.report import format_report
 from ddpkit.doctor.results import Check, Devices, DoctorProblem, NetworkChoice, PeerLink, Report, WorkerInfo
-from ddpkit.doctor.run import examine, main
+from ddpkit.doctor.run import examine
 
 __all__ = [
     "Check",
@@ -80,7 +80,6 @@ __all__ = [
     "join",
     "join_diagnosis",
     "loopback_diagnosis",
-    "main",
     "measure_peers",
     "missing_diagnosis",
     "network_stack_id",

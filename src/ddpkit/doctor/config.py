@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpkit.config import check_port, check_positive
+from ddpkit.keyvalue import check_positive
+from ddpkit.launchers.options import check_port
 
 
 @dataclass

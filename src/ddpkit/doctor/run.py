@@ -1,18 +1,16 @@
-"""One worker's whole run of the doctor (``examine``), and ``main``, which starts it."""
+"""One worker's whole run of the doctor (``examine``); ``ddpkit doctor`` (:mod:`ddpkit.commands.doctor`) starts it."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import MutableMapping, Sequence
+from collections.abc import MutableMapping
 
-from ddpkit.config import parse
 from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce, uses_agent_store
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.describe import choose_network, describe_devices, network_stack_id, resolved_backend, run_hints
 from ddpkit.doctor.diagnoses import loopback_master_warning
 from ddpkit.doctor.measure import allreduce_latency, measure_peers
-from ddpkit.doctor.report import print_report
 from ddpkit.doctor.results import Check, DoctorProblem, Report, WorkerInfo
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
@@ -83,35 +81,9 @@ def _run_checks(
     del store  # after the process group: rank 0's server may be the group's store too
 
 
-def _local_worker(cfg: DoctorConfig) -> Report:
-    """One of nproc local workers: the report goes back to the launching process."""
-    return examine(cfg, os.environ)
+def examine_local_worker(cfg: DoctorConfig) -> Report:
+    """One of nproc local workers: the report goes back to the launching process.
 
-
-def main(words: Sequence[str]) -> int:
-    """``ddpkit doctor [key=value ...]``: run the checks as this worker (or as nproc local ones).
-
-    Args:
-        words: key=value options of DoctorConfig, or YAML files.
-
-    Returns:
-        0 when every check passed (on every local worker with nproc), 1 otherwise.
-
-    Raises:
-        ValueError: bad option or inconsistent launcher variables.
-        LaunchError: a local worker crashed (not a failed check: those are reported).
+    Module-level: spawned workers unpickle it by reference.
     """
-    cfg = parse(DoctorConfig, words)
-    env = detect_environment(os.environ)
-    if env.source != "local" or cfg.nproc == 1:
-        report = examine(cfg, os.environ)
-        print_report(report, cfg.json)
-        return 0 if report.ok else 1
-    from ddpkit.launchers.local import LaunchSpec, launch_local
-
-    resolved_backend(cfg, 0)  # bad options fail here, once, rather than in every worker
-    results = launch_local(LaunchSpec(cfg.nproc, cfg.master_port), _local_worker, cfg)
-    reports = [results[rank] for rank in sorted(results)]
-    for report in reports:
-        print_report(report, cfg.json)
-    return 0 if all(r.ok for r in reports) else 1
+    return examine(cfg, os.environ)

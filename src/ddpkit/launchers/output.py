@@ -42,8 +42,8 @@ from typing import IO, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ddpkit.config import describe_ranks
 from ddpkit.errors import UserError
+from ddpkit.launchers.options import describe_ranks
 from ddpkit.log import PREFIXED_VARIABLE, TERMINAL_VARIABLE, rank_prefix
 
 INTERVAL_S = 0.05

@@ -1,7 +1,7 @@
 """sbatch scripts for ddpkit training jobs: ``render_sbatch(SbatchSpec(...))``.
 
 ``render_sbatch`` is a pure function from a :class:`SbatchSpec` to the text
-of a batch script; ``ddpkit slurm`` (:mod:`ddpkit.launchers.slurm_cli`) prints,
+of a batch script; ``ddpkit slurm`` (:mod:`ddpkit.commands.slurm`) prints,
 writes or submits it. The script has four parts, in this order:
 
 1. ``#SBATCH`` directives: nodes, tasks per node, GPUs per node, CPUs per
@@ -84,6 +84,7 @@ from dataclasses import dataclass
 
 from ddpkit.env.ports import JOB_PORT_BASE, JOB_PORT_SPAN
 from ddpkit.errors import UserError
+from ddpkit.launchers.slurm_time import time_limit_seconds
 
 LAUNCH_MODES = ("srun", "torchrun", "mpirun")
 """Ways to start the workers, see the module docstring."""
@@ -95,9 +96,6 @@ NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 DEFAULT_COMMAND = ("-m", "ddpkit", "train")
 """What each worker runs after the Python executable unless ``command`` is given."""
 
-# Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds,
-# days-hours, days-hours:minutes, days-hours:minutes:seconds.
-_TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
 # Values written into #SBATCH lines: sbatch splits them at whitespace.
 _DIRECTIVE_VALUE = re.compile(r"[^\s'\"]+")
 # Paths expanded by the batch shell (staging): $VAR and ${VAR} allowed, but
@@ -112,7 +110,7 @@ class SlurmResources:
     """What a job asks Slurm for in its ``#SBATCH`` lines: nodes, tasks, GPUs, CPUs, where, how long, its name and output.
 
     Declared once: :class:`SbatchSpec` and ``ddpkit slurm``'s options
-    (:class:`ddpkit.launchers.slurm_cli.SlurmConfig`) extend it. Empty strings and
+    (:class:`ddpkit.commands.slurm.SlurmConfig`) extend it. Empty strings and
     zeros mean "not set": the directive is left out and the cluster's default applies.
     """
 
@@ -420,7 +418,7 @@ def _validate(spec: SbatchSpec) -> None:
     if not spec.output:
         raise UserError("output is empty; give a file name such as ddpkit-%j.out")
     if spec.time:
-        _time_limit_seconds(spec.time)
+        time_limit_seconds(spec.time)
     _validate_environment(spec)
     if spec.nccl_debug and spec.nccl_debug not in NCCL_DEBUG_LEVELS:
         raise UserError(f"nccl_debug={spec.nccl_debug!r} is unknown; choose one of: {', '.join(NCCL_DEBUG_LEVELS)}")
@@ -468,35 +466,8 @@ def _validate_preemption(spec: SbatchSpec) -> None:
             f"preempt_signal={spec.preempt_signal!r} is not a signal name a shell can trap; "
             f"use USR1 or USR2 (or one of {', '.join(usable)}), without the SIG prefix"
         )
-    if spec.time and _time_limit_seconds(spec.time) <= spec.preempt_grace_seconds:
+    if spec.time and time_limit_seconds(spec.time) <= spec.preempt_grace_seconds:
         raise UserError(
             f"preempt_grace_seconds={spec.preempt_grace_seconds} is not shorter than time={spec.time!r}; "
             "lengthen the time limit or shorten the grace period"
         )
-
-
-def _time_limit_seconds(value: str) -> int:
-    """Seconds in a Slurm time limit, or ValueError naming the accepted formats."""
-    match = _TIME.fullmatch(value)
-    if match is None:
-        raise UserError(
-            f"time={value!r} is not a Slurm time limit; use minutes, minutes:seconds, hours:minutes:seconds, "
-            "days-hours, days-hours:minutes or days-hours:minutes:seconds (e.g. 90, 2:00:00, 1-12:00)"
-        )
-    days, d_hours, d_minutes, d_seconds, first, second, third = (int(g) if g else 0 for g in match.groups())
-    if match.group(1) is not None:
-        parts, limits = (d_hours, d_minutes, d_seconds), (24, 60, 60)
-        seconds = ((days * 24 + d_hours) * 60 + d_minutes) * 60 + d_seconds
-    elif match.group(7) is not None:  # hours:minutes:seconds
-        parts, limits = (second, third), (60, 60)
-        seconds = (first * 60 + second) * 60 + third
-    else:  # minutes[:seconds]
-        parts, limits = (second,), (60,)
-        seconds = first * 60 + second
-    if any(p >= limit for p, limit in zip(parts, limits)):
-        raise UserError(
-            f"time={value!r} has a field out of range: minutes and seconds must be < 60, and hours < 24 after days-"
-        )
-    if seconds == 0:
-        raise UserError(f"time={value!r} is zero; give a positive time limit, or none for the partition's")
-    return seconds

@@ -46,7 +46,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpkit.config import SHOW_RANKS_DEFAULT, ConfigError, check_choice, check_nodes, check_positive, parse, shown_ranks
+from ddpkit.keyvalue import ConfigError, check_choice, parse
+from ddpkit.launchers.options import LaunchOptions
 
 USAGE = (
     "usage: ddpkit run [nproc=N] [device=auto|cpu] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
@@ -55,26 +56,11 @@ USAGE = (
 
 
 @dataclass
-class RunConfig:
-    """ddpkit's options of ``ddpkit run``: the key=value words before the script."""
+class RunConfig(LaunchOptions):
+    """ddpkit's options of ``ddpkit run``: the key=value words before the script (the launch options first)."""
 
-    nproc: int = 1
-    """Workers to start on this machine."""
-    max_restarts: int = 0
-    """Times all workers are restarted after one fails."""
-    master_port: int = 0
-    """Rendezvous port on node 0; 0 asks the OS for a free one (one node only: nnodes > 1 needs a port)."""
-    nnodes: int = 1
-    """Machines (or containers) of the job, each running this command with its node_rank."""
-    node_rank: int = 0
-    """This machine's index among the nnodes, 0 on the master."""
-    master_addr: str = ""
-    """With nnodes > 1: host name or address of node 0, the same on every node."""
     device: str = "auto"
     """auto: ddpkit.init() gives each worker a GPU of its own where CUDA is available (nproc at most the GPUs); cpu: the workers see no GPU (CUDA_VISIBLE_DEVICES empty)."""
-    show_ranks: str = SHOW_RANKS_DEFAULT
-    """Workers whose output this console shows, each line prefixed [rank r/w]: 0, a list (0,1) or all (as
-    torchrun's --local-ranks-filter, by global rank); every rank's whole output is in log_dir either way."""
     log_dir: str = ""
     """Folder of each rank's whole stdout and stderr (rank-N.stdout.log, rank-N.stderr.log; a restart k's in
     restart-k/), created for this launch (taken already: log_dir-2, -3...); empty: a new folder under
@@ -82,10 +68,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("auto", "cpu"))
-        check_positive("nproc", self.nproc)
-        check_positive("max_restarts", self.max_restarts, allow_zero=True)
-        check_nodes(self.nnodes, self.node_rank, self.master_addr, self.master_port)
-        shown_ranks(self.show_ranks)
+        super().__post_init__()
 
 
 @dataclass(frozen=True)

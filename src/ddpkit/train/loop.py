@@ -41,6 +41,7 @@ the scale lowered), so there the run stops only when the weights are non-finite.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,20 +50,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
+from ddpkit import Checkpointer, Context, DataLoader, gradient_sync, no_sync, reduce_sums, unwrap_model
 from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
 from ddpkit.checkpoint.format import set_aside
-from ddpkit.checkpoint.manager import Checkpointer
 from ddpkit.comm.fsdp import is_sharded
-from ddpkit.config import TrainConfig, to_dict
-from ddpkit.data.loader import DataLoader
-from ddpkit.distributed import Context, control_device
+from ddpkit.distributed import control_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, stderr_is_terminal
 from ddpkit.names import EXIT_DIVERGED
-from ddpkit.prepare import gradient_sync, no_sync, unwrap_model
-from ddpkit.reduce import reduce_sums
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.metrics_file import MetricsWriter
 from ddpkit.train.state import TrainState
 from ddpkit.train.task import Task, split_batch
@@ -126,7 +124,7 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------
 
-    def _forward_context(self) -> contextlib.AbstractContextManager:
+    def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
@@ -303,7 +301,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
         return _Window(torch.zeros((), device=self.ctx.device), 0, 0, now)
 
-    def _progress_bar(self):
+    def _progress_bar(self) -> Any:  # a tqdm bar (untyped), or None
         if not (self.ctx.is_main_process and self.cfg.progress and stderr_is_terminal()):
             return None
         return tqdm(
@@ -408,7 +406,7 @@ class Trainer:
             "train_time_s": round(self.state.train_time, 4),
             "samples_per_s": round(self.state.samples_seen / max(self.state.train_time, 1e-9), 1),
             "test": test,
-            "config": to_dict(self.cfg),
+            "config": dataclasses.asdict(self.cfg),
         }
         if self.train_loader_for_eval is not None:
             summary["train"] = self.evaluate(self.train_loader_for_eval)

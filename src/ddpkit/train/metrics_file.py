@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint.storage import format_bytes, free_bytes
-from ddpkit.config import ConfigError
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import ConfigError
 from ddpkit.names import EXIT_STORAGE
 from ddpkit.tracking.backends import BACKENDS, install_hint
 from ddpkit.tracking.jsonl_log import FILE, format_line

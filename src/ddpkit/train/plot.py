@@ -1,4 +1,4 @@
-"""``ddpkit plot``: one PNG of a run's curves from its metrics.jsonl, several runs overlaid.
+"""The curves of ``ddpkit plot`` (:mod:`ddpkit.commands.plot`): one PNG of a run's curves from its metrics.jsonl, several runs overlaid.
 
 ::
 
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpkit.config import ConfigError, check_choice, parse
+from ddpkit.keyvalue import ConfigError, check_choice
 
 PANELS = {
     # name: (event, metric, y-axis label)
@@ -94,25 +93,8 @@ class Run:
         for line in self.test:
             # an epoch's end (a whole number); a run stopped by max_steps also writes a fraction of an epoch
             if line.get("epoch", 0) > 0 and float(line["epoch"]).is_integer():
-                return line["global_step"] / line["epoch"]
+                return float(line["global_step"] / line["epoch"])
         return None
-
-
-def plot_command(args: Sequence[str]) -> int:
-    """``ddpkit plot RUN_DIR [RUN_DIR ...] [key=value ...]``: write the PNG and say where."""
-    folders = [word for word in args if not _is_config_word(word)]
-    cfg = parse(PlotConfig, [word for word in args if _is_config_word(word)])
-    if not folders:
-        raise PlotError("ddpkit plot needs a run folder (the output_dir of ddpkit train), e.g. ddpkit plot runs/latest")
-    runs = label_runs([read_run(Path(folder)) for folder in folders])
-    output = Path(cfg.output) if cfg.output else default_output(runs)
-    draw(runs, cfg, output)
-    print(f"wrote {output} ({len(runs)} run(s): {', '.join(cfg.panel_names())} against {cfg.x})")
-    return 0
-
-
-def _is_config_word(word: str) -> bool:
-    return "=" in word or (word.endswith((".yaml", ".yml")) and os.path.isfile(word))
 
 
 def default_output(runs: Sequence[Run]) -> Path:
@@ -246,7 +228,9 @@ def draw(runs: Sequence[Run], cfg: PlotConfig, output: Path) -> Path:
     from ddpkit.figures import new_figure, save_figure
 
     names = cfg.panel_names()
-    figure, axes = new_figure(len(names), ncols=3, panel_size=(5.0, 4.0))
+    drawn = new_figure(len(names), ncols=3, panel_size=(5.0, 4.0))
+    assert drawn is not None  # _require_matplotlib() made sure matplotlib is there
+    figure, axes = drawn
     if cfg.x == "epoch":
         for run in runs:
             if run.steps_per_epoch() is None:
@@ -309,7 +293,7 @@ def _draw_panel(ax: Any, name: str, runs: Sequence[Run], x: str) -> None:
 
 def _x_value(line: dict[str, Any], event: str, x: str, run: Run) -> float:
     if x == "step":
-        return line["global_step"]
+        return float(line["global_step"])
     if event == "eval":
-        return line["epoch"]  # epochs completed at this evaluation
-    return line["global_step"] / run.steps_per_epoch()
+        return float(line["epoch"])  # epochs completed at this evaluation
+    return float(line["global_step"] / run.steps_per_epoch())

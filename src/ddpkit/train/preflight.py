@@ -12,13 +12,14 @@ from ddpkit.checkpoint.options import RESUME_MODES
 from ddpkit.checkpoint.select import candidates, check_resume, restart_count
 from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.comm.shm import segment_bytes
-from ddpkit.config import ConfigError, TrainConfig
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
 from ddpkit.data.sources import locate
 from ddpkit.distributed import gpu_shortage, resolve_backend, resolve_device
 from ddpkit.env import shared_memory
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import ConfigError
 from ddpkit.models.registry import get_model_spec
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import global_batch_size
 from ddpkit.train.metrics_file import check_logger
 from ddpkit.train.run import checkpoint_root, data_options

@@ -7,7 +7,7 @@
 and its ``resume``, and ``ddpkit.export_checkpoint`` at the end. Those come
 from ``ddpkit``'s public names (``ddpkit.__all__``) and the datasets from
 :mod:`ddpkit.datasets`. Besides the trainer's own modules (``ddpkit.train``,
-``ddpkit.config``), the only other imports are this plumbing of the command,
+``ddpkit.train.config``), the only other imports are this plumbing of the command,
 which an own loop does without (``tests/train/test_run_imports.py`` keeps
 the imports to this list):
 
@@ -58,13 +58,13 @@ from ddpkit import (
     prepare_model,
     seed_everything,
 )
-from ddpkit.config import TrainConfig, to_dict
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
 from ddpkit.models import ModelSpec, get_model_spec
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
 from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
@@ -240,7 +240,7 @@ def build_tracker(cfg: TrainConfig) -> Tracker | None:
         folder / "tensorboard" if cfg.logger == "tensorboard" else folder,
         project=project,
         run_name=folder.name,
-        config=to_dict(cfg),
+        config=dataclasses.asdict(cfg),
     )
 
 
@@ -257,7 +257,7 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         loader=trainer.loader,
         extra={"train_state": trainer.state},
         options=cfg.checkpoint.for_run(trainer.task.quality_metric),
-        config=to_dict(cfg),
+        config=dataclasses.asdict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}},
         timeout=cfg.timeout,
     )
@@ -291,6 +291,7 @@ def _warn_changed_settings(cfg: TrainConfig, start: ResumePoint) -> None:
         if k in saved and saved[k] != getattr(cfg, k)
     ]
     if changed and start.resumed:
+        assert start.path is not None  # a resumed start names its checkpoint
         get_logger().warning(
             f"resuming {start.path.name} with changed settings ({'; '.join(changed)}): "
             "training continues, but not as the original run would have"
@@ -317,7 +318,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
             f"{_launcher_name(ctx)}: world_size {ctx.world_size} on {ctx.env.num_nodes} node(s), "
             f"master {ctx.env.master_addr}:{ctx.env.master_port}, backend {ctx.backend}, device {ctx.device}"
         )
-        log.info("config: " + " ".join(f"{k}={v}" for k, v in to_dict(cfg).items()))
+        log.info("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
         summary = _train(cfg, ctx, export_dir)  # its trainer is gone on return, before the group is left below
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
@@ -430,6 +431,9 @@ def _export_final(trainer: Trainer, ctx: Context, export_dir: str) -> None:
     trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
     final = trainer.checkpointer.save("export")
     trainer.checkpointer.wait()  # complete on disk before it is exported (checkpoint.async_save)
+    if final is None:  # checkpoint.on_write_error=continue, and the write failed (its own line said so)
+        get_logger().warning(f"no export to {export_dir}: the final checkpoint could not be written")
+        return
     if ctx.is_main_process:
         export_checkpoint(final, export_dir, readable_by=trainer.cfg.checkpoint.readable_by)
         get_logger().info(f"exported the model of {final.name} to {export_dir}")

@@ -30,10 +30,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpkit.checkpoint.folder_lock import FolderLock
+from ddpkit import FolderLock
 from ddpkit.checkpoint.select import candidates, restart_count
-from ddpkit.config import TrainConfig
 from ddpkit.errors import UserError
+from ddpkit.train.config import TrainConfig
 
 RUNS_DIR = Path("runs")
 """Where the run folders go, relative to the current folder."""

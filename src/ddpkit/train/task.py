@@ -83,7 +83,8 @@ class Task:
         """Sums over the batch's samples from which ``metrics`` computes the task's metrics."""
         sums = {"loss": self.loss_sum(output, inputs, target).double(), "count": len(output)}
         if self.name == "classification":
-            sums["correct"] = (output.argmax(1) == target).sum()
+            assert target is not None  # a classification batch has its labels
+            sums["correct"] = torch.eq(output.argmax(1), target).sum()
         return sums
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
@@ -114,7 +115,8 @@ def _import_loss(path: str) -> LossFn:
     if not attr:
         raise UserError(f"loss={path!r} is not module:function; name a function returning per-sample losses")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        loss: LossFn = getattr(importlib.import_module(module_name), attr)
+        return loss
     except (ImportError, AttributeError) as e:
         raise UserError(f"loss {path!r} cannot be imported ({e}); check the module:function path") from None
 

@@ -30,16 +30,18 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from ddpkit.command_help import CommandHelp
-from ddpkit.config import ConfigError, TrainConfig, check_choice, parse
+from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
+from ddpkit.keyvalue import ConfigError, check_choice, parse
 from ddpkit.launchers.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
+from ddpkit.train.config import TrainConfig
 
 SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
 NODE_LOCAL_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/")
 """Folders that are on each node's own disk on most clusters: other nodes do not see what is there."""
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SbatchSpec)}
+_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(SbatchSpec)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +104,7 @@ SLURM_HELP = CommandHelp(
     "mpirun). Key=value words that are not the options below are training options, checked against "
     "ddpkit train's (ddpkit train --help); train.KEY=VALUE says so explicitly. Each job trains into its "
     "own folder runs/<model>-<dataset>/slurm-<job id>.",
-    schema="ddpkit.launchers.slurm_cli:SlurmConfig",
+    schema="ddpkit.commands.slurm:SlurmConfig",
     examples=(
         "ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
         'ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command="python train.py" submit=true',
@@ -217,7 +219,7 @@ def _command_words(command: str) -> tuple[str, ...]:
 
 
 def _check_train_words(words: Sequence[str]) -> TrainConfig:
-    from ddpkit.config import parse_train_config
+    from ddpkit.train.config import parse_train_config
 
     try:
         return parse_train_config(words)

@@ -2,7 +2,7 @@
 
 Every option of a command is a field of a dataclass with a type, a default
 and a docstring (the string literal under the field, as in
-:class:`ddpkit.config.TrainConfig`). The help lists them all from the class
+:class:`ddpkit.train.config.TrainConfig`). The help lists them all from the class
 itself, so it cannot drift from what the parser accepts: nested dataclasses
 appear as dotted keys (``checkpoint.every_steps``), and a field that no
 group names still appears, under "other options".
@@ -21,6 +21,8 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ddpkit.keyvalue import HELP
 
 HELP_WORDS = ("-h", "--help")
 VALUE_RULE = (
@@ -72,14 +74,18 @@ def wants_help(words: Sequence[str]) -> bool:
 
 
 def field_docs(schema: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass and of the dataclasses it extends, read from their source.
+    """The help of each field of a dataclass and of the dataclasses it extends: the help its metadata holds, else
+    the docstring under it, read from the source.
 
-    A field a subclass declares again (a new default) takes the subclass's docstring. {} without source.
+    A field a subclass declares again (a new default) takes the subclass's docstring. No docstrings without source.
     """
     docs: dict[str, str] = {}
     for cls in reversed(schema.__mro__):
         if dataclasses.is_dataclass(cls):
             docs.update(_own_field_docs(cls))
+    for field in dataclasses.fields(schema):  # an option declared with its help in its metadata (keyvalue.option)
+        if field.metadata.get(HELP):
+            docs[field.name] = " ".join(str(field.metadata[HELP]).split())
     return docs
 
 
@@ -105,7 +111,7 @@ def options(schema: type, prefix: str = "") -> list[Option]:
     for field in dataclasses.fields(schema):
         factory = field.default_factory
         if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-            found += options(factory, f"{prefix}{field.name}.")  # type: ignore[arg-type]
+            found += options(factory, f"{prefix}{field.name}.")
             continue
         default = factory() if factory is not dataclasses.MISSING else field.default
         annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
@@ -116,7 +122,8 @@ def options(schema: type, prefix: str = "") -> list[Option]:
 def load_schema(path: str) -> type:
     """The class named by ``module:Class``."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    schema: type = getattr(importlib.import_module(module), name)
+    return schema
 
 
 def render_help(help: CommandHelp) -> str:

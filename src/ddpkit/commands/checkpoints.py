@@ -1,10 +1,9 @@
-"""``ddpkit export`` and ``ddpkit checkpoints``: publish a checkpoint, list a folder of them.
+"""``ddpkit checkpoints``: list a folder of checkpoints, or check one against its digest.
 
 ::
 
     ddpkit checkpoints runs/latest                       # or runs/latest/checkpoints
-    ddpkit export runs/latest/checkpoints/best-000000940 exported/
-    ddpkit export runs/latest exported/ readable_by=all   # the newest verified checkpoint
+    ddpkit checkpoints runs/latest/checkpoints/step-000000120 digest=9f86d081...
 
 torch is imported only when a command runs, so ``ddpkit --help`` stays quick.
 """
@@ -12,24 +11,13 @@ torch is imported only when a command runs, so ``ddpkit --help`` stays quick.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
+from typing import Any
 
-from ddpkit.command_help import CommandHelp
-from ddpkit.config import check_choice, parse
+from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
-
-
-@dataclasses.dataclass
-class ExportConfig:
-    """Options of ``ddpkit export``."""
-
-    readable_by: str = "user"
-    """Who may read the exported files: user (mode 0600), group (0640) or all (0644)."""
-
-    def __post_init__(self) -> None:
-        check_choice("readable_by", self.readable_by, ("user", "group", "all"))
+from ddpkit.keyvalue import parse
 
 
 @dataclasses.dataclass
@@ -50,24 +38,13 @@ class CheckpointsConfig:
             )
 
 
-EXPORT_HELP = CommandHelp(
-    usage="ddpkit export CHECKPOINT OUT [key=value ...]",
-    summary="Write a checkpoint's weights and model config for inference: OUT/model.pt (the weights, loadable "
-    "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
-    schema="ddpkit.checkpoint_cli:ExportConfig",
-    positional=(
-        ("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified checkpoint)"),
-        ("OUT", "the folder to write"),
-    ),
-    examples=("ddpkit export runs/latest exported/", "ddpkit export runs/latest/checkpoints/best-000000940 out/"),
-)
 CHECKPOINTS_HELP = CommandHelp(
     usage="ddpkit checkpoints DIR [key=value ...]",
     summary="List the checkpoints of a folder, one line each: step, epoch, metric, size, digest and whether it "
     "verifies (newest, best, incomplete, corrupt, unreadable or non-finite). Exit status 1 when the newest one is "
     "not usable; 'newest' tags the one resume=auto would take. With digest=..., check one checkpoint against the "
     "digest recorded when it was written.",
-    schema="ddpkit.checkpoint_cli:CheckpointsConfig",
+    schema="ddpkit.commands.checkpoints:CheckpointsConfig",
     positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
     examples=(
         "ddpkit checkpoints runs/latest",
@@ -77,24 +54,12 @@ CHECKPOINTS_HELP = CommandHelp(
 )
 
 
-def _split(args: Sequence[str], help: CommandHelp, num_positional: int) -> tuple[list[str], list[str]]:
+def split_paths(args: Sequence[str], help: CommandHelp, num_positional: int) -> tuple[list[str], list[str]]:
     """The positional words (checked in number) and the key=value words."""
     positional = [a for a in args if "=" not in a]
     if len(positional) != num_positional:
         raise UserError(f"expected {num_positional} path(s), got {len(positional)}; usage: {help.usage}")
     return positional, [a for a in args if "=" in a]
-
-
-def export_command(args: Sequence[str]) -> int:
-    """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
-    from ddpkit.checkpoint.export import export_checkpoint
-
-    (checkpoint, out), words = _split(args, EXPORT_HELP, 2)
-    config = parse(ExportConfig, words)
-    folder = export_checkpoint(checkpoint, out, config.readable_by)
-    source = json.loads((folder / "model.json").read_text())["source"]["checkpoint"]
-    print(f"exported {source} to {folder} (model.pt, model.json)")
-    return 0
 
 
 def checkpoints_command(args: Sequence[str]) -> int:
@@ -117,7 +82,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
         verify_checkpoint,
     )
 
-    (folder,), words = _split(args, CHECKPOINTS_HELP, 1)
+    (folder,), words = split_paths(args, CHECKPOINTS_HELP, 1)
     config = parse(CheckpointsConfig, words)
     verify = config.verify
     if config.digest:
@@ -212,7 +177,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
     return 0
 
 
-def _epoch(manifest: dict) -> str:
+def _epoch(manifest: dict[str, Any]) -> str:
     if "completed_epochs" not in manifest:
         return "-"
     done, step, per_epoch = (
@@ -227,7 +192,7 @@ def _epoch(manifest: dict) -> str:
     return f"{done}+{step}/{per_epoch}"
 
 
-def _metric(manifest: dict) -> str:
+def _metric(manifest: dict[str, Any]) -> str:
     metrics = manifest.get("metrics") or {}
     for name in ("accuracy", "mse", "loss"):
         if name in metrics:
@@ -235,7 +200,7 @@ def _metric(manifest: dict) -> str:
     return "-"
 
 
-def _size(num_bytes: int) -> str:
+def _size(num_bytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if num_bytes < 1024 or unit == "GB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"

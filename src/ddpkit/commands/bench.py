@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from ddpkit.command_help import CommandHelp, render_help, wants_help
+from ddpkit.commands.help import CommandHelp, render_help, wants_help
 from ddpkit.errors import UserError
 
 # Each kind's module has ``main(words) -> int`` and its config dataclass.
@@ -68,4 +68,5 @@ def bench_command(args: Sequence[str]) -> int:
     if wants_help(words):
         print(render_help(KINDS[kind]))
         return 0
-    return importlib.import_module(f"ddpkit.bench.{kind}").main(words)
+    status: int = importlib.import_module(f"ddpkit.bench.{kind}").main(words)
+    return status

@@ -1,0 +1,55 @@
+"""``ddpkit export``: a checkpoint's weights and model config for inference.
+
+::
+
+    ddpkit export runs/latest/checkpoints/best-000000940 exported/
+    ddpkit export runs/latest exported/ readable_by=all   # the newest verified checkpoint
+
+torch is imported only when the command runs, so ``ddpkit --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from ddpkit.commands.checkpoints import split_paths
+from ddpkit.commands.help import CommandHelp
+from ddpkit.keyvalue import check_choice, parse
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    """Options of ``ddpkit export``."""
+
+    readable_by: str = "user"
+    """Who may read the exported files: user (mode 0600), group (0640) or all (0644)."""
+
+    def __post_init__(self) -> None:
+        check_choice("readable_by", self.readable_by, ("user", "group", "all"))
+
+
+EXPORT_HELP = CommandHelp(
+    usage="ddpkit export CHECKPOINT OUT [key=value ...]",
+    summary="Write a checkpoint's weights and model config for inference: OUT/model.pt (the weights, loadable "
+    "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
+    schema="ddpkit.commands.export:ExportConfig",
+    positional=(
+        ("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified checkpoint)"),
+        ("OUT", "the folder to write"),
+    ),
+    examples=("ddpkit export runs/latest exported/", "ddpkit export runs/latest/checkpoints/best-000000940 out/"),
+)
+
+
+def export_command(args: Sequence[str]) -> int:
+    """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
+    from ddpkit.checkpoint.export import export_checkpoint
+
+    (checkpoint, out), words = split_paths(args, EXPORT_HELP, 2)
+    config = parse(ExportConfig, words)
+    folder = export_checkpoint(checkpoint, out, config.readable_by)
+    source = json.loads((folder / "model.json").read_text())["source"]["checkpoint"]
+    print(f"exported {source} to {folder} (model.pt, model.json)")
+    return 0
