@@ -31,8 +31,8 @@ def _sources() -> tuple[dict[str, type], dict[str, CommandHelp], dict[str, str]]
     When a class moves to another module, the import here is the one line to change.
     """
     from ddpkit.commands.dispatch import COMMANDS
-    from ddpkit.train.config import TrainConfig
     from ddpkit.launchers.script import RunConfig
+    from ddpkit.train.config import TrainConfig
 
     schemas: dict[str, type] = {"train": TrainConfig, "run": RunConfig}
     helps = {name: command.help for name, command in COMMANDS.items()}

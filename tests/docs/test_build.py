@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit.command_help import options
-from ddpkit.config import TrainConfig
+from ddpkit.commands.help import options
 from ddpkit.launchers.script import RunConfig
+from ddpkit.train.config import TrainConfig
 from tests.docs.markdown import DOCS, ROOT, anchors, links, pages
 
 
