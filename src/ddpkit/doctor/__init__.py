@@ -54,7 +54,7 @@ Where each part lives:
 - ``run``: one worker's whole run (``examine``); ``ddpkit doctor`` is :mod:`ddpkit.commands.doctor`.
 """
 
-from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce, uses_agent_store
+from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.describe import choose_network, describe_devices, network_stack_id, resolved_backend, run_hints
 from ddpkit.doctor.diagnoses import join_diagnosis, loopback_diagnosis, missing_diagnosis, unreachable_diagnosis
@@ -62,6 +62,7 @@ from ddpkit.doctor.measure import allreduce_latency, measure_peers
 from ddpkit.doctor.report import format_report
 from ddpkit.doctor.results import Check, Devices, DoctorProblem, NetworkChoice, PeerLink, Report, WorkerInfo
 from ddpkit.doctor.run import examine
+from ddpkit.env.torchrun import uses_agent_store
 
 __all__ = [
     "Check",

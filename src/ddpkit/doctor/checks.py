@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.diagnoses import (
@@ -24,6 +24,13 @@ from ddpkit.doctor.diagnoses import (
 from ddpkit.doctor.results import Check, DoctorProblem, WorkerInfo
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.torchrun import uses_agent_store
+
+if TYPE_CHECKING:
+    # torch.distributed re-exports these without listing them; their home is the c10d extension.
+    import torch
+    from torch._C._distributed_c10d import PrefixStore, Store
+
+    from ddpkit.distributed import Context
 
 _PREFIX = "ddpkit-doctor/"
 # Seconds one TCP connection attempt to the master may take before the next.
@@ -67,7 +74,7 @@ def reach_master(env: JobEnvironment, timeout: float) -> Check:
 # -- 2. roll call -------------------------------------------------------------
 
 
-def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
+def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float) -> tuple[Store, PrefixStore]:
     """The rendezvous store at the master, started by rank 0 unless torchrun's agent runs it.
 
     Rank 0's server listens on the address it reaches the master from only,
@@ -81,6 +88,7 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
         DoctorProblem: rank 0 cannot listen on the port, or a worker cannot open the store.
     """
     import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
 
     host = not uses_agent_store(environ) and env.rank == 0
     try:
@@ -94,9 +102,10 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
                 single_host=env.is_single_node,
                 multi_tenant=True,
             )
-            store = served.store  # the server lives as long as its own client
+            assert served.store is not None  # open until closed
+            store: Store = served.store  # the server lives as long as its own client
         else:
-            store = dist.TCPStore(
+            store = TCPStore(
                 env.master_addr, env.master_port, None, False, timedelta(seconds=timeout), wait_for_workers=False
             )
     except (OSError, RuntimeError, dist.DistNetworkError, dist.DistStoreError) as e:
@@ -115,10 +124,10 @@ def open_store(env: JobEnvironment, environ: Mapping[str, str], timeout: float):
     if uses_agent_store(environ):
         # The agent's store outlives one run of the workers: keep restarts apart.
         prefix += f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return store, dist.PrefixStore(prefix, store)
+    return store, PrefixStore(prefix, store)
 
 
-def roll_call(store, me: WorkerInfo, env: JobEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:
+def roll_call(store: Store, me: WorkerInfo, env: JobEnvironment, timeout: float) -> tuple[list[WorkerInfo], Check]:
     """Every worker reports itself; rank 0 collects and judges, and tells everyone.
 
     Returns:
@@ -155,7 +164,7 @@ def roll_call(store, me: WorkerInfo, env: JobEnvironment, timeout: float) -> tup
     return workers, Check("roll call", True, detail, time.monotonic() - start)
 
 
-def _wait_quietly(store, keys: Sequence[str], timeout: float) -> None:
+def _wait_quietly(store: Store, keys: Sequence[str], timeout: float) -> None:
     """Wait up to timeout for keys; a worker that vanished meanwhile is not a second problem."""
     import torch.distributed as dist
 
@@ -166,7 +175,7 @@ def _wait_quietly(store, keys: Sequence[str], timeout: float) -> None:
             pass
 
 
-def _collect(store, env: JobEnvironment, timeout: float) -> dict[str, Any]:
+def _collect(store: Store, env: JobEnvironment, timeout: float) -> dict[str, Any]:
     keys = [f"arrived/{r}" for r in range(env.world_size)]
     deadline = time.monotonic() + timeout + min(timeout, _ROLL_CALL_GRACE_SECONDS)
     present: dict[int, WorkerInfo] = {}
@@ -189,7 +198,9 @@ def _collect(store, env: JobEnvironment, timeout: float) -> dict[str, Any]:
 # -- 3. and 4. the process group ----------------------------------------------
 
 
-def join(cfg: DoctorConfig, env: JobEnvironment, environ: MutableMapping[str, str], workers: Sequence[WorkerInfo]):
+def join(
+    cfg: DoctorConfig, env: JobEnvironment, environ: MutableMapping[str, str], workers: Sequence[WorkerInfo]
+) -> tuple[Context, Check]:
     """``ddpkit.init`` with the doctor's timeout; returns the context.
 
     Raises:
@@ -207,7 +218,7 @@ def join(cfg: DoctorConfig, env: JobEnvironment, environ: MutableMapping[str, st
     return ctx, Check("join process group", True, f"ddpkit.init, backend {ctx.backend}", time.monotonic() - start)
 
 
-def probe_device(ctx):
+def probe_device(ctx: Context) -> torch.device:
     """The device of the doctor's tensors: the worker's own where its backend takes it, else the control device.
 
     With nccl (alone or in ``cpu:gloo,cuda:nccl``) the tensors sit on the
@@ -221,7 +232,7 @@ def probe_device(ctx):
     return ctx.device if "nccl" in ctx.backend else control_device()
 
 
-def sanity_all_reduce(ctx, timeout: float) -> Check:
+def sanity_all_reduce(ctx: Context, timeout: float) -> Check:
     """all_reduce of each rank's number: the sum must be n(n-1)/2.
 
     Raises:

@@ -35,7 +35,9 @@ def choose_network(environ: Mapping[str, str], master_addr: str) -> NetworkChoic
         return NetworkChoice(name, str(addresses[0]) if addresses else "", reason)
     host = socket.gethostname()
     try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        address = str(
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        )  # IPv6 tuples: (host, port, flow, scope)
     except OSError:
         address = ""
     return NetworkChoice("", address, "host name")

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ddpkit.doctor.checks import probe_device
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.results import PeerLink
 
+if TYPE_CHECKING:
+    import torch
+
+    from ddpkit.distributed import Context
+
 _WARMUP_ROUND_TRIPS = 3
 
 
-def measure_peers(ctx, cfg: DoctorConfig) -> list[PeerLink]:
+def measure_peers(ctx: Context, cfg: DoctorConfig) -> list[PeerLink]:
     """Rank 0's latency and bandwidth with each peer in turn (every rank calls it).
 
     Returns:
@@ -23,7 +30,7 @@ def measure_peers(ctx, cfg: DoctorConfig) -> list[PeerLink]:
     device = probe_device(ctx)
     small = torch.zeros(1, device=device)
     large = torch.zeros(cfg.bandwidth_mib * 2**20 // 4, device=device)
-    links = []
+    links: list[PeerLink] = []
     for peer in range(1, ctx.world_size):
         if ctx.rank == 0:
             sync = _sync(ctx)
@@ -47,14 +54,14 @@ def measure_peers(ctx, cfg: DoctorConfig) -> list[PeerLink]:
     return links
 
 
-def allreduce_latency(ctx, iterations: int) -> float:
+def allreduce_latency(ctx: Context, iterations: int) -> float:
     """Median seconds of a 4-byte all_reduce over every worker, in microseconds (rank 0's view)."""
     import torch
     import torch.distributed as dist
 
     value = torch.zeros(1, device=probe_device(ctx))
     sync = _sync(ctx)
-    times = []
+    times: list[float] = []
     for i in range(_WARMUP_ROUND_TRIPS + iterations):
         start = time.perf_counter()
         dist.all_reduce(value)
@@ -64,10 +71,10 @@ def allreduce_latency(ctx, iterations: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _round_trips(tensor, peer: int, iterations: int, sync) -> list[float]:
+def _round_trips(tensor: torch.Tensor, peer: int, iterations: int, sync: Callable[[], None]) -> list[float]:
     import torch.distributed as dist
 
-    times = []
+    times: list[float] = []
     for i in range(_WARMUP_ROUND_TRIPS + iterations):
         start = time.perf_counter()
         dist.send(tensor, dst=peer)
@@ -78,7 +85,7 @@ def _round_trips(tensor, peer: int, iterations: int, sync) -> list[float]:
     return times
 
 
-def _echo(tensor, iterations: int) -> None:
+def _echo(tensor: torch.Tensor, iterations: int) -> None:
     import torch.distributed as dist
 
     for _ in range(_WARMUP_ROUND_TRIPS + iterations):
@@ -86,7 +93,7 @@ def _echo(tensor, iterations: int) -> None:
         dist.send(tensor, dst=0)
 
 
-def _sync(ctx):
+def _sync(ctx: Context) -> Callable[[], None]:
     import torch
 
     if probe_device(ctx).type == "cuda":

@@ -6,7 +6,7 @@ import os
 import socket
 from collections.abc import MutableMapping
 
-from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce, uses_agent_store
+from ddpkit.doctor.checks import join, open_store, reach_master, roll_call, sanity_all_reduce
 from ddpkit.doctor.config import DoctorConfig
 from ddpkit.doctor.describe import choose_network, describe_devices, network_stack_id, resolved_backend, run_hints
 from ddpkit.doctor.diagnoses import loopback_master_warning
@@ -14,6 +14,7 @@ from ddpkit.doctor.measure import allreduce_latency, measure_peers
 from ddpkit.doctor.results import Check, DoctorProblem, Report, WorkerInfo
 from ddpkit.env.base import JobEnvironment
 from ddpkit.env.detect import detect_environment
+from ddpkit.env.torchrun import uses_agent_store
 
 
 def examine(cfg: DoctorConfig, environ: MutableMapping[str, str]) -> Report:
