@@ -87,7 +87,7 @@ def _split(args: Sequence[str], help: CommandHelp, num_positional: int) -> tuple
 
 def export_command(args: Sequence[str]) -> int:
     """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
-    from ddpkit.checkpoint.export import export_checkpoint
+    from ddpkit.checkpoint import export_checkpoint
 
     (checkpoint, out), words = _split(args, EXPORT_HELP, 2)
     config = parse(ExportConfig, words)
@@ -107,7 +107,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
     import sys
     from pathlib import Path
 
-    from ddpkit.checkpoint.format import (
+    from ddpkit.checkpoint import (
         BEST_PREFIX,
         CheckpointError,
         checkpoint_digest,

@@ -46,7 +46,7 @@ from ddpkit.names import (
 from ddpkit.version import __version__
 
 if TYPE_CHECKING:
-    from ddpkit.checkpoint.format import CheckpointInfo
+    from ddpkit.checkpoint import CheckpointInfo
     from ddpkit.launchers.local import LaunchSpec
     from ddpkit.launchers.script import RunConfig
 
@@ -245,7 +245,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
 
     ``args`` are the words as the user gave them, for the line that says how to continue.
     """
-    from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.checkpoint import Preempted
     from ddpkit.env.sagemaker import model_dir
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
@@ -334,7 +334,7 @@ def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointIn
 
 
 def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
-    from ddpkit.checkpoint.format import list_checkpoints
+    from ddpkit.checkpoint import list_checkpoints
     from ddpkit.train.run import checkpoint_root
 
     if not cfg.output_dir:  # another node's launcher: the run folder is node 0's

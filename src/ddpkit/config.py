@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ddpkit import errors
-from ddpkit.checkpoint.options import CheckpointOptions, resume_choice
+from ddpkit.checkpoint import CheckpointOptions, resume_choice
 from ddpkit.errors import UserError
 from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
@@ -378,7 +378,7 @@ BEST_METRICS = ("", "auto", "accuracy", "loss", "mse")
 class CheckpointConfig(CheckpointOptions):
     """When and where checkpoints are written; set as checkpoint.KEY=VALUE.
 
-    The Checkpointer's own options (:class:`ddpkit.checkpoint.options.CheckpointOptions`: their types,
+    The Checkpointer's own options (:class:`ddpkit.checkpoint.CheckpointOptions`: their types,
     defaults, docstrings and checks) plus what only the trainer decides: whether to checkpoint at all,
     the folder's default, and ``auto`` for the best checkpoint. :meth:`for_run` turns it into the
     options the run's Checkpointer is built with.

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ddpkit.checkpoint.rng import seed_everything
+from ddpkit.checkpoint import seed_everything
 from ddpkit.config import parse_train_config
 from ddpkit.data.datasets import load_images
 from ddpkit.data.sampler import epoch_permutation

@@ -1,1 +1,97 @@
-"""Checkpoints: crash-safe format, resume selection, the Checkpointer, preemption, export and transfer."""
+"""Checkpoints: crash-safe format, resume selection, the Checkpointer, preemption, export and transfer.
+
+This module is the package's face: code outside ``ddpkit.checkpoint`` imports from here only, never from
+a submodule (an import-linter contract in pyproject.toml holds that). The names come in two kinds:
+
+- for users, also exported by ``ddpkit`` itself: :class:`Checkpointer`, :class:`ResumePoint`,
+  :class:`CheckpointOptions`, :class:`CheckpointError`, :class:`CheckpointInfo`, :func:`list_checkpoints`,
+  :class:`Preempted`, :class:`FolderLock`, :class:`FolderInUseError`, :func:`seed_everything`,
+  :func:`export_checkpoint`, :func:`apply_transfer`, :class:`TransferReport`;
+- for ddpkit's own commands and trainer (``ddpkit train``, ``ddpkit checkpoints``, the benchmarks), not a
+  promise to users: the rest of ``__all__`` (reading a manifest, choosing a checkpoint to resume, the
+  non-finite checkpoints, the room on disk, the option values the command line checks).
+
+The names are imported on first use, as ``ddpkit``'s are: ``ddpkit.config`` reads the options from here, and
+``ddpkit --help`` must not wait for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_PUBLIC = {
+    # for users (ddpkit's own __all__ lists them too)
+    "Checkpointer": "ddpkit.checkpoint.manager",
+    "ResumePoint": "ddpkit.checkpoint.manager",
+    "CheckpointOptions": "ddpkit.checkpoint.options",
+    "CheckpointError": "ddpkit.checkpoint.format",
+    "CheckpointInfo": "ddpkit.checkpoint.format",
+    "list_checkpoints": "ddpkit.checkpoint.format",
+    "Preempted": "ddpkit.checkpoint.preemption",
+    "FolderLock": "ddpkit.checkpoint.folder_lock",
+    "FolderInUseError": "ddpkit.checkpoint.folder_lock",
+    "seed_everything": "ddpkit.checkpoint.rng",
+    "export_checkpoint": "ddpkit.checkpoint.export",
+    "apply_transfer": "ddpkit.checkpoint.transfer",
+    "TransferReport": "ddpkit.checkpoint.transfer",
+    # for ddpkit's commands and trainer: the options' values the command line checks
+    "RESUME_MODES": "ddpkit.checkpoint.options",
+    "resume_choice": "ddpkit.checkpoint.options",
+    # reading a folder of checkpoints (``ddpkit checkpoints``, the benchmarks)
+    "MANIFEST": "ddpkit.checkpoint.format",
+    "BEST_PREFIX": "ddpkit.checkpoint.format",
+    "read_manifest": "ddpkit.checkpoint.format",
+    "verify_checkpoint": "ddpkit.checkpoint.format",
+    "checkpoint_digest": "ddpkit.checkpoint.format",
+    "has_manifest": "ddpkit.checkpoint.format",
+    "resolve_checkpoint_dir": "ddpkit.checkpoint.format",
+    "set_aside": "ddpkit.checkpoint.format",
+    # which checkpoint a run resumes from (the trainer's checks before it starts)
+    "candidates": "ddpkit.checkpoint.select",
+    "check_resume": "ddpkit.checkpoint.select",
+    "restart_count": "ddpkit.checkpoint.select",
+    # checkpoints of a diverged run (the trainer's rollback)
+    "NONFINITE_SUFFIX": "ddpkit.checkpoint.finite",
+    "last_finite_checkpoint": "ddpkit.checkpoint.finite",
+    "nonfinite_tensors": "ddpkit.checkpoint.finite",
+    # the room on disk (the trainer's metrics file)
+    "format_bytes": "ddpkit.checkpoint.storage",
+    "free_bytes": "ddpkit.checkpoint.storage",
+}
+"""Each name of the face, and the submodule that holds it."""
+
+__all__ = list(_PUBLIC)
+
+if TYPE_CHECKING:
+    # What editors and type checkers read (the lazy loading below is invisible to them).
+    from ddpkit.checkpoint.export import export_checkpoint
+    from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
+    from ddpkit.checkpoint.folder_lock import FolderInUseError, FolderLock
+    from ddpkit.checkpoint.format import (
+        BEST_PREFIX,
+        MANIFEST,
+        CheckpointError,
+        CheckpointInfo,
+        checkpoint_digest,
+        has_manifest,
+        list_checkpoints,
+        read_manifest,
+        resolve_checkpoint_dir,
+        set_aside,
+        verify_checkpoint,
+    )
+    from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
+    from ddpkit.checkpoint.options import RESUME_MODES, CheckpointOptions, resume_choice
+    from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.checkpoint.rng import seed_everything
+    from ddpkit.checkpoint.select import candidates, check_resume, restart_count
+    from ddpkit.checkpoint.storage import format_bytes, free_bytes
+    from ddpkit.checkpoint.transfer import TransferReport, apply_transfer
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: ddpkit.config (and so `ddpkit --help`) reads the options without torch.
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'ddpkit.checkpoint' has no attribute {name!r}")

@@ -51,9 +51,13 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
-from ddpkit.checkpoint.format import set_aside
-from ddpkit.checkpoint.manager import Checkpointer
+from ddpkit.checkpoint import (
+    NONFINITE_SUFFIX,
+    Checkpointer,
+    last_finite_checkpoint,
+    nonfinite_tensors,
+    set_aside,
+)
 from ddpkit.comm.fsdp import is_sharded
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.data.loader import DataLoader

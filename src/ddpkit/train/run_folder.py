@@ -30,8 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpkit.checkpoint.folder_lock import FolderLock
-from ddpkit.checkpoint.select import candidates, restart_count
+from ddpkit.checkpoint import FolderLock, candidates, restart_count
 from ddpkit.config import TrainConfig
 from ddpkit.errors import UserError
 
