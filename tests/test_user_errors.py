@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.disk.format import CheckpointError
 from ddpkit.cli import main
 from ddpkit.config import ConfigError
 from ddpkit.data.idx import CorruptDataError

@@ -25,9 +25,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit import Checkpointer
-from ddpkit.checkpoint.async_save import copy_state
-from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
-from ddpkit.checkpoint.storage import StorageError
+from ddpkit.checkpoint.disk.async_save import copy_state
+from ddpkit.checkpoint.disk.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
+from ddpkit.checkpoint.disk.storage import StorageError
 from tests.cli_runner import PYTHONPATH
 
 SEED = 20251125
@@ -143,7 +143,7 @@ def test_a_loop_with_async_saves_writes_the_files_a_sync_loop_writes(tmp_path):
 
 
 def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypatch):
-    import ddpkit.checkpoint.writer as writer
+    import ddpkit.checkpoint.disk.writer as writer
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -161,7 +161,7 @@ import os, sys, time, threading
 from pathlib import Path
 import torch
 from torch import nn
-import ddpkit.checkpoint.format as fmt
+import ddpkit.checkpoint.disk.format as fmt
 from ddpkit import Checkpointer
 
 folder, marks = Path(sys.argv[1]), Path(sys.argv[2])

@@ -11,7 +11,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from ddpkit.checkpoint.checkin import STOP_GRACE_SECONDS, LoopProgress, check_in
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.disk.format import CheckpointError
 
 PREFIX = "save/0/1"
 PROGRESS = "progress/0"

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 import ddpkit
 from ddpkit import Checkpointer, CheckpointError
-from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
+from ddpkit.checkpoint.disk.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
 from tests.helpers.module_runs import run_side_by_side, selected_tests
 
 SEED = 20240607
@@ -650,7 +650,7 @@ def test_an_epoch_end_is_written_once_also_with_a_scheduler_stepped_after_the_ba
 
 
 def test_a_second_run_into_a_folder_in_use_stops_at_start_naming_the_holder(tmp_path):
-    from ddpkit.checkpoint.folder_lock import FolderInUseError
+    from ddpkit.checkpoint.disk.folder_lock import FolderInUseError
     from tests.cli_runner import PYTHONPATH
 
     holder = subprocess.Popen(

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddpkit.checkpoint.finite import (
+from ddpkit.checkpoint.disk.finite import (
     FINITE_KEY,
     is_finite_number,
     is_marked_nonfinite,
@@ -15,7 +15,7 @@ from ddpkit.checkpoint.finite import (
     nonfinite_marker,
     nonfinite_tensors,
 )
-from ddpkit.checkpoint.format import checkpoint_name, list_checkpoints, write_checkpoint
+from ddpkit.checkpoint.disk.format import checkpoint_name, list_checkpoints, write_checkpoint
 from ddpkit.checkpoint.select import choose_checkpoint
 
 

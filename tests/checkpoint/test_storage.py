@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ddpkit import Checkpointer
-from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
-from ddpkit.checkpoint.storage import StorageError, estimate_bytes
+from ddpkit.checkpoint.disk.format import list_checkpoints, verify_checkpoint
+from ddpkit.checkpoint.disk.storage import StorageError, estimate_bytes
 from ddpkit.names import EXIT_STORAGE
 from tests.helpers.launch_in_process import Commands
 from tests.train.checkpoint_helpers import (
@@ -192,8 +192,8 @@ def test_full_disk_under_ddpkit_train_stops_with_74_and_resume_after_freeing_is_
 def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_untouched(tmp_path):
     import errno
 
-    from ddpkit.checkpoint.format import checkpoint_name, write_checkpoint
-    from ddpkit.checkpoint.storage import explain_write_error
+    from ddpkit.checkpoint.disk.format import checkpoint_name, write_checkpoint
+    from ddpkit.checkpoint.disk.storage import explain_write_error
 
     write_checkpoint(tmp_path, checkpoint_name(5), {"model.pt": {"w": torch.ones(2)}}, {}, {"global_step": 5})
     line = explain_write_error(

@@ -6,7 +6,7 @@ import signal
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import checkpoint_name
+from ddpkit.checkpoint.disk.format import checkpoint_name
 from ddpkit.checkpoint.preemption import (
     EXIT_PREEMPTED,
     MAX_SYNC_INTERVAL,

@@ -25,12 +25,12 @@ _PUBLIC = {
     "Checkpointer": "ddpkit.checkpoint.manager",
     "ResumePoint": "ddpkit.checkpoint.manager",
     "CheckpointOptions": "ddpkit.checkpoint.options",
-    "CheckpointError": "ddpkit.checkpoint.format",
-    "CheckpointInfo": "ddpkit.checkpoint.format",
-    "list_checkpoints": "ddpkit.checkpoint.format",
+    "CheckpointError": "ddpkit.checkpoint.disk.format",
+    "CheckpointInfo": "ddpkit.checkpoint.disk.format",
+    "list_checkpoints": "ddpkit.checkpoint.disk.format",
     "Preempted": "ddpkit.checkpoint.preemption",
-    "FolderLock": "ddpkit.checkpoint.folder_lock",
-    "FolderInUseError": "ddpkit.checkpoint.folder_lock",
+    "FolderLock": "ddpkit.checkpoint.disk.folder_lock",
+    "FolderInUseError": "ddpkit.checkpoint.disk.folder_lock",
     "seed_everything": "ddpkit.checkpoint.rng",
     "export_checkpoint": "ddpkit.checkpoint.export",
     "apply_transfer": "ddpkit.checkpoint.transfer",
@@ -39,25 +39,25 @@ _PUBLIC = {
     "RESUME_MODES": "ddpkit.checkpoint.options",
     "resume_choice": "ddpkit.checkpoint.options",
     # reading a folder of checkpoints (``ddpkit checkpoints``, the benchmarks)
-    "MANIFEST": "ddpkit.checkpoint.format",
-    "BEST_PREFIX": "ddpkit.checkpoint.format",
-    "read_manifest": "ddpkit.checkpoint.format",
-    "verify_checkpoint": "ddpkit.checkpoint.format",
-    "checkpoint_digest": "ddpkit.checkpoint.format",
-    "has_manifest": "ddpkit.checkpoint.format",
-    "resolve_checkpoint_dir": "ddpkit.checkpoint.format",
-    "set_aside": "ddpkit.checkpoint.format",
+    "MANIFEST": "ddpkit.checkpoint.disk.format",
+    "BEST_PREFIX": "ddpkit.checkpoint.disk.format",
+    "read_manifest": "ddpkit.checkpoint.disk.format",
+    "verify_checkpoint": "ddpkit.checkpoint.disk.format",
+    "checkpoint_digest": "ddpkit.checkpoint.disk.format",
+    "has_manifest": "ddpkit.checkpoint.disk.format",
+    "resolve_checkpoint_dir": "ddpkit.checkpoint.disk.format",
+    "set_aside": "ddpkit.checkpoint.disk.format",
     # which checkpoint a run resumes from (the trainer's checks before it starts)
     "candidates": "ddpkit.checkpoint.select",
     "check_resume": "ddpkit.checkpoint.select",
     "restart_count": "ddpkit.checkpoint.select",
     # checkpoints of a diverged run (the trainer's rollback)
-    "NONFINITE_SUFFIX": "ddpkit.checkpoint.finite",
-    "last_finite_checkpoint": "ddpkit.checkpoint.finite",
-    "nonfinite_tensors": "ddpkit.checkpoint.finite",
+    "NONFINITE_SUFFIX": "ddpkit.checkpoint.disk.finite",
+    "last_finite_checkpoint": "ddpkit.checkpoint.disk.finite",
+    "nonfinite_tensors": "ddpkit.checkpoint.disk.finite",
     # the room on disk (the trainer's metrics file)
-    "format_bytes": "ddpkit.checkpoint.storage",
-    "free_bytes": "ddpkit.checkpoint.storage",
+    "format_bytes": "ddpkit.checkpoint.disk.storage",
+    "free_bytes": "ddpkit.checkpoint.disk.storage",
 }
 """Each name of the face, and the submodule that holds it."""
 
@@ -65,10 +65,9 @@ __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
     # What editors and type checkers read (the lazy loading below is invisible to them).
-    from ddpkit.checkpoint.export import export_checkpoint
-    from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
-    from ddpkit.checkpoint.folder_lock import FolderInUseError, FolderLock
-    from ddpkit.checkpoint.format import (
+    from ddpkit.checkpoint.disk.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
+    from ddpkit.checkpoint.disk.folder_lock import FolderInUseError, FolderLock
+    from ddpkit.checkpoint.disk.format import (
         BEST_PREFIX,
         MANIFEST,
         CheckpointError,
@@ -81,12 +80,13 @@ if TYPE_CHECKING:
         set_aside,
         verify_checkpoint,
     )
+    from ddpkit.checkpoint.disk.storage import format_bytes, free_bytes
+    from ddpkit.checkpoint.export import export_checkpoint
     from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
     from ddpkit.checkpoint.options import RESUME_MODES, CheckpointOptions, resume_choice
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.checkpoint.rng import seed_everything
     from ddpkit.checkpoint.select import candidates, check_resume, restart_count
-    from ddpkit.checkpoint.storage import format_bytes, free_bytes
     from ddpkit.checkpoint.transfer import TransferReport, apply_transfer
 
 

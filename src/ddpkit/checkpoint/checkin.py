@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.disk.format import CheckpointError
 
 PUBLISH_SECONDS = 0.5
 """How often a rank's loop progress is published to the store (when it changed)."""

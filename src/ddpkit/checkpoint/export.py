@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
-from ddpkit.checkpoint.finite import nonfinite_tensors
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.finite import nonfinite_tensors
+from ddpkit.checkpoint.disk.format import (
     CheckpointError,
     folder_mode,
     has_manifest,
@@ -40,6 +39,7 @@ from ddpkit.checkpoint.format import (
     verify_checkpoint,
     write_file_atomic,
 )
+from ddpkit.checkpoint.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
 from ddpkit.checkpoint.options import READABLE_BY
 from ddpkit.checkpoint.sharded import sharded_names
 from ddpkit.checkpoint.sharded_export import sharded_weights

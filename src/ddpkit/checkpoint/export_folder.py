@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.format import CheckpointError, load_file
+from ddpkit.checkpoint.disk.format import CheckpointError, load_file
 
 EXPORT_INFO = "model.json"
 """The file that marks an export folder (written by ``ddpkit export``)."""

@@ -20,8 +20,8 @@ The parts, each documented where it lives (the README's manual and "Design notes
 - when: :mod:`~ddpkit.checkpoint.schedule` (pure; a ddpkit.DataLoader's step
   boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.preemption`;
 - one save: :mod:`~ddpkit.checkpoint.saving`; what it holds:
-  :mod:`~ddpkit.checkpoint.contents`; on disk: :mod:`~ddpkit.checkpoint.writer`
-  (:mod:`~ddpkit.checkpoint.sharded` for a sharded model), :mod:`~ddpkit.checkpoint.format`;
+  :mod:`~ddpkit.checkpoint.contents`; on disk: :mod:`~ddpkit.checkpoint.disk.writer`
+  (:mod:`~ddpkit.checkpoint.sharded` for a sharded model), :mod:`~ddpkit.checkpoint.disk.format`;
 - resuming: :mod:`~ddpkit.checkpoint.select` (which one), :mod:`~ddpkit.checkpoint.restore`;
 - the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
 
@@ -52,8 +52,9 @@ from ddpkit.checkpoint import select
 from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
 from ddpkit.checkpoint.best import BestMetric
 from ddpkit.checkpoint.checkin import SaveCheckIns
-from ddpkit.checkpoint.folder_lock import FolderLock
-from ddpkit.checkpoint.format import MANIFEST, CheckpointError, list_checkpoints
+from ddpkit.checkpoint.disk.folder_lock import FolderLock
+from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints
+from ddpkit.checkpoint.disk.writer import CheckpointWriter
 from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.preemption import (
@@ -78,7 +79,6 @@ from ddpkit.checkpoint.restore import (
 from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.sharded import sharded_state
-from ddpkit.checkpoint.writer import CheckpointWriter
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -185,7 +185,7 @@ class Checkpointer:
         self.shards = sharded_state(self.objects, self.rank, self.world_size, self.background)
         """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
         self.writer: CheckpointWriter | None = None
-        """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`, or
+        """Rank 0's writer (:class:`~ddpkit.checkpoint.disk.writer.FolderWriter`, or
         :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` for a sharded model); None on the other ranks."""
         if self.rank == 0:
             self.writer = make_writer(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint import select
-from ddpkit.checkpoint.format import CheckpointError, load_file, read_manifest
+from ddpkit.checkpoint.disk.format import CheckpointError, load_file, read_manifest
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
 from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything

@@ -12,7 +12,7 @@ parts it was given, never reading the Checkpointer:
    loader), checks once that the extras agree, and rank 0 gathers every
    rank's generators and ``per_rank`` states;
 4. rank 0 builds the files and manifest facts (:mod:`ddpkit.checkpoint.contents`)
-   into a :class:`~ddpkit.checkpoint.writer.WriteRequest` for its writer;
+   into a :class:`~ddpkit.checkpoint.disk.writer.WriteRequest` for its writer;
    every rank learns the folder, or rank 0's error (:func:`~ddpkit.checkpoint.ranks.on_rank_zero`).
 """
 
@@ -27,19 +27,19 @@ import torch.distributed as dist
 
 from ddpkit.checkpoint import select
 from ddpkit.checkpoint.advice import differing_extras
-from ddpkit.checkpoint.async_save import copy_state
 from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
-from ddpkit.checkpoint.folder_lock import FolderLock, lock_checkpoint_folder
-from ddpkit.checkpoint.format import checkpoint_name
+from ddpkit.checkpoint.disk.async_save import copy_state
+from ddpkit.checkpoint.disk.folder_lock import FolderLock, lock_checkpoint_folder
+from ddpkit.checkpoint.disk.format import checkpoint_name
+from ddpkit.checkpoint.disk.storage import checkpoint_bytes, room_warning
+from ddpkit.checkpoint.disk.writer import CheckpointWriter, FolderWriter, WriteRequest
 from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.checkpoint.sharded import ShardedState
 from ddpkit.checkpoint.sharded_writer import ShardedWriter
-from ddpkit.checkpoint.storage import checkpoint_bytes, room_warning
-from ddpkit.checkpoint.writer import CheckpointWriter, FolderWriter, WriteRequest
 from ddpkit.log import get_logger
 
 __all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer"]
@@ -85,7 +85,7 @@ def make_writer(
     background: bool,
     on_save: Callable[[Path, str], None],
 ) -> CheckpointWriter:
-    """Rank 0's writer: a :class:`~ddpkit.checkpoint.writer.FolderWriter` (in the background or not), or a
+    """Rank 0's writer: a :class:`~ddpkit.checkpoint.disk.writer.FolderWriter` (in the background or not), or a
     :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` completing the folder of ``shards`` (in the
     background when they are)."""
     settings: dict[str, Any] = {

@@ -3,7 +3,7 @@
 A model prepared with ``shard=True`` (FSDP2) holds on each rank only its
 shard of every parameter and of the optimizer's state; no rank ever holds the
 full model to save or to load it. Its checkpoint is the same verified folder
-as any other (:mod:`ddpkit.checkpoint.format`), with the model and optimizer
+as any other (:mod:`ddpkit.checkpoint.disk.format`), with the model and optimizer
 written by torch.distributed.checkpoint (DCP) instead of ``model.pt`` and
 ``optimizer.pt``::
 
@@ -22,7 +22,7 @@ How a write stays atomic (a collective):
    index by rank 0 once every rank wrote), hashes the files it wrote, and
    sends their sizes and SHA-256 to rank 0;
 3. rank 0 writes the other files and the manifest last, then renames the
-   folder into place (:func:`ddpkit.checkpoint.format.finish_checkpoint`,
+   folder into place (:func:`ddpkit.checkpoint.disk.format.finish_checkpoint`,
    by :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter`).
 
 With ``async_save`` (by default on a GPU) step 2 runs in the background on
@@ -39,7 +39,7 @@ removed by the next pruning. Resuming verifies every file against the
 manifest (rank 0) before any rank reads; each rank then reads the slices of
 its own shards (``dcp.load``), at the world size that wrote the checkpoint
 or at any other (DCP reshards), through the readers of
-:mod:`ddpkit.checkpoint.sharded_reading`, which run no code from a
+:mod:`ddpkit.checkpoint.disk.sharded_reading`, which run no code from a
 checkpoint. Models and optimizers are taken through torch's
 ``get_state_dict``/``set_state_dict`` (keys by parameter name, not by
 position), so a plain or DDP model can resume a sharded checkpoint too.
@@ -60,14 +60,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from ddpkit.checkpoint.async_save import BackgroundWriter
-from ddpkit.checkpoint.finite import nonfinite_tensors
-from ddpkit.checkpoint.format import CheckpointError, folder_mode
-from ddpkit.checkpoint.layout import SHARDED_KEY
+from ddpkit.checkpoint.disk.async_save import BackgroundWriter
+from ddpkit.checkpoint.disk.finite import nonfinite_tensors
+from ddpkit.checkpoint.disk.format import CheckpointError, folder_mode
+from ddpkit.checkpoint.disk.layout import SHARDED_KEY
+from ddpkit.checkpoint.disk.reading import file_sha256
+from ddpkit.checkpoint.disk.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
+from ddpkit.checkpoint.disk.storage import StorageError, explain_write_error
 from ddpkit.checkpoint.ranks import on_rank_zero
-from ddpkit.checkpoint.reading import file_sha256
-from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
-from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.comm.fsdp import is_sharded
 
 __all__ = ["SHARDED_KEY", "ShardedState", "Staged", "sharded_names", "sharded_state"]
@@ -83,7 +83,7 @@ class Staged(NamedTuple):
     files: dict[str, dict[str, Any]]
     """The size and SHA-256 of every file there."""
     nonfinite: list[str]
-    """The tensors some rank found NaN or infinity in (its shards; :func:`~ddpkit.checkpoint.finite.nonfinite_tensors`)."""
+    """The tensors some rank found NaN or infinity in (its shards; :func:`~ddpkit.checkpoint.disk.finite.nonfinite_tensors`)."""
 
 
 class ShardedState:

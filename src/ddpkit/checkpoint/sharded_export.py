@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.checkpoint.format import CheckpointError
-from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
+from ddpkit.checkpoint.disk.format import CheckpointError
+from ddpkit.checkpoint.disk.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
 
 __all__ = ["GROUP_BYTES", "full_weights", "sharded_weights"]
 

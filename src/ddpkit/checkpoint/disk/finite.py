@@ -16,7 +16,7 @@ small parts keep the good ones:
 - :data:`FINITE_KEY`: a manifest key, ``"finite": false``, that a writer
   passes through ``write_checkpoint``'s ``meta`` for such a checkpoint
   (:func:`nonfinite_marker` builds it);
-  :func:`ddpkit.checkpoint.format.prune` never counts a checkpoint so marked
+  :func:`ddpkit.checkpoint.disk.format.prune` never counts a checkpoint so marked
   toward ``keep`` and resume never picks it (:func:`is_marked_nonfinite`);
 - :func:`last_finite_checkpoint`: after a run stopped on a non-finite loss,
   the newest complete checkpoint whose weights are finite (those a marker
@@ -39,8 +39,8 @@ try:
 except ImportError:  # torch before 2.5
     from torch.distributed._tensor import DTensor
 
-from ddpkit.checkpoint.format import CheckpointError, list_checkpoints, load_file
-from ddpkit.checkpoint.layout import SHARDED_KEY
+from ddpkit.checkpoint.disk.format import CheckpointError, list_checkpoints, load_file
+from ddpkit.checkpoint.disk.layout import SHARDED_KEY
 
 FINITE_KEY = "finite"
 """Manifest key: False when the checkpoint's tensors hold NaN or infinity (absent: finite, or not checked)."""

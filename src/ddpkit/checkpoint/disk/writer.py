@@ -4,7 +4,7 @@ The Checkpointer decides when (:mod:`ddpkit.checkpoint.schedule`) and
 gathers what (every object's ``state_dict()``, every rank's RNG); a writer
 puts it on disk:
 
-- the atomic, verified folder of :mod:`ddpkit.checkpoint.format` (each file
+- the atomic, verified folder of :mod:`ddpkit.checkpoint.disk.format` (each file
   through a temporary name, fsync and rename; the manifest with checksums
   last);
 - synchronously, or in the background (``async_save``): the state is copied
@@ -13,8 +13,8 @@ puts it on disk:
   the next save, ``wait()`` or ``close()``;
 - then the best mark (``best-*``, hard links) and pruning to ``keep``;
 - a write that fails for lack of room, permissions or a vanished folder is
-  one line (:mod:`ddpkit.checkpoint.storage`): a warning and training goes on
-  (``on_write_error="warn"``), or :class:`~ddpkit.checkpoint.storage.StorageError`.
+  one line (:mod:`ddpkit.checkpoint.disk.storage`): a warning and training goes on
+  (``on_write_error="warn"``), or :class:`~ddpkit.checkpoint.disk.storage.StorageError`.
 
 :class:`CheckpointWriter` is the interface the Checkpointer uses; a writer
 of another kind (each rank writing its shards, a remote store) implements
@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
-from ddpkit.checkpoint.finite import nonfinite_marker, nonfinite_tensors
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.async_save import BackgroundWriter, copy_state
+from ddpkit.checkpoint.disk.finite import nonfinite_marker, nonfinite_tensors
+from ddpkit.checkpoint.disk.format import (
     MANIFEST,
     checkpoint_digest,
     mark_best,
@@ -38,7 +38,7 @@ from ddpkit.checkpoint.format import (
     rewrite_manifest,
     write_checkpoint,
 )
-from ddpkit.checkpoint.storage import StorageError, explain_write_error
+from ddpkit.checkpoint.disk.storage import StorageError, explain_write_error
 from ddpkit.log import get_logger
 
 __all__ = ["CheckpointWriter", "FolderWriter", "WriteRequest"]
