@@ -337,7 +337,7 @@ def _replicated_then_sharded(rank: int, world_size: int, folder: str) -> dict:
     trains on to step 6 (a sharded checkpoint)."""
     import ddpkit
     import ddpkit.distributed
-    from ddpkit.checkpoint.sharded import ShardedState
+    from ddpkit.checkpoint.sharded.state import ShardedState
 
     ddpkit.distributed.init()
     try:

@@ -208,7 +208,7 @@ def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_u
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_full_disk_under_a_sharded_write_is_named_not_torch_saves_unexpected_pos(tmp_path):
-    from ddpkit.checkpoint.sharded import ShardedState
+    from ddpkit.checkpoint.sharded.state import ShardedState
 
     model, optimizer = stepped_model()  # 256 kB of weights, 512 kB of Adam's state: a single rank's shards
     shards = ShardedState(model, optimizer, rank=0, world_size=1)

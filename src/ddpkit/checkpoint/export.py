@@ -41,7 +41,7 @@ from ddpkit.checkpoint.disk.format import (
 )
 from ddpkit.checkpoint.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
 from ddpkit.checkpoint.options import READABLE_BY
-from ddpkit.checkpoint.sharded import sharded_names
+from ddpkit.checkpoint.sharded.state import sharded_names
 from ddpkit.checkpoint.sharded_export import sharded_weights
 from ddpkit.checkpoint.transfer import newest_verified
 from ddpkit.errors import UserError, check_choice

@@ -21,7 +21,7 @@ The parts, each documented where it lives (the README's manual and "Design notes
   boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.preemption`;
 - one save: :mod:`~ddpkit.checkpoint.saving`; what it holds:
   :mod:`~ddpkit.checkpoint.contents`; on disk: :mod:`~ddpkit.checkpoint.disk.writer`
-  (:mod:`~ddpkit.checkpoint.sharded` for a sharded model), :mod:`~ddpkit.checkpoint.disk.format`;
+  (:mod:`~ddpkit.checkpoint.sharded.state` for a sharded model), :mod:`~ddpkit.checkpoint.disk.format`;
 - resuming: :mod:`~ddpkit.checkpoint.select` (which one), :mod:`~ddpkit.checkpoint.restore`;
 - the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
 
@@ -78,7 +78,7 @@ from ddpkit.checkpoint.restore import (
 )
 from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
 from ddpkit.checkpoint.schedule import Save, SaveSchedule
-from ddpkit.checkpoint.sharded import sharded_state
+from ddpkit.checkpoint.sharded.state import sharded_state
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -183,10 +183,10 @@ class Checkpointer:
         self.background = self.options.background_writes(model_devices(self.objects))
         """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
         self.shards = sharded_state(self.objects, self.rank, self.world_size, self.background)
-        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
+        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded.state`)."""
         self.writer: CheckpointWriter | None = None
         """Rank 0's writer (:class:`~ddpkit.checkpoint.disk.writer.FolderWriter`, or
-        :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` for a sharded model); None on the other ranks."""
+        :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter` for a sharded model); None on the other ranks."""
         if self.rank == 0:
             self.writer = make_writer(
                 self.root, self.objects, self.world_size, self.options, self.shards, self.background, self._saved

@@ -24,7 +24,7 @@ from ddpkit.checkpoint.disk.format import CheckpointError, load_file, read_manif
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
 from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
-from ddpkit.checkpoint.sharded import ShardedState, sharded_names
+from ddpkit.checkpoint.sharded.state import ShardedState, sharded_names
 from ddpkit.data.position import LoaderPosition
 from ddpkit.log import get_logger
 

@@ -7,7 +7,7 @@ parts it was given, never reading the Checkpointer:
 
 1. every rank checks in (:mod:`ddpkit.checkpoint.checkin`): a rank missing,
    or one gone on past the save, fails it naming the ranks;
-2. a sharded model's ranks write their shards, or start to in the background (:mod:`ddpkit.checkpoint.sharded`);
+2. a sharded model's ranks write their shards, or start to in the background (:mod:`ddpkit.checkpoint.sharded.state`);
 3. every rank answers the collective ``state_dict()`` calls (a stream's
    loader), checks once that the extras agree, and rank 0 gathers every
    rank's generators and ``per_rank`` states;
@@ -38,8 +38,8 @@ from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_dige
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state
-from ddpkit.checkpoint.sharded import ShardedState
-from ddpkit.checkpoint.sharded_writer import ShardedWriter
+from ddpkit.checkpoint.sharded.state import ShardedState
+from ddpkit.checkpoint.sharded.writer import ShardedWriter
 from ddpkit.log import get_logger
 
 __all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer"]
@@ -86,7 +86,7 @@ def make_writer(
     on_save: Callable[[Path, str], None],
 ) -> CheckpointWriter:
     """Rank 0's writer: a :class:`~ddpkit.checkpoint.disk.writer.FolderWriter` (in the background or not), or a
-    :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` completing the folder of ``shards`` (in the
+    :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter` completing the folder of ``shards`` (in the
     background when they are)."""
     settings: dict[str, Any] = {
         "mode": READABLE_BY[options.readable_by],

@@ -1,6 +1,6 @@
 """The full weights of a sharded checkpoint, read a tensor at a time, for ``ddpkit export``.
 
-A sharded checkpoint (:mod:`ddpkit.checkpoint.sharded`) holds each parameter
+A sharded checkpoint (:mod:`ddpkit.checkpoint.sharded.state`) holds each parameter
 in slices, one per rank that wrote it. Export reads them back in one process,
 without a process group, tensor by tensor in groups of at most
 :data:`GROUP_BYTES`: each tensor is assembled in place in a file-backed

@@ -37,7 +37,7 @@ from ddpkit.checkpoint.disk.format import (
     verify_checkpoint,
 )
 from ddpkit.checkpoint.export_folder import EXPORT_INFO, read_export
-from ddpkit.checkpoint.sharded import sharded_names
+from ddpkit.checkpoint.sharded.state import sharded_names
 from ddpkit.checkpoint.sharded_export import full_weights
 from ddpkit.errors import UserError
 

@@ -5,7 +5,7 @@ reached (``EDQUOT``), when the folder is read-only or not the user's
 (``EROFS``, ``EACCES``), or when it vanished (unmounted, deleted). torch.save
 reports a full disk as an unrelated ``RuntimeError`` ("unexpected pos");
 :func:`ddpkit.checkpoint.disk.format.write_file_atomic` (and, for a sharded
-checkpoint's shards, :class:`ddpkit.checkpoint.sharded.ShardedState`) hands
+checkpoint's shards, :class:`ddpkit.checkpoint.sharded.state.ShardedState`) hands
 on the ``OSError`` underneath, and :func:`ddpkit.checkpoint.disk.format.write_checkpoint` removes the
 incomplete folder. What the Checkpointer then says is built here::
 

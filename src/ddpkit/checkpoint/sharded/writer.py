@@ -3,7 +3,7 @@
 The :class:`~ddpkit.checkpoint.disk.writer.FolderWriter`'s promises (atomic,
 verified, best mark, pruning, a failed write as one line, in the background
 or not), for a folder whose model and optimizer files the ranks write
-(:meth:`ddpkit.checkpoint.sharded.ShardedState.save`): once every rank wrote,
+(:meth:`ddpkit.checkpoint.sharded.state.ShardedState.save`): once every rank wrote,
 rank 0 adds the other objects' files and the manifest, with every file's size
 and SHA-256, last, then renames the folder into place
 (:func:`ddpkit.checkpoint.disk.format.finish_checkpoint`). A rank that could not
@@ -22,7 +22,7 @@ from ddpkit.checkpoint.disk.finite import nonfinite_tensors
 from ddpkit.checkpoint.disk.format import finish_checkpoint
 from ddpkit.checkpoint.disk.storage import StorageError, explain_write_error
 from ddpkit.checkpoint.disk.writer import FolderWriter, WriteRequest
-from ddpkit.checkpoint.sharded import Staged
+from ddpkit.checkpoint.sharded.state import Staged
 
 __all__ = ["ShardedWriter"]
 
@@ -32,7 +32,7 @@ class ShardedWriter(FolderWriter):
 
     Args:
         staged: waits until every rank wrote its shards of the newest save and returns its staging folder
-            and files (:meth:`ddpkit.checkpoint.sharded.ShardedState.staged`); raises StorageError when a
+            and files (:meth:`ddpkit.checkpoint.sharded.state.ShardedState.staged`); raises StorageError when a
             rank could not write.
         **options: the FolderWriter's.
     """

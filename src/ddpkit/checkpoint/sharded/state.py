@@ -23,7 +23,7 @@ How a write stays atomic (a collective):
    sends their sizes and SHA-256 to rank 0;
 3. rank 0 writes the other files and the manifest last, then renames the
    folder into place (:func:`ddpkit.checkpoint.disk.format.finish_checkpoint`,
-   by :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter`).
+   by :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter`).
 
 With ``async_save`` (by default on a GPU) step 2 runs in the background on
 every rank: each rank first copies its shards to CPU memory (pinned, and
