@@ -233,7 +233,7 @@ def test_the_export_loads_into_the_plain_module_and_gives_the_sharded_models_out
 
 
 def test_init_from_a_sharded_checkpoint_reads_its_full_weights(runs) -> None:
-    from ddpkit.checkpoint.transfer import read_weights
+    from ddpkit.checkpoint.publishing.transfer import read_weights
 
     root, outcomes = runs
     state = read_weights(root / "whole")  # a checkpoints folder: its newest verified checkpoint

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.disk.format import load_file, verify_checkpoint
-from ddpkit.checkpoint.export import export_checkpoint, load_exported
+from ddpkit.checkpoint.publishing.export import export_checkpoint, load_exported
 from ddpkit.models.registry import get_model_spec
 from tests.gpu.runs import newest_checkpoint, train, weights
 

@@ -32,9 +32,9 @@ _PUBLIC = {
     "FolderLock": "ddpkit.checkpoint.disk.folder_lock",
     "FolderInUseError": "ddpkit.checkpoint.disk.folder_lock",
     "seed_everything": "ddpkit.checkpoint.rng",
-    "export_checkpoint": "ddpkit.checkpoint.export",
-    "apply_transfer": "ddpkit.checkpoint.transfer",
-    "TransferReport": "ddpkit.checkpoint.transfer",
+    "export_checkpoint": "ddpkit.checkpoint.publishing.export",
+    "apply_transfer": "ddpkit.checkpoint.publishing.transfer",
+    "TransferReport": "ddpkit.checkpoint.publishing.transfer",
     # for ddpkit's commands and trainer: the options' values the command line checks
     "RESUME_MODES": "ddpkit.checkpoint.options",
     "resume_choice": "ddpkit.checkpoint.options",
@@ -81,13 +81,13 @@ if TYPE_CHECKING:
         verify_checkpoint,
     )
     from ddpkit.checkpoint.disk.storage import format_bytes, free_bytes
-    from ddpkit.checkpoint.export import export_checkpoint
     from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
     from ddpkit.checkpoint.options import RESUME_MODES, CheckpointOptions, resume_choice
     from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.checkpoint.publishing.export import export_checkpoint
+    from ddpkit.checkpoint.publishing.transfer import TransferReport, apply_transfer
     from ddpkit.checkpoint.rng import seed_everything
     from ddpkit.checkpoint.select import candidates, check_resume, restart_count
-    from ddpkit.checkpoint.transfer import TransferReport, apply_transfer
 
 
 def __getattr__(name: str) -> Any:

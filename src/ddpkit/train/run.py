@@ -302,7 +302,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
 
     Works the same under ddpkit's launcher, torchrun, srun, mpirun or alone.
     With ``export_dir`` (SageMaker's model folder), rank 0 exports the final
-    checkpoint there at the end (see ddpkit.checkpoint.export).
+    checkpoint there at the end (see ddpkit.checkpoint.publishing.export).
     """
     # The optimizer would import torch._dynamo on its first use, with collections walking torch meanwhile
     # (a worker forked from the worker server has it already).

@@ -1,7 +1,7 @@
 """An export folder (``ddpkit export``): its files, and reading one back with its weights verified.
 
-Written by :mod:`ddpkit.checkpoint.export`, read by it (``load_exported``) and
-by :mod:`ddpkit.checkpoint.transfer` (``init_from`` an export). export imports
+Written by :mod:`ddpkit.checkpoint.publishing.export`, read by it (``load_exported``) and
+by :mod:`ddpkit.checkpoint.publishing.transfer` (``init_from`` an export). export imports
 transfer (``newest_verified``), so transfer reads exports here, not in export.
 """
 

@@ -36,9 +36,9 @@ from ddpkit.checkpoint.disk.format import (
     resolve_checkpoint_dir,
     verify_checkpoint,
 )
-from ddpkit.checkpoint.export_folder import EXPORT_INFO, read_export
+from ddpkit.checkpoint.publishing.export_folder import EXPORT_INFO, read_export
+from ddpkit.checkpoint.publishing.sharded_export import full_weights
 from ddpkit.checkpoint.sharded.state import sharded_names
-from ddpkit.checkpoint.sharded_export import full_weights
 from ddpkit.errors import UserError
 
 
