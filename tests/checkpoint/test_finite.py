@@ -16,7 +16,7 @@ from ddpkit.checkpoint.disk.finite import (
     nonfinite_tensors,
 )
 from ddpkit.checkpoint.disk.format import checkpoint_name, list_checkpoints, write_checkpoint
-from ddpkit.checkpoint.select import choose_checkpoint
+from ddpkit.checkpoint.manager.select import choose_checkpoint
 
 
 def test_nonfinite_tensors_names_the_floating_tensors_with_nan_or_inf():

@@ -196,7 +196,7 @@ def test_a_plain_model_resumes_a_sharded_checkpoint_to_the_same_weights(runs, tm
 
 
 def test_a_folder_without_manifest_or_with_a_damaged_shard_is_not_resumed(runs, tmp_path) -> None:
-    from ddpkit.checkpoint import select
+    from ddpkit.checkpoint.manager import select
 
     root, _ = runs
     folder = tmp_path / "ckpts"
@@ -440,7 +440,7 @@ def _one_rank_diverges(rank: int, world_size: int, folder: str, async_save: bool
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_nan_in_one_ranks_shards_marks_the_checkpoint_and_the_finite_one_stays_the_last_good(tmp_path, async_save):
     from ddpkit.checkpoint.disk.finite import is_marked_nonfinite, last_finite_checkpoint
-    from ddpkit.checkpoint.select import choose_checkpoint
+    from ddpkit.checkpoint.manager.select import choose_checkpoint
 
     run_on_ranks(_one_rank_diverges, 2, str(tmp_path), async_save, timeout=120)
     first = next(DropTower().named_parameters())[0]

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
     # for users (ddpkit's own __all__ lists them too)
-    "Checkpointer": "ddpkit.checkpoint.manager",
-    "ResumePoint": "ddpkit.checkpoint.manager",
+    "Checkpointer": "ddpkit.checkpoint.manager.checkpointer",
+    "ResumePoint": "ddpkit.checkpoint.manager.checkpointer",
     "CheckpointOptions": "ddpkit.checkpoint.options",
     "CheckpointError": "ddpkit.checkpoint.disk.format",
     "CheckpointInfo": "ddpkit.checkpoint.disk.format",
     "list_checkpoints": "ddpkit.checkpoint.disk.format",
-    "Preempted": "ddpkit.checkpoint.preemption",
+    "Preempted": "ddpkit.checkpoint.manager.preemption",
     "FolderLock": "ddpkit.checkpoint.disk.folder_lock",
     "FolderInUseError": "ddpkit.checkpoint.disk.folder_lock",
     "seed_everything": "ddpkit.checkpoint.rng",
@@ -48,9 +48,9 @@ _PUBLIC = {
     "resolve_checkpoint_dir": "ddpkit.checkpoint.disk.format",
     "set_aside": "ddpkit.checkpoint.disk.format",
     # which checkpoint a run resumes from (the trainer's checks before it starts)
-    "candidates": "ddpkit.checkpoint.select",
-    "check_resume": "ddpkit.checkpoint.select",
-    "restart_count": "ddpkit.checkpoint.select",
+    "candidates": "ddpkit.checkpoint.manager.select",
+    "check_resume": "ddpkit.checkpoint.manager.select",
+    "restart_count": "ddpkit.checkpoint.manager.select",
     # checkpoints of a diverged run (the trainer's rollback)
     "NONFINITE_SUFFIX": "ddpkit.checkpoint.disk.finite",
     "last_finite_checkpoint": "ddpkit.checkpoint.disk.finite",
@@ -81,13 +81,13 @@ if TYPE_CHECKING:
         verify_checkpoint,
     )
     from ddpkit.checkpoint.disk.storage import format_bytes, free_bytes
-    from ddpkit.checkpoint.manager import Checkpointer, ResumePoint
+    from ddpkit.checkpoint.manager.checkpointer import Checkpointer, ResumePoint
+    from ddpkit.checkpoint.manager.preemption import Preempted
+    from ddpkit.checkpoint.manager.select import candidates, check_resume, restart_count
     from ddpkit.checkpoint.options import RESUME_MODES, CheckpointOptions, resume_choice
-    from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.checkpoint.publishing.export import export_checkpoint
     from ddpkit.checkpoint.publishing.transfer import TransferReport, apply_transfer
     from ddpkit.checkpoint.rng import seed_everything
-    from ddpkit.checkpoint.select import candidates, check_resume, restart_count
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """What goes to disk and how: the Checkpointer's writer, run on rank 0.
 
-The Checkpointer decides when (:mod:`ddpkit.checkpoint.schedule`) and
+The Checkpointer decides when (:mod:`ddpkit.checkpoint.manager.schedule`) and
 gathers what (every object's ``state_dict()``, every rank's RNG); a writer
 puts it on disk:
 

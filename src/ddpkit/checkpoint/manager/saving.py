@@ -1,17 +1,17 @@
 """One save, step by step: what every rank contributes, and the request rank 0 hands its writer.
 
-The Checkpointer decides when (:mod:`ddpkit.checkpoint.schedule`) and
+The Checkpointer decides when (:mod:`ddpkit.checkpoint.manager.schedule`) and
 tells a save its facts (:class:`SaveFacts`: why, the counters, where in
 the epochs, the metrics); :class:`CheckpointSave` carries it out over the
 parts it was given, never reading the Checkpointer:
 
-1. every rank checks in (:mod:`ddpkit.checkpoint.checkin`): a rank missing,
+1. every rank checks in (:mod:`ddpkit.checkpoint.manager.checkin`): a rank missing,
    or one gone on past the save, fails it naming the ranks;
 2. a sharded model's ranks write their shards, or start to in the background (:mod:`ddpkit.checkpoint.sharded.state`);
 3. every rank answers the collective ``state_dict()`` calls (a stream's
    loader), checks once that the extras agree, and rank 0 gathers every
    rank's generators and ``per_rank`` states;
-4. rank 0 builds the files and manifest facts (:mod:`ddpkit.checkpoint.contents`)
+4. rank 0 builds the files and manifest facts (:mod:`ddpkit.checkpoint.manager.contents`)
    into a :class:`~ddpkit.checkpoint.disk.writer.WriteRequest` for its writer;
    every rank learns the folder, or rank 0's error (:func:`~ddpkit.checkpoint.ranks.on_rank_zero`).
 """
@@ -25,15 +25,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import differing_extras
-from ddpkit.checkpoint.checkin import SaveCheckIns
-from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
 from ddpkit.checkpoint.disk.async_save import copy_state
 from ddpkit.checkpoint.disk.folder_lock import FolderLock, lock_checkpoint_folder
 from ddpkit.checkpoint.disk.format import checkpoint_name
 from ddpkit.checkpoint.disk.storage import checkpoint_bytes, room_warning
 from ddpkit.checkpoint.disk.writer import CheckpointWriter, FolderWriter, WriteRequest
+from ddpkit.checkpoint.manager import select
+from ddpkit.checkpoint.manager.advice import differing_extras
+from ddpkit.checkpoint.manager.checkin import SaveCheckIns
+from ddpkit.checkpoint.manager.contents import checkpoint_files, config_texts, manifest_facts
 from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero

@@ -17,17 +17,17 @@ attributes and never steps anything::
 
 The parts, each documented where it lives (the README's manual and "Design notes: layers"):
 
-- when: :mod:`~ddpkit.checkpoint.schedule` (pure; a ddpkit.DataLoader's step
-  boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.preemption`;
-- one save: :mod:`~ddpkit.checkpoint.saving`; what it holds:
-  :mod:`~ddpkit.checkpoint.contents`; on disk: :mod:`~ddpkit.checkpoint.disk.writer`
+- when: :mod:`~ddpkit.checkpoint.manager.schedule` (pure; a ddpkit.DataLoader's step
+  boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.manager.preemption`;
+- one save: :mod:`~ddpkit.checkpoint.manager.saving`; what it holds:
+  :mod:`~ddpkit.checkpoint.manager.contents`; on disk: :mod:`~ddpkit.checkpoint.disk.writer`
   (:mod:`~ddpkit.checkpoint.sharded.state` for a sharded model), :mod:`~ddpkit.checkpoint.disk.format`;
-- resuming: :mod:`~ddpkit.checkpoint.select` (which one), :mod:`~ddpkit.checkpoint.restore`;
+- resuming: :mod:`~ddpkit.checkpoint.manager.select` (which one), :mod:`~ddpkit.checkpoint.manager.restore`;
 - the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points and rank 0 writes (every rank its shards, for a sharded model); a save
-some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.checkin`).
+some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.manager.checkin`).
 With the same world size a resumed run continues bit for bit (a torch
 DataLoader given as ``loader=``: with its batches skipped by ``enumerate()``, read
 in the training process). With another world size it is not bit-identical, and
@@ -48,16 +48,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
-from ddpkit.checkpoint.best import BestMetric
-from ddpkit.checkpoint.checkin import SaveCheckIns
 from ddpkit.checkpoint.disk.folder_lock import FolderLock
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints
 from ddpkit.checkpoint.disk.writer import CheckpointWriter
-from ddpkit.checkpoint.objects import collect_objects, model_devices
-from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
-from ddpkit.checkpoint.preemption import (
+from ddpkit.checkpoint.manager import select
+from ddpkit.checkpoint.manager.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
+from ddpkit.checkpoint.manager.best import BestMetric
+from ddpkit.checkpoint.manager.checkin import SaveCheckIns
+from ddpkit.checkpoint.manager.preemption import (
     Agreement,
     Preempted,
     PreemptionSignals,
@@ -65,8 +63,7 @@ from ddpkit.checkpoint.preemption import (
     requeue_slurm_job,
     signal_name,
 )
-from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.restore import (
+from ddpkit.checkpoint.manager.restore import (
     Restored,
     ResumePoint,
     choose_and_load,
@@ -76,8 +73,11 @@ from ddpkit.checkpoint.restore import (
     restore_checkpoint,
     resume_point_by_length,
 )
-from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
-from ddpkit.checkpoint.schedule import Save, SaveSchedule
+from ddpkit.checkpoint.manager.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
+from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
+from ddpkit.checkpoint.objects import collect_objects, model_devices
+from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
+from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
 from ddpkit.checkpoint.sharded.state import sharded_state
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
@@ -175,7 +175,7 @@ class Checkpointer:
         self.continue_hint = "run the same command again to continue (resume('auto') picks it up)"
         """How the user continues after a preemption, for the exit line (``ddpkit train`` sets its own)."""
         self.schedule = SaveSchedule(self.options.every_steps, self.options.on_epoch_end, self.loader is not None)
-        """When to save (:class:`~ddpkit.checkpoint.schedule.SaveSchedule`)."""
+        """When to save (:class:`~ddpkit.checkpoint.manager.schedule.SaveSchedule`)."""
         self.signals = PreemptionSignals(self.options.signal_names())
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
@@ -205,7 +205,7 @@ class Checkpointer:
         self._pending_metrics: tuple[dict[str, float], bool] = ({}, False)  # for the epoch's checkpoint to come
         restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.check_ins = SaveCheckIns(next(_INSTANCES), self.rank, self.world_size, restart, timeout)
-        """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.checkin`)."""
+        """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.manager.checkin`)."""
         self._saving = CheckpointSave(
             self.root,
             self.objects,
