@@ -228,16 +228,31 @@ def test_async_save_auto_writes_in_the_background_for_a_gpu_model_only():
 
     auto = CheckpointOptions()
     assert auto.async_save == "auto"
-    assert auto.background_writes([torch.device("cuda", 0), torch.device("cpu")])
-    assert not auto.background_writes([torch.device("cpu")])
-    assert CheckpointOptions(async_save=True).background_writes([torch.device("cpu")])  # Python's bool, as typed
-    assert not CheckpointOptions(async_save="false").background_writes([torch.device("cuda", 1)])
-    with pytest.raises(ddpkit.UserError, match="async_save"):
-        CheckpointOptions(async_save="sometimes")
+    assert auto.resolve_async_save([torch.device("cuda", 0), torch.device("cpu")])
+    assert not auto.resolve_async_save([torch.device("cpu")])
+    assert CheckpointOptions(async_save=True).resolve_async_save([torch.device("cpu")])  # Python's bool, as typed
+    assert not CheckpointOptions(async_save=False).resolve_async_save([torch.device("cuda", 1)])
+    for word in ("sometimes", "true"):  # a word is the command line's: Python passes True or False
+        with pytest.raises(
+            ddpkit.UserError, match=f"async_save='{word}' is not valid; choose one of: 'auto', True, False"
+        ):
+            CheckpointOptions(async_save=word)  # type: ignore[arg-type]
+
+
+def test_the_command_line_gives_async_save_as_the_bool_or_auto_the_options_hold():
+    from ddpkit.config import ConfigError, parse_train_config
+
+    for word, value in (("true", True), ("false", False), ("auto", "auto")):
+        assert parse_train_config([f"checkpoint.async_save={word}"]).checkpoint.async_save == value
+        assert type(parse_train_config([f"checkpoint.async_save={word}"]).checkpoint.async_save) is type(value)
+    with pytest.raises(
+        ConfigError, match="checkpoint.async_save='sometimes' is not valid; choose one of: auto, true, false"
+    ):
+        parse_train_config(["checkpoint.async_save=sometimes"])
 
 
 def test_a_cpu_model_saves_synchronously_by_default(tmp_path):
     model = nn.Linear(4, 4)
     ckpt = Checkpointer(tmp_path, model=model, preempt_signals=())
-    assert not ckpt.background
-    assert Checkpointer(tmp_path / "b", model=model, preempt_signals=(), async_save=True).background
+    assert ckpt.async_save is False
+    assert Checkpointer(tmp_path / "b", model=model, preempt_signals=(), async_save=True).async_save is True

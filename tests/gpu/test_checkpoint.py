@@ -114,7 +114,7 @@ def test_a_gpu_model_saves_in_the_background_by_default_and_writes_a_synchronous
     synchronous = Checkpointer(
         tmp_path / "sync", model=model, optimizer=optimizer, preempt_signals=(), async_save=False
     )
-    assert default.background and not synchronous.background
+    assert default.async_save and not synchronous.async_save
     a, b = default.save(), synchronous.save()
     default.close()
     synchronous.close()

@@ -99,7 +99,7 @@ class FolderWriter:
         root: the checkpoints folder.
         mode: file permission bits.
         keep: complete checkpoints kept.
-        background: write on a background thread (``async_save``).
+        async_save: write on a background thread.
         on_write_error: "stop" (raise StorageError) or "warn" (log, go on) when a write fails.
         needed_bytes: the expected size of a checkpoint, for a failed write's message.
         on_save: called with (path, reason) once a checkpoint is complete (on this thread).
@@ -111,14 +111,14 @@ class FolderWriter:
         *,
         mode: int,
         keep: int,
-        background: bool,
+        async_save: bool,
         on_write_error: str,
         needed_bytes: Callable[[], int],
         on_save: Callable[[Path, str], None],
     ):
         self.root, self.mode, self.keep = root, mode, keep
         self.on_write_error, self.needed_bytes, self.on_save = on_write_error, needed_bytes, on_save
-        self._background = BackgroundWriter() if background else None
+        self._background = BackgroundWriter() if async_save else None
         self._buffers: list[Any] = []  # the copy's storages, reused by the next save once its write is done
 
     def write(self, request: WriteRequest) -> Path | None:

@@ -180,16 +180,16 @@ class Checkpointer:
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
         )
-        self.background = self.options.background_writes(model_devices(self.objects))
-        """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
-        self.shards = sharded_state(self.objects, self.rank, self.world_size, self.background)
+        self.async_save = self.options.resolve_async_save(model_devices(self.objects))
+        """True when saves are written in the background (the option resolved: "auto" is True for a GPU model)."""
+        self.shards = sharded_state(self.objects, self.rank, self.world_size, async_save=self.async_save)
         """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded.state`)."""
         self.writer: CheckpointWriter | None = None
         """Rank 0's writer (:class:`~ddpkit.checkpoint.disk.writer.FolderWriter`, or
         :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter` for a sharded model); None on the other ranks."""
         if self.rank == 0:
             self.writer = make_writer(
-                self.root, self.objects, self.world_size, self.options, self.shards, self.background, self._saved
+                self.root, self.objects, self.world_size, self.options, self.shards, self.async_save, self._saved
             )
         self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
         self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
@@ -561,7 +561,7 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (the message says why).
         """
-        if self.background:
+        if self.async_save:
             if self.shards is not None:
                 self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
             self._on_rank_zero(self._wait_for_writes)

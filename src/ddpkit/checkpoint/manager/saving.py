@@ -82,7 +82,7 @@ def make_writer(
     world_size: int,
     options: CheckpointOptions,
     shards: ShardedState | None,
-    background: bool,
+    async_save: bool,
     on_save: Callable[[Path, str], None],
 ) -> CheckpointWriter:
     """Rank 0's writer: a :class:`~ddpkit.checkpoint.disk.writer.FolderWriter` (in the background or not), or a
@@ -96,8 +96,8 @@ def make_writer(
         "on_save": on_save,
     }
     if shards is not None:
-        return ShardedWriter(root, staged=shards.staged, background=background, **settings)
-    return FolderWriter(root, background=background, **settings)
+        return ShardedWriter(root, staged=shards.staged, async_save=async_save, **settings)
+    return FolderWriter(root, async_save=async_save, **settings)
 
 
 def claim_folder(

@@ -94,15 +94,15 @@ class ShardedState:
         optimizer: its optimizer, or None.
         rank: this process's rank.
         world_size: the number of ranks.
-        background: write the shards in the background (``async_save``; see the module docstring).
+        async_save: write the shards in the background (see the module docstring).
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, rank: int, world_size: int, background: bool = False) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, rank: int, world_size: int, async_save: bool = False) -> None:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = rank, world_size
         self.names = ("model", "optimizer") if optimizer is not None else ("model",)
         """The Checkpointer's objects whose state DCP holds (the others are files of their own)."""
-        self._writes = BackgroundWriter() if background else None
+        self._writes = BackgroundWriter() if async_save else None
         self._group: Any = None  # the background writes' own process group, made at the first save
         self._stager: Any = None  # copies the shards to CPU memory (kept: on a GPU it reuses its pinned buffers)
         self._outcome: Future[Staged | None] | None = None  # the newest save's (rank 0: its Staged)
@@ -391,12 +391,12 @@ def _settle(outcome: Future[Any], task: Callable[[], Any]) -> None:
 
 
 def sharded_state(
-    objects: Mapping[str, Any], rank: int, world_size: int, background: bool = False
+    objects: Mapping[str, Any], rank: int, world_size: int, *, async_save: bool = False
 ) -> ShardedState | None:
     """The state of ``objects``' model (and optimizer) when the model is sharded (``prepare_model(shard=True)``)."""
     if not is_sharded(objects.get("model")):
         return None
-    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size, background)
+    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size, async_save)
 
 
 def sharded_names(manifest: dict[str, Any]) -> tuple[str, ...]:
