@@ -697,3 +697,18 @@ def test_a_save_of_non_finite_weights_is_kept_apart_and_never_prunes_a_finite_on
     assert good.exists()  # keep=1 counts finite checkpoints only
     assert [info.global_step for info in list_checkpoints(tmp_path, prefix="best-")] == [1]
     assert "holds NaN or infinity (model.pt.weight)" in ddpkit_log.text(logging.WARNING)
+
+
+def test_the_save_callback_and_the_continue_hint_are_given_to_the_checkpointer(tmp_path):
+    """A caller (``ddpkit train``) gives its callback by a method and its hint by the constructor."""
+    calls = []
+    ckpt = Checkpointer(tmp_path, model=nn.Linear(2, 2), preempt_signals=(), continue_hint="run it again")
+    ckpt.set_on_save(lambda path, reason: calls.append((path.name, reason)))
+    ckpt.step()
+    first = ckpt.save()
+    ckpt.set_on_save(None)  # from now on, nothing is called
+    ckpt.step()
+    ckpt.save()
+    ckpt.close()
+    assert first is not None and calls == [(first.name, "manual")]
+    assert ckpt.continue_hint == "run it again"

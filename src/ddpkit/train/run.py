@@ -260,10 +260,16 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         config=to_dict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}},
         timeout=cfg.timeout,
+        continue_hint="continue with resume=auto",
     )
-    checkpointer.continue_hint = "continue with resume=auto"
-    checkpointer.on_save = lambda path, reason: trainer.metrics.write(
-        "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path)
+    checkpointer.set_on_save(
+        lambda path, reason: trainer.metrics.write(
+            "checkpoint",
+            global_step=checkpointer.global_step,
+            epoch=trainer.loader.epoch,
+            reason=reason,
+            path=str(path),
+        )
     )
     return checkpointer
 
@@ -427,7 +433,7 @@ def _export_final(trainer: Trainer, ctx: Context, export_dir: str) -> None:
     if trainer.checkpointer is None:
         get_logger().warning(f"no export to {export_dir}: checkpoints are off (checkpoint.enabled=false)")
         return
-    trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
+    trainer.checkpointer.set_on_save(None)  # fit() closed metrics.jsonl, which on_save writes to
     final = trainer.checkpointer.save("export")
     trainer.checkpointer.wait()  # complete on disk before it is exported (checkpoint.async_save)
     if ctx.is_main_process:

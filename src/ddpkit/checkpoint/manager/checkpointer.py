@@ -108,6 +108,8 @@ class Checkpointer:
         meta: more JSON-like facts for the manifest (e.g. what export needs to rebuild the model).
         timeout: seconds a save waits for every rank to reach it (default: 300).
         environ: the process environment (restart counters, SLURM_JOB_ID); os.environ by default.
+        continue_hint: how the user continues after a preemption, for its exit line (``ddpkit train`` says
+            its own).
         **option_values: fields of CheckpointOptions by name, over ``options``: ``every_steps=500``,
             ``keep=3``, ``best_metric="accuracy"``, ``async_save=True``...; ``preempt_signals`` may
             also be a sequence of names (``()``: none). Each is documented, with its default, on its
@@ -137,6 +139,7 @@ class Checkpointer:
         meta: Mapping[str, Any] | None = None,
         timeout: float = 300.0,
         environ: Mapping[str, str] | None = None,
+        continue_hint: str = "run the same command again to continue (resume('auto') picks it up)",
         **option_values: Any,
     ) -> None:
         self.options = with_keywords(options or CheckpointOptions(), option_values)
@@ -170,10 +173,9 @@ class Checkpointer:
         """The checkpoint written (or resumed from) last."""
         self.save_seconds = 0.0
         """Seconds spent saving so far (a loop that times training can leave them out)."""
-        self.on_save: Callable[[Path, str], None] | None = None
-        """Called on rank 0 with (path, reason) after each checkpoint is written."""
-        self.continue_hint = "run the same command again to continue (resume('auto') picks it up)"
-        """How the user continues after a preemption, for the exit line (``ddpkit train`` sets its own)."""
+        self._on_save: Callable[[Path, str], None] | None = None  # see set_on_save()
+        self.continue_hint = continue_hint
+        """How the user continues after a preemption, for the exit line."""
         self.schedule = SaveSchedule(self.options.every_steps, self.options.on_epoch_end, self.loader is not None)
         """When to save (:class:`~ddpkit.checkpoint.manager.schedule.SaveSchedule`)."""
         self.signals = PreemptionSignals(self.options.signal_names())
@@ -273,7 +275,7 @@ class Checkpointer:
                 objects given (the message names what differs and what to do).
         """
         self.start()
-        self._saving.folder_checked = True
+        self._saving.folder_checked()
         self._first_epoch = first_epoch
         self._told.scheduler_not_held(self.objects)
         path, loaded = choose_and_load(
@@ -388,8 +390,7 @@ class Checkpointer:
 
     def _at_boundary(self) -> None:
         """The loader's step-boundary hook: write what is due."""
-        if self.check_ins.progress is not None:
-            self.check_ins.progress.count += 1
+        self.check_ins.count_loop_point()
         assert self.loader is not None, "registered with a loader only"
         if self.schedule.idle:  # the common case: nothing due, no position needed
             return
@@ -535,7 +536,7 @@ class Checkpointer:
         self.last_path = path
         self.schedule.saved(self.global_step)
         self._step_metrics = (values, best)
-        self.agreement.last_save = time.monotonic()
+        self.agreement.saved()
         self.save_seconds += time.perf_counter() - start
         return path
 
@@ -543,9 +544,16 @@ class Checkpointer:
         """True when no loader tells where the loop's epochs end (no ddpkit.DataLoader, no torch DataLoader)."""
         return self.loader is None and self.steps_per_epoch is None and not self.completed_epochs
 
+    def set_on_save(self, callback: Callable[[Path, str], None] | None) -> None:
+        """Call ``callback(path, reason)`` on rank 0 after each checkpoint is written, from now on (None: stop).
+
+        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``.
+        """
+        self._on_save = callback
+
     def _saved(self, path: Path, reason: str) -> None:
-        if self.on_save is not None:
-            self.on_save(path, reason)
+        if self._on_save is not None:
+            self._on_save(path, reason)
 
     def _wait_for_writes(self) -> None:
         """Rank 0: hand back finished background writes (``on_save``; a failed write's error)."""

@@ -155,9 +155,12 @@ class CheckpointSave:
         self.shards, self.check_ins, self.writer = shards, check_ins, writer
         self.rank, self.world_size, self.mode = rank, world_size, mode
         self.config, self.meta = config, meta
-        self.folder_checked = False
-        """Rank 0: the folder was checked (by a resume, or the first save's ``check_resume(root, "never")``)."""
+        self._folder_checked = False  # rank 0: by a resume, or the first save's check_resume(root, "never")
         self._extras_checked = False
+
+    def folder_checked(self) -> None:
+        """The folder was checked already (a resume chose from it): the first save does not check it again."""
+        self._folder_checked = True
 
     def save(self, facts: SaveFacts, stopping: Callable[[], bool]) -> Path | None:
         """Write one checkpoint (a collective: every rank calls it); return its folder on every rank.
@@ -202,8 +205,8 @@ class CheckpointSave:
         """Rank 0: hand the writer this checkpoint's files and manifest facts."""
         assert self.writer is not None, "rank 0 has the writer"
         self.writer.wait()  # at most one save in flight
-        if not self.folder_checked:
-            self.folder_checked = True
+        if not self._folder_checked:
+            self._folder_checked = True
             select.check_resume(self.root, "never")
         assert rank_states is not None, "rank 0 gathered every rank's states"
         in_files = {name: obj for name, obj in self.objects.items() if not self.shards or name not in self.shards.names}
