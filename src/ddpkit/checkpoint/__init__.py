@@ -64,30 +64,43 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
-    # What editors and type checkers read (the lazy loading below is invisible to them).
-    from ddpkit.checkpoint.disk.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
-    from ddpkit.checkpoint.disk.folder_lock import FolderInUseError, FolderLock
-    from ddpkit.checkpoint.disk.format import (
-        BEST_PREFIX,
-        MANIFEST,
-        CheckpointError,
-        CheckpointInfo,
-        checkpoint_digest,
-        has_manifest,
-        list_checkpoints,
-        read_manifest,
-        resolve_checkpoint_dir,
-        set_aside,
-        verify_checkpoint,
+    # What editors and type checkers read (the lazy loading below is invisible to them); ``X as X``
+    # re-exports each name explicitly (mypy's strict mode, ruff).
+    from ddpkit.checkpoint.disk.finite import (
+        NONFINITE_SUFFIX as NONFINITE_SUFFIX,
+        last_finite_checkpoint as last_finite_checkpoint,
+        nonfinite_tensors as nonfinite_tensors,
     )
-    from ddpkit.checkpoint.disk.storage import format_bytes, free_bytes
-    from ddpkit.checkpoint.manager.checkpointer import Checkpointer, ResumePoint
-    from ddpkit.checkpoint.manager.preemption import Preempted
-    from ddpkit.checkpoint.manager.select import candidates, check_resume, restart_count
-    from ddpkit.checkpoint.options import RESUME_MODES, CheckpointOptions, resume_choice
-    from ddpkit.checkpoint.publishing.export import export_checkpoint
-    from ddpkit.checkpoint.publishing.transfer import TransferReport, apply_transfer
-    from ddpkit.checkpoint.rng import seed_everything
+    from ddpkit.checkpoint.disk.folder_lock import FolderInUseError as FolderInUseError, FolderLock as FolderLock
+    from ddpkit.checkpoint.disk.format import (
+        BEST_PREFIX as BEST_PREFIX,
+        MANIFEST as MANIFEST,
+        CheckpointError as CheckpointError,
+        CheckpointInfo as CheckpointInfo,
+        checkpoint_digest as checkpoint_digest,
+        has_manifest as has_manifest,
+        list_checkpoints as list_checkpoints,
+        read_manifest as read_manifest,
+        resolve_checkpoint_dir as resolve_checkpoint_dir,
+        set_aside as set_aside,
+        verify_checkpoint as verify_checkpoint,
+    )
+    from ddpkit.checkpoint.disk.storage import format_bytes as format_bytes, free_bytes as free_bytes
+    from ddpkit.checkpoint.manager.checkpointer import Checkpointer as Checkpointer, ResumePoint as ResumePoint
+    from ddpkit.checkpoint.manager.preemption import Preempted as Preempted
+    from ddpkit.checkpoint.manager.select import (
+        candidates as candidates,
+        check_resume as check_resume,
+        restart_count as restart_count,
+    )
+    from ddpkit.checkpoint.options import (
+        RESUME_MODES as RESUME_MODES,
+        CheckpointOptions as CheckpointOptions,
+        resume_choice as resume_choice,
+    )
+    from ddpkit.checkpoint.publishing.export import export_checkpoint as export_checkpoint
+    from ddpkit.checkpoint.publishing.transfer import TransferReport as TransferReport, apply_transfer as apply_transfer
+    from ddpkit.checkpoint.rng import seed_everything as seed_everything
 
 
 def __getattr__(name: str) -> Any:

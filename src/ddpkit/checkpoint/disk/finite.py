@@ -37,7 +37,7 @@ import torch
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch before 2.5
-    from torch.distributed._tensor import DTensor
+    from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]  # private in newer torch's stubs
 
 from ddpkit.checkpoint.disk.format import CheckpointError, list_checkpoints, load_file
 from ddpkit.checkpoint.disk.layout import SHARDED_KEY
@@ -147,7 +147,9 @@ def last_finite_checkpoint(root: str | Path, suspect_from: int | None = None) ->
         (the checkpoint or None, the newer checkpoints found non-finite, newest first).
     """
     bad: list[Path] = []
-    for info in reversed([i for i in list_checkpoints(root) if i.manifest is not None]):
+    for info in reversed(list_checkpoints(root)):
+        if info.manifest is None:
+            continue
         if is_marked_nonfinite(info.manifest):
             bad.append(info.path)
             continue
