@@ -1,38 +1,5 @@
-"""The Checkpointer: save and resume any training loop's state, exactly; a facade over the parts below.
-
-It is handed explicit objects, anything with ``state_dict()`` and
-``load_state_dict()`` (a DDP wrapper is unwrapped), never reads a trainer's
-attributes and never steps anything::
-
-    ckpt = ddpkit.Checkpointer("runs/mine", model=model, optimizer=opt, scheduler=sched,
-                               loader=loader, every_steps=500)
-    start = ckpt.resume("auto")            # or "never", or the path of one checkpoint
-    for epoch in range(start.epoch, epochs):
-        loader.set_epoch(epoch)            # continues mid-epoch after a resume
-        for i, (x, y) in ckpt.enumerate(loader):  # i: the batch's index in its epoch, also after a resume
-            ...                            # forward, backward, optimizer.step(), sched.step()
-            ckpt.step()                    # counts the step; saves when due; handles preemption
-        ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
-    ckpt.close()                           # writes the final state: the steps since the last checkpoint
-
-The parts, each documented where it lives (the README's manual and "Design notes: layers"):
-
-- when: :mod:`~ddpkit.checkpoint.manager.schedule` (pure; a ddpkit.DataLoader's step
-  boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.manager.preemption`;
-- one save: :mod:`~ddpkit.checkpoint.manager.saving`; what it holds:
-  :mod:`~ddpkit.checkpoint.manager.contents`; on disk: :mod:`~ddpkit.checkpoint.disk.writer`
-  (:mod:`~ddpkit.checkpoint.sharded.state` for a sharded model), :mod:`~ddpkit.checkpoint.disk.format`;
-- resuming: :mod:`~ddpkit.checkpoint.manager.select` (which one), :mod:`~ddpkit.checkpoint.manager.restore`;
-- the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
-
-Saving is collective: every rank calls ``step()``/``save()`` at the same
-points and rank 0 writes (every rank its shards, for a sharded model); a save
-some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.manager.checkin`).
-With the same world size a resumed run continues bit for bit (a torch
-DataLoader given as ``loader=``: with its batches skipped by ``enumerate()``, read
-in the training process). With another world size it is not bit-identical, and
-a warning says what carries over: with a ddpkit.DataLoader the global batch and
-the sample order; without one, neither.
+"""The Checkpointer: save and resume any training loop's state, exactly; a facade over the parts of
+:mod:`ddpkit.checkpoint.manager` (its docstring is the manual).
 """
 
 from __future__ import annotations
@@ -55,6 +22,7 @@ from ddpkit.checkpoint.manager import select
 from ddpkit.checkpoint.manager.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
 from ddpkit.checkpoint.manager.best import BestMetric
 from ddpkit.checkpoint.manager.checkin import SaveCheckIns
+from ddpkit.checkpoint.manager.epochs import EpochCounter
 from ddpkit.checkpoint.manager.preemption import (
     Agreement,
     Preempted,
@@ -71,9 +39,8 @@ from ddpkit.checkpoint.manager.restore import (
     epoch_length,
     log_resume,
     restore_checkpoint,
-    resume_point_by_length,
 )
-from ddpkit.checkpoint.manager.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
+from ddpkit.checkpoint.manager.saving import CheckpointSave, claim_folder, make_writer
 from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
@@ -152,10 +119,9 @@ class Checkpointer:
         self.rank, self.world_size = rank_and_size(self.environ)
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
-        self.steps_per_epoch = epoch_length(loader) if self.loader is None else None
-        """Batches per epoch of a torch DataLoader given as ``loader=`` (its ``len()``), which count the epochs
-        when ``epoch_end()`` does not; None otherwise."""
-        if self.steps_per_epoch is not None:
+        self.epochs = EpochCounter(self.loader, epoch_length(loader) if self.loader is None else None)
+        """The loop's epochs (:class:`~ddpkit.checkpoint.manager.epochs.EpochCounter`)."""
+        if self.epochs.steps_per_epoch is not None:
             loader = None  # a torch DataLoader holds no state: its position is counted by the steps
         self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
         self.per_rank = sorted(per_rank or {})
@@ -167,8 +133,6 @@ class Checkpointer:
         self.meta = dict(meta or {})
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
-        self.completed_epochs = 0
-        """Epochs done, when no loader tells (counted by ``epoch_end()``)."""
         self.last_path: Path | None = None
         """The checkpoint written (or resumed from) last."""
         self.save_seconds = 0.0
@@ -193,11 +157,6 @@ class Checkpointer:
             self.writer = make_writer(
                 self.root, self.objects, self.world_size, self.options, self.shards, self.async_save, self._saved
             )
-        self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
-        self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
-        self._continue_at = 0  # the batches the next pass of enumerate() continues after (a resume's)
-        self._resume_point_at_resume = (0, 0)  # (epoch, step_in_epoch) the last resume returned
-        self._last_reason = ""  # why the newest checkpoint was written (its epoch position depends on it)
         self._epoch_ends = 0  # epoch_end() calls in this process
         self._write_failed = False  # a save raised (a full disk, a rank missing)
         self.finished = False
@@ -276,7 +235,7 @@ class Checkpointer:
         """
         self.start()
         self._saving.folder_checked()
-        self._first_epoch = first_epoch
+        self.epochs.first_epoch = first_epoch
         self._told.scheduler_not_held(self.objects)
         path, loaded = choose_and_load(
             self.root,
@@ -295,16 +254,13 @@ class Checkpointer:
         self.schedule.plan(self.global_step, self.agreement.next_step)
         if path is None:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
-        epoch, step = self._resume_point()
-        self._continue_at = step  # where the first pass of enumerate() continues
-        self._resume_point_at_resume = (epoch, step)
+        epoch, step = self.epochs.resumed(self.global_step)
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _apply(self, path: Path, restored: Restored) -> None:
         """Take the counters and facts of the checkpoint restored; rank 0 says where training continues."""
-        self.global_step, self.completed_epochs = restored.global_step, restored.completed_epochs
-        self._epoch_start_step, self.finished = restored.epoch_start_step, restored.finished
-        self._last_reason = restored.reason
+        self.global_step, self.finished = restored.global_step, restored.finished
+        self.epochs.restore(restored)
         self.best.restore(restored.best)
         self.last_path = path
         self.schedule.saved(self.global_step)
@@ -313,27 +269,18 @@ class Checkpointer:
             log_resume(
                 path,
                 global_step=self.global_step,
-                resume_point=self._resume_point(),
-                first_epoch=self._first_epoch,
-                position=self._loader_position(),
-                epochs_counted=self.completed_epochs > 0,
+                resume_point=self.epochs.resume_point(self.global_step),
+                first_epoch=self.epochs.first_epoch,
+                position=self.epochs.loader_position(),
+                epochs_counted=self.epochs.completed_epochs > 0,
                 finished=self.finished,
                 saved_world_size=restored.saved_world_size,
                 world_size=self.world_size,
-                steps_per_epoch=self.steps_per_epoch,
+                steps_per_epoch=self.epochs.steps_per_epoch,
             )
 
-    def _loader_position(self) -> LoaderPosition | None:
-        return self.loader.position() if self.loader is not None else None
-
     def _resume_point(self) -> tuple[int, int]:
-        """(epoch to train next, batches of it done), in the loop's numbering: from the loader when there is one."""
-        position = self._loader_position()
-        if position is not None:
-            return position.resume_point  # an epoch the loop ran out of is complete, its code included
-        if self.steps_per_epoch is not None and not self.completed_epochs:  # a torch DataLoader, no epoch_end()
-            return resume_point_by_length(self.global_step, self.steps_per_epoch, self._first_epoch, self._last_reason)
-        return self._first_epoch + self.completed_epochs, self.global_step - self._epoch_start_step
+        return self.epochs.resume_point(self.global_step)
 
     def enumerate(self, batches: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         """``enumerate(batches)`` counting the batches of the epoch: after a resume, from where it continues.
@@ -351,7 +298,7 @@ class Checkpointer:
         Returns:
             An iterator of (step_in_epoch, batch).
         """
-        skip, self._continue_at = self._continue_at, 0
+        skip = self.epochs.take_skip()
         held: object = self.loader
         if batches is held:  # restored: it hands out the epoch's remaining batches
             return builtins.enumerate(batches, skip)
@@ -368,9 +315,8 @@ class Checkpointer:
             Preempted: a preemption signal reached some rank; the checkpoint is complete.
         """
         self.global_step += 1
-        if self._continue_at and self.steps_per_epoch is not None:  # resumed mid-epoch, enumerate() unused
-            self._told.say("unskipped", unskipped_batches(*self._resume_point_at_resume))
-            self._continue_at = 0
+        if (at_resume := self.epochs.unskipped()) is not None:  # resumed mid-epoch, enumerate() unused
+            self._told.say("unskipped", unskipped_batches(*at_resume))
         loader = self.loader
         # The per-step path of every loop: two compares, no position built until something may be due.
         exhausted = loader is not None and loader.step_in_epoch >= loader.steps_per_epoch
@@ -428,12 +374,10 @@ class Checkpointer:
             The checkpoint of this point when it is written by this call, else None.
         """
         self.start()
-        if self.loader is None:
-            self.completed_epochs += 1
-            self._epoch_start_step = self.global_step
-        if self.loader is None and self.steps_per_epoch is None:
+        self.epochs.end_epoch(self.global_step)
+        if self.epochs.holds_no_position():
             # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
-            self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
+            self._told.position_not_held(self.global_step, self._resume_point(), self.epochs.completed_epochs)
         values = dict(metrics or {})
         self._epoch_ends += 1
         self._told.say("best_metric", no_best_metric(self.best.metric, values))
@@ -501,11 +445,11 @@ class Checkpointer:
 
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
-        self._last_reason = reason  # where in its epoch the checkpoint falls depends on it (a torch DataLoader's)
-        if self.loader is None and self.steps_per_epoch is None:  # a checkpoint inside an epoch: no data position
-            self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
+        if self.epochs.holds_no_position():  # a checkpoint inside an epoch: no data position
+            self._told.position_not_held(self.global_step, self._resume_point(), self.epochs.completed_epochs)
         self._told.scheduler_not_held(self.objects)
-        if self.steps_per_epoch and not self.completed_epochs and self.global_step > self.steps_per_epoch:
+        steps_per_epoch = self.epochs.steps_per_epoch
+        if steps_per_epoch and not self.epochs.completed_epochs and self.global_step > steps_per_epoch:
             # A torch DataLoader's first epoch has ended, and no epoch_end() came after it: no metric either.
             self._told.say("best_metric", no_best_metric(self.best.metric, None))
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
@@ -513,19 +457,7 @@ class Checkpointer:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
         values = dict(metrics or {})
-        position = self._loader_position()
-        facts = SaveFacts(
-            reason,
-            self.global_step,
-            self.completed_epochs,
-            self._epoch_start_step,
-            self._resume_point(),
-            position.steps_per_epoch if position is not None else self.steps_per_epoch,
-            values,
-            best,
-            self.best.info(),
-            replacing,
-        )
+        facts = self.epochs.save_facts(reason, self.global_step, values, best, self.best.info(), replacing)
         try:
             path = self._saving.save(facts, lambda: bool(self.signals.received))
         except BaseException:
@@ -539,10 +471,6 @@ class Checkpointer:
         self.agreement.saved()
         self.save_seconds += time.perf_counter() - start
         return path
-
-    def _epochs_unknown(self) -> bool:
-        """True when no loader tells where the loop's epochs end (no ddpkit.DataLoader, no torch DataLoader)."""
-        return self.loader is None and self.steps_per_epoch is None and not self.completed_epochs
 
     def set_on_save(self, callback: Callable[[Path, str], None] | None) -> None:
         """Call ``callback(path, reason)`` on rank 0 after each checkpoint is written, from now on (None: stop).
@@ -604,7 +532,12 @@ class Checkpointer:
                     self._carry_out(Save(save.reason))
                 if not self._preempted and self.global_step > max(self.schedule.saved_step, 0):
                     self._write("final")  # the steps since the last checkpoint
-                if self.best.metric and self.best.value is None and not self._epoch_ends and self._epochs_unknown():
+                if (
+                    self.best.metric
+                    and self.best.value is None
+                    and not self._epoch_ends
+                    and self.epochs.epochs_unknown()
+                ):
                     # No loader tells where epochs end, and none ended with metrics: the run ends without a best.
                     self._told.say("best_metric", no_best_metric(self.best.metric, None))
                 if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
