@@ -30,7 +30,7 @@ from ddpkit.config import (  # no torch import: `ddpkit slurm` starts fast
     parse_train_config,
     peek,
 )
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, exit_status
 from ddpkit.launchers.failure import LaunchError, record_for_launcher
 from ddpkit.launchers.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
 from ddpkit.launchers.slurm_cli import SLURM_HELP
@@ -586,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         record_for_launcher(e)  # under torchrun, its failure summary then names the error
         print(f"error: {e}", file=sys.stderr)
-        return getattr(e, "exit_status", EXIT_USER_ERROR)  # a StorageError has its own
+        return exit_status(e, EXIT_USER_ERROR)  # a StorageError has its own
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

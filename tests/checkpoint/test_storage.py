@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit import Checkpointer
+from ddpkit import EXIT_STORAGE, Checkpointer
 from ddpkit.checkpoint.disk.format import list_checkpoints, verify_checkpoint
 from ddpkit.checkpoint.disk.storage import StorageError, estimate_bytes
 from ddpkit.names import EXIT_STORAGE
@@ -220,3 +220,12 @@ def test_a_full_disk_under_a_sharded_write_is_named_not_torch_saves_unexpected_p
     assert message.startswith(f"cannot write checkpoint {small / 'step-000000001'}: No space left on device ("), message
     assert "unexpected pos" not in message and "\n" not in message
     assert failed.value.exit_status == EXIT_STORAGE
+
+
+def test_a_storage_error_declares_its_exit_status_and_others_keep_the_callers():
+    from ddpkit.errors import UserError, exit_status
+
+    assert StorageError.exit_status == EXIT_STORAGE  # declared on the class, read as an attribute
+    assert exit_status(StorageError("no space left"), 2) == EXIT_STORAGE
+    assert exit_status(UserError("bad option"), 2) == 2  # a user error without its own: the caller's usual
+    assert exit_status(RuntimeError("a bug"), 1) == 1

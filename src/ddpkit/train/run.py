@@ -22,6 +22,7 @@ the imports to this list):
   ``@record`` does this for a script); ``ddpkit.launchers.failure.FAILURE_DIR_VARIABLE``,
   which only ddpkit's launcher sets, so that its workers (torch's elastic
   agent starts them, with torchrun's variables) name it rather than torchrun;
+- ``ddpkit.errors.exit_status``: the exit status a failed rank leaves with (a full disk's, 74);
 - ``ddpkit.distributed.exit_process``: a failed rank leaves at once, so that
   the launcher takes it for the root cause rather than the peers it fails;
 - ``ddpkit.distributed.control_device``: where the broadcasts of the run
@@ -61,6 +62,7 @@ from ddpkit import (
 from ddpkit.config import TrainConfig, to_dict
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
+from ddpkit.errors import exit_status
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
@@ -338,7 +340,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         # without leaving the group, so the peers (which fail because this rank is gone) cannot
         # fail, record and exit before it and be taken for the root cause.
         if record_for_launcher(error) and ctx.world_size > 1:
-            exit_process(getattr(error, "exit_status", 1), leave_group=False)
+            exit_process(exit_status(error, 1), leave_group=False)
         raise
     finally:
         for lock in reversed(locks):
