@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import builtins
-import itertools
 import os
 import sys
 import time
@@ -17,11 +16,9 @@ from typing import Any
 
 from ddpkit.checkpoint.disk.folder_lock import FolderLock
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints
-from ddpkit.checkpoint.disk.writer import CheckpointWriter
 from ddpkit.checkpoint.manager import select
 from ddpkit.checkpoint.manager.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
 from ddpkit.checkpoint.manager.best import BestMetric
-from ddpkit.checkpoint.manager.checkin import SaveCheckIns
 from ddpkit.checkpoint.manager.epochs import EpochCounter
 from ddpkit.checkpoint.manager.preemption import (
     Agreement,
@@ -37,15 +34,13 @@ from ddpkit.checkpoint.manager.restore import (
     choose_and_load,
     continue_batches,
     epoch_length,
-    log_resume,
     restore_checkpoint,
 )
-from ddpkit.checkpoint.manager.saving import CheckpointSave, claim_folder, make_writer
+from ddpkit.checkpoint.manager.saving import claim_folder, saving_parts
 from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.objects import collect_objects, model_devices
-from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
+from ddpkit.checkpoint.options import CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.sharded.state import sharded_state
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -53,7 +48,7 @@ from ddpkit.log import get_logger
 
 
 class Checkpointer:
-    """Saves and resumes the state of a training loop; see the module docstring.
+    """Saves and resumes the state of a training loop; see :mod:`ddpkit.checkpoint.manager`.
 
     Args:
         dir: folder of the checkpoints (every node must see it).
@@ -148,15 +143,6 @@ class Checkpointer:
         )
         self.async_save = self.options.resolve_async_save(model_devices(self.objects))
         """True when saves are written in the background (the option resolved: "auto" is True for a GPU model)."""
-        self.shards = sharded_state(self.objects, self.rank, self.world_size, async_save=self.async_save)
-        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded.state`)."""
-        self.writer: CheckpointWriter | None = None
-        """Rank 0's writer (:class:`~ddpkit.checkpoint.disk.writer.FolderWriter`, or
-        :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter` for a sharded model); None on the other ranks."""
-        if self.rank == 0:
-            self.writer = make_writer(
-                self.root, self.objects, self.world_size, self.options, self.shards, self.async_save, self._saved
-            )
         self._epoch_ends = 0  # epoch_end() calls in this process
         self._write_failed = False  # a save raised (a full disk, a rank missing)
         self.finished = False
@@ -165,22 +151,23 @@ class Checkpointer:
         self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
         self._pending_metrics: tuple[dict[str, float], bool] = ({}, False)  # for the epoch's checkpoint to come
         restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.check_ins = SaveCheckIns(next(_INSTANCES), self.rank, self.world_size, restart, timeout)
-        """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.manager.checkin`)."""
-        self._saving = CheckpointSave(
+        self._saving = saving_parts(
             self.root,
             self.objects,
-            per_rank=self.per_rank,
-            extras=sorted(extra or {}),
-            shards=self.shards,
-            check_ins=self.check_ins,
-            writer=self.writer,
-            rank=self.rank,
-            world_size=self.world_size,
-            mode=READABLE_BY[self.options.readable_by],
-            config=self.config,
-            meta=self.meta,
+            self.per_rank,
+            sorted(extra or {}),
+            self.options,
+            self.rank,
+            self.world_size,
+            self.async_save,
+            timeout,
+            restart,
+            self.config,
+            self.meta,
+            self._saved,
         )
+        # Rank 0's writer (None on the other ranks), a sharded model's state, every rank's check-ins at a save:
+        self.writer, self.shards, self.check_ins = self._saving.writer, self._saving.shards, self._saving.check_ins
         self._started = False
         self._preempted = self._closed = False
         self._lock: FolderLock | None = None
@@ -266,18 +253,7 @@ class Checkpointer:
         self.schedule.saved(self.global_step)
         self._step_metrics = (restored.metrics, False)
         if self.rank == 0:
-            log_resume(
-                path,
-                global_step=self.global_step,
-                resume_point=self.epochs.resume_point(self.global_step),
-                first_epoch=self.epochs.first_epoch,
-                position=self.epochs.loader_position(),
-                epochs_counted=self.epochs.completed_epochs > 0,
-                finished=self.finished,
-                saved_world_size=restored.saved_world_size,
-                world_size=self.world_size,
-                steps_per_epoch=self.epochs.steps_per_epoch,
-            )
+            self.epochs.log_resume(path, restored, self.world_size)
 
     def _resume_point(self) -> tuple[int, int]:
         return self.epochs.resume_point(self.global_step)
@@ -560,10 +536,6 @@ class Checkpointer:
     def unwritten(self) -> str:
         """The reason of a checkpoint due but not yet written ("" when none): ``close()`` writes it."""
         return self.schedule.pending_reason if self.schedule.pending_at(self.global_step) else ""
-
-
-_INSTANCES = itertools.count()
-"""Checkpointers made by this process, numbered in order (the same on every rank)."""
 
 
 def _say_if_unwritten(ref: weakref.ReferenceType[Checkpointer]) -> None:

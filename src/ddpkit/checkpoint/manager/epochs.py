@@ -8,9 +8,10 @@ with none of them has no epochs: its resume point's step in epoch is then the gl
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.manager.restore import Restored, resume_point_by_length
+from ddpkit.checkpoint.manager.restore import Restored, log_resume, resume_point_by_length
 from ddpkit.checkpoint.manager.saving import SaveFacts
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 
@@ -67,6 +68,21 @@ class EpochCounter:
         """Take the epoch counters of the checkpoint restored."""
         self.completed_epochs, self.epoch_start_step = restored.completed_epochs, restored.epoch_start_step
         self.last_reason = restored.reason
+
+    def log_resume(self, path: Path, restored: Restored, world_size: int) -> None:
+        """Rank 0, once ``restored`` is taken: say where training continues (:func:`~.restore.log_resume`)."""
+        log_resume(
+            path,
+            global_step=restored.global_step,
+            resume_point=self.resume_point(restored.global_step),
+            first_epoch=self.first_epoch,
+            position=self.loader_position(),
+            epochs_counted=self.completed_epochs > 0,
+            finished=restored.finished,
+            saved_world_size=restored.saved_world_size,
+            world_size=world_size,
+            steps_per_epoch=self.steps_per_epoch,
+        )
 
     def resumed(self, global_step: int) -> tuple[int, int]:
         """After a resume: the resume point, where the first pass of ``enumerate()`` continues."""

@@ -18,6 +18,7 @@ parts it was given, never reading the Checkpointer:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +39,11 @@ from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_dige
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state
-from ddpkit.checkpoint.sharded.state import ShardedState
+from ddpkit.checkpoint.sharded.state import ShardedState, sharded_state
 from ddpkit.checkpoint.sharded.writer import ShardedWriter
 from ddpkit.log import get_logger
 
-__all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer"]
+__all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer", "saving_parts"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,47 @@ def make_writer(
     if shards is not None:
         return ShardedWriter(root, staged=shards.staged, async_save=async_save, **settings)
     return FolderWriter(root, async_save=async_save, **settings)
+
+
+def saving_parts(
+    root: Path,
+    objects: Mapping[str, Any],
+    per_rank: list[str],
+    extras: list[str],
+    options: CheckpointOptions,
+    rank: int,
+    world_size: int,
+    async_save: bool,
+    timeout: float,
+    restart: str,
+    config: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    on_save: Callable[[Path, str], None],
+) -> CheckpointSave:
+    """A Checkpointer's saving side: its :class:`CheckpointSave` over a sharded model's state (None for a
+    replicated one), every rank's check-ins and rank 0's writer (None on the other ranks)."""
+    shards = sharded_state(objects, rank, world_size, async_save=async_save)
+    writer = make_writer(root, objects, world_size, options, shards, async_save, on_save) if rank == 0 else None
+    check_ins = SaveCheckIns(next(_INSTANCES), rank, world_size, restart, timeout)
+    mode = READABLE_BY[options.readable_by]
+    return CheckpointSave(
+        root,
+        objects,
+        per_rank=per_rank,
+        extras=extras,
+        shards=shards,
+        check_ins=check_ins,
+        writer=writer,
+        rank=rank,
+        world_size=world_size,
+        mode=mode,
+        config=config,
+        meta=meta,
+    )
+
+
+_INSTANCES = itertools.count()
+"""Checkpointers made by this process, numbered in order (the same on every rank)."""
 
 
 def claim_folder(
