@@ -40,7 +40,7 @@ def one_run(step_s: float, sync_s: float, after_s: float) -> dict:
     import torch
 
     import ddpkit
-    from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.checkpoint import Preempted
 
     data = torch.utils.data.TensorDataset(torch.randn(1_000_000, 4))
     loader = ddpkit.DataLoader(data, global_batch_size=4)

@@ -112,7 +112,7 @@ def record_collectives(
 def _patch_control_device(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
     """Make ``control_device`` answer ``device`` everywhere ddpkit imported it."""
     import ddpkit.bench.comm  # noqa: F401  (imported so that their names are patched too)
-    import ddpkit.checkpoint.manager  # noqa: F401
+    import ddpkit.checkpoint.manager.checkpointer  # noqa: F401
     import ddpkit.comm.grad_sync  # noqa: F401
     import ddpkit.distributed
     import ddpkit.doctor.checks  # noqa: F401
@@ -140,7 +140,7 @@ def _reduce_sums(tmp_path, monkeypatch) -> None:
 
 
 def _checkpoint_agreement(tmp_path, monkeypatch) -> None:
-    from ddpkit.checkpoint.manager import Checkpointer
+    from ddpkit.checkpoint.manager.checkpointer import Checkpointer
 
     # Two ranks as far as the Checkpointer knows, so that its agreement (skipped for one) runs.
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
@@ -268,7 +268,7 @@ def test_bench_comm_on_cuda_leaves_the_shared_memory_algorithms_out():
 def _control_paths(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """Run the reduction paths with the collectives recorded; return what each handed over."""
     from ddpkit import distributed
-    from ddpkit.checkpoint.manager import Checkpointer
+    from ddpkit.checkpoint.manager.checkpointer import Checkpointer
     from ddpkit.prepare import prepare_model
     from ddpkit.reduce import reduce_sums
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 from ddpkit import ending_threads
-from ddpkit.checkpoint.async_save import BackgroundWriter
+from ddpkit.checkpoint.disk.async_save import BackgroundWriter
 
 
 def test_a_thread_that_said_it_ends_is_joined_and_one_that_never_ends_is_left_after_the_timeout() -> None:

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.disk.format import CheckpointError
 from ddpkit.commands.dispatch import main
 from ddpkit.data.idx import CorruptDataError
 from ddpkit.data.sources import DataNotFoundError

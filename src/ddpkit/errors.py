@@ -17,10 +17,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 
 class UserError(ValueError):
     """Bad input from the user; the message names the problem and the fix in one line."""
+
+    exit_status: ClassVar[int | None] = None
+    """The exit status this error asks for (a full disk: 74, a diverged run: 65); None: the usual one."""
+
+
+def exit_status(error: BaseException, default: int) -> int:
+    """``error``'s own exit status (:attr:`UserError.exit_status`), else ``default`` (the caller's usual one)."""
+    own = error.exit_status if isinstance(error, UserError) else None
+    return default if own is None else own
 
 
 def check_choice(name: str, value: str, choices: Sequence[str], error: type[UserError] = UserError) -> None:

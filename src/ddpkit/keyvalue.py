@@ -176,6 +176,14 @@ def _typed_value(word: str, raw: str, kind: Any, schema: type | None) -> Any:
         if text.startswith("[") and text.endswith("]"):
             text = text[1:-1]  # workers=[0,1], as YAML writes a list
         return [_typed_value(word, part.strip(), item, schema) for part in text.split(",")] if text.strip() else []
+    if kind is not bool and bool in typing.get_args(kind):  # a Literal's word or a bool: checkpoint.async_save=auto
+        words = [word for arg in typing.get_args(kind) for word in typing.get_args(arg)]
+        if raw.strip() in words:
+            return raw.strip()
+        if raw.strip().lower() not in _TRUE + _FALSE:
+            choices = ", ".join([*words, "true", "false"])
+            raise ConfigError(f"{word.split('=', 1)[0]}={raw!r} is not valid; choose one of: {choices}")
+        kind = bool
     if kind is bool:
         if raw.strip().lower() in _TRUE + _FALSE:
             return raw.strip().lower() in _TRUE

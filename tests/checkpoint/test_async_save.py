@@ -25,9 +25,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit import Checkpointer
-from ddpkit.checkpoint.async_save import copy_state
-from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
-from ddpkit.checkpoint.storage import StorageError
+from ddpkit.checkpoint.disk.async_save import copy_state
+from ddpkit.checkpoint.disk.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
+from ddpkit.checkpoint.disk.storage import StorageError
 from tests.cli_runner import PYTHONPATH
 
 SEED = 20251125
@@ -143,7 +143,7 @@ def test_a_loop_with_async_saves_writes_the_files_a_sync_loop_writes(tmp_path):
 
 
 def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypatch):
-    import ddpkit.checkpoint.writer as writer
+    import ddpkit.checkpoint.disk.writer as writer
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -161,7 +161,7 @@ import os, sys, time, threading
 from pathlib import Path
 import torch
 from torch import nn
-import ddpkit.checkpoint.format as fmt
+import ddpkit.checkpoint.disk.format as fmt
 from ddpkit import Checkpointer
 
 folder, marks = Path(sys.argv[1]), Path(sys.argv[2])
@@ -228,16 +228,32 @@ def test_async_save_auto_writes_in_the_background_for_a_gpu_model_only():
 
     auto = CheckpointOptions()
     assert auto.async_save == "auto"
-    assert auto.background_writes([torch.device("cuda", 0), torch.device("cpu")])
-    assert not auto.background_writes([torch.device("cpu")])
-    assert CheckpointOptions(async_save=True).background_writes([torch.device("cpu")])  # Python's bool, as typed
-    assert not CheckpointOptions(async_save="false").background_writes([torch.device("cuda", 1)])
-    with pytest.raises(ddpkit.UserError, match="async_save"):
-        CheckpointOptions(async_save="sometimes")
+    assert auto.resolve_async_save([torch.device("cuda", 0), torch.device("cpu")])
+    assert not auto.resolve_async_save([torch.device("cpu")])
+    assert CheckpointOptions(async_save=True).resolve_async_save([torch.device("cpu")])  # Python's bool, as typed
+    assert not CheckpointOptions(async_save=False).resolve_async_save([torch.device("cuda", 1)])
+    for word in ("sometimes", "true"):  # a word is the command line's: Python passes True or False
+        with pytest.raises(
+            ddpkit.UserError, match=f"async_save='{word}' is not valid; choose one of: 'auto', True, False"
+        ):
+            CheckpointOptions(async_save=word)  # type: ignore[arg-type]
+
+
+def test_the_command_line_gives_async_save_as_the_bool_or_auto_the_options_hold():
+    from ddpkit.keyvalue import ConfigError
+    from ddpkit.train.config import parse_train_config
+
+    for word, value in (("true", True), ("false", False), ("auto", "auto")):
+        assert parse_train_config([f"checkpoint.async_save={word}"]).checkpoint.async_save == value
+        assert type(parse_train_config([f"checkpoint.async_save={word}"]).checkpoint.async_save) is type(value)
+    with pytest.raises(
+        ConfigError, match="checkpoint.async_save='sometimes' is not valid; choose one of: auto, true, false"
+    ):
+        parse_train_config(["checkpoint.async_save=sometimes"])
 
 
 def test_a_cpu_model_saves_synchronously_by_default(tmp_path):
     model = nn.Linear(4, 4)
     ckpt = Checkpointer(tmp_path, model=model, preempt_signals=())
-    assert not ckpt.background
-    assert Checkpointer(tmp_path / "b", model=model, preempt_signals=(), async_save=True).background
+    assert ckpt.async_save is False
+    assert Checkpointer(tmp_path / "b", model=model, preempt_signals=(), async_save=True).async_save is True

@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from ddpkit.checkpoint.checkin import STOP_GRACE_SECONDS, LoopProgress, check_in
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.disk.format import CheckpointError
+from ddpkit.checkpoint.manager.checkin import STOP_GRACE_SECONDS, LoopProgress, check_in
 
 PREFIX = "save/0/1"
 PROGRESS = "progress/0"

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 import ddpkit
 from ddpkit import Checkpointer, CheckpointError
-from ddpkit.checkpoint.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
+from ddpkit.checkpoint.disk.format import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint
 from tests.helpers.module_runs import run_side_by_side, selected_tests
 
 SEED = 20240607
@@ -650,7 +650,7 @@ def test_an_epoch_end_is_written_once_also_with_a_scheduler_stepped_after_the_ba
 
 
 def test_a_second_run_into_a_folder_in_use_stops_at_start_naming_the_holder(tmp_path):
-    from ddpkit.checkpoint.folder_lock import FolderInUseError
+    from ddpkit.checkpoint.disk.folder_lock import FolderInUseError
     from tests.cli_runner import PYTHONPATH
 
     holder = subprocess.Popen(
@@ -697,3 +697,18 @@ def test_a_save_of_non_finite_weights_is_kept_apart_and_never_prunes_a_finite_on
     assert good.exists()  # keep=1 counts finite checkpoints only
     assert [info.global_step for info in list_checkpoints(tmp_path, prefix="best-")] == [1]
     assert "holds NaN or infinity (model.pt.weight)" in ddpkit_log.text(logging.WARNING)
+
+
+def test_the_save_callback_and_the_continue_hint_are_given_to_the_checkpointer(tmp_path):
+    """A caller (``ddpkit train``) gives its callback by a method and its hint by the constructor."""
+    calls = []
+    ckpt = Checkpointer(tmp_path, model=nn.Linear(2, 2), preempt_signals=(), continue_hint="run it again")
+    ckpt.set_on_save(lambda path, reason: calls.append((path.name, reason)))
+    ckpt.step()
+    first = ckpt.save()
+    ckpt.set_on_save(None)  # from now on, nothing is called
+    ckpt.step()
+    ckpt.save()
+    ckpt.close()
+    assert first is not None and calls == [(first.name, "manual")]
+    assert ckpt.continue_hint == "run it again"

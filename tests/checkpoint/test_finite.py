@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddpkit.checkpoint.finite import (
+from ddpkit.checkpoint.disk.finite import (
     FINITE_KEY,
     is_finite_number,
     is_marked_nonfinite,
@@ -15,8 +15,8 @@ from ddpkit.checkpoint.finite import (
     nonfinite_marker,
     nonfinite_tensors,
 )
-from ddpkit.checkpoint.format import checkpoint_name, list_checkpoints, write_checkpoint
-from ddpkit.checkpoint.select import choose_checkpoint
+from ddpkit.checkpoint.disk.format import checkpoint_name, list_checkpoints, write_checkpoint
+from ddpkit.checkpoint.manager.select import choose_checkpoint
 
 
 def test_nonfinite_tensors_names_the_floating_tensors_with_nan_or_inf():

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit.checkpoint.folder_lock import HOLDER_FILE, LOCK_FILE, FolderInUseError, FolderLock, read_holder
+from ddpkit.checkpoint.disk.folder_lock import HOLDER_FILE, LOCK_FILE, FolderInUseError, FolderLock, read_holder
 from ddpkit.errors import UserError
 from ddpkit.names import EXIT_USER_ERROR
 from tests.cli_runner import PYTHONPATH
 
 HOLD = """
 import sys, time
-from ddpkit.checkpoint.folder_lock import FolderLock
+from ddpkit.checkpoint.disk.folder_lock import FolderLock
 lock = FolderLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -109,7 +109,7 @@ def test_a_restarted_run_waits_for_its_predecessor_s_lock(tmp_path):
 
 
 def test_a_symbolic_link_at_the_lock_file_is_refused_in_one_line_and_its_target_never_created(tmp_path):
-    from ddpkit.checkpoint.folder_lock import LockFileError
+    from ddpkit.checkpoint.disk.folder_lock import LockFileError
 
     folder, target = tmp_path / "run", tmp_path / "elsewhere" / "victim"
     folder.mkdir()
@@ -127,7 +127,7 @@ def test_a_symbolic_link_at_the_lock_file_is_refused_in_one_line_and_its_target_
 
 UNOPENABLE = """
 import os, sys
-from ddpkit.checkpoint.folder_lock import FolderLock, LockFileError
+from ddpkit.checkpoint.disk.folder_lock import FolderLock, LockFileError
 os.setgid(65534); os.setuid(65534)  # nobody (after the imports: the interpreter's files may be root's alone)
 try:
     FolderLock(sys.argv[1]).acquire()

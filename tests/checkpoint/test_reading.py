@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import CheckpointError
-from ddpkit.checkpoint.reading import load_file
+from ddpkit.checkpoint.disk.format import CheckpointError
+from ddpkit.checkpoint.disk.reading import load_file
 
 
 def test_a_file_of_text_is_named_not_a_torch_save_file(tmp_path):
@@ -33,7 +33,7 @@ def test_a_pickle_that_would_run_code_is_refused_naming_what_it_holds(tmp_path):
 def test_a_manifest_that_lists_a_file_outside_its_folder_is_damaged(tmp_path, name):
     import json
 
-    from ddpkit.checkpoint.format import checkpoint_name, verify_checkpoint, write_checkpoint
+    from ddpkit.checkpoint.disk.format import checkpoint_name, verify_checkpoint, write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path, checkpoint_name(1), {"model.pt": {"w": torch.ones(2)}}, {}, {})
     manifest = json.loads((checkpoint / "manifest.json").read_text())

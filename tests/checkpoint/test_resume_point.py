@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddpkit
+from ddpkit.checkpoint.manager.restore import resume_point_by_length, world_size_line
 from ddpkit.checkpoint.ranks import rank_and_size
-from ddpkit.checkpoint.restore import resume_point_by_length, world_size_line
 from ddpkit.commands.checkpoints import _epoch
 from ddpkit.errors import UserError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from ddpkit.checkpoint.schedule import Save, SaveSchedule
+from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.data.position import LoaderPosition
 
 STEPS = 4  # batches per epoch in these tests

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpkit.checkpoint.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest, verify_checkpoint
+from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest, verify_checkpoint
 from tests.comm.test_fsdp import Tower
 from tests.helpers.module_runs import run_side_by_side
 from tests.helpers.workers import run_on_ranks
@@ -196,7 +196,7 @@ def test_a_plain_model_resumes_a_sharded_checkpoint_to_the_same_weights(runs, tm
 
 
 def test_a_folder_without_manifest_or_with_a_damaged_shard_is_not_resumed(runs, tmp_path) -> None:
-    from ddpkit.checkpoint import select
+    from ddpkit.checkpoint.manager import select
 
     root, _ = runs
     folder = tmp_path / "ckpts"
@@ -233,7 +233,7 @@ def test_the_export_loads_into_the_plain_module_and_gives_the_sharded_models_out
 
 
 def test_init_from_a_sharded_checkpoint_reads_its_full_weights(runs) -> None:
-    from ddpkit.checkpoint.transfer import read_weights
+    from ddpkit.checkpoint.publishing.transfer import read_weights
 
     root, outcomes = runs
     state = read_weights(root / "whole")  # a checkpoints folder: its newest verified checkpoint
@@ -243,7 +243,7 @@ def test_init_from_a_sharded_checkpoint_reads_its_full_weights(runs) -> None:
 
 
 def test_the_best_mark_of_a_sharded_checkpoint_holds_every_file(runs, tmp_path) -> None:
-    from ddpkit.checkpoint.format import mark_best
+    from ddpkit.checkpoint.disk.format import mark_best
 
     root, _ = runs
     folder = tmp_path / "ckpts"
@@ -264,7 +264,7 @@ def _a_rank_cannot_write(rank: int, world_size: int, folder: str, async_save: bo
 
     import ddpkit
     import ddpkit.distributed
-    from ddpkit.checkpoint.storage import StorageError
+    from ddpkit.checkpoint.disk.storage import StorageError
 
     writing_threads = set()
     write_data = FileSystemWriter.write_data
@@ -337,7 +337,7 @@ def _replicated_then_sharded(rank: int, world_size: int, folder: str) -> dict:
     trains on to step 6 (a sharded checkpoint)."""
     import ddpkit
     import ddpkit.distributed
-    from ddpkit.checkpoint.sharded import ShardedState
+    from ddpkit.checkpoint.sharded.state import ShardedState
 
     ddpkit.distributed.init()
     try:
@@ -389,7 +389,7 @@ def _saves_back_to_back(rank: int, world_size: int, folder: str) -> list[int]:
     import time
 
     import ddpkit.distributed
-    from ddpkit.checkpoint import writer
+    from ddpkit.checkpoint.disk import writer
 
     prune = writer.prune
 
@@ -439,8 +439,8 @@ def _one_rank_diverges(rank: int, world_size: int, folder: str, async_save: bool
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_nan_in_one_ranks_shards_marks_the_checkpoint_and_the_finite_one_stays_the_last_good(tmp_path, async_save):
-    from ddpkit.checkpoint.finite import is_marked_nonfinite, last_finite_checkpoint
-    from ddpkit.checkpoint.select import choose_checkpoint
+    from ddpkit.checkpoint.disk.finite import is_marked_nonfinite, last_finite_checkpoint
+    from ddpkit.checkpoint.manager.select import choose_checkpoint
 
     run_on_ranks(_one_rank_diverges, 2, str(tmp_path), async_save, timeout=120)
     first = next(DropTower().named_parameters())[0]
@@ -453,7 +453,7 @@ def test_nan_in_one_ranks_shards_marks_the_checkpoint_and_the_finite_one_stays_t
 
 def test_completing_a_sharded_write_sets_a_folder_of_its_name_without_manifest_aside(tmp_path) -> None:
     """A crash's leftover of the step, or a copy in progress: never removed, as write_checkpoint never does."""
-    from ddpkit.checkpoint.format import finish_checkpoint
+    from ddpkit.checkpoint.disk.format import finish_checkpoint
 
     leftover = tmp_path / "step-000000004"
     leftover.mkdir()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.checkpoint.sharded_reading import read_index
+from ddpkit.checkpoint.disk.sharded_reading import read_index
 
 
 class _ImportsSeen(importlib.abc.MetaPathFinder):

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit import Checkpointer
-from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
-from ddpkit.checkpoint.storage import StorageError, estimate_bytes
+from ddpkit import EXIT_STORAGE, Checkpointer
+from ddpkit.checkpoint.disk.format import list_checkpoints, verify_checkpoint
+from ddpkit.checkpoint.disk.storage import StorageError, estimate_bytes
 from ddpkit.names import EXIT_STORAGE
 from tests.helpers.launch_in_process import Commands
 from tests.train.checkpoint_helpers import (
@@ -192,8 +192,8 @@ def test_full_disk_under_ddpkit_train_stops_with_74_and_resume_after_freeing_is_
 def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_untouched(tmp_path):
     import errno
 
-    from ddpkit.checkpoint.format import checkpoint_name, write_checkpoint
-    from ddpkit.checkpoint.storage import explain_write_error
+    from ddpkit.checkpoint.disk.format import checkpoint_name, write_checkpoint
+    from ddpkit.checkpoint.disk.storage import explain_write_error
 
     write_checkpoint(tmp_path, checkpoint_name(5), {"model.pt": {"w": torch.ones(2)}}, {}, {"global_step": 5})
     line = explain_write_error(
@@ -208,7 +208,7 @@ def test_a_failed_rewrite_of_a_saved_step_does_not_name_one_folder_removed_and_u
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_full_disk_under_a_sharded_write_is_named_not_torch_saves_unexpected_pos(tmp_path):
-    from ddpkit.checkpoint.sharded import ShardedState
+    from ddpkit.checkpoint.sharded.state import ShardedState
 
     model, optimizer = stepped_model()  # 256 kB of weights, 512 kB of Adam's state: a single rank's shards
     shards = ShardedState(model, optimizer, rank=0, world_size=1)
@@ -220,3 +220,12 @@ def test_a_full_disk_under_a_sharded_write_is_named_not_torch_saves_unexpected_p
     assert message.startswith(f"cannot write checkpoint {small / 'step-000000001'}: No space left on device ("), message
     assert "unexpected pos" not in message and "\n" not in message
     assert failed.value.exit_status == EXIT_STORAGE
+
+
+def test_a_storage_error_declares_its_exit_status_and_others_keep_the_callers():
+    from ddpkit.errors import UserError, exit_status
+
+    assert StorageError.exit_status == EXIT_STORAGE  # declared on the class, read as an attribute
+    assert exit_status(StorageError("no space left"), 2) == EXIT_STORAGE
+    assert exit_status(UserError("bad option"), 2) == 2  # a user error without its own: the caller's usual
+    assert exit_status(RuntimeError("a bug"), 1) == 1

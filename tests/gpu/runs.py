@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.format import load_file
+from ddpkit.checkpoint.disk.format import load_file
 from ddpkit.env.ports import free_port
 from tests.cli_runner import PYTHONPATH
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.checkpoint.export import export_checkpoint, load_exported
-from ddpkit.checkpoint.format import load_file, verify_checkpoint
+from ddpkit.checkpoint.disk.format import load_file, verify_checkpoint
+from ddpkit.checkpoint.publishing.export import export_checkpoint, load_exported
 from ddpkit.models.registry import get_model_spec
 from tests.gpu.runs import newest_checkpoint, train, weights
 
@@ -114,7 +114,7 @@ def test_a_gpu_model_saves_in_the_background_by_default_and_writes_a_synchronous
     synchronous = Checkpointer(
         tmp_path / "sync", model=model, optimizer=optimizer, preempt_signals=(), async_save=False
     )
-    assert default.background and not synchronous.background
+    assert default.async_save and not synchronous.async_save
     a, b = default.save(), synchronous.save()
     default.close()
     synchronous.close()
@@ -125,7 +125,7 @@ def test_a_gpu_model_saves_in_the_background_by_default_and_writes_a_synchronous
 def test_a_sharded_run_saves_in_the_background_and_resumes_bit_equal(tmp_path):
     """shard=true on a GPU: the model reaches the device block by block, async_save=auto writes the shards in
     the background (staged in pinned memory), and a stopped run resumed ends with the same shards."""
-    from ddpkit.checkpoint.format import read_manifest
+    from ddpkit.checkpoint.disk.format import read_manifest
 
     words = ("model=mlp", "shard=true")
     train(tmp_path / "whole", *words)

@@ -54,7 +54,7 @@ def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, ch
 def _nccl_world_of_one(rank: int, world_size: int, folder: str) -> dict:
     import ddpkit
     from ddpkit import distributed
-    from ddpkit.checkpoint.manager import Checkpointer
+    from ddpkit.checkpoint.manager.checkpointer import Checkpointer
     from ddpkit.comm.grad_sync import _on_every_rank, choose_allreduce
 
     ctx = distributed.init(backend="nccl", device="cuda")
@@ -123,7 +123,7 @@ def test_nccl_world_of_one_runs_the_checkpoint_agreement_through_the_group(nccl_
 def _sharing_gpu_0(rank: int, world_size: int, folder: str, grad_sync: str) -> dict:
     import ddpkit
     from ddpkit import distributed
-    from ddpkit.checkpoint.manager import Checkpointer
+    from ddpkit.checkpoint.manager.checkpointer import Checkpointer
 
     # A job of two one-GPU nodes as torch's env:// variables describe it: both workers bind GPU 0.
     os.environ.update(

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 import ddpkit
-from ddpkit.checkpoint.format import read_manifest
+from ddpkit.checkpoint.disk.format import read_manifest
 from tests.helpers.launch_in_process import Commands
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "own_cnn.py"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
+from ddpkit.checkpoint.disk.format import list_checkpoints, verify_checkpoint
 from ddpkit.commands.dispatch import main
 from ddpkit.train.plot import read_run
 from tests.cli_runner import REPO

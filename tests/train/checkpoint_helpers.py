@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddpkit import distributed
-from ddpkit.checkpoint.format import list_checkpoints, verify_checkpoint
+from ddpkit.checkpoint.disk.format import list_checkpoints, verify_checkpoint
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.data.datasets import DataOptions, load_datasets
 from ddpkit.keyvalue import parse

@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.format import (
     MANIFEST,
     CheckpointError,
     checkpoint_name,

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, verify_checkpoint
+from ddpkit.checkpoint.disk.format import MANIFEST, checkpoint_name, verify_checkpoint
 from ddpkit.commands.dispatch import main
 from tests.cli_runner import PYTHONPATH
 

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from ddpkit.checkpoint.preemption import EXIT_INTERRUPTED, Preempted, PreemptionSignals
+from ddpkit.checkpoint.manager.preemption import EXIT_INTERRUPTED, Preempted, PreemptionSignals
 from tests.cli_runner import PYTHONPATH
 from tests.helpers.launch_in_process import Commands
 from tests.train.checkpoint_helpers import (

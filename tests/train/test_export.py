@@ -6,9 +6,9 @@ import stat
 import pytest
 import torch
 
-from ddpkit.checkpoint.export import load_exported
-from ddpkit.checkpoint.format import CheckpointError, checkpoint_name
-from ddpkit.checkpoint.transfer import freeze_parameters, load_matching
+from ddpkit.checkpoint.disk.format import CheckpointError, checkpoint_name
+from ddpkit.checkpoint.publishing.export import load_exported
+from ddpkit.checkpoint.publishing.transfer import freeze_parameters, load_matching
 from ddpkit.commands.dispatch import main
 from tests.train.checkpoint_helpers import LogRecords, close, make_trainer, mlp_dropout, mlp_dropout_new_head, train
 from tests.train.test_checkpoint import Payload, plant_payload

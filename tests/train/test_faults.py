@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.checkpoint.folder_lock import HOLDER_FILE, LOCK_FILE
-from ddpkit.checkpoint.format import MANIFEST, checkpoint_name, list_checkpoints, verify_checkpoint
+from ddpkit.checkpoint.disk.folder_lock import HOLDER_FILE, LOCK_FILE
+from ddpkit.checkpoint.disk.format import MANIFEST, checkpoint_name, list_checkpoints, verify_checkpoint
 from ddpkit.commands.dispatch import main
 from ddpkit.log import setup_logging
 from ddpkit.names import EXIT_DIVERGED, EXIT_USER_ERROR

@@ -6,8 +6,8 @@ import signal
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import checkpoint_name
-from ddpkit.checkpoint.preemption import (
+from ddpkit.checkpoint.disk.format import checkpoint_name
+from ddpkit.checkpoint.manager.preemption import (
     EXIT_PREEMPTED,
     MAX_SYNC_INTERVAL,
     Agreement,

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints, load_file
+from ddpkit.checkpoint.disk.format import CORRUPT_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints, load_file
 from ddpkit.train.config import parse_train_config
 from ddpkit.train.preflight import check_before_launch
 from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers

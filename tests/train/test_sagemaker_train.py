@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.checkpoint.export import load_exported
+from ddpkit.checkpoint.publishing.export import load_exported
 from ddpkit.commands.dispatch import main
 from ddpkit.env.ports import free_port
 from tests.cli_runner import PYTHONPATH

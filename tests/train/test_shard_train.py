@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import checkpoint_name
+from ddpkit.checkpoint.disk.format import checkpoint_name
 from tests.helpers.workers import DYNAMO, run_on_ranks, warm_workers
 from tests.train import checkpoint_helpers
 from tests.train.checkpoint_helpers import assert_bit_equal, close, final_state, make_trainer, train

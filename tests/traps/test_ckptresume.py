@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.checkpoint.format import list_checkpoints, read_manifest
+from ddpkit.checkpoint.disk.format import list_checkpoints, read_manifest
 from tests.helpers.launch_in_process import Commands
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ckptresume_loop.py"

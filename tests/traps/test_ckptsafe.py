@@ -108,7 +108,7 @@ def test_an_unloadable_sharded_checkpoint_is_set_aside_and_the_previous_one_resu
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_export_and_init_from_refuse_an_index_that_points_outside_the_folder(reference, tmp_path) -> None:
     import ddpkit
-    from ddpkit.checkpoint.transfer import read_weights
+    from ddpkit.checkpoint.publishing.transfer import read_weights
 
     stopped, _, _ = reference
     checkpoint = tmp_path / "step-000000006"

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ddpkit.checkpoint.rng import seed_everything
+from ddpkit.checkpoint import seed_everything
 from ddpkit.data.datasets import load_images
 from ddpkit.data.sampler import epoch_permutation
 from ddpkit.distributed import default_num_threads

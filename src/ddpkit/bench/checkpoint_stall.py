@@ -43,8 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ddpkit.checkpoint.format import MANIFEST, read_manifest
-from ddpkit.checkpoint.manager import Checkpointer
+from ddpkit.checkpoint import MANIFEST, Checkpointer, read_manifest
 from ddpkit.keyvalue import ConfigError, check_choice, parse
 
 MODES = ("none", "sync", "async")

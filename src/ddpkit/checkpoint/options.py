@@ -6,7 +6,7 @@ Three readers take them from these lines and nowhere else:
   ``CheckpointOptions`` from its keyword arguments, ``Checkpointer(dir, ...,
   options=CheckpointOptions(every_steps=500))`` takes one ready-made;
 - ``ddpkit train``: its ``checkpoint.KEY=VALUE`` options are this class extended with the
-  trainer's own fields (``ddpkit.config.CheckpointConfig``: ``enabled``, ``dir``, ``auto`` for
+  trainer's own fields (``ddpkit.train.config.CheckpointConfig``: ``enabled``, ``dir``, ``auto`` for
   the best checkpoint), so the same values are checked by the same code;
 - ``ddpkit train --help``: generated from the field docstrings below (``ddpkit.commands.help``).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS
@@ -28,15 +28,13 @@ if TYPE_CHECKING:  # no torch at run time: ddpkit train --help reads this module
     from torch import device as torch_device
 
 # The values of two options live here, beside them; the modules that act on them import them from here.
-# No torch: ``ddpkit.config`` (and so ``ddpkit train --help``) imports this module.
+# No torch: ``ddpkit.train.config`` (and so ``ddpkit train --help``) imports this module.
 READABLE_BY = {"user": 0o600, "group": 0o640, "all": 0o644}
 """File modes of checkpoint files for each ``readable_by`` value."""
 ON_WRITE_ERROR = ("stop", "warn")
 """What a failed checkpoint write does: stop training (exit status 74), or warn and go on."""
 CATCHABLE_SIGNALS = tuple(sorted(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)))
 """Signals a process can handle: what a Checkpointer's ``preempt_signals`` may name (a scheduler may send e.g. SIGXCPU)."""
-ASYNC_SAVE = ("auto", "true", "false")
-"""Values of ``async_save``: auto writes in the background when the model is on a GPU."""
 RESUME_MODES = ("never", "auto")
 """The named resume choices; anything else is the path of one checkpoint."""
 _RESUME_WORDS = {"true": "auto", "false": "never"}
@@ -90,21 +88,19 @@ class CheckpointOptions:
     on_write_error: str = "stop"
     """A checkpoint that cannot be written (disk full, quota, read-only or vanished folder): stop (one line,
     exit status 74) or warn (training goes on without it; a preemption checkpoint always stops)."""
-    async_save: str = "auto"
+    async_save: Literal["auto"] | bool = "auto"
     """Write checkpoints in the background: a save copies the state (into pinned CPU memory, kept for the next
     save) and training goes on while rank 0 writes. auto: when the model is on a GPU (a save then costs the GPU
     only its copy); on the CPU, where writing competes with training for the cores, synchronous; true, false."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.async_save, bool):  # Checkpointer(async_save=True), as the keyword reads in Python
-            self.async_save = "true" if self.async_save else "false"
         self.check()
 
-    def background_writes(self, devices: Iterable[torch_device]) -> bool:
-        """Whether saves are written in the background for a model on ``devices`` (``async_save`` resolved)."""
+    def resolve_async_save(self, devices: Iterable[torch_device]) -> bool:
+        """``async_save`` for a model on ``devices``: "auto" is True when one of them is a GPU."""
         if self.async_save == "auto":
             return any(device.type == "cuda" for device in devices)
-        return self.async_save == "true"
+        return self.async_save
 
     def check(self) -> None:
         """Raise UserError, naming the option and the fix in one line, at the first bad value."""
@@ -116,7 +112,9 @@ class CheckpointOptions:
         check_choice(f"{key}readable_by", self.readable_by, tuple(READABLE_BY))
         check_choice(f"{key}best_mode", self.best_mode, self.best_modes)
         check_choice(f"{key}on_write_error", self.on_write_error, ON_WRITE_ERROR)
-        check_choice(f"{key}async_save", self.async_save, ASYNC_SAVE)
+        if not isinstance(self.async_save, bool) and self.async_save != "auto":
+            choices = "auto, true, false" if key else "'auto', True, False"  # as the command line or Python writes them
+            raise UserError(f"{key}async_save={self.async_save!r} is not valid; choose one of: {choices}")
         for name in self.signal_names():
             check_choice(f"{key}preempt_signals", name, self.signal_choices)
 

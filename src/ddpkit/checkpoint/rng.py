@@ -37,7 +37,9 @@ def seed_everything(seed: int) -> None:
 
 def capture_rng_state() -> dict[str, Any]:
     """This process's generator states, as tensors and plain values."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple), "legacy=True: the (kind, keys, pos, has_gauss, cached) tuple"
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

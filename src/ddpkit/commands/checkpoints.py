@@ -72,7 +72,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
     import sys
     from pathlib import Path
 
-    from ddpkit.checkpoint.format import (
+    from ddpkit.checkpoint import (
         BEST_PREFIX,
         CheckpointError,
         checkpoint_digest,

@@ -26,7 +26,7 @@ from ddpkit.commands.plot import PLOT_HELP
 from ddpkit.commands.run import RUN_HELP
 from ddpkit.commands.slurm import SLURM_HELP
 from ddpkit.commands.train import TRAIN_HELP
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, exit_status
 from ddpkit.launchers.failure import LaunchError, record_for_launcher
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_USER_ERROR
 from ddpkit.version import __version__
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         record_for_launcher(e)  # under torchrun, its failure summary then names the error
         print(f"error: {e}", file=sys.stderr)
-        return getattr(e, "exit_status", EXIT_USER_ERROR)  # a StorageError has its own
+        return exit_status(e, EXIT_USER_ERROR)  # a StorageError has its own
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

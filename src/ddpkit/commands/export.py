@@ -45,7 +45,7 @@ EXPORT_HELP = CommandHelp(
 
 def export_command(args: Sequence[str]) -> int:
     """``ddpkit export CHECKPOINT OUT``: write OUT/model.pt and OUT/model.json for inference."""
-    from ddpkit.checkpoint.export import export_checkpoint
+    from ddpkit.checkpoint import export_checkpoint
 
     (checkpoint, out), words = split_paths(args, EXPORT_HELP, 2)
     config = parse(ExportConfig, words)

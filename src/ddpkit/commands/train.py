@@ -24,7 +24,7 @@ from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_U
 from ddpkit.train.config import TRAIN_OPTION_GROUPS, TrainConfig, parse_train_config
 
 if TYPE_CHECKING:
-    from ddpkit.checkpoint.format import CheckpointInfo
+    from ddpkit.checkpoint import CheckpointInfo
 
 
 TRAIN_EXIT_STATUSES = exit_statuses(
@@ -94,7 +94,7 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
 
     ``args`` are the words as the user gave them, for the line that says how to continue.
     """
-    from ddpkit.checkpoint.preemption import Preempted
+    from ddpkit.checkpoint import Preempted
     from ddpkit.env.sagemaker import model_dir
     from ddpkit.train.preflight import check_before_launch
     from ddpkit.train.run import run_worker
@@ -183,7 +183,7 @@ def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointIn
 
 
 def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
-    from ddpkit.checkpoint.format import list_checkpoints
+    from ddpkit.checkpoint import list_checkpoints
     from ddpkit.train.run import checkpoint_root
 
     if not cfg.output_dir:  # another node's launcher: the run folder is node 0's

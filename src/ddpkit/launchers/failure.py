@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpkit import stacks
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, exit_status
 
 FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
 """Environment variable naming the folder where ddpkit's launcher collects its workers' errors."""
@@ -80,7 +80,7 @@ def run_reporting_failure(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except Exception as e:  # the launcher reports it; SystemExit and KeyboardInterrupt pass
         _record(e)
-        sys.exit(getattr(e, "exit_status", 1))  # e.g. a StorageError's: the disk, not the code, failed
+        sys.exit(exit_status(e, 1))  # e.g. a StorageError's: the disk, not the code, failed
 
 
 def record_for_launcher(error: Exception) -> bool:
@@ -112,7 +112,7 @@ def _record(error: Exception) -> None:
         message = f"{message}; {where}"  # a wait timed out: where the others were
     data = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
-        "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1), "user_error": user_error},
+        "ddpkit": {"time": now, "exit_status": exit_status(error, 1), "user_error": user_error},
     }
     peer_lost = any(marker in message for marker in PEER_LOST_MARKERS)
     data["ddpkit"]["peer_lost"] = peer_lost

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ddpkit.checkpoint.options import CheckpointOptions, resume_choice
+from ddpkit.checkpoint import CheckpointOptions, resume_choice
 from ddpkit.keyvalue import (
     GROUP,
     ConfigError,

@@ -53,8 +53,7 @@ from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 from ddpkit import Checkpointer, Context, DataLoader, gradient_sync, no_sync, reduce_sums, unwrap_model
-from ddpkit.checkpoint.finite import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors
-from ddpkit.checkpoint.format import set_aside
+from ddpkit.checkpoint import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors, set_aside
 from ddpkit.comm.fsdp import is_sharded
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError

@@ -28,7 +28,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.storage import format_bytes, free_bytes
+from ddpkit.checkpoint import format_bytes, free_bytes
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import ConfigError
 from ddpkit.names import EXIT_STORAGE

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from ddpkit import allocator
-from ddpkit.checkpoint.options import RESUME_MODES
-from ddpkit.checkpoint.select import candidates, check_resume, restart_count
+from ddpkit.checkpoint import RESUME_MODES, candidates, check_resume, restart_count
 from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.comm.shm import segment_bytes
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names

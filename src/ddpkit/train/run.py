@@ -22,6 +22,7 @@ the imports to this list):
   ``@record`` does this for a script); ``ddpkit.launchers.failure.FAILURE_DIR_VARIABLE``,
   which only ddpkit's launcher sets, so that its workers (torch's elastic
   agent starts them, with torchrun's variables) name it rather than torchrun;
+- ``ddpkit.errors.exit_status``: the exit status a failed rank leaves with (a full disk's, 74);
 - ``ddpkit.distributed.exit_process``: a failed rank leaves at once, so that
   the launcher takes it for the root cause rather than the peers it fails;
 - ``ddpkit.distributed.control_device``: where the broadcasts of the run
@@ -60,6 +61,7 @@ from ddpkit import (
 )
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
+from ddpkit.errors import exit_status
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
@@ -260,10 +262,16 @@ def _checkpointer(cfg: TrainConfig, trainer: Trainer) -> Checkpointer | None:
         config=dataclasses.asdict(cfg),
         meta={"model": {"name": cfg.model, "task": trainer.task.name}},
         timeout=cfg.timeout,
+        continue_hint="continue with resume=auto",
     )
-    checkpointer.continue_hint = "continue with resume=auto"
-    checkpointer.on_save = lambda path, reason: trainer.metrics.write(
-        "checkpoint", global_step=checkpointer.global_step, epoch=trainer.loader.epoch, reason=reason, path=str(path)
+    checkpointer.set_on_save(
+        lambda path, reason: trainer.metrics.write(
+            "checkpoint",
+            global_step=checkpointer.global_step,
+            epoch=trainer.loader.epoch,
+            reason=reason,
+            path=str(path),
+        )
     )
     return checkpointer
 
@@ -303,7 +311,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
 
     Works the same under ddpkit's launcher, torchrun, srun, mpirun or alone.
     With ``export_dir`` (SageMaker's model folder), rank 0 exports the final
-    checkpoint there at the end (see ddpkit.checkpoint.export).
+    checkpoint there at the end (see ddpkit.checkpoint.publishing.export).
     """
     # The optimizer would import torch._dynamo on its first use, with collections walking torch meanwhile
     # (a worker forked from the worker server has it already).
@@ -333,7 +341,7 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         # without leaving the group, so the peers (which fail because this rank is gone) cannot
         # fail, record and exit before it and be taken for the root cause.
         if record_for_launcher(error) and ctx.world_size > 1:
-            exit_process(getattr(error, "exit_status", 1), leave_group=False)
+            exit_process(exit_status(error, 1), leave_group=False)
         raise
     finally:
         for lock in reversed(locks):
@@ -428,7 +436,7 @@ def _export_final(trainer: Trainer, ctx: Context, export_dir: str) -> None:
     if trainer.checkpointer is None:
         get_logger().warning(f"no export to {export_dir}: checkpoints are off (checkpoint.enabled=false)")
         return
-    trainer.checkpointer.on_save = None  # fit() closed metrics.jsonl, which on_save writes to
+    trainer.checkpointer.set_on_save(None)  # fit() closed metrics.jsonl, which on_save writes to
     final = trainer.checkpointer.save("export")
     trainer.checkpointer.wait()  # complete on disk before it is exported (checkpoint.async_save)
     if final is None:  # checkpoint.on_write_error=continue, and the write failed (its own line said so)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ddpkit import FolderLock
-from ddpkit.checkpoint.select import candidates, restart_count
+from ddpkit.checkpoint import candidates, restart_count
 from ddpkit.errors import UserError
 from ddpkit.train.config import TrainConfig
 

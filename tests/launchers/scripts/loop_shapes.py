@@ -35,7 +35,7 @@ Kill hooks, from the environment:
     SIGNAL=SIGTERM: sent only by a run that did not resume (so the same command again completes).
 
 --shard: the model sharded (``prepare_model(shard=True)``, FSDP2), its checkpoints written by every rank.
---async-save: checkpoints written in the background (``async_save="true"``; on the CPU "auto" is synchronous).
+--async-save: checkpoints written in the background (``async_save=True``; on the CPU "auto" is synchronous).
 
 At the end rank 0 saves {"weights", "global_step"} to --final (full weights, gathered when sharded).
 """
@@ -129,7 +129,7 @@ class Trainer:
             every_steps=args.every_steps,
             sync_seconds=0.005,
             best_metric="accuracy" if shape in ("eval", "imagenet") else "",
-            async_save="true" if args.async_save else "auto",
+            async_save=True if args.async_save else "auto",
         )
         self.start = self.ckpt.resume("auto", first_epoch=1 if shape == "from1" else 0)
         self.killer = Killer(ctx.rank, self.start.resumed)

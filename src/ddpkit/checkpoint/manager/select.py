@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.finite import NONFINITE_SUFFIX
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.finite import NONFINITE_SUFFIX
+from ddpkit.checkpoint.disk.format import (
     BEST_PREFIX,
     CORRUPT_SUFFIX,
     INCOMPLETE_SUFFIX,

@@ -11,7 +11,7 @@ The manifest's checksums cover the files, not what the index says of them:
 an index may name a file the manifest does not list (a shard deleted and the
 manifest edited), or any path at all, which DCP would open. :func:`read_index`
 refuses a name that is not a plain file name in the folder, and
-:func:`check_index` (run by :func:`ddpkit.checkpoint.format.verify_checkpoint`)
+:func:`check_index` (run by :func:`ddpkit.checkpoint.disk.format.verify_checkpoint`)
 checks that every slice lies in a listed file and loads, so that a sharded
 checkpoint which verifies also loads.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from ddpkit.checkpoint.layout import CheckpointError
+from ddpkit.checkpoint.disk.layout import CheckpointError
 
 __all__ = ["INDEX", "SafeLoadPlanner", "SafeReader", "check_index", "corrupt", "read_index", "refused", "unreadable"]
 
@@ -145,7 +145,7 @@ def check_index(
         folder: the checkpoint folder.
         files: the manifest's files (name -> size and SHA-256), already verified.
         load: loads one slice (its file, its bytes) as ``torch.load(weights_only=True)`` does, raising
-            CheckpointError (:func:`ddpkit.checkpoint.reading.load_file`); every slice is loaded with it, one
+            CheckpointError (:func:`ddpkit.checkpoint.disk.reading.load_file`); every slice is loaded with it, one
             at a time (memory bounded by the largest). None: the slices are not loaded.
 
     Raises:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ddpkit.checkpoint.format import library_versions
+from ddpkit.checkpoint.disk.format import library_versions
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
 
 __all__ = ["checkpoint_files", "config_texts", "manifest_facts"]

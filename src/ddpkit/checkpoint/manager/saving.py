@@ -1,23 +1,24 @@
 """One save, step by step: what every rank contributes, and the request rank 0 hands its writer.
 
-The Checkpointer decides when (:mod:`ddpkit.checkpoint.schedule`) and
+The Checkpointer decides when (:mod:`ddpkit.checkpoint.manager.schedule`) and
 tells a save its facts (:class:`SaveFacts`: why, the counters, where in
 the epochs, the metrics); :class:`CheckpointSave` carries it out over the
 parts it was given, never reading the Checkpointer:
 
-1. every rank checks in (:mod:`ddpkit.checkpoint.checkin`): a rank missing,
+1. every rank checks in (:mod:`ddpkit.checkpoint.manager.checkin`): a rank missing,
    or one gone on past the save, fails it naming the ranks;
-2. a sharded model's ranks write their shards, or start to in the background (:mod:`ddpkit.checkpoint.sharded`);
+2. a sharded model's ranks write their shards, or start to in the background (:mod:`ddpkit.checkpoint.sharded.state`);
 3. every rank answers the collective ``state_dict()`` calls (a stream's
    loader), checks once that the extras agree, and rank 0 gathers every
    rank's generators and ``per_rank`` states;
-4. rank 0 builds the files and manifest facts (:mod:`ddpkit.checkpoint.contents`)
-   into a :class:`~ddpkit.checkpoint.writer.WriteRequest` for its writer;
+4. rank 0 builds the files and manifest facts (:mod:`ddpkit.checkpoint.manager.contents`)
+   into a :class:`~ddpkit.checkpoint.disk.writer.WriteRequest` for its writer;
    every rank learns the folder, or rank 0's error (:func:`~ddpkit.checkpoint.ranks.on_rank_zero`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,24 +26,24 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import differing_extras
-from ddpkit.checkpoint.async_save import copy_state
-from ddpkit.checkpoint.checkin import SaveCheckIns
-from ddpkit.checkpoint.contents import checkpoint_files, config_texts, manifest_facts
-from ddpkit.checkpoint.folder_lock import FolderLock, lock_checkpoint_folder
-from ddpkit.checkpoint.format import checkpoint_name
+from ddpkit.checkpoint.disk.async_save import copy_state
+from ddpkit.checkpoint.disk.folder_lock import FolderLock, lock_checkpoint_folder
+from ddpkit.checkpoint.disk.format import checkpoint_name
+from ddpkit.checkpoint.disk.storage import checkpoint_bytes, room_warning
+from ddpkit.checkpoint.disk.writer import CheckpointWriter, FolderWriter, WriteRequest
+from ddpkit.checkpoint.manager import select
+from ddpkit.checkpoint.manager.advice import differing_extras
+from ddpkit.checkpoint.manager.checkin import SaveCheckIns
+from ddpkit.checkpoint.manager.contents import checkpoint_files, config_texts, manifest_facts
 from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state
-from ddpkit.checkpoint.sharded import ShardedState
-from ddpkit.checkpoint.sharded_writer import ShardedWriter
-from ddpkit.checkpoint.storage import checkpoint_bytes, room_warning
-from ddpkit.checkpoint.writer import CheckpointWriter, FolderWriter, WriteRequest
+from ddpkit.checkpoint.sharded.state import ShardedState, sharded_state
+from ddpkit.checkpoint.sharded.writer import ShardedWriter
 from ddpkit.log import get_logger
 
-__all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer"]
+__all__ = ["CheckpointSave", "SaveFacts", "claim_folder", "make_writer", "saving_parts"]
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ def make_writer(
     world_size: int,
     options: CheckpointOptions,
     shards: ShardedState | None,
-    background: bool,
+    async_save: bool,
     on_save: Callable[[Path, str], None],
 ) -> CheckpointWriter:
-    """Rank 0's writer: a :class:`~ddpkit.checkpoint.writer.FolderWriter` (in the background or not), or a
-    :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` completing the folder of ``shards`` (in the
+    """Rank 0's writer: a :class:`~ddpkit.checkpoint.disk.writer.FolderWriter` (in the background or not), or a
+    :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter` completing the folder of ``shards`` (in the
     background when they are)."""
     settings: dict[str, Any] = {
         "mode": READABLE_BY[options.readable_by],
@@ -96,8 +97,49 @@ def make_writer(
         "on_save": on_save,
     }
     if shards is not None:
-        return ShardedWriter(root, staged=shards.staged, background=background, **settings)
-    return FolderWriter(root, background=background, **settings)
+        return ShardedWriter(root, staged=shards.staged, async_save=async_save, **settings)
+    return FolderWriter(root, async_save=async_save, **settings)
+
+
+def saving_parts(
+    root: Path,
+    objects: Mapping[str, Any],
+    per_rank: list[str],
+    extras: list[str],
+    options: CheckpointOptions,
+    rank: int,
+    world_size: int,
+    async_save: bool,
+    timeout: float,
+    restart: str,
+    config: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    on_save: Callable[[Path, str], None],
+) -> CheckpointSave:
+    """A Checkpointer's saving side: its :class:`CheckpointSave` over a sharded model's state (None for a
+    replicated one), every rank's check-ins and rank 0's writer (None on the other ranks)."""
+    shards = sharded_state(objects, rank, world_size, async_save=async_save)
+    writer = make_writer(root, objects, world_size, options, shards, async_save, on_save) if rank == 0 else None
+    check_ins = SaveCheckIns(next(_INSTANCES), rank, world_size, restart, timeout)
+    mode = READABLE_BY[options.readable_by]
+    return CheckpointSave(
+        root,
+        objects,
+        per_rank=per_rank,
+        extras=extras,
+        shards=shards,
+        check_ins=check_ins,
+        writer=writer,
+        rank=rank,
+        world_size=world_size,
+        mode=mode,
+        config=config,
+        meta=meta,
+    )
+
+
+_INSTANCES = itertools.count()
+"""Checkpointers made by this process, numbered in order (the same on every rank)."""
 
 
 def claim_folder(
@@ -155,9 +197,12 @@ class CheckpointSave:
         self.shards, self.check_ins, self.writer = shards, check_ins, writer
         self.rank, self.world_size, self.mode = rank, world_size, mode
         self.config, self.meta = config, meta
-        self.folder_checked = False
-        """Rank 0: the folder was checked (by a resume, or the first save's ``check_resume(root, "never")``)."""
+        self._folder_checked = False  # rank 0: by a resume, or the first save's check_resume(root, "never")
         self._extras_checked = False
+
+    def folder_checked(self) -> None:
+        """The folder was checked already (a resume chose from it): the first save does not check it again."""
+        self._folder_checked = True
 
     def save(self, facts: SaveFacts, stopping: Callable[[], bool]) -> Path | None:
         """Write one checkpoint (a collective: every rank calls it); return its folder on every rank.
@@ -202,8 +247,8 @@ class CheckpointSave:
         """Rank 0: hand the writer this checkpoint's files and manifest facts."""
         assert self.writer is not None, "rank 0 has the writer"
         self.writer.wait()  # at most one save in flight
-        if not self.folder_checked:
-            self.folder_checked = True
+        if not self._folder_checked:
+            self._folder_checked = True
             select.check_resume(self.root, "never")
         assert rank_states is not None, "rank 0 gathered every rank's states"
         in_files = {name: obj for name, obj in self.objects.items() if not self.shards or name not in self.shards.names}

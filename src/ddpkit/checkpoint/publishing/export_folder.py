@@ -1,7 +1,7 @@
 """An export folder (``ddpkit export``): its files, and reading one back with its weights verified.
 
-Written by :mod:`ddpkit.checkpoint.export`, read by it (``load_exported``) and
-by :mod:`ddpkit.checkpoint.transfer` (``init_from`` an export). export imports
+Written by :mod:`ddpkit.checkpoint.publishing.export`, read by it (``load_exported``) and
+by :mod:`ddpkit.checkpoint.publishing.transfer` (``init_from`` an export). export imports
 transfer (``newest_verified``), so transfer reads exports here, not in export.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.format import CheckpointError, load_file
+from ddpkit.checkpoint.disk.format import CheckpointError, load_file
 
 EXPORT_INFO = "model.json"
 """The file that marks an export folder (written by ``ddpkit export``)."""

@@ -1,6 +1,6 @@
 """The full weights of a sharded checkpoint, read a tensor at a time, for ``ddpkit export``.
 
-A sharded checkpoint (:mod:`ddpkit.checkpoint.sharded`) holds each parameter
+A sharded checkpoint (:mod:`ddpkit.checkpoint.sharded.state`) holds each parameter
 in slices, one per rank that wrote it. Export reads them back in one process,
 without a process group, tensor by tensor in groups of at most
 :data:`GROUP_BYTES`: each tensor is assembled in place in a file-backed
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.checkpoint.format import CheckpointError
-from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
+from ddpkit.checkpoint.disk.format import CheckpointError
+from ddpkit.checkpoint.disk.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
 
 __all__ = ["GROUP_BYTES", "full_weights", "sharded_weights"]
 

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.export_folder import EXPORT_INFO, read_export
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.format import (
     CheckpointError,
     has_manifest,
     list_checkpoints,
@@ -37,8 +36,9 @@ from ddpkit.checkpoint.format import (
     resolve_checkpoint_dir,
     verify_checkpoint,
 )
-from ddpkit.checkpoint.sharded import sharded_names
-from ddpkit.checkpoint.sharded_export import full_weights
+from ddpkit.checkpoint.publishing.export_folder import EXPORT_INFO, read_export
+from ddpkit.checkpoint.publishing.sharded_export import full_weights
+from ddpkit.checkpoint.sharded.state import sharded_names
 from ddpkit.errors import UserError
 
 
@@ -133,7 +133,7 @@ def newest_verified(folder: str | Path) -> Path:
     Raises:
         CheckpointError: the folder holds no complete, verified checkpoint.
     """
-    from ddpkit.checkpoint.finite import is_marked_nonfinite
+    from ddpkit.checkpoint.disk.finite import is_marked_nonfinite
     from ddpkit.log import get_logger
 
     root = resolve_checkpoint_dir(folder)
@@ -158,7 +158,7 @@ def newest_verified(folder: str | Path) -> Path:
 
 
 def _refuse_nonfinite(path: Path, state: Any) -> None:
-    from ddpkit.checkpoint.finite import nonfinite_tensors
+    from ddpkit.checkpoint.disk.finite import nonfinite_tensors
 
     bad = nonfinite_tensors(state)
     if bad:

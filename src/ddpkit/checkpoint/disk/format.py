@@ -26,7 +26,7 @@ How a write cannot corrupt (one writer: rank 0):
 
 Only then are older checkpoints deleted, counting complete ones only (and of
 those, none whose manifest says its weights are not finite: see
-:mod:`ddpkit.checkpoint.finite`), so the last ``keep`` complete checkpoints
+:mod:`ddpkit.checkpoint.disk.finite`), so the last ``keep`` complete checkpoints
 always exist.
 
 Nothing that may be data is deleted on a guess: a folder without a manifest
@@ -57,7 +57,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddpkit.checkpoint.layout import (
+from ddpkit.checkpoint.disk.layout import (
     BEST_PREFIX,
     CORRUPT_SUFFIX,
     FORMAT,
@@ -70,7 +70,7 @@ from ddpkit.checkpoint.layout import (
     checkpoint_name,
     folder_mode,
 )
-from ddpkit.checkpoint.reading import (
+from ddpkit.checkpoint.disk.reading import (
     CheckpointInfo,
     checkpoint_digest,
     has_manifest,
@@ -377,7 +377,7 @@ def prune(root: str | Path, keep: int, protect: Path | None = None) -> list[Path
 
     Only those count toward ``keep`` and only those are deleted: a checkpoint
     whose manifest marks its weights non-finite (``"finite": false``, see
-    :mod:`ddpkit.checkpoint.finite`) never pushes a finite one out, and a folder
+    :mod:`ddpkit.checkpoint.disk.finite`) never pushes a finite one out, and a folder
     without a manifest or that cannot be read is left where it is (it may be a
     copy in progress; a resume sets it aside).
 

@@ -1,6 +1,6 @@
 """Restoring a checkpoint into the Checkpointer's objects, and the one line that says where a run continues.
 
-Rank 0 chooses the checkpoint (:mod:`~ddpkit.checkpoint.select`) and every
+Rank 0 chooses the checkpoint (:mod:`~ddpkit.checkpoint.manager.select`) and every
 rank learns its choice (:func:`choose_and_load`); :func:`restore_checkpoint`
 puts it back and returns what the Checkpointer then applies (:class:`Restored`).
 Each object gets its ``<name>.pt`` through ``load_state_dict``; a checkpoint
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint import select
-from ddpkit.checkpoint.format import CheckpointError, load_file, read_manifest
+from ddpkit.checkpoint.disk.format import CheckpointError, load_file, read_manifest
+from ddpkit.checkpoint.manager import select
 from ddpkit.checkpoint.objects import RNG_FILE, TRAIN_FILE
 from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
-from ddpkit.checkpoint.sharded import ShardedState, sharded_names
+from ddpkit.checkpoint.sharded.state import ShardedState, sharded_names
 from ddpkit.data.position import LoaderPosition
 from ddpkit.log import get_logger
 
@@ -109,7 +109,7 @@ def choose_and_load(
 
     Args:
         root: the checkpoints folder.
-        choice: "auto", "never" or the path of one checkpoint (:func:`ddpkit.checkpoint.select.choose_checkpoint`).
+        choice: "auto", "never" or the path of one checkpoint (:func:`ddpkit.checkpoint.manager.select.choose_checkpoint`).
         restart: the restart count (a restarted worker resumes the newest).
         before: run on rank 0 before it chooses (the writes in flight are finished).
         rank: this process's rank.

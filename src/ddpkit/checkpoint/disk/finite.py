@@ -16,7 +16,7 @@ small parts keep the good ones:
 - :data:`FINITE_KEY`: a manifest key, ``"finite": false``, that a writer
   passes through ``write_checkpoint``'s ``meta`` for such a checkpoint
   (:func:`nonfinite_marker` builds it);
-  :func:`ddpkit.checkpoint.format.prune` never counts a checkpoint so marked
+  :func:`ddpkit.checkpoint.disk.format.prune` never counts a checkpoint so marked
   toward ``keep`` and resume never picks it (:func:`is_marked_nonfinite`);
 - :func:`last_finite_checkpoint`: after a run stopped on a non-finite loss,
   the newest complete checkpoint whose weights are finite (those a marker
@@ -37,10 +37,10 @@ import torch
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch before 2.5
-    from torch.distributed._tensor import DTensor
+    from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]  # private in newer torch's stubs
 
-from ddpkit.checkpoint.format import CheckpointError, list_checkpoints, load_file
-from ddpkit.checkpoint.layout import SHARDED_KEY
+from ddpkit.checkpoint.disk.format import CheckpointError, list_checkpoints, load_file
+from ddpkit.checkpoint.disk.layout import SHARDED_KEY
 
 FINITE_KEY = "finite"
 """Manifest key: False when the checkpoint's tensors hold NaN or infinity (absent: finite, or not checked)."""
@@ -147,7 +147,9 @@ def last_finite_checkpoint(root: str | Path, suspect_from: int | None = None) ->
         (the checkpoint or None, the newer checkpoints found non-finite, newest first).
     """
     bad: list[Path] = []
-    for info in reversed([i for i in list_checkpoints(root) if i.manifest is not None]):
+    for info in reversed(list_checkpoints(root)):
+        if info.manifest is None:
+            continue
         if is_marked_nonfinite(info.manifest):
             bad.append(info.path)
             continue

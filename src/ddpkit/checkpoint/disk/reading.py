@@ -4,7 +4,7 @@
 :func:`verify_checkpoint` checks every file's size and SHA-256 against the manifest and loads it with
 ``torch.load(weights_only=True)`` (tensors and plain containers only, never arbitrary pickled objects;
 no fallback to an unsafe load), so a truncated file, a bit flip or a crafted pickle is found before
-anything is restored. The format itself is described in :mod:`ddpkit.checkpoint.format`.
+anything is restored. The format itself is described in :mod:`ddpkit.checkpoint.disk.format`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.layout import (
+from ddpkit.checkpoint.disk.layout import (
     FORMAT,
     MANIFEST,
     NAME_PATTERN,
@@ -282,7 +282,7 @@ def verify_checkpoint(folder: str | Path, load: bool = True, digest: str | None 
             tampering: whoever can write the folder can rewrite them.
 
     A sharded checkpoint's DCP index is checked against its files too
-    (:func:`ddpkit.checkpoint.sharded_reading.check_index`): every slice in a
+    (:func:`ddpkit.checkpoint.disk.sharded_reading.check_index`): every slice in a
     file of the manifest, inside the folder, and with ``load`` loadable.
 
     Raises:
@@ -309,7 +309,7 @@ def verify_checkpoint(folder: str | Path, load: bool = True, digest: str | None 
             ) from None
     if manifest.get(SHARDED_KEY):
         # DCP's files verified: its index must also match them, or the checkpoint verifies and cannot load.
-        from ddpkit.checkpoint.sharded_reading import check_index
+        from ddpkit.checkpoint.disk.sharded_reading import check_index
 
         try:
             check_index(folder, manifest["files"], (lambda path, data: load_file(path, data=data)) if load else None)

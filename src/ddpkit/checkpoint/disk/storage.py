@@ -4,9 +4,9 @@ A save fails when the file system is full (``ENOSPC``) or a quota is
 reached (``EDQUOT``), when the folder is read-only or not the user's
 (``EROFS``, ``EACCES``), or when it vanished (unmounted, deleted). torch.save
 reports a full disk as an unrelated ``RuntimeError`` ("unexpected pos");
-:func:`ddpkit.checkpoint.format.write_file_atomic` (and, for a sharded
-checkpoint's shards, :class:`ddpkit.checkpoint.sharded.ShardedState`) hands
-on the ``OSError`` underneath, and :func:`ddpkit.checkpoint.format.write_checkpoint` removes the
+:func:`ddpkit.checkpoint.disk.format.write_file_atomic` (and, for a sharded
+checkpoint's shards, :class:`ddpkit.checkpoint.sharded.state.ShardedState`) hands
+on the ``OSError`` underneath, and :func:`ddpkit.checkpoint.disk.format.write_checkpoint` removes the
 incomplete folder. What the Checkpointer then says is built here::
 
     cannot write checkpoint runs/a/checkpoints/step-000002814: No space left on device (12.0 kB free on the
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.format import CheckpointError, list_checkpoints
+from ddpkit.checkpoint.disk.format import CheckpointError, list_checkpoints
 from ddpkit.checkpoint.objects import is_collective
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.names import EXIT_STORAGE

@@ -153,8 +153,7 @@ class Agreement:
         self.every_seconds = every_seconds
         self.next_step = 1
         """Global step of the next agreement."""
-        self.last_save = time.monotonic()
-        """When the last checkpoint was written (rank 0's clock)."""
+        self._last_save = time.monotonic()  # when the last checkpoint was written (rank 0's clock)
         self._mark_step = 0
         self._mark_time = time.perf_counter()
 
@@ -163,12 +162,16 @@ class Agreement:
         self.next_step = global_step + 1
         self._mark_step, self._mark_time = global_step, time.perf_counter()
 
+    def saved(self) -> None:
+        """A checkpoint was written now: the ``every_seconds`` clock starts again."""
+        self._last_save = time.monotonic()
+
     def agree(self, global_step: int, local_signal: int) -> tuple[int, bool]:
         """One collective: returns (the signal any rank received or 0, whether a timed checkpoint is due).
 
         Also schedules the next agreement (``next_step``).
         """
-        time_due = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
+        time_due = bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
         interval = self._next_interval(global_step) if self.is_main else 0
         values = [local_signal, int(time_due and self.is_main), interval]
         # Through the group even with one worker, so a single-GPU (nccl) run exercises this path too.

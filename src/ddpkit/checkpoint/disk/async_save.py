@@ -11,7 +11,7 @@ pinned CPU memory for CUDA tensors, so that ``torch.save`` of the copy writes
 the same bytes as ``torch.save`` of the original would, and the training
 loop may change the original the moment the copy is made. The
 :class:`BackgroundWriter` then runs the same atomic, verified write as a
-synchronous save (:mod:`ddpkit.checkpoint.format`): a process killed
+synchronous save (:mod:`ddpkit.checkpoint.disk.format`): a process killed
 mid-write leaves a folder without a manifest, and the previous checkpoint is
 the newest complete one.
 

@@ -1,7 +1,7 @@
 """How checkpoints are named and laid out: the manifest's name and format, folder names, modes, the error.
 
-The lowest part of the checkpoint format, read by the writer (:mod:`ddpkit.checkpoint.format`) and the
-reader (:mod:`ddpkit.checkpoint.reading`) alike.
+The lowest part of the checkpoint format, read by the writer (:mod:`ddpkit.checkpoint.disk.format`) and the
+reader (:mod:`ddpkit.checkpoint.disk.reading`) alike.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint.format import CheckpointError
+from ddpkit.checkpoint.disk.format import CheckpointError
 
 PUBLISH_SECONDS = 0.5
 """How often a rank's loop progress is published to the store (when it changed)."""
@@ -53,11 +53,15 @@ class LoopProgress:
     def __init__(self, store: Any, prefix: str, rank: int):
         self.store, self.prefix = store, prefix
         self.count = 0
-        """Loop points passed so far; the main thread increments it."""
+        """Loop points passed so far (counted by :meth:`advance`, on the loop's thread)."""
         self._published = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._publish, args=(rank,), name="ddpkit-loop-progress", daemon=True)
         self._thread.start()
+
+    def advance(self) -> None:
+        """Count one loop point (the loop asked for its next batch); the thread publishes it."""
+        self.count += 1
 
     def _publish(self, rank: int) -> None:
         key, beat = f"{self.prefix}/{rank}", 0
@@ -195,6 +199,11 @@ class SaveCheckIns:
         if self.world_size > 1 and self.progress is None:
             self.progress = LoopProgress(store(), f"ddpkit/progress/{self.restart}", self.rank)
         return self.progress
+
+    def count_loop_point(self) -> None:
+        """The loop asked for its next batch: one more loop point, for the ranks waiting at a save to see."""
+        if self.progress is not None:
+            self.progress.advance()
 
     def check_in(self, store: Callable[[], Any], global_step: int, stopping: Callable[[], bool]) -> None:
         """Announce this save in ``store()`` and wait for every rank (see :func:`check_in`); nothing with one rank."""

@@ -1,10 +1,10 @@
 """What goes to disk and how: the Checkpointer's writer, run on rank 0.
 
-The Checkpointer decides when (:mod:`ddpkit.checkpoint.schedule`) and
+The Checkpointer decides when (:mod:`ddpkit.checkpoint.manager.schedule`) and
 gathers what (every object's ``state_dict()``, every rank's RNG); a writer
 puts it on disk:
 
-- the atomic, verified folder of :mod:`ddpkit.checkpoint.format` (each file
+- the atomic, verified folder of :mod:`ddpkit.checkpoint.disk.format` (each file
   through a temporary name, fsync and rename; the manifest with checksums
   last);
 - synchronously, or in the background (``async_save``): the state is copied
@@ -13,8 +13,8 @@ puts it on disk:
   the next save, ``wait()`` or ``close()``;
 - then the best mark (``best-*``, hard links) and pruning to ``keep``;
 - a write that fails for lack of room, permissions or a vanished folder is
-  one line (:mod:`ddpkit.checkpoint.storage`): a warning and training goes on
-  (``on_write_error="warn"``), or :class:`~ddpkit.checkpoint.storage.StorageError`.
+  one line (:mod:`ddpkit.checkpoint.disk.storage`): a warning and training goes on
+  (``on_write_error="warn"``), or :class:`~ddpkit.checkpoint.disk.storage.StorageError`.
 
 :class:`CheckpointWriter` is the interface the Checkpointer uses; a writer
 of another kind (each rank writing its shards, a remote store) implements
@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ddpkit.checkpoint.async_save import BackgroundWriter, copy_state
-from ddpkit.checkpoint.finite import nonfinite_marker, nonfinite_tensors
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.async_save import BackgroundWriter, copy_state
+from ddpkit.checkpoint.disk.finite import nonfinite_marker, nonfinite_tensors
+from ddpkit.checkpoint.disk.format import (
     MANIFEST,
     checkpoint_digest,
     mark_best,
@@ -38,7 +38,7 @@ from ddpkit.checkpoint.format import (
     rewrite_manifest,
     write_checkpoint,
 )
-from ddpkit.checkpoint.storage import StorageError, explain_write_error
+from ddpkit.checkpoint.disk.storage import StorageError, explain_write_error
 from ddpkit.log import get_logger
 
 __all__ = ["CheckpointWriter", "FolderWriter", "WriteRequest"]
@@ -99,7 +99,7 @@ class FolderWriter:
         root: the checkpoints folder.
         mode: file permission bits.
         keep: complete checkpoints kept.
-        background: write on a background thread (``async_save``).
+        async_save: write on a background thread.
         on_write_error: "stop" (raise StorageError) or "warn" (log, go on) when a write fails.
         needed_bytes: the expected size of a checkpoint, for a failed write's message.
         on_save: called with (path, reason) once a checkpoint is complete (on this thread).
@@ -111,14 +111,14 @@ class FolderWriter:
         *,
         mode: int,
         keep: int,
-        background: bool,
+        async_save: bool,
         on_write_error: str,
         needed_bytes: Callable[[], int],
         on_save: Callable[[Path, str], None],
     ):
         self.root, self.mode, self.keep = root, mode, keep
         self.on_write_error, self.needed_bytes, self.on_save = on_write_error, needed_bytes, on_save
-        self._background = BackgroundWriter() if background else None
+        self._background = BackgroundWriter() if async_save else None
         self._buffers: list[Any] = []  # the copy's storages, reused by the next save once its write is done
 
     def write(self, request: WriteRequest) -> Path | None:

@@ -3,7 +3,7 @@
 A model prepared with ``shard=True`` (FSDP2) holds on each rank only its
 shard of every parameter and of the optimizer's state; no rank ever holds the
 full model to save or to load it. Its checkpoint is the same verified folder
-as any other (:mod:`ddpkit.checkpoint.format`), with the model and optimizer
+as any other (:mod:`ddpkit.checkpoint.disk.format`), with the model and optimizer
 written by torch.distributed.checkpoint (DCP) instead of ``model.pt`` and
 ``optimizer.pt``::
 
@@ -22,8 +22,8 @@ How a write stays atomic (a collective):
    index by rank 0 once every rank wrote), hashes the files it wrote, and
    sends their sizes and SHA-256 to rank 0;
 3. rank 0 writes the other files and the manifest last, then renames the
-   folder into place (:func:`ddpkit.checkpoint.format.finish_checkpoint`,
-   by :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter`).
+   folder into place (:func:`ddpkit.checkpoint.disk.format.finish_checkpoint`,
+   by :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter`).
 
 With ``async_save`` (by default on a GPU) step 2 runs in the background on
 every rank: each rank first copies its shards to CPU memory (pinned, and
@@ -39,7 +39,7 @@ removed by the next pruning. Resuming verifies every file against the
 manifest (rank 0) before any rank reads; each rank then reads the slices of
 its own shards (``dcp.load``), at the world size that wrote the checkpoint
 or at any other (DCP reshards), through the readers of
-:mod:`ddpkit.checkpoint.sharded_reading`, which run no code from a
+:mod:`ddpkit.checkpoint.disk.sharded_reading`, which run no code from a
 checkpoint. Models and optimizers are taken through torch's
 ``get_state_dict``/``set_state_dict`` (keys by parameter name, not by
 position), so a plain or DDP model can resume a sharded checkpoint too.
@@ -60,14 +60,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from ddpkit.checkpoint.async_save import BackgroundWriter
-from ddpkit.checkpoint.finite import nonfinite_tensors
-from ddpkit.checkpoint.format import CheckpointError, folder_mode
-from ddpkit.checkpoint.layout import SHARDED_KEY
+from ddpkit.checkpoint.disk.async_save import BackgroundWriter
+from ddpkit.checkpoint.disk.finite import nonfinite_tensors
+from ddpkit.checkpoint.disk.format import CheckpointError, folder_mode
+from ddpkit.checkpoint.disk.layout import SHARDED_KEY
+from ddpkit.checkpoint.disk.reading import file_sha256
+from ddpkit.checkpoint.disk.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
+from ddpkit.checkpoint.disk.storage import StorageError, explain_write_error
 from ddpkit.checkpoint.ranks import on_rank_zero
-from ddpkit.checkpoint.reading import file_sha256
-from ddpkit.checkpoint.sharded_reading import SafeLoadPlanner, SafeReader, refused, unreadable
-from ddpkit.checkpoint.storage import StorageError, explain_write_error
 from ddpkit.comm.fsdp import is_sharded
 
 __all__ = ["SHARDED_KEY", "ShardedState", "Staged", "sharded_names", "sharded_state"]
@@ -83,7 +83,7 @@ class Staged(NamedTuple):
     files: dict[str, dict[str, Any]]
     """The size and SHA-256 of every file there."""
     nonfinite: list[str]
-    """The tensors some rank found NaN or infinity in (its shards; :func:`~ddpkit.checkpoint.finite.nonfinite_tensors`)."""
+    """The tensors some rank found NaN or infinity in (its shards; :func:`~ddpkit.checkpoint.disk.finite.nonfinite_tensors`)."""
 
 
 class ShardedState:
@@ -94,15 +94,15 @@ class ShardedState:
         optimizer: its optimizer, or None.
         rank: this process's rank.
         world_size: the number of ranks.
-        background: write the shards in the background (``async_save``; see the module docstring).
+        async_save: write the shards in the background (see the module docstring).
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, rank: int, world_size: int, background: bool = False) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, rank: int, world_size: int, async_save: bool = False) -> None:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = rank, world_size
         self.names = ("model", "optimizer") if optimizer is not None else ("model",)
         """The Checkpointer's objects whose state DCP holds (the others are files of their own)."""
-        self._writes = BackgroundWriter() if background else None
+        self._writes = BackgroundWriter() if async_save else None
         self._group: Any = None  # the background writes' own process group, made at the first save
         self._stager: Any = None  # copies the shards to CPU memory (kept: on a GPU it reuses its pinned buffers)
         self._outcome: Future[Staged | None] | None = None  # the newest save's (rank 0: its Staged)
@@ -391,12 +391,12 @@ def _settle(outcome: Future[Any], task: Callable[[], Any]) -> None:
 
 
 def sharded_state(
-    objects: Mapping[str, Any], rank: int, world_size: int, background: bool = False
+    objects: Mapping[str, Any], rank: int, world_size: int, *, async_save: bool = False
 ) -> ShardedState | None:
     """The state of ``objects``' model (and optimizer) when the model is sharded (``prepare_model(shard=True)``)."""
     if not is_sharded(objects.get("model")):
         return None
-    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size, background)
+    return ShardedState(objects["model"], objects.get("optimizer"), rank, world_size, async_save)
 
 
 def sharded_names(manifest: dict[str, Any]) -> tuple[str, ...]:

@@ -58,7 +58,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from ddpkit.checkpoint.format import folder_mode
+from ddpkit.checkpoint.disk.format import folder_mode
 from ddpkit.errors import UserError
 from ddpkit.names import EXIT_USER_ERROR
 

@@ -9,7 +9,7 @@
 
 A sharded checkpoint (``shard=True``) is exported the same way: its slices
 are assembled a tensor at a time into a ``model.pt`` of the full weights
-(:mod:`ddpkit.checkpoint.sharded_export`). Optimizer, RNG and train state stay behind: an export is for inference and
+(:mod:`ddpkit.checkpoint.publishing.sharded_export`). Optimizer, RNG and train state stay behind: an export is for inference and
 for ``init_from``. :func:`load_exported` rebuilds the model from the registry
 and loads the weights in one call.
 """
@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
-from ddpkit.checkpoint.finite import nonfinite_tensors
-from ddpkit.checkpoint.format import (
+from ddpkit.checkpoint.disk.finite import nonfinite_tensors
+from ddpkit.checkpoint.disk.format import (
     CheckpointError,
     folder_mode,
     has_manifest,
@@ -41,9 +40,10 @@ from ddpkit.checkpoint.format import (
     write_file_atomic,
 )
 from ddpkit.checkpoint.options import READABLE_BY
-from ddpkit.checkpoint.sharded import sharded_names
-from ddpkit.checkpoint.sharded_export import sharded_weights
-from ddpkit.checkpoint.transfer import newest_verified
+from ddpkit.checkpoint.publishing.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
+from ddpkit.checkpoint.publishing.sharded_export import sharded_weights
+from ddpkit.checkpoint.publishing.transfer import newest_verified
+from ddpkit.checkpoint.sharded.state import sharded_names
 from ddpkit.errors import UserError, check_choice
 
 
@@ -110,7 +110,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
 @contextlib.contextmanager
 def _weights(source: Path, manifest: dict[str, Any], out: Path) -> Iterator[dict[str, Any]]:
     """The model's state_dict: its ``model.pt``, or a sharded checkpoint's slices assembled a tensor at a time
-    (:mod:`ddpkit.checkpoint.sharded_export`) in a scratch folder beside the export, removed after."""
+    (:mod:`ddpkit.checkpoint.publishing.sharded_export`) in a scratch folder beside the export, removed after."""
     if "model" not in sharded_names(manifest):
         yield load_file(source / WEIGHTS)
         return

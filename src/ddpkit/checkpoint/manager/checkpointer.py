@@ -1,45 +1,11 @@
-"""The Checkpointer: save and resume any training loop's state, exactly; a facade over the parts below.
-
-It is handed explicit objects, anything with ``state_dict()`` and
-``load_state_dict()`` (a DDP wrapper is unwrapped), never reads a trainer's
-attributes and never steps anything::
-
-    ckpt = ddpkit.Checkpointer("runs/mine", model=model, optimizer=opt, scheduler=sched,
-                               loader=loader, every_steps=500)
-    start = ckpt.resume("auto")            # or "never", or the path of one checkpoint
-    for epoch in range(start.epoch, epochs):
-        loader.set_epoch(epoch)            # continues mid-epoch after a resume
-        for i, (x, y) in ckpt.enumerate(loader):  # i: the batch's index in its epoch, also after a resume
-            ...                            # forward, backward, optimizer.step(), sched.step()
-            ckpt.step()                    # counts the step; saves when due; handles preemption
-        ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
-    ckpt.close()                           # writes the final state: the steps since the last checkpoint
-
-The parts, each documented where it lives (the README's manual and "Design notes: layers"):
-
-- when: :mod:`~ddpkit.checkpoint.schedule` (pure; a ddpkit.DataLoader's step
-  boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.preemption`;
-- one save: :mod:`~ddpkit.checkpoint.saving`; what it holds:
-  :mod:`~ddpkit.checkpoint.contents`; on disk: :mod:`~ddpkit.checkpoint.writer`
-  (:mod:`~ddpkit.checkpoint.sharded` for a sharded model), :mod:`~ddpkit.checkpoint.format`;
-- resuming: :mod:`~ddpkit.checkpoint.select` (which one), :mod:`~ddpkit.checkpoint.restore`;
-- the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
-
-Saving is collective: every rank calls ``step()``/``save()`` at the same
-points and rank 0 writes (every rank its shards, for a sharded model); a save
-some ranks never reach fails naming them (:mod:`ddpkit.checkpoint.checkin`).
-With the same world size a resumed run continues bit for bit (a torch
-DataLoader given as ``loader=``: with its batches skipped by ``enumerate()``, read
-in the training process). With another world size it is not bit-identical, and
-a warning says what carries over: with a ddpkit.DataLoader the global batch and
-the sample order; without one, neither.
+"""The Checkpointer: save and resume any training loop's state, exactly; a facade over the parts of
+:mod:`ddpkit.checkpoint.manager` (its docstring is the manual).
 """
 
 from __future__ import annotations
 
 import atexit
 import builtins
-import itertools
 import os
 import sys
 import time
@@ -48,15 +14,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint import select
-from ddpkit.checkpoint.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
-from ddpkit.checkpoint.best import BestMetric
-from ddpkit.checkpoint.checkin import SaveCheckIns
-from ddpkit.checkpoint.folder_lock import FolderLock
-from ddpkit.checkpoint.format import MANIFEST, CheckpointError, list_checkpoints
-from ddpkit.checkpoint.objects import collect_objects, model_devices
-from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions, resume_choice, with_keywords
-from ddpkit.checkpoint.preemption import (
+from ddpkit.checkpoint.disk.folder_lock import FolderLock
+from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints
+from ddpkit.checkpoint.manager import select
+from ddpkit.checkpoint.manager.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
+from ddpkit.checkpoint.manager.best import BestMetric
+from ddpkit.checkpoint.manager.epochs import EpochCounter
+from ddpkit.checkpoint.manager.preemption import (
     Agreement,
     Preempted,
     PreemptionSignals,
@@ -64,21 +28,19 @@ from ddpkit.checkpoint.preemption import (
     requeue_slurm_job,
     signal_name,
 )
-from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.restore import (
+from ddpkit.checkpoint.manager.restore import (
     Restored,
     ResumePoint,
     choose_and_load,
     continue_batches,
     epoch_length,
-    log_resume,
     restore_checkpoint,
-    resume_point_by_length,
 )
-from ddpkit.checkpoint.saving import CheckpointSave, SaveFacts, claim_folder, make_writer
-from ddpkit.checkpoint.schedule import Save, SaveSchedule
-from ddpkit.checkpoint.sharded import sharded_state
-from ddpkit.checkpoint.writer import CheckpointWriter
+from ddpkit.checkpoint.manager.saving import claim_folder, saving_parts
+from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
+from ddpkit.checkpoint.objects import collect_objects, model_devices
+from ddpkit.checkpoint.options import CheckpointOptions, resume_choice, with_keywords
+from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -86,7 +48,7 @@ from ddpkit.log import get_logger
 
 
 class Checkpointer:
-    """Saves and resumes the state of a training loop; see the module docstring.
+    """Saves and resumes the state of a training loop; see :mod:`ddpkit.checkpoint.manager`.
 
     Args:
         dir: folder of the checkpoints (every node must see it).
@@ -108,6 +70,8 @@ class Checkpointer:
         meta: more JSON-like facts for the manifest (e.g. what export needs to rebuild the model).
         timeout: seconds a save waits for every rank to reach it (default: 300).
         environ: the process environment (restart counters, SLURM_JOB_ID); os.environ by default.
+        continue_hint: how the user continues after a preemption, for its exit line (``ddpkit train`` says
+            its own).
         **option_values: fields of CheckpointOptions by name, over ``options``: ``every_steps=500``,
             ``keep=3``, ``best_metric="accuracy"``, ``async_save=True``...; ``preempt_signals`` may
             also be a sequence of names (``()``: none). Each is documented, with its default, on its
@@ -137,6 +101,7 @@ class Checkpointer:
         meta: Mapping[str, Any] | None = None,
         timeout: float = 300.0,
         environ: Mapping[str, str] | None = None,
+        continue_hint: str = "run the same command again to continue (resume('auto') picks it up)",
         **option_values: Any,
     ) -> None:
         self.options = with_keywords(options or CheckpointOptions(), option_values)
@@ -149,10 +114,9 @@ class Checkpointer:
         self.rank, self.world_size = rank_and_size(self.environ)
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
-        self.steps_per_epoch = epoch_length(loader) if self.loader is None else None
-        """Batches per epoch of a torch DataLoader given as ``loader=`` (its ``len()``), which count the epochs
-        when ``epoch_end()`` does not; None otherwise."""
-        if self.steps_per_epoch is not None:
+        self.epochs = EpochCounter(self.loader, epoch_length(loader) if self.loader is None else None)
+        """The loop's epochs (:class:`~ddpkit.checkpoint.manager.epochs.EpochCounter`)."""
+        if self.epochs.steps_per_epoch is not None:
             loader = None  # a torch DataLoader holds no state: its position is counted by the steps
         self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
         self.per_rank = sorted(per_rank or {})
@@ -164,38 +128,21 @@ class Checkpointer:
         self.meta = dict(meta or {})
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
-        self.completed_epochs = 0
-        """Epochs done, when no loader tells (counted by ``epoch_end()``)."""
         self.last_path: Path | None = None
         """The checkpoint written (or resumed from) last."""
         self.save_seconds = 0.0
         """Seconds spent saving so far (a loop that times training can leave them out)."""
-        self.on_save: Callable[[Path, str], None] | None = None
-        """Called on rank 0 with (path, reason) after each checkpoint is written."""
-        self.continue_hint = "run the same command again to continue (resume('auto') picks it up)"
-        """How the user continues after a preemption, for the exit line (``ddpkit train`` sets its own)."""
+        self._on_save: Callable[[Path, str], None] | None = None  # see set_on_save()
+        self.continue_hint = continue_hint
+        """How the user continues after a preemption, for the exit line."""
         self.schedule = SaveSchedule(self.options.every_steps, self.options.on_epoch_end, self.loader is not None)
-        """When to save (:class:`~ddpkit.checkpoint.schedule.SaveSchedule`)."""
+        """When to save (:class:`~ddpkit.checkpoint.manager.schedule.SaveSchedule`)."""
         self.signals = PreemptionSignals(self.options.signal_names())
         self.agreement = Agreement(
             self.world_size, self.rank == 0, control_device(), self.options.sync_seconds, self.options.every_seconds
         )
-        self.background = self.options.background_writes(model_devices(self.objects))
-        """True when saves are written in the background (``async_save``: by default when the model is on a GPU)."""
-        self.shards = sharded_state(self.objects, self.rank, self.world_size, self.background)
-        """A sharded model's (and optimizer's) state, which every rank writes (:mod:`~ddpkit.checkpoint.sharded`)."""
-        self.writer: CheckpointWriter | None = None
-        """Rank 0's writer (:class:`~ddpkit.checkpoint.writer.FolderWriter`, or
-        :class:`~ddpkit.checkpoint.sharded_writer.ShardedWriter` for a sharded model); None on the other ranks."""
-        if self.rank == 0:
-            self.writer = make_writer(
-                self.root, self.objects, self.world_size, self.options, self.shards, self.background, self._saved
-            )
-        self._epoch_start_step = 0  # without a loader: the global step of the last epoch_end()
-        self._first_epoch = 0  # the number of the loop's first epoch (resume's first_epoch)
-        self._continue_at = 0  # the batches the next pass of enumerate() continues after (a resume's)
-        self._resume_point_at_resume = (0, 0)  # (epoch, step_in_epoch) the last resume returned
-        self._last_reason = ""  # why the newest checkpoint was written (its epoch position depends on it)
+        self.async_save = self.options.resolve_async_save(model_devices(self.objects))
+        """True when saves are written in the background (the option resolved: "auto" is True for a GPU model)."""
         self._epoch_ends = 0  # epoch_end() calls in this process
         self._write_failed = False  # a save raised (a full disk, a rank missing)
         self.finished = False
@@ -204,22 +151,23 @@ class Checkpointer:
         self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
         self._pending_metrics: tuple[dict[str, float], bool] = ({}, False)  # for the epoch's checkpoint to come
         restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.check_ins = SaveCheckIns(next(_INSTANCES), self.rank, self.world_size, restart, timeout)
-        """Every rank arrives at each save, or it fails naming the ranks (:mod:`ddpkit.checkpoint.checkin`)."""
-        self._saving = CheckpointSave(
+        self._saving = saving_parts(
             self.root,
             self.objects,
-            per_rank=self.per_rank,
-            extras=sorted(extra or {}),
-            shards=self.shards,
-            check_ins=self.check_ins,
-            writer=self.writer,
-            rank=self.rank,
-            world_size=self.world_size,
-            mode=READABLE_BY[self.options.readable_by],
-            config=self.config,
-            meta=self.meta,
+            self.per_rank,
+            sorted(extra or {}),
+            self.options,
+            self.rank,
+            self.world_size,
+            self.async_save,
+            timeout,
+            restart,
+            self.config,
+            self.meta,
+            self._saved,
         )
+        # Rank 0's writer (None on the other ranks), a sharded model's state, every rank's check-ins at a save:
+        self.writer, self.shards, self.check_ins = self._saving.writer, self._saving.shards, self._saving.check_ins
         self._started = False
         self._preempted = self._closed = False
         self._lock: FolderLock | None = None
@@ -273,8 +221,8 @@ class Checkpointer:
                 objects given (the message names what differs and what to do).
         """
         self.start()
-        self._saving.folder_checked = True
-        self._first_epoch = first_epoch
+        self._saving.folder_checked()
+        self.epochs.first_epoch = first_epoch
         self._told.scheduler_not_held(self.objects)
         path, loaded = choose_and_load(
             self.root,
@@ -293,45 +241,22 @@ class Checkpointer:
         self.schedule.plan(self.global_step, self.agreement.next_step)
         if path is None:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
-        epoch, step = self._resume_point()
-        self._continue_at = step  # where the first pass of enumerate() continues
-        self._resume_point_at_resume = (epoch, step)
+        epoch, step = self.epochs.resumed(self.global_step)
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
 
     def _apply(self, path: Path, restored: Restored) -> None:
         """Take the counters and facts of the checkpoint restored; rank 0 says where training continues."""
-        self.global_step, self.completed_epochs = restored.global_step, restored.completed_epochs
-        self._epoch_start_step, self.finished = restored.epoch_start_step, restored.finished
-        self._last_reason = restored.reason
+        self.global_step, self.finished = restored.global_step, restored.finished
+        self.epochs.restore(restored)
         self.best.restore(restored.best)
         self.last_path = path
         self.schedule.saved(self.global_step)
         self._step_metrics = (restored.metrics, False)
         if self.rank == 0:
-            log_resume(
-                path,
-                global_step=self.global_step,
-                resume_point=self._resume_point(),
-                first_epoch=self._first_epoch,
-                position=self._loader_position(),
-                epochs_counted=self.completed_epochs > 0,
-                finished=self.finished,
-                saved_world_size=restored.saved_world_size,
-                world_size=self.world_size,
-                steps_per_epoch=self.steps_per_epoch,
-            )
-
-    def _loader_position(self) -> LoaderPosition | None:
-        return self.loader.position() if self.loader is not None else None
+            self.epochs.log_resume(path, restored, self.world_size)
 
     def _resume_point(self) -> tuple[int, int]:
-        """(epoch to train next, batches of it done), in the loop's numbering: from the loader when there is one."""
-        position = self._loader_position()
-        if position is not None:
-            return position.resume_point  # an epoch the loop ran out of is complete, its code included
-        if self.steps_per_epoch is not None and not self.completed_epochs:  # a torch DataLoader, no epoch_end()
-            return resume_point_by_length(self.global_step, self.steps_per_epoch, self._first_epoch, self._last_reason)
-        return self._first_epoch + self.completed_epochs, self.global_step - self._epoch_start_step
+        return self.epochs.resume_point(self.global_step)
 
     def enumerate(self, batches: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         """``enumerate(batches)`` counting the batches of the epoch: after a resume, from where it continues.
@@ -349,7 +274,7 @@ class Checkpointer:
         Returns:
             An iterator of (step_in_epoch, batch).
         """
-        skip, self._continue_at = self._continue_at, 0
+        skip = self.epochs.take_skip()
         held: object = self.loader
         if batches is held:  # restored: it hands out the epoch's remaining batches
             return builtins.enumerate(batches, skip)
@@ -366,9 +291,8 @@ class Checkpointer:
             Preempted: a preemption signal reached some rank; the checkpoint is complete.
         """
         self.global_step += 1
-        if self._continue_at and self.steps_per_epoch is not None:  # resumed mid-epoch, enumerate() unused
-            self._told.say("unskipped", unskipped_batches(*self._resume_point_at_resume))
-            self._continue_at = 0
+        if (at_resume := self.epochs.unskipped()) is not None:  # resumed mid-epoch, enumerate() unused
+            self._told.say("unskipped", unskipped_batches(*at_resume))
         loader = self.loader
         # The per-step path of every loop: two compares, no position built until something may be due.
         exhausted = loader is not None and loader.step_in_epoch >= loader.steps_per_epoch
@@ -388,8 +312,7 @@ class Checkpointer:
 
     def _at_boundary(self) -> None:
         """The loader's step-boundary hook: write what is due."""
-        if self.check_ins.progress is not None:
-            self.check_ins.progress.count += 1
+        self.check_ins.count_loop_point()
         assert self.loader is not None, "registered with a loader only"
         if self.schedule.idle:  # the common case: nothing due, no position needed
             return
@@ -427,12 +350,10 @@ class Checkpointer:
             The checkpoint of this point when it is written by this call, else None.
         """
         self.start()
-        if self.loader is None:
-            self.completed_epochs += 1
-            self._epoch_start_step = self.global_step
-        if self.loader is None and self.steps_per_epoch is None:
+        self.epochs.end_epoch(self.global_step)
+        if self.epochs.holds_no_position():
             # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
-            self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
+            self._told.position_not_held(self.global_step, self._resume_point(), self.epochs.completed_epochs)
         values = dict(metrics or {})
         self._epoch_ends += 1
         self._told.say("best_metric", no_best_metric(self.best.metric, values))
@@ -500,11 +421,11 @@ class Checkpointer:
 
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
-        self._last_reason = reason  # where in its epoch the checkpoint falls depends on it (a torch DataLoader's)
-        if self.loader is None and self.steps_per_epoch is None:  # a checkpoint inside an epoch: no data position
-            self._told.position_not_held(self.global_step, self._resume_point(), self.completed_epochs)
+        if self.epochs.holds_no_position():  # a checkpoint inside an epoch: no data position
+            self._told.position_not_held(self.global_step, self._resume_point(), self.epochs.completed_epochs)
         self._told.scheduler_not_held(self.objects)
-        if self.steps_per_epoch and not self.completed_epochs and self.global_step > self.steps_per_epoch:
+        steps_per_epoch = self.epochs.steps_per_epoch
+        if steps_per_epoch and not self.epochs.completed_epochs and self.global_step > steps_per_epoch:
             # A torch DataLoader's first epoch has ended, and no epoch_end() came after it: no metric either.
             self._told.say("best_metric", no_best_metric(self.best.metric, None))
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
@@ -512,19 +433,7 @@ class Checkpointer:
             # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
             metrics, best = self._step_metrics[0], best or self._step_metrics[1]
         values = dict(metrics or {})
-        position = self._loader_position()
-        facts = SaveFacts(
-            reason,
-            self.global_step,
-            self.completed_epochs,
-            self._epoch_start_step,
-            self._resume_point(),
-            position.steps_per_epoch if position is not None else self.steps_per_epoch,
-            values,
-            best,
-            self.best.info(),
-            replacing,
-        )
+        facts = self.epochs.save_facts(reason, self.global_step, values, best, self.best.info(), replacing)
         try:
             path = self._saving.save(facts, lambda: bool(self.signals.received))
         except BaseException:
@@ -535,17 +444,20 @@ class Checkpointer:
         self.last_path = path
         self.schedule.saved(self.global_step)
         self._step_metrics = (values, best)
-        self.agreement.last_save = time.monotonic()
+        self.agreement.saved()
         self.save_seconds += time.perf_counter() - start
         return path
 
-    def _epochs_unknown(self) -> bool:
-        """True when no loader tells where the loop's epochs end (no ddpkit.DataLoader, no torch DataLoader)."""
-        return self.loader is None and self.steps_per_epoch is None and not self.completed_epochs
+    def set_on_save(self, callback: Callable[[Path, str], None] | None) -> None:
+        """Call ``callback(path, reason)`` on rank 0 after each checkpoint is written, from now on (None: stop).
+
+        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``.
+        """
+        self._on_save = callback
 
     def _saved(self, path: Path, reason: str) -> None:
-        if self.on_save is not None:
-            self.on_save(path, reason)
+        if self._on_save is not None:
+            self._on_save(path, reason)
 
     def _wait_for_writes(self) -> None:
         """Rank 0: hand back finished background writes (``on_save``; a failed write's error)."""
@@ -561,7 +473,7 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (the message says why).
         """
-        if self.background:
+        if self.async_save:
             if self.shards is not None:
                 self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
             self._on_rank_zero(self._wait_for_writes)
@@ -596,7 +508,12 @@ class Checkpointer:
                     self._carry_out(Save(save.reason))
                 if not self._preempted and self.global_step > max(self.schedule.saved_step, 0):
                     self._write("final")  # the steps since the last checkpoint
-                if self.best.metric and self.best.value is None and not self._epoch_ends and self._epochs_unknown():
+                if (
+                    self.best.metric
+                    and self.best.value is None
+                    and not self._epoch_ends
+                    and self.epochs.epochs_unknown()
+                ):
                     # No loader tells where epochs end, and none ended with metrics: the run ends without a best.
                     self._told.say("best_metric", no_best_metric(self.best.metric, None))
                 if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
@@ -619,10 +536,6 @@ class Checkpointer:
     def unwritten(self) -> str:
         """The reason of a checkpoint due but not yet written ("" when none): ``close()`` writes it."""
         return self.schedule.pending_reason if self.schedule.pending_at(self.global_step) else ""
-
-
-_INSTANCES = itertools.count()
-"""Checkpointers made by this process, numbered in order (the same on every rank)."""
 
 
 def _say_if_unwritten(ref: weakref.ReferenceType[Checkpointer]) -> None:
