@@ -30,7 +30,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import ddpkit.cli
-import ddpkit.launchers.local
+import ddpkit.launchers.server
 import ddpkit.train.run
 from ddpkit.config import TrainConfig, _example, _field_names
 
@@ -144,7 +144,7 @@ def workers(monkeypatch) -> Workers:
     stand_in = Workers()
     monkeypatch.setattr(ddpkit.train.run, "run_worker", stand_in.run_worker)
     monkeypatch.setattr(ddpkit.cli, "_launch", stand_in.launch)
-    monkeypatch.setattr(ddpkit.launchers.local, "worker_server", contextlib.nullcontext)
+    monkeypatch.setattr(ddpkit.launchers.server, "worker_server", contextlib.nullcontext)
     return stand_in
 
 

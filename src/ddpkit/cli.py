@@ -228,7 +228,7 @@ def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
     from ddpkit.env.sagemaker import key_value_words, train_words
-    from ddpkit.launchers.local import worker_server
+    from ddpkit.launchers.server import worker_server
 
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
@@ -348,7 +348,7 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(COMMANDS["run"].help))
         return 0
-    from ddpkit.launchers.local import worker_server
+    from ddpkit.launchers.server import worker_server
 
     config, target = parse_run_command(run_words(args))  # bad input is one line before any process starts
     # The server's imports (torch, torch._dynamo) run beside this process's own, not after them: on a GPU

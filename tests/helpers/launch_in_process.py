@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ddpkit.cli import main
-from ddpkit.launchers.local import worker_server
+from ddpkit.launchers.server import worker_server
 
 LAUNCHER_VARIABLES = (
     "MASTER_",

@@ -149,9 +149,9 @@ def test_show_ranks_refuses_anything_else_in_one_line(text):
     ],
 )
 def test_a_workers_name_is_its_program_short(title, name):
-    from ddpkit.launchers.local import _program_name
+    from ddpkit.launchers.worker_env import program_name
 
-    assert _program_name(title) == name
+    assert program_name(title) == name
 
 
 def test_a_launch_into_a_taken_folder_gets_a_new_one_and_leaves_the_other_launchs_files(tmp_path):
