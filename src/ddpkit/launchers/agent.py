@@ -31,8 +31,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed import Store
-from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+from torch.distributed.distributed_c10d import Store
+from torch.distributed.elastic.multiprocessing import ProcessFailure
 
 from ddpkit.launchers.torch_internals import HookedAgent, agent_for_launch
 

@@ -110,7 +110,7 @@ def _record(error: Exception) -> None:
     now = time.time()
     if stacks.is_timeout(message) and (where := stacks.dump_peers(int(os.environ.get("WORLD_SIZE", "1")))):
         message = f"{message}; {where}"  # a wait timed out: where the others were
-    data = {
+    data: dict[str, dict[str, Any]] = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
         "ddpkit": {"time": now, "exit_status": getattr(error, "exit_status", 1), "user_error": user_error},
     }
@@ -211,7 +211,7 @@ def _peer_lost(failure: Any) -> bool:
 
 def _failed_at(failure: Any) -> float:
     data = failure.error_file_data or {}
-    return data.get("ddpkit", {}).get("time", float(failure.timestamp))
+    return float(data.get("ddpkit", {}).get("time", failure.timestamp))
 
 
 def _describe(rank: int, failure: Any) -> WorkerFailure:

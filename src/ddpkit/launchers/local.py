@@ -48,7 +48,6 @@ and what each worker starts from (:mod:`ddpkit.launchers.worker_env`) live in
 modules of their own; this one puts them together.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +82,6 @@ from ddpkit.launchers.worker_env import environ_restored, environ_set, worker_ma
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 if TYPE_CHECKING:
-    from torch.distributed.launcher.api import LaunchConfig
-
     from ddpkit.launchers.output import ConsoleTee
 
 LOOPBACK = "127.0.0.1"
@@ -361,9 +358,12 @@ def _launch_recording_failures(
                 ddpkit_agent() as report,
             ):
                 run = elastic_launch(config, worker_main)
+                results: dict[int, Any]
                 if forked:
-                    return _in_a_thread_of_its_own(run, os.getpid(), dict(os.environ), spec.title, fn, *args)
-                return run(os.getpid(), dict(os.environ), spec.title, fn, *args)
+                    results = _in_a_thread_of_its_own(run, os.getpid(), dict(os.environ), spec.title, fn, *args)
+                else:
+                    results = run(os.getpid(), dict(os.environ), spec.title, fn, *args)
+                return results
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:

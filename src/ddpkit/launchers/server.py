@@ -34,6 +34,7 @@ import multiprocessing.resource_tracker
 import os
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 from ddpkit.launchers.worker_env import SERVER_VARIABLE, environ_set
 
@@ -95,7 +96,7 @@ def _stop_worker_server() -> None:
     # flush, while an interpreter that imported torch takes about a second to
     # tear itself down. ForkServer._stop (the standard library's own way to
     # stop its server, used by its tests) then reaps it and removes its socket.
-    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]  # the standard library's own
+    server: Any = multiprocessing.forkserver._forkserver  # private to the standard library, and untyped there
     if server._forkserver_pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(server._forkserver_pid, signal.SIGKILL)

@@ -38,10 +38,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed.launcher.api as launcher_api
-from torch.distributed import Store
+from torch.distributed.distributed_c10d import Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing import ProcessFailure
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SignalException
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 __all__ = ["HookedAgent", "SignalException", "agent_for_launch", "parse_rendezvous_endpoint"]
@@ -67,7 +68,7 @@ class HookedAgent(LocalElasticAgent):
         """Called when a signal stopped the agent, with how each worker ended by global rank."""
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+        result: RunResult = super()._monitor_workers(worker_group)
         if result.state is WorkerState.FAILED:
             self.round_failed(result.failures)
         elif result.state is WorkerState.HEALTHY and isinstance(self._pcontext, MultiprocessContext):
@@ -83,7 +84,7 @@ class HookedAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     def _exit_barrier(self) -> None:
-        super()._exit_barrier()  # type: ignore[no-untyped-call]  # torch leaves this method unannotated
+        super()._exit_barrier()
         group = self._worker_group
         assert group.group_rank is not None and group.group_world_size is not None  # set by the rendezvous
         self.left_exit_barrier(self._store, group.group_rank, group.group_world_size)
@@ -121,9 +122,10 @@ def _all_exited_without_returning(context: MultiprocessContext) -> dict[int, Any
 @contextlib.contextmanager
 def agent_for_launch(factory: Callable[..., LocalElasticAgent]) -> Iterator[None]:
     """For the block, have torch's ``launch_agent`` build its agent with ``factory`` (its keyword arguments)."""
-    torch_agent = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = factory  # type: ignore[misc,assignment]  # torch has no parameter for it
+    # (launch_agent reads the module's global, which torch imports without re-exporting it)
+    torch_agent = launcher_api.LocalElasticAgent  # type: ignore[attr-defined]
+    launcher_api.LocalElasticAgent = factory  # type: ignore[attr-defined,assignment]  # a factory in its place
     try:
         yield
     finally:
-        launcher_api.LocalElasticAgent = torch_agent  # type: ignore[misc]
+        launcher_api.LocalElasticAgent = torch_agent  # type: ignore[attr-defined]
