@@ -17,7 +17,8 @@ from tests.cli_runner import PYTHONPATH
 
 
 def _report(name: str) -> dict:
-    preloaded = "torch._dynamo" in sys.modules  # before this worker imports anything of its own
+    # What every worker needs is preloaded, what only some need is not (before this worker imports anything).
+    preloaded = "torch.distributed" in sys.modules and "torch._dynamo" not in sys.modules
     collecting, frozen = gc.isenabled(), gc.get_freeze_count()
     import torch
 

@@ -41,10 +41,9 @@ from ddpkit.launchers.worker_env import SERVER_VARIABLE, environ_set
 WORKER_PRELOAD = (
     "ddpkit.launchers.server_start",
     "torch",
-    "torch._dynamo",
+    "torch.distributed",
     "torch.distributed.elastic.multiprocessing",
     "ddpkit.launchers.worker_env",
-    "ddpkit.train.run",
 )
 """Modules the worker server imports once, in this order, so that no forked worker imports them again: what
 every worker imports (torch's elastic wrapper runs each worker, ddpkit's worker_main then the user's code).
