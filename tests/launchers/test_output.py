@@ -116,8 +116,10 @@ def test_torchs_agent_gets_every_rank_its_files_and_variables(tmp_path):
         }
         dest = specs.reify(envs)
         folder = tmp_path / "logs" if restart == 0 else tmp_path / "logs" / "restart-1"
-        assert dest.stdouts == {0: str(folder / "rank-2.stdout.log"), 1: str(folder / "rank-3.stdout.log")}
-        assert dest.stderrs == {0: str(folder / "rank-2.stderr.log"), 1: str(folder / "rank-3.stderr.log")}
+        # The workers write their files themselves (write_to_files): torch redirects nothing.
+        assert dest.stdouts == dest.stderrs == {0: "", 1: ""}
+        assert tee.files_of(2) == (folder / "rank-2.stdout.log", folder / "rank-2.stderr.log")
+        assert tee.files_of(3) == (folder / "rank-3.stdout.log", folder / "rank-3.stderr.log")
         assert dest.tee_stdouts == {} and dest.tee_stderrs == {}  # the console copy is ddpkit's, not TailLog's
         assert (
             envs[0]["TORCHELASTIC_ERROR_FILE"]

@@ -96,13 +96,12 @@ def record_for_launcher(error: Exception) -> bool:
 
 
 def _record(error: Exception) -> None:
-    if getattr(error, "_ddpkit_recorded", False):
-        return  # recorded where it happened; a second record would carry a later time
-    error._ddpkit_recorded = True  # type: ignore[attr-defined]
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and os.path.exists(path):
+        return  # recorded where it happened (ddpkit train's loop); a second record would carry a later time
     user_error = isinstance(error, UserError)
     message = str(error) if user_error else "".join(traceback.format_exception_only(error)).strip()
     stack = "" if user_error else "".join(traceback.format_exception(type(error), error, _user_frames(error)))
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     rank = os.environ.get("RANK", "0")
     if not path:
         print(f"error: rank {rank}: {message}" + (f"\n{stack.rstrip()}" if stack else ""), file=sys.stderr)

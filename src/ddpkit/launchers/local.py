@@ -82,7 +82,9 @@ from ddpkit.launchers.worker_env import environ_restored, environ_set, worker_ma
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 if TYPE_CHECKING:
-    from ddpkit.launchers.output import ConsoleTee
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from ddpkit.launchers.output import ConsoleTee, RankOutput
 
 LOOPBACK = "127.0.0.1"
 
@@ -197,7 +199,7 @@ def _in_a_thread_of_its_own(call: Callable[..., Any], *args: Any) -> Any:
     return outcome["result"]
 
 
-def _launch_config(spec: LaunchSpec) -> Any:
+def _launch_config(spec: LaunchSpec) -> LaunchConfig:
     """torch's LaunchConfig for ``spec``: one node's loopback rendezvous, or several nodes' static one."""
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -251,12 +253,9 @@ def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterator[ConsoleTee | None]:
-    """With ``spec.log_dir``: the workers' output into their files, the shown ranks' copied to the console.
-
-    Yields the tee (None without a log_dir). When the block ends, the console has shown everything the
-    workers wrote, and one line names the ranks not shown that wrote to stderr.
-    """
+def _rank_files(spec: LaunchSpec, config: LaunchConfig, failure_dir: str) -> Iterator[RankOutput | None]:
+    """With ``spec.log_dir``: this launch's rank files (:func:`ddpkit.launchers.output.rank_output`), given to
+    torch's agent (their paths, and its error files in ``failure_dir``); None without a log_dir."""
     if not spec.log_dir:
         yield None
         return
@@ -264,17 +263,9 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
-    log_dir = output.new_log_dir(spec.log_dir)  # this launch's own: another's is never touched
-    tee = output.ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
-    config.logs_specs = output.RankLogs(str(log_dir), error_dir, tee)
-    print(f"ddpkit: {output.where(log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
-    tee.start()
-    try:
-        yield tee
-    finally:
-        tee.stop()
-        if note := output.hidden_stderr_note(tee):
-            print(note, file=sys.stderr, flush=True)
+    with output.rank_output(spec.log_dir, spec.show_ranks, sys.stdout, sys.stderr) as files:
+        config.logs_specs = output.RankLogs(str(files.folder), error_dir, files.tee)
+        yield files
 
 
 def with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
@@ -329,7 +320,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
 
 def _launch_recording_failures(
     spec: LaunchSpec,
-    config: Any,
+    config: LaunchConfig,
     forked: bool,
     names: tuple[str, ...],
     failed: list[tuple[WorkerFailure, Path]],
@@ -345,8 +336,10 @@ def _launch_recording_failures(
 
     with (
         tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir,
-        _output_to_files(spec, config, failure_dir) as tee,
+        _rank_files(spec, config, failure_dir) as rank_files,
     ):
+        tee = rank_files.tee if rank_files is not None else None
+        log_dir = str(rank_files.folder) if rank_files is not None else ""
         try:
             with (
                 contextlib.nullcontext() if forked else worker_server(),
@@ -360,9 +353,11 @@ def _launch_recording_failures(
                 run = elastic_launch(config, worker_main)
                 results: dict[int, Any]
                 if forked:
-                    results = _in_a_thread_of_its_own(run, os.getpid(), dict(os.environ), spec.title, fn, *args)
+                    results = _in_a_thread_of_its_own(
+                        run, os.getpid(), dict(os.environ), spec.title, log_dir, fn, *args
+                    )
                 else:
-                    results = run(os.getpid(), dict(os.environ), spec.title, fn, *args)
+                    results = run(os.getpid(), dict(os.environ), spec.title, log_dir, fn, *args)
                 return results
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)

@@ -1,9 +1,15 @@
-"""What the workers of ``ddpkit run`` and ``ddpkit train nproc=N`` print: a file per rank, chosen ranks on the console.
+"""What the workers print: a file per rank, chosen ranks on the console (``ddpkit run``, ``train``, ``launch``).
 
 Each worker's stdout and stderr (file descriptors 1 and 2, so Python's
-prints, C++'s output and subprocesses' alike) go to files in the run's log
-folder; torch's elastic agent redirects them, to the paths ddpkit's
-:class:`RankLogs` gives it (torch's ``LogsSpecs`` interface)::
+prints, C++'s output and subprocesses' alike) go to files in the launch's
+log folder. One path serves every launch: the launcher claims the folder
+and follows the files (:func:`rank_output`), torch's elastic agent learns
+each round's paths and error files from :class:`RankLogs` (torch's
+``LogsSpecs`` interface), and each worker sends its own descriptors and
+Python's streams there first thing (:func:`write_to_files`), not torch:
+a worker forked from a notebook kernel holds the kernel's streams as
+``sys.stdout``, sockets served by threads the fork did not copy, which
+torch's redirection would write around::
 
     <log_dir>/rank-0.stdout.log   rank-0.stderr.log   rank-1.stdout.log ...
     <log_dir>/restart-1/rank-0.stdout.log ...          (after the first restart, max_restarts)
@@ -29,16 +35,21 @@ and a worker never waits on the launcher to write.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import itertools
+import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO, Any, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
@@ -158,6 +169,75 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process: it exists
         return True
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutput:
+    """The output of one launch: its folder of rank files, and the tee that shows the chosen ranks' lines."""
+
+    folder: Path
+    tee: ConsoleTee
+
+
+@contextlib.contextmanager
+def rank_output(log_dir: str, shown: frozenset[int] | None, stdout: TextIO, stderr: TextIO) -> Iterator[RankOutput]:
+    """For one launch: its own folder (:func:`new_log_dir`), one line saying where, and the shown ranks on the console.
+
+    ``stdout`` and ``stderr`` are the console (the caller's streams at the launch: in a notebook, the cell).
+    When the block ends, the console has shown everything the followed files hold, and one line names the
+    ranks not shown that wrote to stderr.
+    """
+    folder = new_log_dir(log_dir)  # this launch's own: another's is never touched
+    tee = ConsoleTee(shown, stdout, stderr)
+    print(f"ddpkit: {where(folder, shown)}", file=stderr, flush=True)
+    tee.start()
+    try:
+        yield RankOutput(folder, tee)
+    finally:
+        tee.stop()
+        if note := hidden_stderr_note(tee):
+            print(note, file=stderr, flush=True)
+
+
+@contextlib.contextmanager
+def write_to_files(stdout: Path, stderr: Path) -> Iterator[None]:
+    """In a worker: send its stdout and stderr (file descriptors 1 and 2, and Python's streams) to these files.
+
+    Appended, though each round of workers has files of its own (:func:`log_files`). Logging handlers that
+    wrote to the old streams (inherited through a fork) are pointed at the new ones. When the block ends, the
+    streams are flushed.
+    """
+    previous = (sys.stdout, sys.stderr)
+    streams = []
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+        streams.append(open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
+    sys.stdout, sys.stderr = streams
+    _rebind_logging(dict(zip(previous, streams)))
+    if faulthandler.is_enabled():  # (a kernel enables it on a stream of its own) a crash's stacks go to stderr
+        faulthandler.enable(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+
+
+def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
+    """Point the logging handlers that wrote to the replaced streams (inherited through a fork) at the new ones."""
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is not logging.FileHandler and isinstance(handler, logging.StreamHandler):
+                new = replacements.get(handler.stream)
+                if new is not None:
+                    handler.setStream(new)
 
 
 def where(log_dir: str | os.PathLike[str], shown: frozenset[int] | None) -> str:
@@ -330,11 +410,12 @@ class ConsoleTee:
 
 
 class RankLogs(LogsSpecs):
-    """torch's LogsSpecs for ddpkit's launcher: each rank's stdout and stderr into its files of :func:`log_files`.
+    """torch's LogsSpecs for ddpkit's launcher: each rank's files of :func:`log_files`, followed by the tee.
 
     Each round of workers (the first, and each restart) gets its files when the agent starts it (``reify``),
-    and the tee follows them. torch's error files (``TORCHELASTIC_ERROR_FILE``, read by the launcher's
-    failure report) go into ``error_dir``.
+    and the tee follows them; the workers write them themselves (:func:`write_to_files`), so torch is given
+    no stdout or stderr path to redirect to. torch's error files (``TORCHELASTIC_ERROR_FILE``, read by the
+    launcher's failure report) go into ``error_dir``.
     """
 
     def __init__(self, log_dir: str, error_dir: str, tee: ConsoleTee) -> None:
@@ -355,7 +436,7 @@ class RankLogs(LogsSpecs):
             restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             stdout, stderr = log_files(self.log_dir, rank, restart)
             stdout.parent.mkdir(parents=True, exist_ok=True)  # (in this launch's own folder: claim_log_dir)
-            dest.stdouts[local_rank], dest.stderrs[local_rank] = str(stdout), str(stderr)
+            dest.stdouts[local_rank], dest.stderrs[local_rank] = "", ""  # (no redirection by torch)
             error_file = os.path.join(self.error_dir, f"restart-{restart}-rank-{rank}.json")
             dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
             if self.tee.prefixes(rank, world_size):

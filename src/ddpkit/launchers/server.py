@@ -44,9 +44,11 @@ WORKER_PRELOAD = (
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing",
     "ddpkit.launchers.worker_env",
+    "ddpkit.launchers.output",
 )
 """Modules the worker server imports once, in this order, so that no forked worker imports them again: what
-every worker imports (torch's elastic wrapper runs each worker, ddpkit's worker_main then the user's code).
+every worker imports (torch's elastic wrapper runs each worker, ddpkit's worker_main sends its output to its
+files through ddpkit.launchers.output, then runs the user's code).
 :mod:`ddpkit.launchers.server_start` comes first: it prepares the server before torch is imported."""
 
 _server_users = 0

@@ -64,7 +64,12 @@ def prepare_server(launcher_pid: int) -> None:
 
 
 def worker_main(
-    launcher_pid: int, launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any
+    launcher_pid: int,
+    launcher_environ: Mapping[str, str],
+    title: str,
+    log_dir: str,
+    fn: Callable[..., Any],
+    *args: Any,
 ) -> Any:
     """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
 
@@ -84,9 +89,11 @@ def worker_main(
     the worker with status 130 and no traceback.
 
     With a ``title`` (the program), the process is titled ``ddpkit rank r/w:
-    TITLE``. A stdout that is not a terminal (the agent redirected it into
-    its file) is made line-buffered, as on a terminal: Python would hold
-    prints back until 8 KiB.
+    TITLE``. With a ``log_dir`` (the launch's folder of rank files), the
+    worker's stdout and stderr go to its files there
+    (:func:`ddpkit.launchers.output.write_to_files`), line-buffered. Without
+    one, a stdout that is not a terminal is made line-buffered, as on a
+    terminal: Python would hold prints back until 8 KiB.
     """
     die_with(_server.pid if _server else launcher_pid)  # forked from the worker server, or from the launcher itself
     enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
@@ -102,16 +109,28 @@ def worker_main(
         set_process_title(f"ddpkit rank {rank}/{world_size}: {title}", f"r{rank}:{program_name(title)}")
     if isinstance(sys.stdout, io.TextIOWrapper) and not sys.stdout.isatty():  # (a notebook's stream is neither)
         sys.stdout.reconfigure(line_buffering=True)
-    folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
-    try:
-        if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
-            raise KeyboardInterrupt  # a restart after Ctrl-C: the user asked to stop
-        multiprocessing.set_start_method(None, force=True)
-        result = run_reporting_failure(fn, *args)
-    except KeyboardInterrupt:
-        sys.exit(EXIT_INTERRUPTED)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
-    return result
+    with _output_files(log_dir):
+        folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
+        try:
+            if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
+                raise KeyboardInterrupt  # a restart after Ctrl-C: the user asked to stop
+            multiprocessing.set_start_method(None, force=True)
+            result = run_reporting_failure(fn, *args)
+        except KeyboardInterrupt:
+            sys.exit(EXIT_INTERRUPTED)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
+        return result
+
+
+def _output_files(log_dir: str) -> contextlib.AbstractContextManager[None]:
+    """This worker's stdout and stderr into its files of this round in ``log_dir``; none: left as they are."""
+    if not log_dir:
+        return contextlib.nullcontext()
+    # (Imported here: output imports torch, and the worker server imports this module before torch.)
+    from ddpkit.launchers.output import log_files, write_to_files
+
+    rank, restart = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return write_to_files(*log_files(log_dir, rank, restart))
 
 
 def program_name(title: str) -> str:
