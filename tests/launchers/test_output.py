@@ -14,9 +14,8 @@ import pytest
 
 from ddpkit.config import ConfigError, shown_ranks
 from ddpkit.errors import UserError
+from ddpkit.launchers.console import CLEAR_TO_END_OF_LINE, ConsoleTee
 from ddpkit.launchers.output import (
-    CLEAR_TO_END_OF_LINE,
-    ConsoleTee,
     RankLogs,
     claim_log_dir,
     hidden_stderr_note,

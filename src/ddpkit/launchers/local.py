@@ -20,7 +20,8 @@ the command lacks:
   (:mod:`ddpkit.launchers.static`);
 - one report of the root-cause failure (:mod:`ddpkit.launchers.failure`)
   instead of every worker's traceback;
-- workers forked from a warm process instead of spawned (see below);
+- workers forked from a warm process instead of spawned
+  (:mod:`ddpkit.launchers.server`);
 - a worker that ends with ``os._exit(0)``, returning nothing, counts as
   finished (torch's agent would wait for its return value forever);
 - each worker's stdout and stderr in files of its own, the chosen ranks'
@@ -84,7 +85,8 @@ from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
-    from ddpkit.launchers.output import ConsoleTee, RankOutput
+    from ddpkit.launchers.console import ConsoleTee
+    from ddpkit.launchers.output import RankOutput
 
 LOOPBACK = "127.0.0.1"
 
