@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import ddpkit.commands.dispatch
 import ddpkit.commands.train
-import ddpkit.launchers.local
+import ddpkit.launchers.server
 import ddpkit.train.run
 from ddpkit.keyvalue import _example, _field_names
 from ddpkit.train.config import TrainConfig
@@ -146,7 +146,7 @@ def workers(monkeypatch) -> Workers:
     stand_in = Workers()
     monkeypatch.setattr(ddpkit.train.run, "run_worker", stand_in.run_worker)
     monkeypatch.setattr(ddpkit.commands.train, "launch", stand_in.launch)
-    monkeypatch.setattr(ddpkit.launchers.local, "worker_server", contextlib.nullcontext)
+    monkeypatch.setattr(ddpkit.launchers.server, "worker_server", contextlib.nullcontext)
     return stand_in
 
 

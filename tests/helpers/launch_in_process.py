@@ -19,7 +19,7 @@ Each command's stdout and stderr are captured at the file-descriptor level:
 the workers write to the server's descriptors, which are the ones this block
 set before starting it. Workers receive the launcher's working folder and
 ``sys.path`` at each launch (multiprocessing's preparation data) and its
-environment (ddpkit's ``_worker_main``), so the commands may run in different
+environment (``ddpkit.launchers.worker_env.worker_main``), so the commands may run in different
 folders with different variables. What the launcher leaves in this process
 (its signal handlers, ddpkit's log handler, torch's thread count, the
 forkserver's preload list) is put back when the block ends.
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ddpkit.commands.dispatch import main
-from ddpkit.launchers.local import worker_server
+from ddpkit.launchers.server import worker_server
 
 LAUNCHER_VARIABLES = (
     "MASTER_",

@@ -14,7 +14,7 @@ one core) and, at its first optimizer or DDP model, ``torch._dynamo`` (about
 instead from multiprocessing's *forkserver*, a process that imports torch
 once (:data:`PRELOAD`; and ``torch._dynamo`` where a test asks for it,
 :data:`DYNAMO`) and forks each worker ready to run, as ``ddpkit run``
-starts its own (``ddpkit.launchers.local``, where the reasons a fork is safe
+starts its own (``ddpkit.launchers.server``, where the reasons a fork is safe
 are set out: the server only imports, so no thread, OpenMP pool, store or
 CUDA context exists when it forks). The server lives for one
 :func:`run_on_ranks` call, or for a :func:`warm_workers` block that several
@@ -66,7 +66,7 @@ def warm_workers(preload: tuple[str, ...] = ()) -> Iterator[mp.context.BaseConte
     Nested blocks, and :func:`run_on_ranks` calls inside one, share the
     server (from any thread); it is stopped when the outermost block ends.
     Where another forkserver of this process is running already
-    (``ddpkit.launchers.local``'s), processes are spawned instead of sharing a
+    (``ddpkit.launchers.server``'s), processes are spawned instead of sharing a
     server set up for other ends.
 
     Args:

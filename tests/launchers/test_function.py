@@ -27,8 +27,8 @@ import ddpkit
 import ddpkit.distributed
 from ddpkit.errors import UserError
 from ddpkit.launchers.failure import LaunchError
-from ddpkit.launchers.function import SHOWN, _rank_output, choose_start_method, fork_hazard, importable
-from ddpkit.launchers.output import ConsoleTee
+from ddpkit.launchers.function import SHOWN, choose_start_method, fork_hazard, importable
+from ddpkit.launchers.output import log_files, rank_output
 from tests.cli_runner import PYTHONPATH, REPO
 from tests.launchers import function_workers
 
@@ -142,11 +142,13 @@ def test_forkserver_needs_a_function_the_workers_can_import():
 
 def test_the_output_reader_shows_rank_0s_whole_lines_and_names_where_the_others_are(tmp_path):
     out, err = io.StringIO(), io.StringIO()
-    (tmp_path / "rank-0.stdout.log").write_bytes(b"first line\nhalf a")
-    (tmp_path / "rank-1.stdout.log").write_bytes(b"rank 1's line\n")
-    (tmp_path / "rank-1.stderr.log").write_bytes(b"rank 1's warning\n")
-    with _rank_output(ConsoleTee(SHOWN, out, err), tmp_path, 2):
-        with open(tmp_path / "rank-0.stdout.log", "ab") as f:
+    with rank_output(str(tmp_path / "launch"), SHOWN, out, err) as files:
+        (files.folder / "rank-0.stdout.log").write_bytes(b"first line\nhalf a")
+        (files.folder / "rank-1.stdout.log").write_bytes(b"rank 1's line\n")
+        (files.folder / "rank-1.stderr.log").write_bytes(b"rank 1's warning\n")
+        for rank in (0, 1):
+            files.tee.follow(rank, 2, *log_files(files.folder, rank))
+        with open(files.folder / "rank-0.stdout.log", "ab") as f:
             f.write(b" line\n10%\r50%\r100%\nno newline at the end")
     assert out.getvalue().splitlines() == [  # as python would show them: rank 0's alone, unprefixed
         "first line",
@@ -156,9 +158,9 @@ def test_the_output_reader_shows_rank_0s_whole_lines_and_names_where_the_others_
     ]
     assert err.getvalue().splitlines() == [
         f"ddpkit: the console shows rank 0's output (show_ranks=all: every rank's), each rank's whole output is in "
-        f"{tmp_path}",
+        f"{files.folder}",
         "ddpkit: rank 1 also wrote to stderr, not shown here (the console shows rank 0; show_ranks=all shows every "
-        f"rank): {tmp_path / 'rank-1.stderr.log'}",
+        f"rank): {files.folder / 'rank-1.stderr.log'}",
     ]
 
 
@@ -225,6 +227,24 @@ def test_max_restarts_starts_every_worker_again(tmp_path):
         return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
     assert ddpkit.launch(fails_once, nproc=2, max_restarts=1) == [1, 1]
+
+
+def test_each_round_of_a_restarted_launch_has_files_of_its_own_as_under_ddpkit_run(tmp_path, capsys):
+    """ddpkit.launch writes its ranks' output through the launcher's one path (ddpkit.launchers.output)."""
+    marker = tmp_path / "failed-once"
+
+    def fails_once() -> None:
+        ctx = ddpkit.init()
+        print(f"rank {ctx.rank} round {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        if ctx.rank == 1 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("first round fails")
+
+    ddpkit.launch(fails_once, nproc=2, max_restarts=1)
+    err = capsys.readouterr().err
+    folder = Path(err.split("each rank's whole output is in ")[1].split()[0])
+    assert (folder / "rank-1.stdout.log").read_text() == "rank 1 round 0\n"
+    assert (folder / "restart-1" / "rank-1.stdout.log").read_text() == "rank 1 round 1\n"
 
 
 def test_a_result_that_cannot_be_pickled_is_a_user_error():

@@ -14,10 +14,9 @@ import pytest
 
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import ConfigError
+from ddpkit.launchers.console import CLEAR_TO_END_OF_LINE, ConsoleTee
 from ddpkit.launchers.options import shown_ranks
 from ddpkit.launchers.output import (
-    CLEAR_TO_END_OF_LINE,
-    ConsoleTee,
     RankLogs,
     claim_log_dir,
     hidden_stderr_note,
@@ -117,8 +116,10 @@ def test_torchs_agent_gets_every_rank_its_files_and_variables(tmp_path):
         }
         dest = specs.reify(envs)
         folder = tmp_path / "logs" if restart == 0 else tmp_path / "logs" / "restart-1"
-        assert dest.stdouts == {0: str(folder / "rank-2.stdout.log"), 1: str(folder / "rank-3.stdout.log")}
-        assert dest.stderrs == {0: str(folder / "rank-2.stderr.log"), 1: str(folder / "rank-3.stderr.log")}
+        # The workers write their files themselves (write_to_files): torch redirects nothing.
+        assert dest.stdouts == dest.stderrs == {0: "", 1: ""}
+        assert tee.files_of(2) == (folder / "rank-2.stdout.log", folder / "rank-2.stderr.log")
+        assert tee.files_of(3) == (folder / "rank-3.stdout.log", folder / "rank-3.stderr.log")
         assert dest.tee_stdouts == {} and dest.tee_stderrs == {}  # the console copy is ddpkit's, not TailLog's
         assert (
             envs[0]["TORCHELASTIC_ERROR_FILE"]
@@ -150,9 +151,9 @@ def test_show_ranks_refuses_anything_else_in_one_line(text):
     ],
 )
 def test_a_workers_name_is_its_program_short(title, name):
-    from ddpkit.launchers.local import _program_name
+    from ddpkit.launchers.worker_env import program_name
 
-    assert _program_name(title) == name
+    assert program_name(title) == name
 
 
 def test_a_launch_into_a_taken_folder_gets_a_new_one_and_leaves_the_other_launchs_files(tmp_path):

@@ -11,12 +11,14 @@ import time
 import psutil
 import pytest
 
-from ddpkit.launchers.local import LaunchSpec, launch_local, worker_server
+from ddpkit.launchers.local import LaunchSpec, launch_local
+from ddpkit.launchers.server import worker_server
 from tests.cli_runner import PYTHONPATH
 
 
 def _report(name: str) -> dict:
-    preloaded = "torch._dynamo" in sys.modules  # before this worker imports anything of its own
+    # What every worker needs is preloaded, what only some need is not (before this worker imports anything).
+    preloaded = "torch.distributed" in sys.modules and "torch._dynamo" not in sys.modules
     collecting, frozen = gc.isenabled(), gc.get_freeze_count()
     import torch
 
@@ -61,8 +63,8 @@ def test_ctrl_c_while_the_server_imports_is_the_launchers_one_line_and_leaves_no
     """``ddpkit run`` starts the server before its own imports: a Ctrl-C then reaches both, mid-import."""
     importing = tmp_path / "importing"
     probe = (
-        "import sys, ddpkit.launchers.local as local\n"
-        "local.WORKER_PRELOAD = (*local.WORKER_PRELOAD[:1], 'tests.launchers.slow_server_import', *local.WORKER_PRELOAD[1:])\n"
+        "import sys, ddpkit.launchers.server as server\n"
+        "server.WORKER_PRELOAD = (*server.WORKER_PRELOAD[:1], 'tests.launchers.slow_server_import', *server.WORKER_PRELOAD[1:])\n"
         "from ddpkit.commands.dispatch import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )

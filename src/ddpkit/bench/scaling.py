@@ -789,7 +789,7 @@ def projection(rows: Sequence[dict[str, Any]], per_worker: bool, batch_size: int
 
 def run_scaling_benchmark(cfg: ScalingBenchConfig, words: Sequence[str] = ()) -> dict[str, Any]:
     """Measure every configuration in turn and build the report."""
-    from ddpkit.launchers.local import worker_server
+    from ddpkit.launchers.server import worker_server
     from ddpkit.models.registry import get_model_spec
     from ddpkit.train.config import TrainConfig
 

@@ -43,10 +43,10 @@ def run_command(args: Sequence[str]) -> int:
     if wants_run_help(args):
         print(render_help(RUN_HELP))
         return 0
-    from ddpkit.launchers.local import worker_server
+    from ddpkit.launchers.server import worker_server
 
     config, target = parse_run_command(run_words(args))  # bad input is one line before any process starts
-    # The server's imports (torch, torch._dynamo) run beside this process's own, not after them: on a GPU
+    # The server's imports (torch, torch.distributed) run beside this process's own, not after them: on a GPU
     # machine, where importing torch takes seconds, in sequence they put those seconds twice before the script.
     with worker_server():
         return _run_script(config, target)

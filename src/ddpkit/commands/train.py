@@ -77,7 +77,7 @@ def train_command(args: Sequence[str]) -> int:
     """``ddpkit train``: run here as one worker of a launched job, or start nproc workers."""
     from ddpkit.env.detect import detect_environment
     from ddpkit.env.sagemaker import key_value_words, train_words
-    from ddpkit.launchers.local import worker_server
+    from ddpkit.launchers.server import worker_server
 
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)

@@ -96,13 +96,12 @@ def record_for_launcher(error: Exception) -> bool:
 
 
 def _record(error: Exception) -> None:
-    if getattr(error, "_ddpkit_recorded", False):
-        return  # recorded where it happened; a second record would carry a later time
-    error._ddpkit_recorded = True  # type: ignore[attr-defined]
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and os.path.exists(path):
+        return  # recorded where it happened (ddpkit train's loop); a second record would carry a later time
     user_error = isinstance(error, UserError)
     message = str(error) if user_error else "".join(traceback.format_exception_only(error)).strip()
     stack = "" if user_error else "".join(traceback.format_exception(type(error), error, _user_frames(error)))
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     rank = os.environ.get("RANK", "0")
     if not path:
         print(f"error: rank {rank}: {message}" + (f"\n{stack.rstrip()}" if stack else ""), file=sys.stderr)
@@ -110,7 +109,7 @@ def _record(error: Exception) -> None:
     now = time.time()
     if stacks.is_timeout(message) and (where := stacks.dump_peers(int(os.environ.get("WORLD_SIZE", "1")))):
         message = f"{message}; {where}"  # a wait timed out: where the others were
-    data = {
+    data: dict[str, dict[str, Any]] = {
         "message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now))}},
         "ddpkit": {"time": now, "exit_status": exit_status(error, 1), "user_error": user_error},
     }
@@ -211,7 +210,7 @@ def _peer_lost(failure: Any) -> bool:
 
 def _failed_at(failure: Any) -> float:
     data = failure.error_file_data or {}
-    return data.get("ddpkit", {}).get("time", float(failure.timestamp))
+    return float(data.get("ddpkit", {}).get("time", failure.timestamp))
 
 
 def _describe(rank: int, failure: Any) -> WorkerFailure:

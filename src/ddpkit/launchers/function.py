@@ -89,26 +89,22 @@ Pipeline: (fn, args, options) -> start method -> LaunchSpec -> launch_local
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import faulthandler
 import inspect
-import logging
 import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ddpkit import allocator
 from ddpkit.errors import UserError, check_choice, check_positive
 from ddpkit.gc_pause import import_paused
-from ddpkit.launchers.failure import LaunchError, append_to_output, record_for_launcher
-from ddpkit.launchers.local import LaunchSpec, launch_local, with_its_output
-from ddpkit.launchers.output import ConsoleTee, default_log_dir, hidden_stderr_note, log_files, new_log_dir, where
+from ddpkit.launchers.failure import LaunchError
+from ddpkit.launchers.local import LaunchSpec, launch_local
+from ddpkit.launchers.output import default_log_dir
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 SHOWN = frozenset({0})
@@ -173,19 +169,21 @@ def launch(
     method = choose_start_method(start_method, fn)
     if method == "fork":
         import_paused(*FORK_PRELOAD)  # once per process; a no-op after
-    spec = LaunchSpec(nproc, master_port=master_port, max_restarts=max_restarts, start_method=method)
-    folder = new_log_dir(default_log_dir("launch"))
-    tee = ConsoleTee(SHOWN, sys.stdout, sys.stderr)
+    spec = LaunchSpec(
+        nproc,
+        master_port=master_port,
+        max_restarts=max_restarts,
+        start_method=method,
+        log_dir=str(default_log_dir("launch")),
+        show_ranks=SHOWN,
+    )
     try:
-        with _rank_output(tee, folder, nproc):
-            results = launch_local(spec, _Worker(fn, str(folder)), *args)
+        results = launch_local(spec, _Worker(fn), *args)
     except LaunchError as e:
         if e.failure.exitcode == EXIT_INTERRUPTED:
             raise KeyboardInterrupt("ddpkit.launch: the workers were stopped (Ctrl-C)") from None
-        if files := tee.files_of(e.failure.rank):
-            append_to_output(e.failure, files[1])  # its files are its whole output: its error too
         # A UserError reads as its one line; any other failure names the rank's files.
-        failure = e.failure if e.failure.user_error else with_its_output(e.failure, tee)
+        failure = dataclasses.replace(e.failure, output="", traceback="") if e.failure.user_error else e.failure
         if failure.exitcode == EXIT_PREEMPTED and not failure.traceback:  # SIGTERM, SIGUSR1...
             preempted = "stopped by a signal after writing a checkpoint; call ddpkit.launch again to continue"
             raise LaunchError(dataclasses.replace(failure, message=preempted)) from None
@@ -278,91 +276,22 @@ def importable(fn: Callable[..., Any]) -> bool:
 
 
 class _Worker:
-    """What each worker runs: its output to its rank's files, then ``fn(*args)``, its result checked for the way back.
+    """What each worker runs: ``fn(*args)``, its result checked for the way back.
 
     A class at module level, so that the worker server can unpickle it (with ``fn`` by name).
     """
 
-    def __init__(self, fn: Callable[..., Any], output_folder: str):
+    def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
-        self.output_folder = output_folder
 
     def __call__(self, *args: Any) -> Any:
-        rank = int(os.environ.get("RANK", "0"))
-        with _output_to_files(*log_files(self.output_folder, rank)):
-            try:
-                result = self.fn(*args)
-            except Exception as e:
-                # Recorded here, without this frame, so that the report's traceback starts in fn; the launcher's
-                # wrapper (run_reporting_failure) then finds it recorded and only exits.
-                if e.__traceback__ is not None:
-                    e.__traceback__ = e.__traceback__.tb_next
-                record_for_launcher(e)
-                raise
-            try:
-                ForkingPickler.dumps(result)  # as the agent's queue will send it
-            except Exception as e:
-                raise UserError(
-                    f"{getattr(self.fn, '__qualname__', 'fn')} returned a {type(result).__name__} that cannot be "
-                    f"sent back to the launcher ({type(e).__name__}: {e}); return tensors, numbers, strings, "
-                    "or lists and dicts of them"
-                ) from None
-            return result
-
-
-@contextlib.contextmanager
-def _output_to_files(stdout: Path, stderr: Path) -> Iterator[None]:
-    """Send this process's stdout and stderr (file descriptors 1 and 2, and Python's streams) to these files.
-
-    Appended: a restarted worker continues its rank's files, which the launcher reads on.
-    """
-    previous = (sys.stdout, sys.stderr)
-    streams = []
-    for fd, path in ((1, stdout), (2, stderr)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-        streams.append(open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
-    sys.stdout, sys.stderr = streams
-    _rebind_logging(dict(zip(previous, streams)))
-    if faulthandler.is_enabled():  # (a kernel enables it on a stream of its own) a crash's stacks go to stderr
-        faulthandler.enable(sys.stderr)
-    try:
-        yield
-    finally:
-        for stream in streams:
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-
-
-def _rebind_logging(replacements: dict[Any, TextIO]) -> None:
-    """Point the logging handlers that wrote to the replaced streams (inherited through a fork) at the new ones."""
-    loggers = [
-        logging.getLogger(),
-        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
-    ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if type(handler) is not logging.FileHandler and isinstance(handler, logging.StreamHandler):
-                new = replacements.get(handler.stream)
-                if new is not None:
-                    handler.setStream(new)
-
-
-@contextlib.contextmanager
-def _rank_output(tee: ConsoleTee, folder: Path, nproc: int) -> Iterator[None]:
-    """For the block, show the shown ranks' output files in ``folder`` through ``tee`` (the console tee of
-    ``ddpkit run``, :class:`~ddpkit.launchers.output.ConsoleTee`), after one line saying where every rank's is.
-
-    Then, as ``ddpkit run`` does, one line names the ranks not shown that wrote to stderr.
-    """
-    print(f"ddpkit: {where(folder, tee.shown)}", file=tee.console_stderr, flush=True)
-    for rank in range(nproc):
-        tee.follow(rank, nproc, *log_files(folder, rank))
-    tee.start()
-    try:
-        yield
-    finally:
-        tee.stop()
-        if note := hidden_stderr_note(tee):
-            print(note, file=tee.console_stderr, flush=True)
+        result = self.fn(*args)
+        try:
+            ForkingPickler.dumps(result)  # as the agent's queue will send it
+        except Exception as e:
+            raise UserError(
+                f"{getattr(self.fn, '__qualname__', 'fn')} returned a {type(result).__name__} that cannot be "
+                f"sent back to the launcher ({type(e).__name__}: {e}); return tensors, numbers, strings, "
+                "or lists and dicts of them"
+            ) from None
+        return result

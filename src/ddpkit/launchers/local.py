@@ -20,7 +20,8 @@ the command lacks:
   (:mod:`ddpkit.launchers.static`);
 - one report of the root-cause failure (:mod:`ddpkit.launchers.failure`)
   instead of every worker's traceback;
-- workers forked from a warm process instead of spawned (see below);
+- workers forked from a warm process instead of spawned
+  (:mod:`ddpkit.launchers.server`);
 - a worker that ends with ``os._exit(0)``, returning nothing, counts as
   finished (torch's agent would wait for its return value forever);
 - each worker's stdout and stderr in files of its own, the chosen ranks'
@@ -42,49 +43,22 @@ also says when such a fork is safe). The agent then runs in a thread of its
 own, which forks every worker (see :func:`_in_a_thread_of_its_own`), while
 the caller's thread passes the job's signals on to the workers.
 
-Starting workers fast
----------------------
-A spawned worker is a fresh interpreter that imports torch again (about
-1.5 s of one core each, plus about 1 s for ``torch._dynamo``, which the
-first optimizer pulls in). The agent starts its workers with
-multiprocessing's *forkserver* instead: one server process imports torch,
-``torch._dynamo`` and ddpkit once (:data:`WORKER_PRELOAD`), and every worker
-is a fork of it, ready at once. ``ddpkit train`` starts the server as its
-first act (:func:`worker_server`), so the server's imports run beside the
-launcher's own on the other core.
-
-Why a fork here is safe: the server only imports. It never runs a torch
-operator nor asks for the thread count, so torch's intra-op (OpenMP) pool
-and autograd threads do not exist when it forks (the server has one thread,
-which tests/launchers/test_worker_server.py checks); it never initializes CUDA,
-joins no process group and holds no store or socket of torch's. A forked worker gets the
-server's environment, not the launcher's of the moment, so
-:func:`_worker_main` installs the launcher's environment as it was at the
-launch, then the agent's per-worker variables over it, as a spawned worker
-would have seen them. The server ignores the signals the launcher handles
-(a signal sent to the whole job must not kill it while its workers run);
-each worker takes the default handlers back. The server is stopped when the
-launch ends.
+The worker server (:mod:`ddpkit.launchers.server`), the agent
+(:mod:`ddpkit.launchers.agent`), the signals (:mod:`ddpkit.launchers.signals`)
+and what each worker starts from (:mod:`ddpkit.launchers.worker_env`) live in
+modules of their own; this one puts them together.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import gc
-import io
-import logging
-import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import signal
 import socket
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -92,10 +66,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
-# server (below) before this process imports torch itself.
+# server (ddpkit.launchers.server) before this process imports torch itself.
 from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
-from ddpkit.gc_pause import enable_in_forked_worker
 from ddpkit.launchers.failure import (
     FAILURE_DIR_VARIABLE,
     LaunchError,
@@ -103,99 +76,19 @@ from ddpkit.launchers.failure import (
     append_to_output,
     recorded_failures,
     root_cause,
-    run_reporting_failure,
 )
-from ddpkit.launchers.proctitle import set_process_title
+from ddpkit.launchers.server import worker_server
+from ddpkit.launchers.signals import AGENT_SIGNALS, ctrl_c_passed_on, libc_prctl, signals_passed_on
+from ddpkit.launchers.worker_env import environ_restored, environ_set, worker_main
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 if TYPE_CHECKING:
-    from ddpkit.launchers.output import ConsoleTee
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from ddpkit.launchers.console import ConsoleTee
+    from ddpkit.launchers.output import RankOutput
 
 LOOPBACK = "127.0.0.1"
-AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
-"""Signals torch's elastic agent handles (it also would SIGINT, which ddpkit's launcher handles itself):
-passed on to the workers, which are then stopped."""
-INTERRUPTED_MARKER = "interrupted"
-"""File in the launcher's failure folder once Ctrl-C was pressed: workers started after it (a restart) stop."""
-AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"
-"""Store key each node's agent increments once past torch's exit barrier (see _host_outlives_the_exit_barrier)."""
-STOP_NOW_GRACE_S = 2.0
-"""Seconds the workers have to stop after a second Ctrl-C before they are killed."""
-EXIT_BARRIER_GRACE_S = 30.0
-"""The longest node 0's agent waits, past the exit barrier, for the other agents to leave it."""
-
-WORKER_PRELOAD = (
-    "ddpkit.launchers.local",
-    "torch",
-    "torch._dynamo",
-    "torch.distributed.elastic.multiprocessing",
-    "ddpkit.train.run",
-)
-"""Modules the worker server imports once, in this order, so that no forked worker imports them again.
-This module comes first: in the server it turns garbage collection off before torch is imported."""
-
-SERVER_IGNORES = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-"""Signals the worker server ignores (and SIGINT, see below): the launcher's to handle and pass on."""
-
-_SERVER_VARIABLE = "DDPKIT_WORKER_SERVER"
-# Set only in the worker server's environment, so that this module knows it is being preloaded there.
-
-_ENVIRON_AT_IMPORT = dict(os.environ)
-# In the worker server (which imports this module first thing), its own environment: what
-# every worker it forks starts from, before the agent sets its per-worker variables.
-
-_server_users = 0
-
-_SERVER_IGNORED_CTRL_C = False
-"""True in the worker server (and so in its workers) when it, not the launcher, made SIGINT ignored."""
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-# libc's prctl, resolved here, in the launcher and in the server, before any fork: a forked worker must not
-# dlopen (another thread of the launcher may have held the loader's lock when it forked).
-
-_SERVER_PID = 0
-"""In the worker server (and so in its workers), the server's pid: the parent each worker must die with."""
-
-
-def _die_with(parent: int) -> None:
-    """Have the kernel SIGKILL this process when ``parent`` (the process that started it) ends (Linux).
-
-    The chain holds on every launch path: the worker server dies with the
-    launcher, a worker with the server (or, forked from the launcher itself,
-    with the launcher's thread that forked it), a DataLoader worker with its
-    rank (:mod:`ddpkit.data.workers`). So a launcher killed with SIGKILL, which
-    can pass nothing on, leaves no process of its run behind; a worker sits in
-    a process group of its own, which a kill of the launcher's group misses.
-    """
-    if _PRCTL is None:
-        return
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)  # the parent died before the line above: nothing would stop this process
-
-
-if (_launcher := os.environ.get(_SERVER_VARIABLE, "")).isdigit():
-    _die_with(int(_launcher))  # the launcher's pid, set in the server's environment by _start_worker_server
-    _SERVER_PID = os.getpid()
-    # A signal sent to every process of the job (a process-group kill, Slurm's
-    # scancel --signal) must not kill the server: the launcher would read its
-    # workers' status from the dead server as exit code 255 while they still
-    # run (and checkpoint). Workers set these signals back to the default.
-    for _name in SERVER_IGNORES:
-        signal.signal(getattr(signal, _name), signal.SIG_IGN)
-    # Nor a Ctrl-C while it imports: multiprocessing ignores SIGINT in the server only once the
-    # imports are done, and the launcher, which starts the server before its own imports, has a
-    # Ctrl-C of that moment to report itself. The server was born with SIGINT blocked (see
-    # _start_worker_server): one pressed since then is dropped here. Workers take Python's handler back.
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _SERVER_IGNORED_CTRL_C = True
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    # The server only imports, then forks: no collection while it imports torch (about a quarter of
-    # torch._dynamo's import time), nor ever after, so that no page it shares with its workers is
-    # written by a collection. Each worker freezes what it inherits and collects again (_worker_main).
-    gc.disable()
 
 
 @dataclass(frozen=True)
@@ -270,394 +163,12 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
             raise UserError(f"master_port={port} is already in use on {host}; {fix}") from None
 
 
-def _quiet_elastic_logs() -> None:
-    # The agent logs every lifecycle step, and each failure with a traceback of
-    # its own polling code; ddpkit reports the root cause itself.
-    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-    for name in [*prefixes, *logging.root.manager.loggerDict]:
-        if name.startswith(prefixes):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _fresh_store_per_restart() -> contextlib.AbstractContextManager:
+def _fresh_store_per_restart() -> contextlib.AbstractContextManager[None]:
     # torch's c10d rendezvous would share its own store with the workers across rounds, served on every
     # interface (pytorch/pytorch#135712: restarted workers then read the dead workers' gloo addresses).
     # Not shared, it only hands out an address, and ddpkit's loopback backend serves each round a new
     # store instead (read by the agent at each rendezvous, so set for the launch only).
-    return _environ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-
-@contextlib.contextmanager
-def _environ(key: str, value: str) -> Iterator[None]:
-    """Set ``key`` in os.environ for the block (spawned workers inherit it), then restore it."""
-    previous = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
-
-
-@contextlib.contextmanager
-def worker_server() -> Iterator[None]:
-    """Keep the warm process workers are forked from running for the block; nested blocks share one.
-
-    The server starts importing :data:`WORKER_PRELOAD` at once, in its own
-    process: call this before the launcher's own work (parsing the config
-    imports torch too) and the two run side by side. It is stopped when the
-    outermost block ends, so that no process outlives a launch.
-    """
-    global _server_users
-    _server_users += 1
-    try:  # (a Ctrl-C as the server starts still stops it)
-        if _server_users == 1:
-            _start_worker_server()
-        yield
-    finally:
-        _server_users -= 1
-        if _server_users == 0:
-            _stop_worker_server()
-
-
-def _start_worker_server() -> None:
-    """Start the server, its Ctrl-C held until it ignores one (the launcher reports a Ctrl-C of this moment)."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
-    # The resource tracker first: starting it unblocks SIGINT, which the server must be born with blocked.
-    multiprocessing.resource_tracker.ensure_running()
-    ctrl_c = {signal.SIGINT}
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, ctrl_c)
-    try:
-        # The server's environment only (workers get the launcher's): the launcher's pid, which it dies with.
-        with _environ(_SERVER_VARIABLE, str(os.getpid())):
-            multiprocessing.forkserver.ensure_running()
-    finally:
-        if signal.SIGINT not in held:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, ctrl_c)  # a Ctrl-C pressed meanwhile is raised here
-
-
-def _stop_worker_server() -> None:
-    # Killed, not asked to exit: its workers are gone and it holds nothing to
-    # flush, while an interpreter that imported torch takes about a second to
-    # tear itself down. ForkServer._stop (the standard library's own way to
-    # stop its server, used by its tests) then reaps it and removes its socket.
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(server._forkserver_pid, signal.SIGKILL)
-    server._stop()
-
-
-def _finish_workers_that_exit_without_returning() -> None:
-    """Make torch's agent take a worker that exited with status 0 but returned nothing as finished.
-
-    torch's ``MultiprocessContext`` waits for every worker's return value,
-    which its wrapper sends after the worker's function returns. A worker
-    that ends with ``os._exit(0)`` (a script skipping its interpreter's
-    teardown) sends none: the agent then polls forever, although every
-    worker is gone. Once all workers have exited with status 0, the ones
-    without a value are taken as having returned None. Installed once, in
-    the launcher's process only; a non-zero exit stays a failure.
-    """
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, RunProcsResult
-
-    torch_poll = MultiprocessContext._poll
-    if getattr(torch_poll, "ddpkit_finishes_silent_exits", False):
-        return
-
-    def poll(self: MultiprocessContext) -> RunProcsResult | None:
-        result = torch_poll(self)
-        if result is not None or self._pc is None or self._pc.sentinels:
-            return result  # done, failed, or a worker still runs
-        for local_rank, queue in self._ret_vals.items():
-            if local_rank not in self._return_values:
-                self._return_values[local_rank] = None if queue.empty() else queue.get()
-        self._worker_finished_event.set()
-        self.close()
-        return RunProcsResult(return_values=self._return_values, stdouts=self.stdouts, stderrs=self.stderrs)
-
-    poll.ddpkit_finishes_silent_exits = True
-    MultiprocessContext._poll = poll
-
-
-def _announce_restarts() -> None:
-    """Make torch's agent print one line per restart: which rank failed, how, and restart k of n.
-
-    The agent restarts the group silently (its own logs are quieted: see
-    ``_quiet_elastic_logs``). Installed once, in the launcher's process only.
-    """
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    if getattr(LocalElasticAgent._restart_workers, "ddpkit_announces", False):
-        return
-    torch_monitor, torch_restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
-
-    def monitor(self: LocalElasticAgent, worker_group: Any) -> Any:
-        result = torch_monitor(self, worker_group)
-        self.ddpkit_failures = result.failures
-        return result
-
-    def restart(self: LocalElasticAgent, worker_group: Any) -> None:
-        limit = worker_group.spec.max_restarts
-        print(
-            f"ddpkit: {_first_failure(getattr(self, 'ddpkit_failures', {}))}; restarting the workers "
-            f"(restart {limit - self._remaining_restarts} of {limit}); they resume from the newest checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-        torch_restart(self, worker_group)
-
-    restart.ddpkit_announces = True
-    LocalElasticAgent._monitor_workers = monitor
-    LocalElasticAgent._restart_workers = restart
-
-
-def _host_outlives_the_exit_barrier() -> None:
-    """Keep node 0's agent, which serves the rendezvous store, until every node's agent has left the exit barrier.
-
-    torch's agents meet at an exit barrier when their workers are done; node 0's
-    returns as soon as the last one arrives and its process exits, closing the
-    store while another node's agent may still be reading the barrier's answer
-    from it. That agent then prints c10d's "Failed to recv ... Did the remote
-    server shutdown or crash?" with a C++ stack, after a job that succeeded.
-    Installed once, in the launcher's process only.
-    """
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    if getattr(LocalElasticAgent._exit_barrier, "ddpkit_waits", False):
-        return
-    torch_exit_barrier = LocalElasticAgent._exit_barrier
-
-    def exit_barrier(self: LocalElasticAgent) -> None:
-        torch_exit_barrier(self)
-        group = self._worker_group
-        if group.group_world_size < 2:
-            return
-        try:
-            left = self._store.add(AGENTS_LEFT_KEY, 1)
-            deadline = time.monotonic() + EXIT_BARRIER_GRACE_S
-            while group.group_rank == 0 and left < group.group_world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = self._store.add(AGENTS_LEFT_KEY, 0)
-        except RuntimeError:  # the store is gone (node 0 ended first after all): nothing left to wait for
-            pass
-
-    exit_barrier.ddpkit_waits = True
-    LocalElasticAgent._exit_barrier = exit_barrier
-
-
-def _exit_codes_at_shutdown() -> None:
-    """Make torch's agent note how its workers ended when a signal stopped it, for :class:`StoppedBySignal`.
-
-    On a signal the agent passes it on to the workers, waits for them (then
-    kills those left) and re-raises its ``SignalException``, which carries
-    only the signal. Its ``_shutdown`` runs inside that ``except`` block, so
-    the wrapper below finds the exception there and attaches the workers'
-    exit codes by global rank (read by :func:`launch_local` only). Installed
-    once, in the launcher's process only.
-    """
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    if getattr(LocalElasticAgent._shutdown, "ddpkit_notes_exit_codes", False):
-        return
-    torch_shutdown = LocalElasticAgent._shutdown
-
-    def shutdown(self: LocalElasticAgent, *args: Any, **kwargs: Any) -> None:
-        torch_shutdown(self, *args, **kwargs)
-        handled = sys.exc_info()[1]
-        processes = getattr(getattr(self._pcontext, "_pc", None), "processes", None)  # forkserver workers
-        if isinstance(handled, SignalException) and processes is not None:
-            ranks = {worker.local_rank: worker.global_rank for worker in self._worker_group.workers}
-            handled.ddpkit_exit_codes = {  # type: ignore[attr-defined]
-                ranks.get(local_rank, local_rank): process.exitcode for local_rank, process in enumerate(processes)
-            }
-
-    shutdown.ddpkit_notes_exit_codes = True
-    LocalElasticAgent._shutdown = shutdown
-
-
-def _first_failure(failures: Mapping[int, Any]) -> str:
-    """'rank 1 was killed by SIGKILL' for the earliest of a round's failures (the root cause)."""
-    if not failures:
-        return "a worker failed"
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    if failure.exitcode < 0:
-        return f"rank {rank} was killed by {failure.signal_name()}"
-    return f"rank {rank} exited with status {failure.exitcode}"
-
-
-@contextlib.contextmanager
-def _environ_restored() -> Iterator[None]:
-    """Give the caller its os.environ back: the agent writes into it (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _worker_main(
-    launcher_pid: int, launcher_environ: Mapping[str, str], title: str, fn: Callable[..., Any], *args: Any
-) -> Any:
-    """A forked worker: the launcher's environment, its own process group and the default start method; ``fn``.
-
-    The agent has set this worker's variables (RANK, LOCAL_RANK, ...) over
-    the server's environment; they are kept over ``launcher_environ``, the
-    launcher's environment at the launch. A variable the agent sets to the
-    value the server already had is taken from the launcher.
-
-    In a process group of its own, the worker does not get the terminal's
-    Ctrl-C: the launcher passes on one SIGINT per Ctrl-C (see
-    :class:`_CtrlC`), so a worker can tell the first (checkpoint and stop)
-    from the second (stop now). The agent's start method becomes a worker's
-    own default; a DataLoader's workers are then forked as under ``python
-    script.py`` or torchrun. ``fn`` runs with one failure report
-    (:func:`run_reporting_failure`); a KeyboardInterrupt ends the worker with
-    status 130 and no traceback.
-
-    With a ``title`` (the program), the process is titled ``ddpkit rank r/w:
-    TITLE``. A stdout that is not a terminal (the agent redirected it into
-    its file) is made line-buffered, as on a terminal: Python would hold
-    prints back until 8 KiB.
-    """
-    _die_with(_SERVER_PID or launcher_pid)  # forked from the worker server, or from the launcher itself
-    enable_in_forked_worker()  # the server never collects (see ddpkit.gc_pause)
-    for name in SERVER_IGNORES:  # (from the fork until here, a few milliseconds, they are ignored)
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    if _SERVER_IGNORED_CTRL_C or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        # (Ignored by the launcher, in a background job: left so.) Forked from the launcher itself
-        # (start_method "fork"), a worker inherits its handler of Ctrl-C.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.setpgrp()
-    worker_variables = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher_environ)
-    os.environ.update(worker_variables)
-    if title:
-        rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-        set_process_title(f"ddpkit rank {rank}/{world_size}: {title}", f"r{rank}:{_program_name(title)}")
-    if isinstance(sys.stdout, io.TextIOWrapper) and not sys.stdout.isatty():  # (a notebook's stream is neither)
-        sys.stdout.reconfigure(line_buffering=True)
-    folder = os.environ.get(FAILURE_DIR_VARIABLE, "")
-    try:
-        if folder and os.path.exists(os.path.join(folder, INTERRUPTED_MARKER)):
-            raise KeyboardInterrupt  # a restart after Ctrl-C: the user asked to stop
-        multiprocessing.set_start_method(None, force=True)
-        result = run_reporting_failure(fn, *args)
-    except KeyboardInterrupt:
-        sys.exit(EXIT_INTERRUPTED)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C must not break the exit (atexit handlers)
-    return result
-
-
-def _program_name(title: str) -> str:
-    """The program a title names, short: ``train.py`` (a script), ``pkg.train`` (``-m pkg.train``), ``ddpkit-train``."""
-    words = title.split()
-    if script := next((word for word in words if word.endswith(".py")), ""):
-        return os.path.basename(script)
-    if "-m" in words[:-1]:
-        return words[words.index("-m") + 1]
-    return "-".join(words[:2])
-
-
-class _CtrlC:
-    """The launcher's SIGINT handler: each Ctrl-C is passed on to the workers once.
-
-    The workers take the first as a preemption (finish the step, checkpoint,
-    exit 130) and the second as "stop now": those still running
-    :data:`STOP_NOW_GRACE_S` later (stuck in a collective) are killed. The
-    first also leaves a marker, so that the agent's restarts
-    (``max_restarts``) start nothing more.
-    """
-
-    def __init__(self, failure_dir: str):
-        self.failure_dir = failure_dir
-        self.count = 0
-        """Ctrl-C presses so far."""
-        self.kill_timer: threading.Timer | None = None
-        """After the second: kills the workers still running (cancelled when the launch ends first)."""
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.count == 1:
-            open(os.path.join(self.failure_dir, INTERRUPTED_MARKER), "w").close()
-            print(
-                "\nddpkit: Ctrl-C: the workers finish their step, write a checkpoint and stop "
-                "(Ctrl-C again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-        workers = [child.pid for child in multiprocessing.active_children() if child.pid]  # the agent's workers
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGINT)
-        if self.count == 2:
-            print("ddpkit: Ctrl-C again: stopping the workers now", file=sys.stderr, flush=True)
-            # A worker inside a collective (a barrier a peer never joins) does not return to Python, where its
-            # KeyboardInterrupt would be raised: after a moment to stop on its own, it is killed.
-            self.kill_timer = threading.Timer(STOP_NOW_GRACE_S, _kill_process_groups, (workers,))
-            self.kill_timer.daemon = True
-            self.kill_timer.start()
-
-
-def _kill_process_groups(pids: list[int]) -> None:
-    """SIGKILL each worker of ``pids`` with its process group (its DataLoader workers and subprocesses)."""
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)  # a worker leads a group of its own (_worker_main)
-        except ProcessLookupError:  # gone already, or not yet in its own group
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def _ctrl_c_passed_on(failure_dir: str) -> Iterator[_CtrlC]:
-    """Install :class:`_CtrlC` for SIGINT for the block (main thread only), then restore the previous handler."""
-    handler = _CtrlC(failure_dir)
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: leave SIGINT alone
-        yield handler
-        return
-    try:
-        yield handler
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if handler.kill_timer is not None:  # the workers are gone: their pids must not be killed later
-            handler.kill_timer.cancel()
-
-
-@contextlib.contextmanager
-def _signals_passed_on(names: tuple[str, ...], failure_dir: str) -> Iterator[None]:
-    """For the block, pass each signal of ``names`` on to the workers instead of dying of it (main thread only).
-
-    torch's agent does so itself (:data:`AGENT_SIGNALS`) when it runs in the
-    main thread; with start_method "fork" it runs in a thread of its own,
-    where Python cannot handle signals. Like Ctrl-C, a signal passed on
-    leaves the marker that stops restarts: the job was asked to end.
-    """
-
-    def pass_on(signum: int, frame: Any) -> None:
-        open(os.path.join(failure_dir, INTERRUPTED_MARKER), "w").close()
-        for child in multiprocessing.active_children():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signum)
-
-    previous = {}
-    try:
-        for name in names:
-            previous[name] = signal.signal(getattr(signal, name), pass_on)
-    except ValueError:  # not the main thread: leave the signals alone
-        pass
-    try:
-        yield
-    finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
+    return environ_set("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def _in_a_thread_of_its_own(call: Callable[..., Any], *args: Any) -> Any:
@@ -690,7 +201,7 @@ def _in_a_thread_of_its_own(call: Callable[..., Any], *args: Any) -> Any:
     return outcome["result"]
 
 
-def _launch_config(spec: LaunchSpec) -> Any:
+def _launch_config(spec: LaunchSpec) -> LaunchConfig:
     """torch's LaunchConfig for ``spec``: one node's loopback rendezvous, or several nodes' static one."""
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -744,12 +255,9 @@ def _static_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterator[ConsoleTee | None]:
-    """With ``spec.log_dir``: the workers' output into their files, the shown ranks' copied to the console.
-
-    Yields the tee (None without a log_dir). When the block ends, the console has shown everything the
-    workers wrote, and one line names the ranks not shown that wrote to stderr.
-    """
+def _rank_files(spec: LaunchSpec, config: LaunchConfig, failure_dir: str) -> Iterator[RankOutput | None]:
+    """With ``spec.log_dir``: this launch's rank files (:func:`ddpkit.launchers.output.rank_output`), given to
+    torch's agent (their paths, and its error files in ``failure_dir``); None without a log_dir."""
     if not spec.log_dir:
         yield None
         return
@@ -757,17 +265,9 @@ def _output_to_files(spec: LaunchSpec, config: Any, failure_dir: str) -> Iterato
 
     error_dir = os.path.join(failure_dir, "errors")  # torch's error files (a folder: _recorded_failures skips it)
     os.makedirs(error_dir)
-    log_dir = output.new_log_dir(spec.log_dir)  # this launch's own: another's is never touched
-    tee = output.ConsoleTee(spec.show_ranks, sys.stdout, sys.stderr)
-    config.logs_specs = output.RankLogs(str(log_dir), error_dir, tee)
-    print(f"ddpkit: {output.where(log_dir, spec.show_ranks)}", file=sys.stderr, flush=True)
-    tee.start()
-    try:
-        yield tee
-    finally:
-        tee.stop()
-        if note := output.hidden_stderr_note(tee):
-            print(note, file=sys.stderr, flush=True)
+    with output.rank_output(spec.log_dir, spec.show_ranks, sys.stdout, sys.stderr) as files:
+        config.logs_specs = output.RankLogs(str(files.folder), error_dir, files.tee)
+        yield files
 
 
 def with_its_output(failure: WorkerFailure, tee: ConsoleTee) -> WorkerFailure:
@@ -811,11 +311,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
         # workers without a checkpoint).
         config.signals_to_handle = ",".join(names)
     forked = spec.start_method == "fork"  # the agent in a thread of its own: this thread passes the signals on
-    _quiet_elastic_logs()
-    _finish_workers_that_exit_without_returning()
-    _announce_restarts()
-    _host_outlives_the_exit_barrier()
-    _exit_codes_at_shutdown()
+    libc_prctl()  # resolved before any fork (ddpkit.launchers.signals)
     failed: list[tuple[WorkerFailure, Path]] = []  # added to their ranks' stderr files once the console showed them
     try:
         return _launch_recording_failures(spec, config, forked, names, failed, fn, *args)
@@ -826,7 +322,7 @@ def launch_local(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[i
 
 def _launch_recording_failures(
     spec: LaunchSpec,
-    config: Any,
+    config: LaunchConfig,
     forked: bool,
     names: tuple[str, ...],
     failed: list[tuple[WorkerFailure, Path]],
@@ -834,27 +330,37 @@ def _launch_recording_failures(
     *args: Any,
 ) -> dict[int, Any]:
     """:func:`launch_local`'s launch; each rank's recorded error and its stderr file are added to ``failed``."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from ddpkit.launchers.agent import ddpkit_agent
+    from ddpkit.launchers.torch_internals import SignalException
+
     with (
         tempfile.TemporaryDirectory(prefix="ddpkit-failures-") as failure_dir,
-        _output_to_files(spec, config, failure_dir) as tee,
+        _rank_files(spec, config, failure_dir) as rank_files,
     ):
+        tee = rank_files.tee if rank_files is not None else None
+        log_dir = str(rank_files.folder) if rank_files is not None else ""
         try:
             with (
                 contextlib.nullcontext() if forked else worker_server(),
-                _environ_restored(),
+                environ_restored(),
                 _fresh_store_per_restart(),
-                _environ(FAILURE_DIR_VARIABLE, failure_dir),
-                _ctrl_c_passed_on(failure_dir) as ctrl_c,
-                _signals_passed_on(names if forked else (), failure_dir),
+                environ_set(FAILURE_DIR_VARIABLE, failure_dir),
+                ctrl_c_passed_on(failure_dir) as ctrl_c,
+                signals_passed_on(names if forked else (), failure_dir),
+                ddpkit_agent() as report,
             ):
-                run = elastic_launch(config, _worker_main)
+                run = elastic_launch(config, worker_main)
+                results: dict[int, Any]
                 if forked:
-                    return _in_a_thread_of_its_own(run, os.getpid(), dict(os.environ), spec.title, fn, *args)
-                return run(os.getpid(), dict(os.environ), spec.title, fn, *args)
+                    results = _in_a_thread_of_its_own(
+                        run, os.getpid(), dict(os.environ), spec.title, log_dir, fn, *args
+                    )
+                else:
+                    results = run(os.getpid(), dict(os.environ), spec.title, log_dir, fn, *args)
+                return results
         except ChildFailedError as e:
             failure = root_cause(e.failures, failure_dir)
             if ctrl_c.count and failure.exitcode != EXIT_INTERRUPTED:
@@ -868,4 +374,4 @@ def _launch_recording_failures(
             raise LaunchError(failure) from None
         except SignalException as e:
             name = signal.Signals(e.sigval).name
-            raise StoppedBySignal(name, getattr(e, "ddpkit_exit_codes", {})) from None
+            raise StoppedBySignal(name, report.exit_codes) from None

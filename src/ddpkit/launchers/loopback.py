@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -44,8 +43,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ddpkit.launchers.torch_internals import parse_rendezvous_endpoint
 from ddpkit.served_store import ServedStore
 
 BACKEND = "ddpkit-loopback"
@@ -112,9 +111,9 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
     if host != LOOPBACK:
         raise ValueError(f"the {BACKEND} rendezvous serves {LOOPBACK} only, not {host!r}")
-    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     rendezvous_store = ServedStore(LOOPBACK, port, timeout)
-    store: Store = rendezvous_store.store
+    store = rendezvous_store.store
     assert store is not None
     inner = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
     return LoopbackRendezvousHandler(inner, rendezvous_store, timeout)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, Store, TCPStore
+import torch.distributed
+from torch.distributed.distributed_c10d import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -35,8 +36,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ddpkit.launchers.torch_internals import parse_rendezvous_endpoint
 from ddpkit.served_store import ServedStore
 
 BACKEND = "ddpkit-static"
@@ -73,7 +74,10 @@ class StaticRendezvousHandler(RendezvousHandler):
             self._served = ServedStore(self._listen_address, self._master_port, self._timeout, self._num_nodes)
             assert self._served.store is not None
             return self._served.store
-        return TCPStore(self._master_addr, self._master_port, self._num_nodes, False, self._timeout)
+        # (torch.distributed re-exports TCPStore from its C extension without listing it in __all__)
+        return torch.distributed.TCPStore(  # type: ignore[attr-defined]
+            self._master_addr, self._master_port, self._num_nodes, False, self._timeout
+        )
 
     @property
     def use_agent_store(self) -> bool:
