@@ -44,14 +44,6 @@ def test_ddpkit_train_is_held_to_the_public_api():
     assert not [line for line in contract.get("ignore_imports", []) if "-> ddpkit.checkpoint.manager" in line]
 
 
-def test_no_module_of_the_commands_or_the_trainer_is_over_500_lines():
-    src = PYPROJECT.parent / "src" / "ddpkit"
-    paths = [*(src / "commands").glob("*.py"), *(src / "train").glob("*.py"), src / "keyvalue.py"]
-    paths += [src / "launchers" / name for name in ("script.py", "options.py", "sbatch.py")]
-    long = {str(path.relative_to(src)): n for path in paths if (n := len(path.read_text().splitlines())) > 500}
-    assert long == {}
-
-
 def test_the_old_entry_point_of_a_script_still_runs_the_command(capsys):
     import ddpkit.cli
 

@@ -6,8 +6,9 @@ the Checkpointer decides when to ask, and :class:`SaidOnce` says each at most on
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -109,6 +110,21 @@ def differing_extras(names: list[str], digests_by_rank: list[Mapping[str, str]])
         f"extra object(s) {listed} hold tensors that differ between the ranks, and extra= is saved from rank 0: "
         f"a resumed run would give every rank rank 0's; pass them as per_rank={{...}} to save each rank's own"
     )
+
+
+class _Unwritten(Protocol):
+    rank: int
+    global_step: int
+
+    def unwritten(self) -> str: ...
+
+
+def say_if_unwritten(ref: weakref.ReferenceType[_Unwritten]) -> None:
+    """At exit, rank 0: a checkpoint waited for ``close()``, which the script never called (``ref``: the
+    Checkpointer, weakly held, so that the registration at exit keeps no Checkpointer alive)."""
+    ckpt = ref()
+    if ckpt is not None and ckpt.rank == 0 and ckpt.unwritten():
+        get_logger().warning(unwritten_at_exit(ckpt.global_step, ckpt.unwritten()))
 
 
 def unwritten_at_exit(global_step: int, reason: str) -> str:

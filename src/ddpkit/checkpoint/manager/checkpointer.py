@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import atexit
-import builtins
 import os
 import sys
 import time
@@ -15,24 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint.disk.folder_lock import FolderLock
-from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints
 from ddpkit.checkpoint.manager import select
-from ddpkit.checkpoint.manager.advice import SaidOnce, no_best_metric, unskipped_batches, unwritten_at_exit
+from ddpkit.checkpoint.manager.advice import SaidOnce, say_if_unwritten, unskipped_batches
 from ddpkit.checkpoint.manager.best import BestMetric
 from ddpkit.checkpoint.manager.epochs import EpochCounter
+from ddpkit.checkpoint.manager.metrics import CheckpointMetrics
 from ddpkit.checkpoint.manager.preemption import (
     Agreement,
     Preempted,
     PreemptionSignals,
-    preempted_line,
-    requeue_slurm_job,
+    say_preempted,
     signal_name,
 )
 from ddpkit.checkpoint.manager.restore import (
-    Restored,
     ResumePoint,
     choose_and_load,
-    continue_batches,
     epoch_length,
     restore_checkpoint,
 )
@@ -44,7 +40,6 @@ from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
-from ddpkit.log import get_logger
 
 
 class Checkpointer:
@@ -121,11 +116,6 @@ class Checkpointer:
         self.objects = collect_objects(model, optimizer, scheduler, scaler, loader, extra or {}, per_rank or {})
         self.per_rank = sorted(per_rank or {})
         """The names of the objects saved for every rank (``per_rank=``)."""
-        self.timeout = timeout
-        self.best = BestMetric(self.options.best_metric, self.options.best_mode)
-        """The best value of ``best_metric`` so far, which picks the ``best-*`` checkpoint."""
-        self.config = dict(config or {})
-        self.meta = dict(meta or {})
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.last_path: Path | None = None
@@ -143,14 +133,12 @@ class Checkpointer:
         )
         self.async_save = self.options.resolve_async_save(model_devices(self.objects))
         """True when saves are written in the background (the option resolved: "auto" is True for a GPU model)."""
-        self._epoch_ends = 0  # epoch_end() calls in this process
         self._write_failed = False  # a save raised (a full disk, a rank missing)
         self.finished = False
         """True when the checkpoint resumed from was written by a run that finished (``close()`` after it)."""
         self._told = SaidOnce(self.rank)  # the once-only warnings
-        self._step_metrics: tuple[dict[str, float], bool] = ({}, False)  # of the newest checkpoint's step
-        self._pending_metrics: tuple[dict[str, float], bool] = ({}, False)  # for the epoch's checkpoint to come
-        restart = self.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.metrics = CheckpointMetrics(BestMetric(self.options.best_metric, self.options.best_mode), self._told)
+        """The metrics each checkpoint carries, and the best so far (``metrics.best``)."""
         self._saving = saving_parts(
             self.root,
             self.objects,
@@ -161,15 +149,14 @@ class Checkpointer:
             self.world_size,
             self.async_save,
             timeout,
-            restart,
-            self.config,
-            self.meta,
+            self.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            dict(config or {}),
+            dict(meta or {}),
             self._saved,
         )
         # Rank 0's writer (None on the other ranks), a sharded model's state, every rank's check-ins at a save:
         self.writer, self.shards, self.check_ins = self._saving.writer, self._saving.shards, self._saving.check_ins
-        self._started = False
-        self._preempted = self._closed = False
+        self._started = self._preempted = self._closed = False
         self._lock: FolderLock | None = None
         self.schedule.plan(self.global_step, self.agreement.next_step)
 
@@ -193,7 +180,7 @@ class Checkpointer:
             self.loader.step_boundary.register(self._at_boundary)
             if progress := self.check_ins.follow_loop(default_store):
                 atexit.register(progress.stop)
-        atexit.register(_say_if_unwritten, weakref.ref(self))
+        atexit.register(say_if_unwritten, weakref.ref(self))
 
     # -- resuming ----------------------------------------------------------------
 
@@ -236,27 +223,19 @@ class Checkpointer:
             restored = restore_checkpoint(
                 path, loaded, self.objects, self.per_rank, self.shards, self.rank, self.world_size
             )
-            self._apply(path, restored)
+            self.global_step, self.finished, self.last_path = restored.global_step, restored.finished, path
+            self.epochs.restore(restored)
+            self.metrics.best.restore(restored.best)
+            self.schedule.saved(self.global_step)
+            self.metrics.written((restored.metrics, False))
+            if self.rank == 0:
+                self.epochs.log_resume(path, restored, self.world_size)
         self.agreement.start(self.global_step)
         self.schedule.plan(self.global_step, self.agreement.next_step)
         if path is None:
             return ResumePoint(epoch=first_epoch, global_step=self.global_step)
         epoch, step = self.epochs.resumed(self.global_step)
         return ResumePoint(epoch, step, self.global_step, path, loaded["manifest"], self.finished)
-
-    def _apply(self, path: Path, restored: Restored) -> None:
-        """Take the counters and facts of the checkpoint restored; rank 0 says where training continues."""
-        self.global_step, self.finished = restored.global_step, restored.finished
-        self.epochs.restore(restored)
-        self.best.restore(restored.best)
-        self.last_path = path
-        self.schedule.saved(self.global_step)
-        self._step_metrics = (restored.metrics, False)
-        if self.rank == 0:
-            self.epochs.log_resume(path, restored, self.world_size)
-
-    def _resume_point(self) -> tuple[int, int]:
-        return self.epochs.resume_point(self.global_step)
 
     def enumerate(self, batches: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         """``enumerate(batches)`` counting the batches of the epoch: after a resume, from where it continues.
@@ -274,11 +253,7 @@ class Checkpointer:
         Returns:
             An iterator of (step_in_epoch, batch).
         """
-        skip = self.epochs.take_skip()
-        held: object = self.loader
-        if batches is held:  # restored: it hands out the epoch's remaining batches
-            return builtins.enumerate(batches, skip)
-        return builtins.enumerate(continue_batches(batches, skip) if skip else batches, skip)
+        return self.epochs.enumerate(batches)
 
     # -- the per-step and per-epoch hooks ---------------------------------------------
 
@@ -329,11 +304,7 @@ class Checkpointer:
 
     def _save_pending_or(self, reason: str) -> None:
         """Write this step's checkpoint, with the metrics and best mark ``epoch_end()`` gave it when it waited."""
-        metrics, best = self._pending_metrics if self.schedule.pending_at(self.global_step) else ({}, False)
-        if reason == "epoch_end" and not self._epoch_ends and self.best.metric:  # an epoch ended, no metrics came
-            self._told.say("best_metric", no_best_metric(self.best.metric, None))
-        self._pending_metrics = ({}, False)
-        self._write(reason, metrics, best)
+        self._write(reason, *self.metrics.take_pending(self.schedule.pending_at(self.global_step), reason))
 
     def epoch_end(self, metrics: Mapping[str, float] | None = None) -> Path | None:
         """Mark the end of an epoch (after its evaluation): save as due and keep the best.
@@ -353,22 +324,19 @@ class Checkpointer:
         self.epochs.end_epoch(self.global_step)
         if self.epochs.holds_no_position():
             # A checkpoint inside an epoch before this first epoch_end() holds no data position: said once.
-            self._told.position_not_held(self.global_step, self._resume_point(), self.epochs.completed_epochs)
-        values = dict(metrics or {})
-        self._epoch_ends += 1
-        self._told.say("best_metric", no_best_metric(self.best.metric, values))
-        improved = self.best.improves(values)
+            self._say_no_position()
+        values, improved = self.metrics.given(metrics)
         saved_here = self.schedule.saved_step == self.global_step and self.last_path is not None
         if self.loader is not None and saved_here:
-            self._on_rank_zero(lambda: self._annotate({"metrics": values, "best": self.best.info()}, improved))
-            self._step_metrics = (values, improved or self._step_metrics[1])
+            self._on_rank_zero(lambda: self._annotate({"metrics": values, "best": self.metrics.best.info()}, improved))
+            self.metrics.add_to_written(values, improved)
             return None
         if self.loader is not None:
             # Written at the next boundary, once the code after this call has run too (a scheduler's step).
             if self.schedule.pending_at(self.global_step) or improved or self.options.on_epoch_end:
                 reason = self.schedule.pending_reason or "epoch_end"
                 self.schedule.defer(self.global_step, self.loader.position().epoch, reason)
-                self._pending_metrics = (values, improved)
+                self.metrics.wait_for_checkpoint(values, improved)
             return None
         if self.options.on_epoch_end or improved or saved_here:
             return self._write("epoch_end", values, best=improved)
@@ -383,9 +351,9 @@ class Checkpointer:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
         name = signal_name(signum)
         if self.rank == 0:
-            get_logger().warning(preempted_line(name, self.global_step, self.last_path, self.continue_hint))
-            if self.options.requeue:
-                get_logger().warning(requeue_slurm_job(self.environ))
+            say_preempted(
+                name, self.global_step, self.last_path, self.continue_hint, self.options.requeue, self.environ
+            )
         self._preempted = True
         self.close()
         raise Preempted(name, str(self.last_path))
@@ -422,18 +390,15 @@ class Checkpointer:
     def _write(self, reason: str, metrics: Mapping[str, float] | None = None, best: bool = False) -> Path | None:
         start = time.perf_counter()
         if self.epochs.holds_no_position():  # a checkpoint inside an epoch: no data position
-            self._told.position_not_held(self.global_step, self._resume_point(), self.epochs.completed_epochs)
+            self._say_no_position()
         self._told.scheduler_not_held(self.objects)
         steps_per_epoch = self.epochs.steps_per_epoch
         if steps_per_epoch and not self.epochs.completed_epochs and self.global_step > steps_per_epoch:
             # A torch DataLoader's first epoch has ended, and no epoch_end() came after it: no metric either.
-            self._told.say("best_metric", no_best_metric(self.best.metric, None))
+            self.metrics.say_none_given()
         replacing = self.global_step == self.schedule.saved_step and self.last_path is not None
-        if replacing and metrics is None:
-            # Replacing this step's checkpoint: it keeps the metrics (and the best mark) the step was given.
-            metrics, best = self._step_metrics[0], best or self._step_metrics[1]
-        values = dict(metrics or {})
-        facts = self.epochs.save_facts(reason, self.global_step, values, best, self.best.info(), replacing)
+        values, best = self.metrics.for_write(replacing, metrics, best)  # a replacement keeps the step's metrics
+        facts = self.epochs.save_facts(reason, self.global_step, values, best, self.metrics.best.info(), replacing)
         try:
             path = self._saving.save(facts, lambda: bool(self.signals.received))
         except BaseException:
@@ -443,7 +408,7 @@ class Checkpointer:
             return None
         self.last_path = path
         self.schedule.saved(self.global_step)
-        self._step_metrics = (values, best)
+        self.metrics.written((values, best))
         self.agreement.saved()
         self.save_seconds += time.perf_counter() - start
         return path
@@ -482,6 +447,10 @@ class Checkpointer:
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
         return on_rank_zero(fn, self.rank, self.world_size)
 
+    def _say_no_position(self) -> None:
+        resume_point = self.epochs.resume_point(self.global_step)
+        self._told.position_not_held(self.global_step, resume_point, self.epochs.completed_epochs)
+
     # -- the end ----------------------------------------------------------------------
 
     def close(self) -> None:
@@ -499,34 +468,23 @@ class Checkpointer:
         """
         failed = sys.exc_info()[0] is not None or self._write_failed
         try:
-            steps_unsaved = self.global_step > max(self.schedule.saved_step, 0)
-            if not failed and not self._closed and not self._preempted and steps_unsaved:
+            if not failed and not self._closed and not self._preempted and self.schedule.unsaved(self.global_step):
                 self.start()  # a loop with no cadence may have written nothing yet: its steps are saved now
             if not failed and self._started and not self._closed:
                 save = self.schedule.at_close(self.global_step)
                 if save is not None:
                     self._carry_out(Save(save.reason))
-                if not self._preempted and self.global_step > max(self.schedule.saved_step, 0):
+                if not self._preempted and self.schedule.unsaved(self.global_step):
                     self._write("final")  # the steps since the last checkpoint
-                if (
-                    self.best.metric
-                    and self.best.value is None
-                    and not self._epoch_ends
-                    and self.epochs.epochs_unknown()
-                ):
-                    # No loader tells where epochs end, and none ended with metrics: the run ends without a best.
-                    self._told.say("best_metric", no_best_metric(self.best.metric, None))
+                # No loader tells where epochs end, and none ended with metrics: the run ends without a best.
+                self.metrics.say_if_never_given(self.epochs.epochs_unknown())
                 if not self._preempted and self.schedule.saved_step == self.global_step and self.last_path:
                     # The run ends here: a resume from this checkpoint has nothing left to train (ResumePoint.finished).
                     self._on_rank_zero(lambda: self._annotate({"finished": True}))
                 self.wait()
         finally:
             self._closed = True
-            if self.shards is not None and failed:
-                self.shards.close()
-            if self.writer is not None:
-                self.writer.close(failed)
-            self.check_ins.stop()
+            self._saving.close(failed)
             if self._lock is not None:
                 self._lock.release()
             if self.loader is not None:
@@ -538,11 +496,4 @@ class Checkpointer:
         return self.schedule.pending_reason if self.schedule.pending_at(self.global_step) else ""
 
 
-def _say_if_unwritten(ref: weakref.ReferenceType[Checkpointer]) -> None:
-    """At exit, rank 0: a checkpoint waited for ``close()``, which the script never called."""
-    ckpt = ref()
-    if ckpt is not None and ckpt.rank == 0 and ckpt.unwritten():
-        get_logger().warning(unwritten_at_exit(ckpt.global_step, ckpt.unwritten()))
-
-
-__all__ = ["Checkpointer", "CheckpointOptions", "ResumePoint", "CheckpointError", "MANIFEST", "list_checkpoints"]
+__all__ = ["Checkpointer", "ResumePoint"]

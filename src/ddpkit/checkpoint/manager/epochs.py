@@ -7,11 +7,12 @@ with none of them has no epochs: its resume point's step in epoch is then the gl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import builtins
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.manager.restore import Restored, log_resume, resume_point_by_length
+from ddpkit.checkpoint.manager.restore import Restored, continue_batches, log_resume, resume_point_by_length
 from ddpkit.checkpoint.manager.saving import SaveFacts
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 
@@ -90,10 +91,17 @@ class EpochCounter:
         self.continue_at = self.at_resume[1]
         return self.at_resume
 
-    def take_skip(self) -> int:
-        """The batches a pass of ``enumerate()`` continues after: a resume's for the first pass, then 0."""
+    def enumerate(self, batches: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+        """``Checkpointer.enumerate``: (step in epoch, batch); the first pass after a resume continues the epoch.
+
+        The loader held (``loader=``, restored) hands out the epoch's remaining batches itself; any other
+        iterable skips those trained already (:func:`~ddpkit.checkpoint.manager.restore.continue_batches`).
+        """
         skip, self.continue_at = self.continue_at, 0
-        return skip
+        held: object = self.loader
+        if batches is held or not skip:
+            return builtins.enumerate(batches, skip)
+        return builtins.enumerate(continue_batches(batches, skip), skip)
 
     def unskipped(self) -> tuple[int, int] | None:
         """Once, at the first step after a mid-epoch resume of a torch DataLoader that ``enumerate()`` did not

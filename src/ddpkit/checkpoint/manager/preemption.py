@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.log import get_logger
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 MAX_SYNC_INTERVAL = 100_000
@@ -192,6 +193,20 @@ class Agreement:
         # workers starting, evaluation, saves), and a jump to thousands of steps would leave a Ctrl-C or a
         # preemption unheard for the rest of a short run.
         return int(min(max(self.sync_seconds * steps / elapsed, 1), 2 * steps, MAX_SYNC_INTERVAL))
+
+
+def say_preempted(
+    signal_name: str,
+    global_step: int,
+    checkpoint: object,
+    continue_hint: str,
+    requeue: bool,
+    environ: Mapping[str, str],
+) -> None:
+    """Rank 0, after a preemption's checkpoint: :func:`preempted_line`, then the job requeued if ``requeue``."""
+    get_logger().warning(preempted_line(signal_name, global_step, checkpoint, continue_hint))
+    if requeue:
+        get_logger().warning(requeue_slurm_job(environ))
 
 
 def requeue_slurm_job(environ: Mapping[str, str]) -> str:

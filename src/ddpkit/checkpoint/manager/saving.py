@@ -204,6 +204,14 @@ class CheckpointSave:
         """The folder was checked already (a resume chose from it): the first save does not check it again."""
         self._folder_checked = True
 
+    def close(self, failed: bool) -> None:
+        """Stop the saving side: a failed run's shard writes dropped, rank 0's writer done, the check-ins over."""
+        if self.shards is not None and failed:
+            self.shards.close()
+        if self.writer is not None:
+            self.writer.close(failed)
+        self.check_ins.stop()
+
     def save(self, facts: SaveFacts, stopping: Callable[[], bool]) -> Path | None:
         """Write one checkpoint (a collective: every rank calls it); return its folder on every rank.
 

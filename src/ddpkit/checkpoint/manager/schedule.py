@@ -150,6 +150,10 @@ class SaveSchedule:
             return Save(self._pending.reason)
         return None
 
+    def unsaved(self, global_step: int) -> bool:
+        """Steps were taken since the last checkpoint (or since the start, when none was written)."""
+        return global_step > max(self.saved_step, 0)
+
     def pending_at(self, global_step: int) -> bool:
         """True when this step's checkpoint waits for the code after its epoch's batch loop."""
         return self._pending is not None and self._pending.global_step == global_step
