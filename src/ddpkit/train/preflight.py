@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit import allocator
+from ddpkit import allocator, get_model_spec
 from ddpkit.checkpoint.options import RESUME_MODES
 from ddpkit.checkpoint.select import candidates, check_resume, restart_count
 from ddpkit.comm.registry import resolve_allreduce
@@ -18,7 +18,6 @@ from ddpkit.distributed import gpu_shortage, resolve_backend, resolve_device
 from ddpkit.env import shared_memory
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import ConfigError
-from ddpkit.models.registry import get_model_spec
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import global_batch_size
 from ddpkit.train.metrics_file import check_logger
