@@ -17,7 +17,6 @@ from ddpkit.data.sources import locate
 from ddpkit.distributed import gpu_shortage, resolve_backend, resolve_device
 from ddpkit.env import shared_memory
 from ddpkit.errors import UserError
-from ddpkit.keyvalue import ConfigError
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import global_batch_size
 from ddpkit.train.metrics_file import check_logger
@@ -48,7 +47,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         raise UserError(shortage)
     _check_shared_memory(cfg)
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
-        raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
+        raise UserError(SYNC_BATCHNORM_NEEDS_CUDA)
     check_logger(cfg.logger)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)
