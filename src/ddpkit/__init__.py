@@ -44,6 +44,7 @@ _PUBLIC = {
     "unwrap_model": "ddpkit.prepare",
     "gradient_sync": "ddpkit.prepare",
     "GradientSync": "ddpkit.comm.grad_sync",
+    "is_sharded": "ddpkit.comm.fsdp",
     # models by name: the reference models and the user's own, as model=NAME takes them
     "ModelSpec": "ddpkit.models.spec",
     "get_model_spec": "ddpkit.models.registry",
@@ -96,6 +97,7 @@ if TYPE_CHECKING:
     from ddpkit.checkpoint.preemption import Preempted
     from ddpkit.checkpoint.rng import seed_everything
     from ddpkit.checkpoint.transfer import TransferReport, apply_transfer
+    from ddpkit.comm.fsdp import is_sharded
     from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.data.loader import DataLoader
     from ddpkit.data.node_shards import NodeShards, stage_node_shards, write_shards
