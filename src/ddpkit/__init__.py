@@ -44,6 +44,11 @@ _PUBLIC = {
     "unwrap_model": "ddpkit.prepare",
     "gradient_sync": "ddpkit.prepare",
     "GradientSync": "ddpkit.comm.grad_sync",
+    "is_sharded": "ddpkit.comm.fsdp",
+    # models by name: the reference models and the user's own, as model=NAME takes them
+    "ModelSpec": "ddpkit.models.spec",
+    "get_model_spec": "ddpkit.models.registry",
+    "register_model": "ddpkit.models.registry",
     # data
     "DataLoader": "ddpkit.data.loader",
     "GlobalBatchSampler": "ddpkit.data.sampler",
@@ -91,6 +96,7 @@ if TYPE_CHECKING:
     from ddpkit.checkpoint import export_checkpoint, list_checkpoints, seed_everything
 
     # isort: on
+    from ddpkit.comm.fsdp import is_sharded
     from ddpkit.comm.grad_sync import GradientSync
     from ddpkit.data.loader import DataLoader
     from ddpkit.data.node_shards import NodeShards, stage_node_shards, write_shards
@@ -98,6 +104,8 @@ if TYPE_CHECKING:
     from ddpkit.distributed import Context, context, init, main_process_first, shutdown
     from ddpkit.errors import UserError
     from ddpkit.launchers.function import launch
+    from ddpkit.models.registry import get_model_spec, register_model
+    from ddpkit.models.spec import ModelSpec
     from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STORAGE
     from ddpkit.prepare import gradient_sync, no_sync, prepare_model, unwrap_model
     from ddpkit.reduce import reduce_sums

@@ -212,7 +212,7 @@ class TrainConfig(LaunchOptions):
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
     """TrainConfig from words, with the chosen model's recipe as defaults."""
-    from ddpkit.models.registry import get_model_spec  # deferred: the registry imports torch
+    from ddpkit import get_model_spec  # deferred: the registry imports torch
 
     model = peek(args, "model", TrainConfig) or TrainConfig.model
     return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))

@@ -52,9 +52,17 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
-from ddpkit import Checkpointer, Context, DataLoader, gradient_sync, no_sync, reduce_sums, unwrap_model
+from ddpkit import (
+    Checkpointer,
+    Context,
+    DataLoader,
+    gradient_sync,
+    is_sharded,
+    no_sync,
+    reduce_sums,
+    unwrap_model,
+)
 from ddpkit.checkpoint import NONFINITE_SUFFIX, last_finite_checkpoint, nonfinite_tensors, set_aside
-from ddpkit.comm.fsdp import is_sharded
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger, stderr_is_terminal

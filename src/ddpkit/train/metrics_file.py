@@ -30,17 +30,16 @@ from typing import Any
 
 from ddpkit.checkpoint import format_bytes, free_bytes
 from ddpkit.errors import UserError
-from ddpkit.keyvalue import ConfigError
 from ddpkit.names import EXIT_STORAGE
 from ddpkit.tracking.backends import BACKENDS, install_hint
 from ddpkit.tracking.jsonl_log import FILE, format_line
 
 
 def check_logger(logger: str) -> None:
-    """Raise ConfigError when ``logger`` needs a package that is not installed (called before any worker starts)."""
+    """Raise UserError when ``logger`` needs a package that is not installed (called before any worker starts)."""
     hint = install_hint(logger) if logger in BACKENDS else None
     if hint is not None:
-        raise ConfigError(f"logger={logger} needs {hint}, or use logger=jsonl")
+        raise UserError(f"logger={logger} needs {hint}, or use logger=jsonl")
 
 
 def tracked_scalars(line: dict[str, Any]) -> dict[str, float]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit import allocator
+from ddpkit import allocator, get_model_spec
 from ddpkit.checkpoint import RESUME_MODES, candidates, check_resume, restart_count
 from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.comm.shm import segment_bytes
@@ -16,8 +16,6 @@ from ddpkit.data.sources import locate
 from ddpkit.distributed import gpu_shortage, resolve_backend, resolve_device
 from ddpkit.env import shared_memory
 from ddpkit.errors import UserError
-from ddpkit.keyvalue import ConfigError
-from ddpkit.models.registry import get_model_spec
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import global_batch_size
 from ddpkit.train.metrics_file import check_logger
@@ -48,7 +46,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
         raise UserError(shortage)
     _check_shared_memory(cfg)
     if cfg.sync_batchnorm and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
-        raise ConfigError(SYNC_BATCHNORM_NEEDS_CUDA)
+        raise UserError(SYNC_BATCHNORM_NEEDS_CUDA)
     check_logger(cfg.logger)
     spec = get_model_spec(cfg.model)
     resolve_task(cfg.task, spec.task, cfg.loss)

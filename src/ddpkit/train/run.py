@@ -3,7 +3,8 @@
 :func:`build_trainer` is the recipe a user's own script follows too
 (``examples/``): ``ddpkit.init``, ``ddpkit.seed_everything``,
 ``ddpkit.apply_transfer`` (``init_from``, ``freeze``), ``ddpkit.prepare_model``,
-``ddpkit.DataLoader``, an optimizer and scheduler, ``ddpkit.Checkpointer``
+``ddpkit.DataLoader``, the model that ``model=NAME`` names
+(``ddpkit.get_model_spec``), an optimizer and scheduler, ``ddpkit.Checkpointer``
 and its ``resume``, and ``ddpkit.export_checkpoint`` at the end. Those come
 from ``ddpkit``'s public names (``ddpkit.__all__``) and the datasets from
 :mod:`ddpkit.datasets`. Besides the trainer's own modules (``ddpkit.train``,
@@ -11,8 +12,6 @@ from ``ddpkit``'s public names (``ddpkit.__all__``) and the datasets from
 which an own loop does without (``tests/train/test_run_imports.py`` keeps
 the imports to this list):
 
-- ``ddpkit.models.get_model_spec``, ``ddpkit.models.ModelSpec``: the model that
-  ``model=NAME`` names (a script builds its own);
 - ``ddpkit.log.get_logger``, ``ddpkit.log.setup_logging``: the command's
   ``[rank r/w]`` log lines;
 - ``ddpkit.gc_pause.import_paused``: torch._dynamo imported with garbage
@@ -51,11 +50,13 @@ from ddpkit import (
     DataLoader,
     FolderInUseError,
     FolderLock,
+    ModelSpec,
     ResumePoint,
     Tracker,
     UserError,
     apply_transfer,
     export_checkpoint,
+    get_model_spec,
     prepare_model,
     seed_everything,
 )
@@ -65,7 +66,6 @@ from ddpkit.errors import exit_status
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
-from ddpkit.models import ModelSpec, get_model_spec
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
