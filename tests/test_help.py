@@ -122,3 +122,13 @@ def test_users_help_never_names_the_benchmarks_workload_labels(capsys, words):
 
     text = help_text(capsys, *words)
     assert re.findall(r"\bW[0-9]+\b", text) == [], f"ddpkit {' '.join(words)}"
+
+
+def test_an_option_of_words_or_a_bool_shows_its_words(capsys):
+    from ddpkit.commands.help import shown_type
+
+    assert shown_type("Literal['auto'] | bool") == "auto|true|false"
+    assert shown_type("Literal['max', 'min']") == "max|min"
+    assert shown_type("int") == "int"
+    assert main(["train", "--help"]) == 0
+    assert "checkpoint.async_save=<auto|true|false>   (default: auto)" in capsys.readouterr().out

@@ -716,3 +716,17 @@ def test_the_stop_button_keeps_a_checkpoint_and_the_next_launch_ends_bit_equal(t
         assert kernel.result(again) == "(True, 4)"
     finally:
         kernel.close()
+
+
+def test_ddpkit_launch_is_a_plain_function_beside_the_launchers_package():
+    import importlib
+    import inspect
+
+    import ddpkit
+    from ddpkit import launch
+
+    importlib.import_module("ddpkit.launchers.local")  # the package of the launchers, under its own name
+    assert ddpkit.launch is launch and inspect.isfunction(launch)
+    assert "nproc" in inspect.signature(ddpkit.launch).parameters
+    package = Path(ddpkit.__file__).parent
+    assert not [p for p in package.rglob("*.py") if "__class__ =" in p.read_text()], "no module changes its class"

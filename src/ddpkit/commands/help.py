@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,8 +116,20 @@ def options(schema: type, prefix: str = "") -> list[Option]:
             continue
         default = factory() if factory is not dataclasses.MISSING else field.default
         annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-        found.append(Option(prefix + field.name, annotation, default, docs.get(field.name, "")))
+        found.append(Option(prefix + field.name, shown_type(annotation), default, docs.get(field.name, "")))
     return found
+
+
+_LITERAL = re.compile(r"Literal\[(.*?)\]")
+
+
+def shown_type(annotation: str) -> str:
+    """An option's type as the command line writes it: ``Literal['auto'] | bool`` is ``auto|true|false``."""
+    literal = _LITERAL.search(annotation)
+    if literal is None:
+        return annotation
+    words = [word.strip().strip("'\"") for word in literal.group(1).split(",")]
+    return "|".join(words + (["true", "false"] if re.search(r"\bbool\b", annotation) else []))
 
 
 def load_schema(path: str) -> type:
