@@ -14,7 +14,7 @@ A process that forks workers follows the standard library's recipe (see
 ``gc.freeze``): collection off in the parent from the start, and in each
 child, first thing, the inherited objects frozen (no collection ever walks
 them, so none of their pages is copied) and collection on again. ddpkit's
-worker server does the first half (:mod:`ddpkit.launchers.local`), its workers
+worker server does the first half (:mod:`ddpkit.launchers.server`), its workers
 the second (:func:`enable_in_forked_worker`).
 """
 

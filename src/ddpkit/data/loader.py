@@ -10,7 +10,7 @@ samples in the same order whatever the world size (with ``global_batch_size``;
 The order is a permutation, 0, 1, 2, ..., or a user's sampler drawn from
 (seed, epoch) (:mod:`ddpkit.data.order`). An ``IterableDataset`` is sharded
 and resumed as :mod:`ddpkit.data.streaming` says. What it adds to torch's
-loader (README, "The DataLoader"):
+loader (the manual, docs/guides/data.md):
 
 - ``state_dict()`` / ``load_state_dict()``: the position in batches handed to
   the loop (:mod:`ddpkit.data.epochs`), loadable at another world size or

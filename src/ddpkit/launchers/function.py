@@ -20,8 +20,7 @@ so ``ddpkit.init()`` joins the job, one report of a failed rank, restarts).
 ``ddpkit.init()`` (``ctx.rank``), as a script does. A script written for
 ``mp.spawn(train, nprocs=N, args=(a, b))`` ports as
 ``ddpkit.launch(train, a, b, nproc=N)`` with ``train(a, b)`` taking
-``rank = ddpkit.init().rank`` instead of its first parameter (README, "From
-Python and notebooks").
+``rank = ddpkit.init().rank`` instead of its first parameter (docs/guides/notebooks.md).
 
 What comes back
 ---------------

@@ -12,7 +12,7 @@ import dataclasses
 from ddpkit.keyvalue import ConfigError, check_counts, check_positive, option
 
 SHOW_RANKS_DEFAULT = "0"
-"""The workers whose output ``ddpkit train`` and ``ddpkit run`` show: rank 0 (README, "Your own script")."""
+"""The workers whose output ``ddpkit train`` and ``ddpkit run`` show: rank 0 (docs/guides/launching.md)."""
 
 
 def shown_ranks(show_ranks: str) -> frozenset[int] | None:

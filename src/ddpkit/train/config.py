@@ -97,7 +97,7 @@ class TrainConfig(LaunchOptions):
     num_workers: int = option(0, group="model and data", counted=True)
     """DataLoader worker processes per training worker (0: load in the training process)."""
     data_dir: str = option("", group="model and data")
-    """Folder holding the dataset's IDX files; empty searches the usual places (see README)."""
+    """Folder holding the dataset's IDX files; empty searches $DDPKIT_DATA_DIR, ~/.cache/ddpkit/<dataset> and /usr/share/datasets/<dataset>, then downloads."""
     download: bool = option(True, group="model and data")
     """Download the dataset from its official mirrors when it is found nowhere."""
     data_mirror: str = option("", group="model and data")

@@ -15,7 +15,7 @@ attributes and never steps anything::
         ckpt.epoch_end({"accuracy": acc})  # optional: metrics for the best checkpoint
     ckpt.close()                           # writes the final state: the steps since the last checkpoint
 
-The parts, each documented where it lives (the README's manual and "Design notes: layers"):
+The parts, each documented where it lives (the manual's docs/guides/checkpoints.md and docs/design/layers.md):
 
 - when: :mod:`~ddpkit.checkpoint.manager.schedule` (pure; a ddpkit.DataLoader's step
   boundaries), the agreed signals and clock of :mod:`~ddpkit.checkpoint.manager.preemption`;

@@ -40,7 +40,7 @@ itself: it passes the signal to the workers, waits for them (30 s by
 default, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) and then kills them. ddpkit's
 launcher adds the preemption signals to that list, so a SIGUSR1 sent to the
 launcher reaches the workers too instead of killing the launcher alone; it
-handles SIGINT itself (see :mod:`ddpkit.launchers.local`).
+handles SIGINT itself (see :mod:`ddpkit.launchers.signals`).
 """
 
 from __future__ import annotations
