@@ -17,8 +17,9 @@ from tests.cli_runner import PYTHONPATH
 
 
 def _report(name: str) -> dict:
-    # What every worker needs is preloaded, what only some need is not (before this worker imports anything).
-    preloaded = "torch.distributed" in sys.modules and "torch._dynamo" not in sys.modules
+    # What every worker needs is preloaded (an optimizer imports torch._dynamo), what only some need is not.
+    preloaded = all(name in sys.modules for name in ("torch.distributed", "torch._dynamo"))
+    preloaded &= "ddpkit.train.run" not in sys.modules
     collecting, frozen = gc.isenabled(), gc.get_freeze_count()
     import torch
 

@@ -3,13 +3,14 @@
 A spawned worker is a fresh interpreter that imports torch again (about
 1.5 s of one core each). The agent starts its workers with
 multiprocessing's *forkserver* instead: one server process imports what
-every worker imports (:data:`WORKER_PRELOAD`: torch, torch.distributed and
-the worker's own start) once, and every worker is a fork of it, ready at
-once. What only some workers need (``torch._dynamo``, which a first
-optimizer step or ``torch.compile`` pulls in, and with it sympy; ddpkit's
-trainer) is imported by those workers alone: preloaded, it cost every
-launch its import time (7 of 10 s on a GPU machine) whether a worker used
-it or not. ``ddpkit run`` and ``ddpkit train`` start the server as their
+every worker imports (:data:`WORKER_PRELOAD`: torch, torch.distributed,
+``torch._dynamo`` and the worker's own start) once, and every worker is a
+fork of it, ready at once. ``torch._dynamo`` (with sympy) is there because
+constructing any torch optimizer imports it: left to the workers, each of
+them imports it again, and ``ddpkit run nproc=2`` of a one-step training
+script took 1.42 times as long on 2 cores
+(benchmarks/launch-preload-2core-2026-11-29.md). What only some workers need
+(ddpkit's trainer) is imported by those workers alone. ``ddpkit run`` and ``ddpkit train`` start the server as their
 first act (:func:`worker_server`), so that the server's imports run beside
 the launcher's own on the other core.
 
@@ -43,12 +44,13 @@ WORKER_PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing",
+    "torch._dynamo",  # torch.optim imports it when an optimizer is constructed: every training worker
     "ddpkit.launchers.worker_env",
     "ddpkit.launchers.output",
 )
 """Modules the worker server imports once, in this order, so that no forked worker imports them again: what
-every worker imports (torch's elastic wrapper runs each worker, ddpkit's worker_main sends its output to its
-files through ddpkit.launchers.output, then runs the user's code).
+every worker imports (torch's elastic wrapper runs each worker, an optimizer imports torch._dynamo, ddpkit's
+worker_main sends its output to its files through ddpkit.launchers.output, then runs the user's code).
 :mod:`ddpkit.launchers.server_start` comes first: it prepares the server before torch is imported."""
 
 _server_users = 0
