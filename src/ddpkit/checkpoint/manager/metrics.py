@@ -18,7 +18,10 @@ __all__ = ["CheckpointMetrics"]
 Metrics = tuple[dict[str, float], bool]
 """Metric values and whether they made the checkpoint the best."""
 
-_NONE: Metrics = ({}, False)
+
+def _none() -> Metrics:
+    """No metrics: a new dict each time, so that no two holders share (and could change) one."""
+    return {}, False
 
 
 class CheckpointMetrics:
@@ -30,8 +33,8 @@ class CheckpointMetrics:
         self.epoch_ends = 0
         """``epoch_end()`` calls in this process."""
         self._told = told
-        self._step: Metrics = _NONE  # of the newest checkpoint's step: a replacement of it keeps them
-        self._pending: Metrics = _NONE  # for the epoch's checkpoint still to be written
+        self._step: Metrics = _none()  # of the newest checkpoint's step: a replacement of it keeps them
+        self._pending: Metrics = _none()  # for the epoch's checkpoint still to be written
 
     def given(self, metrics: Mapping[str, float] | None) -> Metrics:
         """An ``epoch_end(metrics)`` call: the values, and whether they improve the best (which then takes them)."""
@@ -50,10 +53,10 @@ class CheckpointMetrics:
 
     def take_pending(self, pending: bool, reason: str) -> Metrics:
         """What a checkpoint written for ``reason`` carries: the waiting metrics when it is the one (``pending``)."""
-        metrics = self._pending if pending else _NONE
+        metrics = self._pending if pending else _none()
         if reason == "epoch_end" and not self.epoch_ends:  # an epoch ended, no metrics came
             self.say_none_given()
-        self._pending = _NONE
+        self._pending = _none()
         return metrics
 
     def for_write(self, replacing: bool, metrics: Mapping[str, float] | None, best: bool) -> Metrics:
