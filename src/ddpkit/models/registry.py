@@ -49,7 +49,7 @@ def register_model(
     """Decorator registering a model builder under ``name``.
 
     Raises:
-        ValueError: ``task`` is not one of TASKS.
+        UserError: ``task`` is not one of TASKS.
     """
     if task not in TASKS:
         raise UserError(f"task={task!r} is not valid; choose one of: {', '.join(TASKS)}")
@@ -65,7 +65,8 @@ def get_model_spec(name: str) -> ModelSpec:
     """The registered model ``name``.
 
     Raises:
-        ValueError: no model has that name (the message lists those that do).
+        UserError: no model has that name (the message lists those that do), or a ``module:function`` name
+            that cannot be imported.
     """
     _register_reference_models()
     if ":" in name and name not in MODELS:
