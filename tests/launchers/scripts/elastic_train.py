@@ -6,7 +6,7 @@ Every rank appends one JSON line per optimizer step to OUT/records/<round>-rank<
 workers' MASTER_ADDR:MASTER_PORT, new in every round), the world size, the epoch, the global step after it and
 the sample indices this rank trained at it. Rank 0 touches OUT/step-<global step>-ws<world size> after each step
 (the test waits on them) and writes OUT/final.json at the end: loss and accuracy on the whole data set. A step
-sleeps STEP_SLEEP seconds (default 0.15), so that a node can be killed mid-epoch.
+sleeps STEP_SLEEP seconds (default 0.15), so that a node can be killed mid-epoch; EPOCHS epochs (default 4).
 """
 
 import json
@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 
-NUM_SAMPLES, GLOBAL_BATCH, EPOCHS = 64, 8, 4
-"""8 steps per epoch, 32 in all."""
+NUM_SAMPLES, GLOBAL_BATCH = 64, 8
+"""8 steps per epoch."""
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
@@ -42,25 +42,26 @@ if __name__ == "__main__":
     (out / "records").mkdir(parents=True, exist_ok=True)
     records = open(out / "records" / f"{round_name}-rank{ctx.rank}.jsonl", "a", encoding="utf-8")
     sleep = float(os.environ.get("STEP_SLEEP", "0.15"))
-    for epoch in range(start.epoch, EPOCHS):
+    for epoch in range(start.epoch, int(os.environ.get("EPOCHS", "4"))):
         loader.set_epoch(epoch)
         for xb, yb, indices in loader:
             loss = F.cross_entropy(model(xb), yb)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            ckpt.step()
+            # Recorded before ckpt.step(), which may save this step: a step in a checkpoint is in the record.
             line = dict(
                 round=round_name,
                 world_size=ctx.world_size,
                 epoch=epoch,
-                step=ckpt.global_step,
+                step=ckpt.global_step + 1,
                 indices=indices.tolist(),
                 start=start.global_step,
                 time=time.time(),
             )
             records.write(json.dumps(line) + "\n")
             records.flush()
+            ckpt.step()
             if ctx.rank == 0:
                 (out / f"step-{ckpt.global_step}-ws{ctx.world_size}").touch()
             time.sleep(sleep)
