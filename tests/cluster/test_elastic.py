@@ -14,6 +14,7 @@ exactly once. The loss of A, which serves the store, is one line on B and a non-
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -22,11 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ddpkit.env.ports import free_port
 from ddpkit.names import EXIT_PREEMPTED
-from tests.cluster.test_multinode import worker_environment
+from tests.cluster.test_multinode import TORCHRUN, worker_environment
 from tests.helpers.netns import Host, TwoHosts, netns_hosts  # noqa: F401  (netns_hosts is a fixture)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -60,6 +62,15 @@ def wait_for_step(out: Path, world_size: int, after: int = 0) -> int:
             return min(steps)
         time.sleep(0.05)
     raise AssertionError(f"no step after {after} at world size {world_size} within {WAIT:g}s")
+
+
+def kill_node(node: subprocess.Popen[str]) -> None:
+    """SIGKILL a node's launcher and every process under it, as a machine that dies (torchrun's workers, and
+    ddpkit's, run in process groups of their own)."""
+    tree = [node.pid, *(child.pid for child in psutil.Process(node.pid).children(recursive=True))]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def finish(node: subprocess.Popen[str], timeout: float = WAIT) -> tuple[int, str]:
@@ -111,7 +122,7 @@ def test_a_node_lost_joined_and_preempted_the_job_goes_on(netns_hosts: TwoHosts,
     node_b = start_node(b, a, port, out, env)
     try:
         killed_after = wait_for_step(out, 2, after=4)
-        os.killpg(node_b.pid, signal.SIGKILL)  # B's launcher, its agent and its workers: the node is lost
+        kill_node(node_b)  # B's launcher, its agent and its workers: the node is lost
         lost_rc, _ = finish(node_b)
         alone = wait_for_step(out, 1)
         node_b = start_node(b, a, port, out, env)  # B comes back: taken in at the next rendezvous
@@ -156,7 +167,7 @@ def test_the_loss_of_the_stores_host_is_one_line_on_the_survivor(netns_hosts: Tw
     node_b = start_node(b, a, port, out, env)
     try:
         wait_for_step(out, 2, after=2)
-        os.killpg(node_a.pid, signal.SIGKILL)  # A served the rendezvous store
+        kill_node(node_a)  # A served the rendezvous store
         rc_b, err_b = finish(node_b, timeout=WAIT)
     finally:
         for node in (node_a, node_b):
@@ -170,3 +181,39 @@ def test_the_loss_of_the_stores_host_is_one_line_on_the_survivor(netns_hosts: Tw
         "by running the same command again): serve the store on a machine that stays up, e.g. `ddpkit store "
         "port=P` on a login node, and point master_addr there"
     ], err_b[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_same_script_under_torchruns_elastic_flags(netns_hosts: TwoHosts, tmp_path):
+    # torchrun's agents do not say which node went: the line counts the nodes instead.
+    a, b = netns_hosts
+    env = worker_environment(STEP_SLEEP="0.25", EPOCHS="3", OMP_NUM_THREADS="1")
+    out, port = tmp_path / "out", free_port()
+    nodes = []
+    for host in (a, b):
+        # torchrun's c10d form on these hosts (tests/cluster/test_multinode.py says why is_host and --local-addr)
+        argv = [TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
+        argv += [f"--rdzv-endpoint={a.address}:{port}", "--rdzv-id=torchrun-elastic", f"--local-addr={host.address}"]
+        argv += [f"--rdzv-conf=is_host={'true' if host is a else 'false'},last_call_timeout=1"]
+        nodes.append(
+            subprocess.Popen(
+                host.command([*argv, str(SCRIPT), str(out)]),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    node_a, node_b = nodes
+    try:
+        wait_for_step(out, 2, after=4)
+        kill_node(node_b)
+        rc_a, err_a = finish(node_a, timeout=180)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert rc_a == 0, err_a[-3000:]
+    assert err_a.count("1 node(s) left; continuing on 1 nodes, 1 workers, from step ") == 1, err_a[-3000:]
+    assert_each_sample_once_per_epoch(surviving_history(out / "records"), 3)
