@@ -15,7 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpkit.commands.help import HELP_WORDS, CommandHelp, render_help
-from ddpkit.commands.launching import environ_set, exit_statuses, launch, launch_spec, warn_if_oversubscribed
+from ddpkit.commands.launching import (
+    environ_set,
+    exit_statuses,
+    launch,
+    launch_spec,
+    quiet_cpp_logs,
+    warn_if_oversubscribed,
+)
 from ddpkit.launchers.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS, EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -86,7 +93,8 @@ def run_words(args: Sequence[str]) -> list[str]:
 
 def _run_script(config: RunConfig, target: ScriptTarget) -> int:
     """``ddpkit run`` once its words are parsed: describe, launch ``target`` as the workers, say how it ended."""
-    import torch
+    with environ_set(quiet_cpp_logs(config.nodes.elastic)):  # read once, at torch's import; not the workers'
+        import torch
 
     from ddpkit.launchers.output import default_log_dir
     from ddpkit.launchers.script import describe, run_script, worker_environ

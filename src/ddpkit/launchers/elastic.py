@@ -64,6 +64,11 @@ from ddpkit.served_store import ServedStore, listen_address
 
 BACKEND = "ddpkit-elastic"
 """The rendezvous backend name to pass as ``rdzv_backend``; its endpoint: the store's ``host:port``."""
+KEEP_ALIVE_INTERVAL_S = 1
+"""Seconds between two heartbeats of each agent in the rendezvous store."""
+KEEP_ALIVE_MAX_ATTEMPTS = 5
+"""Heartbeats an agent may miss before the others take its node for gone (5 s: a node SIGKILLed is seen sooner
+by its peers' collectives; a busy agent's heartbeat thread still beats within it)."""
 NODE_KEY = "ddpkit/node/"
 """Prefix of the keys (in each round's part of the store) under which each agent writes its node's name."""
 
@@ -116,7 +121,15 @@ def elastic_rendezvous(
         run_id=run_id(rdzv_id, master_addr, master_port, os.environ),
         rdzv_backend=BACKEND,
         rdzv_endpoint=f"{master_addr}:{master_port}",
-        rdzv_configs={"join_timeout": int(timeout), "last_call_timeout": last_call, "timeout": int(timeout)},
+        rdzv_configs={
+            "join_timeout": int(timeout),
+            "last_call_timeout": last_call,
+            "timeout": int(timeout),
+            # A node that left is dropped from the rendezvous once its agent missed this many heartbeats: the
+            # survivors' next round waits that long for it (torch's default: 3 of every 5 s, 15 s).
+            "keep_alive_interval": KEEP_ALIVE_INTERVAL_S,
+            "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPTS,
+        },
         # The address the other nodes' workers reach this one at, when its agent is group rank 0 (torch would
         # take the host name, which names loopback on many hosts).
         local_addr=local_addr,

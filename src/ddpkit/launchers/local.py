@@ -369,7 +369,11 @@ def _launch_recording_failures(
                 environ_restored(),
                 _fresh_store_per_restart(),
                 environ_set(FAILURE_DIR_VARIABLE, failure_dir),
-                environ_set(NODES_CHANGED_VARIABLE, os.path.join(failure_dir, "nodes-changed")),
+                (
+                    environ_set(NODES_CHANGED_VARIABLE, os.path.join(failure_dir, "nodes-changed"))
+                    if spec.elastic
+                    else contextlib.nullcontext()
+                ),
                 ctrl_c_passed_on(failure_dir) as ctrl_c,
                 signals_passed_on(names if forked else (), failure_dir),
                 ddpkit_agent() as report,
