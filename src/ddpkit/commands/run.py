@@ -40,7 +40,11 @@ RUN_HELP = CommandHelp(
         ("SCRIPT.py [ARGS ...]", "the script each worker runs, with its arguments"),
         ("-m MODULE [ARGS ...]", "or a module, as python -m runs it"),
     ),
-    examples=("ddpkit run nproc=2 train.py --lr 0.1", "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"),
+    examples=(
+        "ddpkit run nproc=2 train.py --lr 0.1",
+        "ddpkit run nproc=2 max_restarts=1 -m mypackage.train",
+        "ddpkit run nproc=4 nnodes=1:4 master_addr=login1 master_port=29500 train.py   # elastic: on each node",
+    ),
     exit_statuses=RUN_EXIT_STATUSES,
 )
 
