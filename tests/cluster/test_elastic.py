@@ -217,3 +217,31 @@ def test_the_same_script_under_torchruns_elastic_flags(netns_hosts: TwoHosts, tm
     assert rc_a == 0, err_a[-3000:]
     assert err_a.count("1 node(s) left; continuing on 1 nodes, 1 workers, from step ") == 1, err_a[-3000:]
     assert_each_sample_once_per_epoch(surviving_history(out / "records"), 3)
+
+
+@pytest.mark.timeout(300)
+def test_ddpkit_train_elastic_nodes_share_one_run_folder(tmp_path):
+    # Two launchers on loopback (namespaces add nothing here): the first serves the store, the second finds
+    # its port taken and is its client. Both name the run folder alike, without node_rank.
+    port = free_port()
+    # rdzv_last_call's default, 30 s: the first node waits for the second (the round completes once both are in)
+    words = ["nproc=1", "nnodes=1:2", "master_addr=127.0.0.1", f"master_port={port}"]
+    words += ["rdzv_id=trainjob", "dataset=synthetic", "synthetic_samples=4096", "epochs=2", "progress=false"]
+    env = {**worker_environment(), "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "train", *words, "threads=1"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    results = [finish(node, timeout=240) for node in nodes]
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert [p.name for p in (tmp_path / "runs" / "mlp-synthetic").iterdir()] == ["elastic-trainjob"]
+    summary = json.loads((tmp_path / "runs" / "mlp-synthetic" / "elastic-trainjob" / "summary.json").read_text())
+    assert summary["world_size"] == 2, summary
