@@ -259,12 +259,16 @@ def nodes_change_line(environ: Mapping[str, str], saved_world_size: int, world_s
 
     ``node X left; continuing on K nodes, W workers, from step S``: the
     nodes by name under ddpkit's launcher, by count under torchrun's (whose
-    agents do not say which node went). K is torchelastic's GROUP_WORLD_SIZE.
+    agents do not say which node went; there, only in a restarted round, as
+    a job started again at another size is not one that lost a node). K is
+    torchelastic's GROUP_WORLD_SIZE.
     """
     nodes = environ.get("GROUP_WORLD_SIZE")
     if nodes is None or saved_world_size == world_size:
         return ""
     change = nodes_change(environ)
+    if not change and (NODES_CHANGED_VARIABLE in environ or not int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)):
+        return ""  # not a change of this job's nodes: a run started again at another size (said in detail)
     if not change:
         per_node = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         count = abs(saved_world_size - world_size) // per_node or 1

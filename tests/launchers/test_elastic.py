@@ -76,8 +76,12 @@ def test_rank_0_says_in_one_line_who_left_how_many_remain_and_the_step(tmp_path)
     assert nodes_change_line(environ, 4, 2, 40) == (
         "node 10.0.0.2 left; continuing on 1 nodes, 2 workers, from step 40 (the same global batch and sample order)"
     )
-    torchrun = {"GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # its agents do not say which node
-    assert nodes_change_line(torchrun, 2, 4, 8).startswith("1 node(s) joined; continuing on 2 nodes, 4 workers")
+    torchrun = {"GROUP_WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert nodes_change_line(torchrun, 4, 2, 8).startswith("1 node(s) left; continuing on 1 nodes, 2 workers")
+    # a job started again at another size, not a node lost: the detailed world size line says it
+    assert nodes_change_line({**torchrun, "TORCHELASTIC_RESTART_COUNT": "0"}, 4, 2, 8) == ""
+    changed.write_text("")
+    assert nodes_change_line(environ, 4, 2, 8) == ""  # ddpkit's elastic launcher: no node changed
     assert nodes_change_line(environ, 2, 2, 40) == ""  # the same size: a restart, said otherwise
     assert nodes_change_line({}, 4, 2, 40) == ""  # not torchelastic's workers: the world size line says it
 
