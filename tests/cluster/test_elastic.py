@@ -245,3 +245,37 @@ def test_ddpkit_train_elastic_nodes_share_one_run_folder(tmp_path):
     assert [p.name for p in (tmp_path / "runs" / "mlp-synthetic").iterdir()] == ["elastic-trainjob"]
     summary = json.loads((tmp_path / "runs" / "mlp-synthetic" / "elastic-trainjob" / "summary.json").read_text())
     assert summary["world_size"] == 2, summary
+
+
+@pytest.mark.timeout(300)
+def test_with_ddpkit_store_on_a_machine_that_stays_the_job_outlives_either_node(netns_hosts: TwoHosts, tmp_path):
+    # The store served alone in host A (as on a login node); A's node finds the port taken and is its client,
+    # so losing A's node leaves the store up and B goes on.
+    a, b = netns_hosts
+    env = worker_environment(STEP_SLEEP="0.25", EPOCHS="3", OMP_NUM_THREADS="1")
+    out, port = tmp_path / "out", free_port()
+    store = subprocess.Popen(
+        a.command([sys.executable, "-m", "ddpkit", "store", f"port={port}", f"host={a.address}"]),
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert store.stderr is not None and store.stderr.readline().startswith("ddpkit store: serving")
+        node_a = start_node(a, a, port, out, env)
+        node_b = start_node(b, a, port, out, env)
+        try:
+            wait_for_step(out, 2, after=2)
+            kill_node(node_a)
+            rc_b, err_b = finish(node_b, timeout=180)
+        finally:
+            for node in (node_a, node_b):
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    assert rc_b == 0, err_b[-3000:]
+    assert err_b.count(f"node {a.address} left; continuing on 1 nodes, 1 workers, from step ") == 1, err_b[-3000:]
+    assert_each_sample_once_per_epoch(surviving_history(out / "records"), 3)

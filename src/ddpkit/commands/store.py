@@ -60,8 +60,11 @@ def store_command(args: Sequence[str]) -> int:
     """``ddpkit store port=P [host=ADDR]``: serve a TCPStore until SIGINT or SIGTERM."""
     from datetime import timedelta
 
+    from ddpkit.commands.launching import environ_set, quiet_cpp_logs
     from ddpkit.errors import UserError
-    from ddpkit.served_store import WILDCARD, ServedStore, listen_address
+
+    with environ_set(quiet_cpp_logs(elastic=True)):  # each node that goes would be a C++ warning with a stack
+        from ddpkit.served_store import WILDCARD, ServedStore, listen_address
 
     config = parse(StoreConfig, args)
     address = listen_address(config.host, single_host=False) if config.host else WILDCARD
