@@ -17,6 +17,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,11 @@ def test_a_node_lost_joined_and_preempted_the_job_goes_on(netns_hosts: TwoHosts,
     said = err_a + preempted_err  # rank 0 speaks, on whichever node the rendezvous made it
     assert said.count(f"node {b.address} left; continuing on 1 nodes, 1 workers, from step ") == 2, said[-4000:]
     assert said.count(f"node {b.address} joined; continuing on 2 nodes, 2 workers, from step ") == 1, said[-4000:]
+    # After the notice the whole job checkpointed at one step, which A continued from without B.
+    last_left = re.findall(
+        rf"node {re.escape(b.address)} left; continuing on 1 nodes, 1 workers, from step (\d+)", said
+    )[-1]
+    assert f"step-{int(last_left):09d} (preempted)" in said, said[-4000:]
 
     assert_each_sample_once_per_epoch(surviving_history(out / "records"), epochs)
     final = json.loads((out / "final.json").read_text())
