@@ -111,7 +111,8 @@ def launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> tuple[
     every worker still running exited with it (they checkpointed on their way
     out); EXIT_INTERRUPTED after Ctrl-C; 128 + the signal's number when the
     launcher received a signal and the workers did not checkpoint (one line
-    says so). The signal: its name when the launcher received one, else "".
+    says so); EXIT_WORKER_FAILED when an elastic job's rendezvous store went (one line says so). The signal: its
+    name when the launcher received one, else "".
 
     Raises:
         LaunchError: a worker failed (after the allowed restarts).

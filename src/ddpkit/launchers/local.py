@@ -18,6 +18,10 @@ the command lacks:
 - on several nodes, node 0's store served on the address it reaches
   ``master_addr`` from only, not on every interface
   (:mod:`ddpkit.launchers.static`);
+- an elastic job (``nnodes=MIN:MAX``, as ``torchrun --nnodes=MIN:MAX
+  --rdzv-backend=c10d``): torch's dynamic rendezvous, nodes that leave
+  dropped and nodes that join taken in, each change said in one line by
+  the resumed rank 0 (:mod:`ddpkit.launchers.elastic`);
 - one report of the root-cause failure (:mod:`ddpkit.launchers.failure`)
   instead of every worker's traceback;
 - workers forked from a warm process instead of spawned
