@@ -55,6 +55,16 @@ def warn_if_oversubscribed(nproc: int, device: str) -> None:
         print(f"ddpkit: warning: {crowded}", file=sys.stderr)
 
 
+def quiet_cpp_logs(elastic: bool) -> dict[str, str]:
+    """The variables that quiet torch's C++ warnings in the launcher of an elastic job, unless the user set them.
+
+    Its agent's store client logs every closed connection (a node that left, the store's host lost) as a warning
+    with a C++ stack, before ddpkit can say in one line what happened; c10 reads TORCH_CPP_LOG_LEVEL once, when
+    torch is imported.
+    """
+    return {"TORCH_CPP_LOG_LEVEL": "ERROR"} if elastic and "TORCH_CPP_LOG_LEVEL" not in os.environ else {}
+
+
 @contextlib.contextmanager
 def environ_set(variables: Mapping[str, str]) -> Iterator[None]:
     """``variables`` in os.environ for the block, the environment as it was after it."""
@@ -76,11 +86,16 @@ def launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
     from ddpkit.launchers.local import LaunchSpec
     from ddpkit.launchers.options import shown_ranks
 
+    nodes = config.nodes
     return LaunchSpec(
         config.nproc,
         config.master_port,
         config.max_restarts,
-        nnodes=config.nnodes,
+        nnodes=nodes.min_nodes,
+        elastic=nodes.elastic,
+        max_nodes=nodes.max_nodes,
+        rdzv_id=config.rdzv_id,
+        rdzv_last_call=config.rdzv_last_call,
         node_rank=config.node_rank,
         master_addr=config.master_addr,
         show_ranks=shown_ranks(config.show_ranks),
@@ -96,17 +111,22 @@ def launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> tuple[
     every worker still running exited with it (they checkpointed on their way
     out); EXIT_INTERRUPTED after Ctrl-C; 128 + the signal's number when the
     launcher received a signal and the workers did not checkpoint (one line
-    says so). The signal: its name when the launcher received one, else "".
+    says so); EXIT_WORKER_FAILED when an elastic job's rendezvous store went (one line says so). The signal: its
+    name when the launcher received one, else "".
 
     Raises:
         LaunchError: a worker failed (after the allowed restarts).
     """
     import signal
 
+    from ddpkit.launchers.elastic import StoreLost
     from ddpkit.launchers.local import StoppedBySignal, launch_local
 
     try:
         launch_local(spec, fn, *args)
+    except StoreLost as e:  # an elastic job's store went with its host: no node can go on
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_WORKER_FAILED, ""
     except LaunchError as e:
         if e.failure.exitcode in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
             return e.failure.exitcode, ""

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpkit.commands.help import CommandHelp
-from ddpkit.commands.launching import exit_statuses, failed_status, launch, launch_spec, warn_if_oversubscribed
+from ddpkit.commands.launching import (
+    environ_set,
+    exit_statuses,
+    failed_status,
+    launch,
+    launch_spec,
+    quiet_cpp_logs,
+    warn_if_oversubscribed,
+)
 from ddpkit.keyvalue import peek
 from ddpkit.launchers.failure import LaunchError
 from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
@@ -82,11 +90,21 @@ def train_command(args: Sequence[str]) -> int:
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
     here = detect_environment(os.environ).source == "local"  # else one worker of torchrun, srun or mpirun
-    workers = [peek(words, key) or "1" for key in ("nproc", "nnodes")]
+    workers = [(peek(words, key) or "1").split(":")[-1] for key in ("nproc", "nnodes")]  # nnodes=MIN:MAX: MAX
+    elastic = here and ":" in (peek(words, "nnodes") or "")
     if not (here and all(n.isdigit() for n in workers) and max(map(int, workers)) > 1):
+        _import_torch(elastic)
         return _train(words, args, here)
     with worker_server():  # its imports run beside this process's own (parsing the config imports torch)
+        _import_torch(elastic)
         return _train(words, args, here)
+
+
+def _import_torch(elastic: bool) -> None:
+    """Import torch in this process, its C++ warnings quieted for the launcher of an elastic job (c10 reads its log
+    level once, at the import: :func:`~ddpkit.commands.launching.quiet_cpp_logs`)."""
+    with environ_set(quiet_cpp_logs(elastic)):
+        import torch  # noqa: F401
 
 
 def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
@@ -107,14 +125,16 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
             _say_restarts_are_the_launchers(cfg.max_restarts)
         run_worker(cfg, export_dir)  # started by torchrun, srun or mpirun: this process is one worker
         return 0
+    if cfg.nodes.elastic and not cfg.output_dir:
+        cfg = dataclasses.replace(cfg, output_dir=str(_elastic_run_folder(cfg)))
     if cfg.node_rank == 0:  # the other nodes' workers take node 0's run folder (ddpkit.train.run)
         cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
-    check_before_launch(cfg, cfg.nproc * cfg.nnodes)
+    check_before_launch(cfg, cfg.nproc * cfg.nodes.max_nodes)
     warn_if_oversubscribed(cfg.nproc, cfg.device)
     if cfg.output_dir:
         claim_run_folder(Path(cfg.output_dir))
     try:
-        if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
+        if cfg.nproc == 1 and cfg.nnodes == "1" and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
         from ddpkit.launchers.output import default_log_dir
@@ -190,3 +210,15 @@ def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
         return None
     complete = [info for info in list_checkpoints(checkpoint_root(cfg)) if info.complete]
     return complete[-1] if complete else None
+
+
+def _elastic_run_folder(cfg: TrainConfig) -> Path:
+    """``runs/<model>-<dataset>/elastic-<run id>``: the run folder of an elastic job, which every node names alike
+    without talking (node 0, which names it in a static job, is whichever node the rendezvous makes it, and may
+    change at each round), and a node that joins later, or the job run again, continues."""
+    from ddpkit.launchers.elastic import run_id
+    from ddpkit.train.run_folder import plan_run_folder
+
+    series = plan_run_folder(cfg, os.environ).parent  # runs/<model>-<dataset>
+    name = run_id(cfg.rdzv_id, cfg.master_addr, cfg.master_port, os.environ)
+    return series / f"elastic-{name.replace('/', '-').replace(':', '-')}"

@@ -64,7 +64,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
     if (cfg.checkpoint.enabled or cfg.resume not in RESUME_MODES) and (cfg.output_dir or cfg.checkpoint.dir):
         # A restarted or requeued job resumes its newest checkpoint whatever `resume` says (as its workers do).
         check_resume(checkpoint_root(cfg), "auto" if restart_count(os.environ) else cfg.resume)
-    if cfg.output_dir and not _resumes(cfg):
+    # An elastic job's nodes share one run folder, named alike on each, and a node that joins finds the job's files
+    if cfg.output_dir and not _resumes(cfg) and not cfg.nodes.elastic:
         check_fresh_run_folder(Path(cfg.output_dir))
     if cfg.dataset in _FILE_DATASETS:
         # Here, once, rather than in N workers at the same time.
