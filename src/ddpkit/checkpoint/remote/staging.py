@@ -64,13 +64,13 @@ def pull_newest(folder: RemoteFolder, staging: Path) -> Path | None:
     """
     log = get_logger()
     remote = [info for info in remote_checkpoints(folder) if info.manifest is not None]
-    names = {info.path.name for info in remote}
+    names = {info.name for info in remote}
     for local in list_checkpoints(staging):
         if local.path.name not in names:
             target = set_aside(local.path, NOT_UPLOADED_SUFFIX)
             log.warning(f"set {local.path} aside as {target.name}: {folder.url} does not hold it complete")
     for info in reversed(remote):
-        name = info.path.name
+        name = info.name
         try:
             return fetch_into(folder, name, staging / name)
         except CheckpointError as e:

@@ -86,7 +86,7 @@ class RemoteWriter:
         complete = [info for info in remote_checkpoints(self.folder) if info.complete]
         if complete:
             raise CheckpointError(
-                f"{self.folder.url} already holds checkpoints (newest: {complete[-1].path.name}); continue that "
+                f"{self.folder.url} already holds checkpoints (newest: {complete[-1].name}); continue that "
                 "run with resume=auto, or start a new one under another prefix"
             )
         pull_newest(self.folder, self.staging)  # staged leftovers of an earlier run set aside
