@@ -18,7 +18,7 @@ from typing import Any
 
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, verify_checkpoint
 from ddpkit.checkpoint.disk.layout import BEST_PREFIX, NAME_PATTERN, STEP_PREFIX
-from ddpkit.checkpoint.remote.store import RemoteFolder, remote_folder
+from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, remote_folder
 
 __all__ = [
     "RemoteCheckpoint",
@@ -124,8 +124,6 @@ def fetch_checkpoint(url: str | os.PathLike[str], cache_dir: Path | None = None,
         CheckpointError: no manifest (not a complete checkpoint), a file missing, truncated or changed;
             the message names the object and the fix.
     """
-    from ddpkit.checkpoint.remote.staging import default_cache
-
     text = os.fspath(url).rstrip("/")
     parent, _, name = text.rpartition("/")
     folder = remote_folder(parent)
