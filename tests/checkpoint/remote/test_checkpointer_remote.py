@@ -4,7 +4,9 @@ prefix, a fresh start into a used prefix, a store that refuses."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,36 @@ def test_an_upload_that_fails_every_try_warns_or_stops_as_on_write_error_says(
     if on_write_error == "warn":
         warned = [r.getMessage() for r in caplog.records if "not uploaded" in r.getMessage()]
         assert len(warned) >= 2 and warned[0].endswith("(training goes on: on_write_error=warn)")
+
+
+def test_the_best_checkpoint_is_kept_in_the_bucket_beside_the_newest_keep_ones(s3, tmp_path):
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    with s3.environment():
+        model, optimizer = _parts()
+        ckpt = ddpkit.Checkpointer(
+            url, model=model, optimizer=optimizer, keep=1, best_metric="acc", cache=str(tmp_path)
+        )
+        for epoch, accuracy in enumerate((0.5, 0.9, 0.7, 0.6)):
+            _train(ckpt, model, optimizer, 2 * (epoch + 1))
+            ckpt.epoch_end({"acc": accuracy})
+        ckpt.close()
+        steps = [(i.global_step, i.complete) for i in remote_checkpoints(url)]
+        best = [(i.global_step, i.complete, i.manifest["metrics"]) for i in remote_checkpoints(url, prefix="best-")]
+    assert steps == [(8, True)]
+    assert best == [(4, True, {"acc": 0.9})]
+
+
+def test_the_lease_is_renewed_while_its_run_lives(s3):
+    from ddpkit.checkpoint.remote.lease import RemoteLease
+    from ddpkit.checkpoint.remote.store import remote_folder
+
+    bucket = s3.bucket()
+    key = f"{bucket}/run/{LEASE_FILE}"
+    with s3.environment():
+        lease = RemoteLease(remote_folder(f"s3://{bucket}/run"), lease_seconds=0.4).acquire()
+        first = json.loads(s3.fs.cat_file(key))["renewed"]
+        time.sleep(0.5)
+        renewed = json.loads(s3.fs.cat_file(key))["renewed"]
+        lease.release()
+    assert renewed > first
