@@ -343,9 +343,9 @@ class Checkpointer:
 
     def _exit_preempted(self, signum: int) -> None:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
-        name, where = signal_name(signum), self.last_path
-        if self.remote is not None and where is not None:  # uploaded: its URL is where the next run finds it
-            where = self.remote.url_of(where.name)
+        name, where = signal_name(signum), str(self.last_path)
+        if self.remote is not None and self.last_path is not None:  # uploaded: where the next run finds it
+            where = self.remote.url_of(self.last_path.name)
         if self.rank == 0:
             say_preempted(name, self.global_step, where, self.continue_hint, self.options.requeue, self.environ)
         self._preempted = True
