@@ -30,6 +30,8 @@ from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY, s3
 
 __all__ = ["s3"]
 
+pytestmark = pytest.mark.slow  # ten launches and two two-node jobs: started first (tests/conftest.py)
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LOOP, SHARDED = SCRIPTS / "remote_loop.py", SCRIPTS / "ckptsafe_sharded.py"
 
