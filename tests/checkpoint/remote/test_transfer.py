@@ -3,6 +3,7 @@ every file verified on the way down, pruning manifest-first, and the lease that 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddpkit
 from ddpkit.checkpoint import (
     CheckpointError,
     FolderInUseError,
@@ -50,6 +52,12 @@ def test_is_remote_tells_urls_of_other_file_systems_from_local_paths(path, remot
 def test_a_scheme_no_file_system_knows_is_one_line_naming_what_to_use():
     with pytest.raises(UserError, match=r"^nosuch://b/run: no file system is known for nosuch://; use s3://"):
         remote_folder("nosuch://b/run")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_a_store_whose_library_is_missing_is_one_line_naming_the_package(tmp_path):
+    with pytest.raises(UserError, match=r"^gs://b/run: gs:// needs gcsfs; install it, or write to a local folder$"):
+        ddpkit.Checkpointer("gs://b/run", model=torch.nn.Linear(2, 2), cache=str(tmp_path))
 
 
 def test_an_uploaded_checkpoint_is_listed_complete_and_fetched_verified(s3, tmp_path):

@@ -410,7 +410,8 @@ class Checkpointer:
     def set_on_save(self, callback: Callable[[Path, str], None] | None) -> None:
         """Call ``callback(path, reason)`` on rank 0 after each checkpoint is written, from now on (None: stop).
 
-        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``.
+        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``;
+        for a URL, once the checkpoint is uploaded (``path``: its staged copy).
         """
         self._on_save = callback
 
