@@ -60,6 +60,15 @@ def test_a_store_whose_library_is_missing_is_one_line_naming_the_package(tmp_pat
         ddpkit.Checkpointer("gs://b/run", model=torch.nn.Linear(2, 2), cache=str(tmp_path))
 
 
+def test_a_url_that_pathlib_folded_is_refused_in_one_line_instead_of_making_a_folder_named_s3(tmp_path):
+    with pytest.raises(UserError) as refused:
+        ddpkit.Checkpointer(Path("s3://bucket/run"), model=torch.nn.Linear(2, 2))
+    assert str(refused.value) == (
+        "checkpoint folder s3:/bucket/run is the URL s3://bucket/run with its // folded into / (pathlib.Path does "
+        "that); pass the URL as a string"
+    )
+
+
 def test_an_uploaded_checkpoint_is_listed_complete_and_fetched_verified(s3, tmp_path):
     url = f"s3://{s3.bucket()}/run"
     local = _checkpoint(tmp_path / "local", 4)
