@@ -174,13 +174,13 @@ def test_a_lease_its_holder_stopped_renewing_is_taken_over(s3):
 def test_a_restarted_worker_waits_for_its_predecessors_lease_on_another_host_to_lapse(s3):
     bucket = s3.bucket()
     now = time.time()
-    held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 0.6}
+    held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 2.0}
     s3.fs.pipe_file(f"{bucket}/run/{LEASE_FILE}", json.dumps(held).encode())
     with s3.environment():
         folder = remote_folder(f"s3://{bucket}/run")
         with pytest.raises(FolderInUseError, match="host lost-node, pid 7"):
-            RemoteLease(folder, lease_seconds=0.6).acquire()  # a new run: refused at once
-        lease = RemoteLease(folder, lease_seconds=0.6).acquire(restarted=True)
+            RemoteLease(folder, lease_seconds=2.0).acquire()  # a new run: refused at once
+        lease = RemoteLease(folder, lease_seconds=2.0).acquire(restarted=True)
         waited = time.time() - now
         lease.release()
-    assert waited >= 0.6
+    assert waited >= 2.0
