@@ -173,14 +173,14 @@ def test_a_lease_its_holder_stopped_renewing_is_taken_over(s3):
 
 def test_a_restarted_worker_waits_for_its_predecessors_lease_on_another_host_to_lapse(s3):
     bucket = s3.bucket()
-    now = time.time()
-    held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 2.0}
-    s3.fs.pipe_file(f"{bucket}/run/{LEASE_FILE}", json.dumps(held).encode())
     with s3.environment():
-        folder = remote_folder(f"s3://{bucket}/run")
+        folder = remote_folder(f"s3://{bucket}/run")  # its client made before the clock starts
+        now = time.time()
+        held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 4.0}
+        folder.fs.pipe_file(folder.join(LEASE_FILE), json.dumps(held).encode())
         with pytest.raises(FolderInUseError, match="host lost-node, pid 7"):
-            RemoteLease(folder, lease_seconds=2.0).acquire()  # a new run: refused at once
-        lease = RemoteLease(folder, lease_seconds=2.0).acquire(restarted=True)
+            RemoteLease(folder, lease_seconds=4.0).acquire()  # a new run: refused at once
+        lease = RemoteLease(folder, lease_seconds=4.0).acquire(restarted=True)
         waited = time.time() - now
         lease.release()
-    assert waited >= 2.0
+    assert waited >= 4.0
