@@ -82,6 +82,16 @@ def test_an_uploaded_checkpoint_is_listed_complete_and_fetched_verified(s3, tmp_
     assert torch.equal(torch.load(copy / "model.pt")["w"], torch.full((64,), 4.0))
 
 
+def test_a_staged_copy_damaged_since_its_download_is_downloaded_again(s3, tmp_path):
+    url = f"s3://{s3.bucket()}/run"
+    with s3.environment():
+        upload_checkpoint(_checkpoint(tmp_path / "local", 4), url)
+        copy = fetch_checkpoint(f"{url}/step-000000004", tmp_path / "cache")
+        (copy / "model.pt").write_bytes(b"damaged on this disk")
+        again = fetch_checkpoint(f"{url}/step-000000004", tmp_path / "cache")
+    assert again == copy and torch.equal(torch.load(again / "model.pt")["w"], torch.full((64,), 4.0))
+
+
 def test_a_checkpoint_whose_manifest_is_not_uploaded_is_incomplete_and_refused(s3, tmp_path):
     bucket = s3.bucket()
     local = _checkpoint(tmp_path / "local", 2)
