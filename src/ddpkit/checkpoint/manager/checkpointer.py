@@ -19,24 +19,14 @@ from ddpkit.checkpoint.manager.advice import SaidOnce, say_if_unwritten, unskipp
 from ddpkit.checkpoint.manager.best import BestMetric
 from ddpkit.checkpoint.manager.epochs import EpochCounter
 from ddpkit.checkpoint.manager.metrics import CheckpointMetrics
-from ddpkit.checkpoint.manager.preemption import (
-    Agreement,
-    Preempted,
-    PreemptionSignals,
-    say_preempted,
-    signal_name,
-)
-from ddpkit.checkpoint.manager.restore import (
-    ResumePoint,
-    choose_and_load,
-    epoch_length,
-    restore_checkpoint,
-)
+from ddpkit.checkpoint.manager.preemption import Agreement, Preempted, PreemptionSignals, say_preempted, signal_name
+from ddpkit.checkpoint.manager.restore import ResumePoint, choose_and_load, epoch_length, restore_checkpoint
 from ddpkit.checkpoint.manager.saving import claim_folder, saving_parts
 from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
+from ddpkit.checkpoint.remote.staging import checkpoint_root, stage_checkpoint
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -46,7 +36,8 @@ class Checkpointer:
     """Saves and resumes the state of a training loop; see :mod:`ddpkit.checkpoint.manager`.
 
     Args:
-        dir: folder of the checkpoints (every node must see it).
+        dir: folder of the checkpoints (every node must see it), or a URL (``s3://bucket/prefix/run``: staged
+            locally and uploaded in the background, :mod:`ddpkit.checkpoint.remote`).
         model: the model (DDP-wrapped or not).
         optimizer: the optimizer.
         scheduler: the LR scheduler.
@@ -102,10 +93,11 @@ class Checkpointer:
         self.options = with_keywords(options or CheckpointOptions(), option_values)
         """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
         check_positive("timeout", timeout)
-        self.root = Path(dir)
+        self.environ = dict(os.environ if environ is None else environ)
+        self.root, self.remote = checkpoint_root(dir, self.options.cache, self.environ)
+        """The checkpoints folder (for a URL, the local folder they are staged in), and the remote folder or None."""
         if self.root.exists() and not self.root.is_dir():  # else found at the first save, an epoch later
             raise UserError(f"checkpoint folder {self.root} is a file; pass the path of a folder (or of a new one)")
-        self.environ = dict(os.environ if environ is None else environ)
         self.rank, self.world_size = rank_and_size(self.environ)
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
@@ -153,6 +145,7 @@ class Checkpointer:
             dict(config or {}),
             dict(meta or {}),
             self._saved,
+            self.remote,
         )
         # Rank 0's writer (None on the other ranks), a sharded model's state, every rank's check-ins at a save:
         self.writer, self.shards, self.check_ins = self._saving.writer, self._saving.shards, self._saving.check_ins
@@ -172,7 +165,7 @@ class Checkpointer:
         self._started = True
         if self.rank == 0:  # the room, and the folder's lock: a second run into it stops here
             restarted = select.restart_count(self.environ) > 0
-            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted)
+            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted, self.writer)
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
@@ -190,7 +183,7 @@ class Checkpointer:
         Args:
             resume: "auto" (the newest checkpoint that verifies, else a fresh
                 start), "never" (a fresh start; refused if the folder holds
-                checkpoints) or the path of one checkpoint; True means "auto"
+                checkpoints) or the path (or URL) of one checkpoint; True means "auto"
                 and False "never" (an argparse ``--resume`` flag). A restarted
                 worker (elastic restart, Slurm requeue) always resumes the newest.
             first_epoch: the number of the first epoch on a fresh start (1 for
@@ -215,7 +208,8 @@ class Checkpointer:
             self.root,
             resume_choice(resume),
             select.restart_count(self.environ),
-            before=self._wait_for_writes,
+            before=self._saving.before_choosing,
+            stage=lambda path: stage_checkpoint(self.remote, self.root, path),
             rank=self.rank,
             world_size=self.world_size,
         )
@@ -349,11 +343,11 @@ class Checkpointer:
 
     def _exit_preempted(self, signum: int) -> None:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
-        name = signal_name(signum)
+        name, where = signal_name(signum), str(self.last_path)
+        if self.remote is not None and self.last_path is not None:  # uploaded: where the next run finds it
+            where = self.remote.url_of(self.last_path.name)
         if self.rank == 0:
-            say_preempted(
-                name, self.global_step, self.last_path, self.continue_hint, self.options.requeue, self.environ
-            )
+            say_preempted(name, self.global_step, where, self.continue_hint, self.options.requeue, self.environ)
         self._preempted = True
         self.close()
         raise Preempted(name, str(self.last_path))
@@ -416,7 +410,8 @@ class Checkpointer:
     def set_on_save(self, callback: Callable[[Path, str], None] | None) -> None:
         """Call ``callback(path, reason)`` on rank 0 after each checkpoint is written, from now on (None: stop).
 
-        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``.
+        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``;
+        for a URL, once the checkpoint is uploaded (``path``: its staged copy).
         """
         self._on_save = callback
 
@@ -430,7 +425,7 @@ class Checkpointer:
             self.writer.wait()
 
     def wait(self) -> Path | None:
-        """Wait until the checkpoint in flight (``async_save``) is complete on disk (a collective).
+        """Wait until the checkpoint in flight (``async_save``, or an upload) is complete (a collective).
 
         Returns:
             The newest checkpoint (``last_path``).
@@ -438,9 +433,9 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (the message says why).
         """
-        if self.async_save:
-            if self.shards is not None:
-                self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
+        if self.async_save and self.shards is not None:
+            self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
+        if self.async_save or self.remote is not None:  # a remote folder's upload is always in the background
             self._on_rank_zero(self._wait_for_writes)
         return self.last_path
 

@@ -103,9 +103,10 @@ def choose_and_load(
     choice: str,
     restart: int,
     *,
-    before: Callable[[], None],
+    before: Callable[[str], str],
     rank: int,
     world_size: int,
+    stage: Callable[[Path], Path] = lambda path: path,
 ) -> tuple[Path | None, dict[str, Any]]:
     """Rank 0 chooses the checkpoint to resume; every rank learns it and holds its files (a collective).
 
@@ -113,9 +114,12 @@ def choose_and_load(
         root: the checkpoints folder.
         choice: "auto", "never" or the path of one checkpoint (:func:`ddpkit.checkpoint.manager.select.choose_checkpoint`).
         restart: the restart count (a restarted worker resumes the newest).
-        before: run on rank 0 before it chooses (the writes in flight are finished).
+        before: run on rank 0 with ``choice`` before it chooses (the writes in flight are finished); returns
+            the choice to make (a remote checkpoint's URL: its staged copy).
         rank: this process's rank.
         world_size: the number of ranks.
+        stage: run on the other ranks before they read the checkpoint: where it is on their node (a remote
+            folder's copy in their staging folder).
 
     Returns:
         The checkpoint (None: a fresh start) and its files by name with ``"manifest"`` ({} for a fresh start).
@@ -123,14 +127,15 @@ def choose_and_load(
     found: dict[str, Any] = {}
 
     def choose() -> str:
-        before()
-        path, found["loaded"] = select.choose_checkpoint(root, choice, restart)
+        path, found["loaded"] = select.choose_checkpoint(root, before(choice), restart)
         return str(path) if path else ""
 
     chosen = on_rank_zero(choose, rank, world_size)
     if not chosen:
         return None, {}
     path = Path(chosen)
+    if rank != 0:
+        path = stage(path)
     # Rank 0 verified the files moments ago; the others read them.
     loaded = found["loaded"] if found.get("loaded") is not None else load_files(path)
     return path, loaded
