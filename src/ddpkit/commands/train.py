@@ -22,6 +22,7 @@ from ddpkit.keyvalue import peek
 from ddpkit.launchers.failure import LaunchError
 from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from ddpkit.train.config import TRAIN_OPTION_GROUPS, TrainConfig, parse_train_config
+from ddpkit.train.storage_url import url_scheme
 
 if TYPE_CHECKING:
     from ddpkit.checkpoint import CheckpointInfo
@@ -176,8 +177,10 @@ def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointIn
         return "node 0 names the newest checkpoint; to continue, run the same commands with resume=auto on every node"
     if newest is None:
         return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
+    given = peek(args, "output_dir") or ""
+    # An output_dir URL stays as given: it names the checkpoints' place and, from it, the same local folder.
     words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
-    words += [f"output_dir={cfg.output_dir}", "resume=auto"]
+    words += [f"output_dir={given if url_scheme(given) else cfg.output_dir}", "resume=auto"]
     command = "ddpkit train " + " ".join(shlex.quote(word) for word in words)
     return f"checkpoint {newest.path} (global step {newest.global_step}) is complete; continue with: {command}"
 

@@ -24,6 +24,7 @@ from ddpkit.keyvalue import (
 from ddpkit.launchers.options import LaunchOptions
 from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
+from ddpkit.train.storage_url import check_url_options
 
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
@@ -56,7 +57,8 @@ class CheckpointConfig(CheckpointOptions):
     enabled: bool = True
     """Write checkpoints (and handle preemption signals); false turns both off."""
     dir: str = ""
-    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it."""
+    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it. A URL
+    (s3://BUCKET/PREFIX, or another fsspec store whose library is installed) keeps them in object storage."""
 
     def check(self) -> None:
         """The Checkpointer's checks, and best_metric among the metrics the trainer reports."""
@@ -157,7 +159,8 @@ class TrainConfig(LaunchOptions):
     output_dir: str = option("", group="output")
     """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
     runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
-    runs/latest points to; with resume=auto, the newest run of this model and dataset."""
+    runs/latest points to; with resume=auto, the newest run of this model and dataset. A URL (s3://BUCKET/PREFIX):
+    the checkpoints go to <URL>/checkpoints and the run's other files to the local folder runs/<BUCKET>-<PREFIX>."""
     log_every: int = option(50, group="output", counted=True)
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     logger: str = option("jsonl", group="output")
@@ -208,14 +211,19 @@ class TrainConfig(LaunchOptions):
         self.resume = resume_choice(self.resume)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
+        places = ("output_dir", "data_dir", "init_from", "resume")
+        check_url_options({**{name: getattr(self, name) for name in places}, "checkpoint.dir": self.checkpoint.dir})
 
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
-    """TrainConfig from words, with the chosen model's recipe as defaults."""
+    """TrainConfig from words, with the chosen model's recipe as defaults; an ``output_dir`` URL split into
+    ``checkpoint.dir`` there and a local run folder (:func:`ddpkit.train.run_folder.with_remote_checkpoints`)."""
     from ddpkit import get_model_spec  # deferred: the registry imports torch
 
+    from ddpkit.train.run_folder import with_remote_checkpoints  # deferred: it imports this module
+
     model = peek(args, "model", TrainConfig) or TrainConfig.model
-    return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))
+    return with_remote_checkpoints(parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe)))
 
 
 TRAIN_OPTION_GROUPS = tuple((title, option_names(TrainConfig, group=title)) for title in TRAIN_GROUP_TITLES)

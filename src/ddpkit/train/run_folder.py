@@ -23,6 +23,7 @@ another launcher take the folder rank 0 chose (see ``ddpkit.train.run``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import tempfile
@@ -34,6 +35,7 @@ from ddpkit import FolderLock
 from ddpkit.checkpoint import candidates, restart_count
 from ddpkit.errors import UserError
 from ddpkit.train.config import TrainConfig
+from ddpkit.train.storage_url import remote_run_name, url_scheme
 
 RUNS_DIR = Path("runs")
 """Where the run folders go, relative to the current folder."""
@@ -54,7 +56,7 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
         newest = newest_run(series)
         # continued only where there is a checkpoint to continue from: else its files are another run's
         if newest is not None and (
-            restart_count(environ) or candidates(Path(cfg.checkpoint.dir or newest / "checkpoints"))
+            restart_count(environ) or candidates(cfg.checkpoint.dir or newest / "checkpoints")
         ):
             return newest
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
@@ -63,6 +65,24 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
         n += 1
         folder = series / f"{stamp}-{n}"
     return folder
+
+
+def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with an ``output_dir`` URL split: the checkpoints at ``<URL>/checkpoints`` (unless ``checkpoint.dir``
+    names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>-<prefix>``.
+
+    Those files are appended to line by line and read by local tools (``ddpkit plot``, TensorBoard): they stay
+    on this machine, and only the checkpoints, which a restart on another machine needs, go to the store.
+    The same URL always gives the same local folder, so the same command run again continues the run.
+    """
+    if not url_scheme(cfg.output_dir):
+        return cfg
+    checkpoints = cfg.checkpoint.dir or cfg.output_dir.rstrip("/") + "/checkpoints"
+    return dataclasses.replace(
+        cfg,
+        output_dir=str(RUNS_DIR / remote_run_name(cfg.output_dir)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=checkpoints),
+    )
 
 
 def newest_run(series: Path) -> Path | None:
