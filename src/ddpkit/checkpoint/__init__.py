@@ -8,8 +8,8 @@ a submodule (an import-linter contract in pyproject.toml holds that). The names 
   :class:`Preempted`, :class:`FolderLock`, :class:`FolderInUseError`, :func:`seed_everything`,
   :func:`export_checkpoint`, :func:`apply_transfer`, :class:`TransferReport`;
 - for ddpkit's own commands and trainer (``ddpkit train``, ``ddpkit checkpoints``, the benchmarks), not a
-  promise to users: the rest of ``__all__`` (reading a manifest, choosing a checkpoint to resume, the
-  non-finite checkpoints, the room on disk, the option values the command line checks).
+  promise to users: the rest of ``__all__`` (reading a manifest, choosing a checkpoint to resume, checkpoints
+  in object storage (:mod:`ddpkit.checkpoint.remote`), the non-finite checkpoints, the room on disk, the option values the command line checks).
 
 The names are imported on first use, as ``ddpkit``'s are: ``ddpkit.train.config`` reads the options from here, and
 ``ddpkit --help`` must not wait for torch.
@@ -55,6 +55,11 @@ _PUBLIC = {
     "NONFINITE_SUFFIX": "ddpkit.checkpoint.disk.finite",
     "last_finite_checkpoint": "ddpkit.checkpoint.disk.finite",
     "nonfinite_tensors": "ddpkit.checkpoint.disk.finite",
+    # checkpoints in object storage (ddpkit train's output_dir=s3://..., ddpkit checkpoints and export of a URL)
+    "is_remote": "ddpkit.checkpoint.remote.store",
+    "remote_checkpoints": "ddpkit.checkpoint.remote.transfer",
+    "fetch_checkpoint": "ddpkit.checkpoint.remote.transfer",
+    "upload_checkpoint": "ddpkit.checkpoint.remote.transfer",
     # the room on disk (the trainer's metrics file)
     "format_bytes": "ddpkit.checkpoint.disk.storage",
     "free_bytes": "ddpkit.checkpoint.disk.storage",
@@ -100,6 +105,12 @@ if TYPE_CHECKING:
     )
     from ddpkit.checkpoint.publishing.export import export_checkpoint as export_checkpoint
     from ddpkit.checkpoint.publishing.transfer import TransferReport as TransferReport, apply_transfer as apply_transfer
+    from ddpkit.checkpoint.remote.store import is_remote as is_remote
+    from ddpkit.checkpoint.remote.transfer import (
+        fetch_checkpoint as fetch_checkpoint,
+        remote_checkpoints as remote_checkpoints,
+        upload_checkpoint as upload_checkpoint,
+    )
     from ddpkit.checkpoint.rng import seed_everything as seed_everything
 
 

@@ -93,6 +93,10 @@ class CheckpointOptions:
     save) and training goes on while rank 0 writes. auto: when the model is on a GPU (a save then costs the GPU
     only its copy); on the CPU, where writing competes with training for the cores, synchronous; true, false."""
 
+    cache: str = ""
+    """For checkpoints in object storage (a dir of s3://...): the local folder they are written into before
+    their upload; empty: one per URL under $DDPKIT_CACHE/checkpoints (else ~/.cache/ddpkit/checkpoints)."""
+
     def __post_init__(self) -> None:
         self.check()
 

@@ -233,13 +233,13 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
     return f"{text}: {command}" if command else text
 
 
+def holder_record() -> dict[str, Any]:
+    """Who this process is, as a lock's holder file records it: host, pid, start of the hold, command."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "command": _command_line()}
+
+
 def _write_holder(path: Path, mode: int) -> None:
-    record = {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "since": time.time(),
-        "command": _command_line(),
-    }
+    record = holder_record()
     temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "w") as file:
@@ -264,6 +264,7 @@ __all__ = [
     "LOCK_FILE",
     "LockFileError",
     "describe_holder",
+    "holder_record",
     "read_holder",
 ]
 

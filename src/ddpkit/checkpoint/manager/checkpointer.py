@@ -19,24 +19,14 @@ from ddpkit.checkpoint.manager.advice import SaidOnce, say_if_unwritten, unskipp
 from ddpkit.checkpoint.manager.best import BestMetric
 from ddpkit.checkpoint.manager.epochs import EpochCounter
 from ddpkit.checkpoint.manager.metrics import CheckpointMetrics
-from ddpkit.checkpoint.manager.preemption import (
-    Agreement,
-    Preempted,
-    PreemptionSignals,
-    say_preempted,
-    signal_name,
-)
-from ddpkit.checkpoint.manager.restore import (
-    ResumePoint,
-    choose_and_load,
-    epoch_length,
-    restore_checkpoint,
-)
+from ddpkit.checkpoint.manager.preemption import Agreement, Preempted, PreemptionSignals, say_preempted, signal_name
+from ddpkit.checkpoint.manager.restore import ResumePoint, choose_and_load, epoch_length, restore_checkpoint
 from ddpkit.checkpoint.manager.saving import claim_folder, saving_parts
 from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
+from ddpkit.checkpoint.remote.staging import checkpoint_root
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -46,7 +36,8 @@ class Checkpointer:
     """Saves and resumes the state of a training loop; see :mod:`ddpkit.checkpoint.manager`.
 
     Args:
-        dir: folder of the checkpoints (every node must see it).
+        dir: folder of the checkpoints (every node must see it), or a URL (``s3://bucket/prefix/run``: staged
+            locally and uploaded in the background, :mod:`ddpkit.checkpoint.remote`).
         model: the model (DDP-wrapped or not).
         optimizer: the optimizer.
         scheduler: the LR scheduler.
@@ -102,10 +93,11 @@ class Checkpointer:
         self.options = with_keywords(options or CheckpointOptions(), option_values)
         """What, when and how this Checkpointer saves (see :class:`~ddpkit.checkpoint.options.CheckpointOptions`)."""
         check_positive("timeout", timeout)
-        self.root = Path(dir)
+        self.environ = dict(os.environ if environ is None else environ)
+        self.root, self.remote = checkpoint_root(dir, self.options.cache, self.environ)
+        """The checkpoints folder (for a URL, the local folder they are staged in), and the remote folder or None."""
         if self.root.exists() and not self.root.is_dir():  # else found at the first save, an epoch later
             raise UserError(f"checkpoint folder {self.root} is a file; pass the path of a folder (or of a new one)")
-        self.environ = dict(os.environ if environ is None else environ)
         self.rank, self.world_size = rank_and_size(self.environ)
         self.loader: PositionedLoader | None = loader if isinstance(loader, PositionedLoader) else None
         """The ddpkit.DataLoader whose position and step boundaries the checkpoints follow (None without one)."""
@@ -153,6 +145,7 @@ class Checkpointer:
             dict(config or {}),
             dict(meta or {}),
             self._saved,
+            self.remote,
         )
         # Rank 0's writer (None on the other ranks), a sharded model's state, every rank's check-ins at a save:
         self.writer, self.shards, self.check_ins = self._saving.writer, self._saving.shards, self._saving.check_ins
@@ -172,7 +165,7 @@ class Checkpointer:
         self._started = True
         if self.rank == 0:  # the room, and the folder's lock: a second run into it stops here
             restarted = select.restart_count(self.environ) > 0
-            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted)
+            self._lock = claim_folder(self.root, self.objects, self.world_size, self.options, restarted, self.writer)
         self.signals.install()
         if self.loader is not None:
             # A due checkpoint is written when the loop asks for its next batch (or runs out of them):
@@ -215,7 +208,7 @@ class Checkpointer:
             self.root,
             resume_choice(resume),
             select.restart_count(self.environ),
-            before=self._wait_for_writes,
+            before=self._saving.before_choosing,
             rank=self.rank,
             world_size=self.world_size,
         )

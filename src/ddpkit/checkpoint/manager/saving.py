@@ -38,6 +38,8 @@ from ddpkit.checkpoint.manager.contents import checkpoint_files, config_texts, m
 from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
+from ddpkit.checkpoint.remote.store import RemoteFolder
+from ddpkit.checkpoint.remote.writer import RemoteWriter
 from ddpkit.checkpoint.rng import capture_rng_state
 from ddpkit.checkpoint.sharded.state import ShardedState, sharded_state
 from ddpkit.checkpoint.sharded.writer import ShardedWriter
@@ -85,20 +87,28 @@ def make_writer(
     shards: ShardedState | None,
     async_save: bool,
     on_save: Callable[[Path, str], None],
+    remote: RemoteFolder | None = None,
 ) -> CheckpointWriter:
     """Rank 0's writer: a :class:`~ddpkit.checkpoint.disk.writer.FolderWriter` (in the background or not), or a
     :class:`~ddpkit.checkpoint.sharded.writer.ShardedWriter` completing the folder of ``shards`` (in the
-    background when they are)."""
-    settings: dict[str, Any] = {
-        "mode": READABLE_BY[options.readable_by],
-        "keep": options.keep,
-        "on_write_error": options.on_write_error,
-        "needed_bytes": lambda: checkpoint_bytes(root, objects, world_size),
-        "on_save": on_save,
-    }
-    if shards is not None:
-        return ShardedWriter(root, staged=shards.staged, async_save=async_save, **settings)
-    return FolderWriter(root, async_save=async_save, **settings)
+    background when they are); for a ``remote`` folder, either of them writing into the staging folder
+    ``root``, under a :class:`~ddpkit.checkpoint.remote.writer.RemoteWriter` that uploads what they wrote."""
+
+    def local(on_save: Callable[[Path, str], None]) -> CheckpointWriter:
+        settings: dict[str, Any] = {
+            "mode": READABLE_BY[options.readable_by],
+            "keep": options.keep,
+            "on_write_error": options.on_write_error,
+            "needed_bytes": lambda: checkpoint_bytes(root, objects, world_size),
+            "on_save": on_save,
+        }
+        if shards is not None:
+            return ShardedWriter(root, staged=shards.staged, async_save=async_save, **settings)
+        return FolderWriter(root, async_save=async_save, **settings)
+
+    if remote is None:
+        return local(on_save)
+    return RemoteWriter(remote, root, local, keep=options.keep, on_write_error=options.on_write_error, on_save=on_save)
 
 
 def saving_parts(
@@ -115,11 +125,13 @@ def saving_parts(
     config: Mapping[str, Any],
     meta: Mapping[str, Any],
     on_save: Callable[[Path, str], None],
+    remote: RemoteFolder | None = None,
 ) -> CheckpointSave:
     """A Checkpointer's saving side: its :class:`CheckpointSave` over a sharded model's state (None for a
-    replicated one), every rank's check-ins and rank 0's writer (None on the other ranks)."""
+    replicated one), every rank's check-ins and rank 0's writer (None on the other ranks; uploading to
+    ``remote`` what it writes in ``root`` when given)."""
     shards = sharded_state(objects, rank, world_size, async_save=async_save)
-    writer = make_writer(root, objects, world_size, options, shards, async_save, on_save) if rank == 0 else None
+    writer = make_writer(root, objects, world_size, options, shards, async_save, on_save, remote) if rank == 0 else None
     check_ins = SaveCheckIns(next(_INSTANCES), rank, world_size, restart, timeout)
     mode = READABLE_BY[options.readable_by]
     return CheckpointSave(
@@ -143,17 +155,24 @@ _INSTANCES = itertools.count()
 
 
 def claim_folder(
-    root: Path, objects: Mapping[str, Any], world_size: int, options: CheckpointOptions, restarted: bool
+    root: Path,
+    objects: Mapping[str, Any],
+    world_size: int,
+    options: CheckpointOptions,
+    restarted: bool,
+    writer: CheckpointWriter | None = None,
 ) -> FolderLock | None:
     """Rank 0, before its first save: warn when the folder lacks room, and take its lock (None: it cannot be
-    written, which the first save says in one line).
+    written, which the first save says in one line); a remote folder's lease first (the writer holds it).
 
     A run owns its folder for its life: a second run into it stops here, before writing. Rank 0 alone (no
     collective: this may come first in a save some ranks never reach); its exit ends the job.
 
     Raises:
-        FolderInUseError: another live run holds the folder.
+        FolderInUseError: another live run holds the folder (or the remote prefix).
     """
+    if isinstance(writer, RemoteWriter):
+        writer.claim(restarted)
     if warning := room_warning(root, options.keep, checkpoint_bytes(root, objects, world_size)):
         get_logger().warning(warning)
     return lock_checkpoint_folder(root, READABLE_BY[options.readable_by], restarted)
@@ -199,6 +218,14 @@ class CheckpointSave:
         self.config, self.meta = config, meta
         self._folder_checked = False  # rank 0: by a resume, or the first save's check_resume(root, "never")
         self._extras_checked = False
+
+    def before_choosing(self) -> None:
+        """Rank 0, before a resume chooses its checkpoint: the writes in flight done; for a remote folder, the
+        newest complete checkpoint there staged (:func:`ddpkit.checkpoint.remote.staging.pull_newest`)."""
+        if isinstance(self.writer, RemoteWriter):
+            self.writer.pull()
+        elif self.writer is not None:
+            self.writer.wait()
 
     def folder_checked(self) -> None:
         """The folder was checked already (a resume chose from it): the first save does not check it again."""
@@ -257,7 +284,10 @@ class CheckpointSave:
         self.writer.wait()  # at most one save in flight
         if not self._folder_checked:
             self._folder_checked = True
-            select.check_resume(self.root, "never")
+            if isinstance(self.writer, RemoteWriter):  # the bucket is the truth; the staging folder a cache
+                self.writer.check_fresh()
+            else:
+                select.check_resume(self.root, "never")
         assert rank_states is not None, "rank 0 gathered every rank's states"
         in_files = {name: obj for name, obj in self.objects.items() if not self.shards or name not in self.shards.names}
         files = checkpoint_files(in_files, collective, facts.counters(), rank_states, self.per_rank, self.world_size)

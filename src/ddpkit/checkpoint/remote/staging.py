@@ -1,0 +1,80 @@
+"""The local staging folder of a remote checkpoints folder, and what it holds before a resume chooses.
+
+Checkpoints for a URL are written into a local folder first, exactly as on disk, and uploaded from there
+(:mod:`ddpkit.checkpoint.remote.writer`). The folder is ``checkpoint.cache=`` when given, else
+``$DDPKIT_CACHE/checkpoints/<name>-<hash of the URL>``, else the same under ``~/.cache/ddpkit``: one per
+URL, so that two prefixes never share one.
+
+Before a resume chooses (:func:`pull_newest`), the staging folder is made to hold what the bucket holds: the
+bucket is the truth. A staged checkpoint the bucket does not hold complete (its upload was cut off) is set
+aside as ``.not-uploaded``, never deleted (it may be the only copy); the newest complete checkpoint in the
+bucket is downloaded and verified unless the same one is staged already; one that does not verify is
+skipped, in one line, for the one before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints, set_aside
+from ddpkit.checkpoint.remote.store import RemoteFolder, is_remote, remote_folder
+from ddpkit.checkpoint.remote.transfer import fetch_into, remote_checkpoints
+from ddpkit.log import get_logger
+
+__all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "default_cache", "pull_newest", "staging_folder"]
+
+NOT_UPLOADED_SUFFIX = ".not-uploaded"
+"""The suffix of a staged checkpoint set aside because the bucket does not hold it complete."""
+
+
+def default_cache(environ: Mapping[str, str]) -> Path:
+    """ddpkit's cache of checkpoints: ``$DDPKIT_CACHE/checkpoints``, else ``~/.cache/ddpkit/checkpoints``."""
+    base = environ.get("DDPKIT_CACHE") or os.path.join(environ.get("HOME") or str(Path.home()), ".cache", "ddpkit")
+    return Path(base) / "checkpoints"
+
+
+def staging_folder(url: str, cache: str, environ: Mapping[str, str]) -> Path:
+    """The local folder where the checkpoints of ``url`` are staged: ``cache`` when given, else one of its own
+    under :func:`default_cache` named after the URL's last part and a hash of the whole."""
+    if cache:
+        return Path(cache).expanduser()
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "run"
+    return default_cache(environ) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
+def checkpoint_root(
+    dir: str | os.PathLike[str], cache: str, environ: Mapping[str, str]
+) -> tuple[Path, RemoteFolder | None]:
+    """Where a Checkpointer given ``dir`` writes: the folder itself, or for a URL its staging folder and the
+    remote folder (:func:`staging_folder`; ``cache``: ``checkpoint.cache=``)."""
+    if not is_remote(dir):
+        return Path(dir), None
+    remote = remote_folder(dir)
+    return staging_folder(remote.url, cache, environ), remote
+
+
+def pull_newest(folder: RemoteFolder, staging: Path) -> Path | None:
+    """Make ``staging`` hold the newest complete checkpoint of ``folder`` that verifies; see the module docstring.
+
+    Returns:
+        The staged checkpoint, or None when the bucket holds none that verifies.
+    """
+    log = get_logger()
+    remote = [info for info in remote_checkpoints(folder) if info.manifest is not None]
+    names = {info.path.name for info in remote}
+    for local in list_checkpoints(staging):
+        if local.path.name not in names:
+            target = set_aside(local.path, NOT_UPLOADED_SUFFIX)
+            log.warning(f"set {local.path} aside as {target.name}: {folder.url} does not hold it complete")
+    for info in reversed(remote):
+        name = info.path.name
+        try:
+            return fetch_into(folder, name, staging / name)
+        except CheckpointError as e:
+            log.warning(f"resume=auto: skipping checkpoint {folder.url_of(name)}: {e}")
+            if (staging / name / MANIFEST).exists():  # a staged copy of another write of that step: not this one
+                set_aside(staging / name, NOT_UPLOADED_SUFFIX)
+    return None

@@ -1,0 +1,81 @@
+"""Where a remote checkpoints folder lives: a URL, its fsspec file system, and the object paths under it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ddpkit.errors import UserError
+
+__all__ = ["RemoteFolder", "is_remote", "remote_folder"]
+
+_INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+"""The package each common scheme needs, for the line that says to install it."""
+
+
+def _scheme(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    head, sep, _ = text.partition("://")
+    # A scheme is letters, digits, + - . (RFC 3986); "C:\\..." or "./a://b" is a local path.
+    if not sep or not head or not head[0].isalpha() or not all(c.isalnum() or c in "+-." for c in head):
+        return ""
+    return head.lower()
+
+
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a URL of a file system other than the local one (``s3://``, ``gs://``...).
+
+    ``file://`` and plain paths are local. A URL whose scheme fsspec does not know is remote too:
+    :func:`remote_folder` then says in one line what to install, instead of a folder named ``s3:``.
+    """
+    scheme = _scheme(path)
+    return bool(scheme) and scheme not in ("file", "local")
+
+
+@dataclass(frozen=True)
+class RemoteFolder:
+    """A checkpoints folder in object storage: the URL as given and the file system that reaches it."""
+
+    url: str
+    """The URL as given, without a trailing slash (``s3://bucket/prefix/run``)."""
+    fs: Any
+    """The fsspec file system (``s3fs.S3FileSystem`` for s3://)."""
+    path: str
+    """The folder's path on ``fs`` (``bucket/prefix/run``)."""
+
+    def join(self, *names: str) -> str:
+        """The path on ``fs`` of ``names`` under the folder."""
+        return "/".join([self.path, *names])
+
+    def url_of(self, *names: str) -> str:
+        """The URL of ``names`` under the folder, for messages."""
+        return "/".join([self.url, *names])
+
+    def forget_listings(self) -> None:
+        """Drop the file system's cached listings: another process (or run) may have written since."""
+        self.fs.invalidate_cache(self.path)
+
+
+def remote_folder(url: str | os.PathLike[str]) -> RemoteFolder:
+    """The :class:`RemoteFolder` of ``url``.
+
+    Raises:
+        UserError: the scheme's file system is not installed (the message names the package), or unknown.
+    """
+    # Only for a remote folder: a local run needs neither fsspec nor a store's library (fsspec ships no types).
+    import fsspec  # type: ignore[import-untyped]
+
+    text = os.fspath(url).rstrip("/")
+    scheme = _scheme(text)
+    try:
+        fs, path = fsspec.core.url_to_fs(text)
+    except ImportError:
+        package = _INSTALL.get(scheme, f"the fsspec file system for {scheme}://")
+        extra = " (pip install 'ddpkit[s3]')" if package == "s3fs" else ""
+        raise UserError(f"{text}: {scheme}:// needs {package}; install it{extra}, or write to a local folder") from None
+    except ValueError:
+        raise UserError(
+            f"{text}: no file system is known for {scheme}://; use s3://, gs://, az://... or a local folder"
+        ) from None
+    return RemoteFolder(text, fs, path.rstrip("/"))
