@@ -172,7 +172,7 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
                 preempt_signals=(),
                 # On a URL both kinds stage alike; they differ in when the upload is waited for.
                 async_save=mode == "async" and not cfg.s3,
-                **({"cache": str(Path(tmp) / f"staging-{mode}")} if cfg.s3 else {}),
+                cache=str(Path(tmp) / f"staging-{mode}") if cfg.s3 else "",
             )
             for mode in ("sync", "async")
         }

@@ -34,7 +34,7 @@ def same_objects(model: nn.Module, optimizer: Any, tmp: Path, url: str) -> bool:
     remote.close()
     if local_path is None or remote_path is None:
         return False
-    import fsspec
+    import fsspec  # type: ignore[import-untyped]  # fsspec ships no type information
 
     fs, root = fsspec.core.url_to_fs(f"{url}/{local_path.name}")
     objects = {path.rsplit("/", 1)[-1]: path for path in fs.find(root)}

@@ -54,7 +54,7 @@ def loopback_s3(bucket: str = "ddpkit-bench") -> Iterator[str]:
     try:
         _wait_until_up(server, endpoint, log)
         os.environ.update({**FAKE_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint})
-        import fsspec
+        import fsspec  # type: ignore[import-untyped]  # fsspec ships no type information
 
         fsspec.filesystem("s3", skip_instance_cache=True).mkdir(bucket)
         yield f"s3://{bucket}"

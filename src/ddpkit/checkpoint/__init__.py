@@ -60,6 +60,8 @@ _PUBLIC = {
     "remote_checkpoints": "ddpkit.checkpoint.remote.transfer",
     "fetch_checkpoint": "ddpkit.checkpoint.remote.transfer",
     "upload_checkpoint": "ddpkit.checkpoint.remote.transfer",
+    "local_checkpoint": "ddpkit.checkpoint.publishing.remote_source",
+    "remote_root": "ddpkit.checkpoint.publishing.remote_source",
     # the room on disk (the trainer's metrics file)
     "format_bytes": "ddpkit.checkpoint.disk.storage",
     "free_bytes": "ddpkit.checkpoint.disk.storage",
@@ -104,6 +106,10 @@ if TYPE_CHECKING:
         resume_choice as resume_choice,
     )
     from ddpkit.checkpoint.publishing.export import export_checkpoint as export_checkpoint
+    from ddpkit.checkpoint.publishing.remote_source import (
+        local_checkpoint as local_checkpoint,
+        remote_root as remote_root,
+    )
     from ddpkit.checkpoint.publishing.transfer import TransferReport as TransferReport, apply_transfer as apply_transfer
     from ddpkit.checkpoint.remote.store import is_remote as is_remote
     from ddpkit.checkpoint.remote.transfer import (

@@ -4,6 +4,7 @@
 
     ddpkit export runs/latest/checkpoints/best-000000940 exported/
     ddpkit export runs/latest exported/ readable_by=all   # the newest verified checkpoint
+    ddpkit export s3://my-bucket/run exported/            # the same, from object storage
 
 torch is imported only when the command runs, so ``ddpkit --help`` stays quick.
 """
@@ -36,10 +37,18 @@ EXPORT_HELP = CommandHelp(
     "with torch.load(weights_only=True)) and OUT/model.json (model name, task, source checkpoint).",
     schema="ddpkit.commands.export:ExportConfig",
     positional=(
-        ("CHECKPOINT", "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified checkpoint)"),
+        (
+            "CHECKPOINT",
+            "a checkpoint folder, or a run's folder / checkpoints folder (its newest verified checkpoint); "
+            "or their URL (s3://...)",
+        ),
         ("OUT", "the folder to write"),
     ),
-    examples=("ddpkit export runs/latest exported/", "ddpkit export runs/latest/checkpoints/best-000000940 out/"),
+    examples=(
+        "ddpkit export runs/latest exported/",
+        "ddpkit export runs/latest/checkpoints/best-000000940 out/",
+        "ddpkit export s3://my-bucket/run/checkpoints/step-000000940 out/",
+    ),
 )
 
 

@@ -181,15 +181,20 @@ def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointIn
     # An output_dir URL stays as given: it names the checkpoints' place and, from it, the same local folder.
     words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
     words += [f"output_dir={given if url_scheme(given) else cfg.output_dir}", "resume=auto"]
+    from ddpkit.train.run import checkpoint_root
+
     command = "ddpkit train " + " ".join(shlex.quote(word) for word in words)
-    return f"checkpoint {newest.path} (global step {newest.global_step}) is complete; continue with: {command}"
+    where = f"{checkpoint_root(cfg)}/{newest.path.name}"  # a URL's checkpoint's path would lose a slash of s3://
+    return f"checkpoint {where} (global step {newest.global_step}) is complete; continue with: {command}"
 
 
 def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
-    from ddpkit.checkpoint import list_checkpoints
+    from ddpkit.checkpoint import is_remote, list_checkpoints, remote_checkpoints
     from ddpkit.train.run import checkpoint_root
 
     if not cfg.output_dir:  # another node's launcher: the run folder is node 0's
         return None
-    complete = [info for info in list_checkpoints(checkpoint_root(cfg)) if info.complete]
+    root = checkpoint_root(cfg)
+    infos = remote_checkpoints(root) if is_remote(root) else list_checkpoints(root)
+    complete = [info for info in infos if info.complete]
     return complete[-1] if complete else None

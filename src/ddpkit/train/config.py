@@ -212,14 +212,19 @@ class TrainConfig(LaunchOptions):
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
         places = ("output_dir", "data_dir", "init_from", "resume")
-        check_url_options({**{name: getattr(self, name) for name in places}, "checkpoint.dir": self.checkpoint.dir})
+        check_url_options(
+            {
+                **{name: getattr(self, name) for name in places},
+                "checkpoint.dir": self.checkpoint.dir,
+                "checkpoint.cache": self.checkpoint.cache,
+            }
+        )
 
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
     """TrainConfig from words, with the chosen model's recipe as defaults; an ``output_dir`` URL split into
     ``checkpoint.dir`` there and a local run folder (:func:`ddpkit.train.run_folder.with_remote_checkpoints`)."""
     from ddpkit import get_model_spec  # deferred: the registry imports torch
-
     from ddpkit.train.run_folder import with_remote_checkpoints  # deferred: it imports this module
 
     model = peek(args, "model", TrainConfig) or TrainConfig.model

@@ -55,9 +55,7 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
     if cfg.resume == "auto" or restart_count(environ):
         newest = newest_run(series)
         # continued only where there is a checkpoint to continue from: else its files are another run's
-        if newest is not None and (
-            restart_count(environ) or candidates(cfg.checkpoint.dir or newest / "checkpoints")
-        ):
+        if newest is not None and (restart_count(environ) or candidates(cfg.checkpoint.dir or newest / "checkpoints")):
             return newest
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     folder, n = series / stamp, 1

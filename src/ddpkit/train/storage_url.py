@@ -56,7 +56,7 @@ def check_storage_url(option: str, url: str) -> None:
         UserError: a ``file://`` URL (give the path), a scheme fsspec does not know, no bucket, or the file
             system's library not installed.
     """
-    from fsspec.registry import get_filesystem_class, known_implementations, registry
+    from fsspec.registry import get_filesystem_class, known_implementations, registry  # type: ignore[import-untyped]  # fsspec ships no type information
 
     scheme = url_scheme(url)
     if scheme in ("file", "local"):
@@ -76,20 +76,24 @@ def check_storage_url(option: str, url: str) -> None:
         raise UserError(f"{option}={url} needs {library}, which is not installed: {fix}") from None
 
 
+LOCAL_ONLY = {
+    "data_dir": "the dataset is read from a local folder; copy it there first (e.g. aws s3 sync) and pass that folder",
+    "checkpoint.cache": "checkpoints are staged in a local folder before their upload; pass a local folder",
+}
+"""The options that name a place and take no URL, and why."""
+
+
 def check_url_options(values: dict[str, str]) -> None:
-    """Check each option (name -> value) that holds a URL; ``data_dir`` refuses any URL.
+    """Check each option (name -> value) that holds a URL; those of :data:`LOCAL_ONLY` refuse any URL.
 
     Raises:
-        UserError: see :func:`check_storage_url`; or a URL given as ``data_dir``.
+        UserError: see :func:`check_storage_url`; or a URL given to an option of :data:`LOCAL_ONLY`.
     """
     for option, value in values.items():
         if not url_scheme(value):
             continue
-        if option == "data_dir":
-            raise UserError(
-                f"data_dir={value}: the dataset is read from a local folder; copy it there first "
-                "(e.g. aws s3 sync) and pass that folder as data_dir"
-            )
+        if option in LOCAL_ONLY:
+            raise UserError(f"{option}={value}: {LOCAL_ONLY[option]}")
         check_storage_url(option, value)
 
 

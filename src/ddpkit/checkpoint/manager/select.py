@@ -45,6 +45,8 @@ from ddpkit.checkpoint.disk.format import (
     set_aside,
     verify_checkpoint,
 )
+from ddpkit.checkpoint.remote.store import is_remote
+from ddpkit.checkpoint.remote.transfer import remote_checkpoints
 from ddpkit.log import get_logger
 
 
@@ -54,7 +56,7 @@ def restart_count(environ: Mapping[str, str]) -> int:
     return max((int(c) for c in counts if c.strip().isdigit()), default=0)
 
 
-def holds_checkpoints(root: Path, complete: list[CheckpointInfo]) -> CheckpointError:
+def holds_checkpoints(root: str | Path, complete: list[CheckpointInfo]) -> CheckpointError:
     """The error for a fresh start into a folder that already holds checkpoints."""
     return CheckpointError(
         f"{root} already holds checkpoints (newest: {complete[-1].path.name}); continue that run with "
@@ -65,7 +67,8 @@ def holds_checkpoints(root: Path, complete: list[CheckpointInfo]) -> CheckpointE
 def candidates(root: str | Path) -> list[CheckpointInfo]:
     """The complete (or unreadable) ``step-*`` and ``best-*`` checkpoints of ``root``, oldest first; at one
     step, the ``best-*`` before the ``step-*`` (its hard-linked twin), so the ``step-*`` is tried first."""
-    found = [i for i in list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX) if i.complete]
+    listing = remote_checkpoints if is_remote(root) else list_checkpoints  # a URL: the bucket's checkpoints
+    found = [i for i in listing(root) + listing(root, prefix=BEST_PREFIX) if i.complete]
     return sorted(found, key=lambda info: (info.global_step, not info.path.name.startswith(BEST_PREFIX)))
 
 
@@ -79,7 +82,7 @@ def check_resume(root: str | Path, resume: str) -> None:
     if resume == "never":
         complete = candidates(root)
         if complete:
-            raise holds_checkpoints(Path(root), complete)
+            raise holds_checkpoints(root, complete)
     elif resume != "auto":
         read_manifest(resume)
 
