@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import ClassVar
 
 from ddpkit.checkpoint import CheckpointOptions, resume_choice
@@ -24,8 +25,10 @@ from ddpkit.keyvalue import (
 from ddpkit.launchers.options import LaunchOptions
 from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
-from ddpkit.train.storage_url import check_url_options
+from ddpkit.train.storage_url import check_url_options, remote_run_name, url_scheme
 
+RUNS_DIR = Path("runs")
+"""Where the run folders go, relative to the current folder (``ddpkit.train.run_folder``)."""
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
 LOGGERS = ("jsonl", *sorted(set(BACKENDS) - {"jsonl"}))
@@ -221,11 +224,28 @@ class TrainConfig(LaunchOptions):
         )
 
 
+def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with an ``output_dir`` URL split: the checkpoints at ``<URL>/checkpoints`` (unless ``checkpoint.dir``
+    names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>-<prefix>``.
+
+    Those files are appended to line by line and read by local tools (``ddpkit plot``, TensorBoard): they stay
+    on this machine, and only the checkpoints, which a restart on another machine needs, go to the store.
+    The same URL always gives the same local folder, so the same command run again continues the run.
+    """
+    if not url_scheme(cfg.output_dir):
+        return cfg
+    checkpoints = cfg.checkpoint.dir or cfg.output_dir.rstrip("/") + "/checkpoints"
+    return dataclasses.replace(
+        cfg,
+        output_dir=str(RUNS_DIR / remote_run_name(cfg.output_dir)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=checkpoints),
+    )
+
+
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
     """TrainConfig from words, with the chosen model's recipe as defaults; an ``output_dir`` URL split into
-    ``checkpoint.dir`` there and a local run folder (:func:`ddpkit.train.run_folder.with_remote_checkpoints`)."""
+    ``checkpoint.dir`` there and a local run folder (:func:`with_remote_checkpoints`)."""
     from ddpkit import get_model_spec  # deferred: the registry imports torch
-    from ddpkit.train.run_folder import with_remote_checkpoints  # deferred: it imports this module
 
     model = peek(args, "model", TrainConfig) or TrainConfig.model
     return with_remote_checkpoints(parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe)))

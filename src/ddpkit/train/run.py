@@ -66,10 +66,10 @@ from ddpkit.errors import exit_status
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import TrainConfig, with_remote_checkpoints
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
-from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder, with_remote_checkpoints
+from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import SETTINGS, apply_changed_rates, base_rates, build_scheduler
 from ddpkit.train.state import TrainState
 from ddpkit.train.storage_url import url_scheme

@@ -23,7 +23,6 @@ another launcher take the folder rank 0 chose (see ``ddpkit.train.run``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import tempfile
@@ -34,11 +33,8 @@ from pathlib import Path
 from ddpkit import FolderLock
 from ddpkit.checkpoint import candidates, restart_count
 from ddpkit.errors import UserError
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.storage_url import remote_run_name, url_scheme
+from ddpkit.train.config import RUNS_DIR, TrainConfig
 
-RUNS_DIR = Path("runs")
-"""Where the run folders go, relative to the current folder."""
 LATEST = RUNS_DIR / "latest"
 """Symbolic link to the newest run's folder."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -63,24 +59,6 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
         n += 1
         folder = series / f"{stamp}-{n}"
     return folder
-
-
-def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with an ``output_dir`` URL split: the checkpoints at ``<URL>/checkpoints`` (unless ``checkpoint.dir``
-    names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>-<prefix>``.
-
-    Those files are appended to line by line and read by local tools (``ddpkit plot``, TensorBoard): they stay
-    on this machine, and only the checkpoints, which a restart on another machine needs, go to the store.
-    The same URL always gives the same local folder, so the same command run again continues the run.
-    """
-    if not url_scheme(cfg.output_dir):
-        return cfg
-    checkpoints = cfg.checkpoint.dir or cfg.output_dir.rstrip("/") + "/checkpoints"
-    return dataclasses.replace(
-        cfg,
-        output_dir=str(RUNS_DIR / remote_run_name(cfg.output_dir)),
-        checkpoint=dataclasses.replace(cfg.checkpoint, dir=checkpoints),
-    )
 
 
 def newest_run(series: Path) -> Path | None:

@@ -104,4 +104,4 @@ def remote_run_name(url: str) -> str:
     run again (``resume=auto``) finds the run's local files.
     """
     path = url[len(url_scheme(url)) + 3 :]
-    return "-".join(re.sub(r"[^A-Za-z0-9._]+", ".", part).strip(".") for part in path.split("/") if part) or "run"
+    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", ".", part).strip(".") for part in path.split("/") if part) or "run"
