@@ -38,7 +38,10 @@ def test_an_output_dir_url_keeps_the_checkpoints_there_and_the_run_s_files_in_a_
 @pytest.mark.parametrize(
     "words, message",
     [
-        (["output_dir=s3://"], "error: output_dir=s3:// names no bucket; use s3://BUCKET/PREFIX, e.g. s3://my-bucket/run"),
+        (
+            ["output_dir=s3://"],
+            "error: output_dir=s3:// names no bucket; use s3://BUCKET/PREFIX, e.g. s3://my-bucket/run",
+        ),
         (["checkpoint.dir=s3:///run"], "error: checkpoint.dir=s3:///run names no bucket; use s3://BUCKET/PREFIX"),
         (
             ["output_dir=foo://bucket/run"],
@@ -94,12 +97,13 @@ def stopped_and_continued(s3, tmp_path_factory):  # noqa: F811  # s3: the fixtur
 
 @pytest.mark.slow
 def test_sigterm_then_the_printed_command_continues_from_the_bucket_to_the_uninterrupted_weights(
-    stopped_and_continued, s3  # noqa: F811
+    stopped_and_continued,
+    s3,  # noqa: F811
 ):
     folder, url, stopped, continued = stopped_and_continued
     assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-3000:]
     assert f"checkpoints in {url}/checkpoints; the run's own files in the local folder runs/" in stopped.stderr
-    assert f"is complete; continue with: ddpkit train " in stopped.stderr
+    assert "is complete; continue with: ddpkit train " in stopped.stderr
     assert f"output_dir={url} resume=auto" in stopped.stderr  # the URL as given, not the local folder
     assert continued is not None and continued.returncode == 0, (continued or stopped).stderr[-3000:]
     assert f"uploaded to {url}/checkpoints/" in continued.stderr
