@@ -423,7 +423,7 @@ class Checkpointer:
             self.writer.wait()
 
     def wait(self) -> Path | None:
-        """Wait until the checkpoint in flight (``async_save``) is complete on disk (a collective).
+        """Wait until the checkpoint in flight (``async_save``, or an upload) is complete (a collective).
 
         Returns:
             The newest checkpoint (``last_path``).
@@ -431,9 +431,9 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (the message says why).
         """
-        if self.async_save:
-            if self.shards is not None:
-                self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
+        if self.async_save and self.shards is not None:
+            self.shards.wait()  # this rank's shards; rank 0's writer then completes the folder
+        if self.async_save or self.remote is not None:  # a remote folder's upload is always in the background
             self._on_rank_zero(self._wait_for_writes)
         return self.last_path
 

@@ -29,7 +29,8 @@ import uuid
 from typing import Any
 
 from ddpkit.checkpoint.disk.folder_lock import FolderInUseError, describe_holder, holder_record
-from ddpkit.checkpoint.remote.store import RemoteFolder
+from ddpkit.checkpoint.disk.storage import StorageError
+from ddpkit.checkpoint.remote.store import RemoteFolder, unreachable
 from ddpkit.log import get_logger
 
 __all__ = ["LEASE_FILE", "LEASE_SECONDS", "RemoteLease"]
@@ -70,11 +71,16 @@ class RemoteLease:
 
         Raises:
             FolderInUseError: another live run holds it (the message names it and the fix).
+            StorageError: the store cannot be written (no such bucket, no credentials, refused): one line.
         """
         if self._token:
             return self
         token = uuid.uuid4().hex
-        if not self._create(token):
+        try:
+            created = self._create(token)
+        except Exception as e:  # the store's library raises its own kinds (no bucket, no credentials, refused)
+            raise StorageError(unreachable(self.folder, e)) from None
+        if not created:
             holder = self._read()
             if holder is None or not self._lapsed(holder, restarted):
                 raise FolderInUseError(self._refusal(holder))

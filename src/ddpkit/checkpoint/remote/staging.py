@@ -20,20 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints, set_aside
-from ddpkit.checkpoint.remote.store import RemoteFolder, is_remote, remote_folder
+from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, is_remote, remote_folder
 from ddpkit.checkpoint.remote.transfer import fetch_into, remote_checkpoints
 from ddpkit.log import get_logger
 
-__all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "default_cache", "pull_newest", "staging_folder"]
+__all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "pull_newest", "staging_folder"]
 
 NOT_UPLOADED_SUFFIX = ".not-uploaded"
 """The suffix of a staged checkpoint set aside because the bucket does not hold it complete."""
-
-
-def default_cache(environ: Mapping[str, str]) -> Path:
-    """ddpkit's cache of checkpoints: ``$DDPKIT_CACHE/checkpoints``, else ``~/.cache/ddpkit/checkpoints``."""
-    base = environ.get("DDPKIT_CACHE") or os.path.join(environ.get("HOME") or str(Path.home()), ".cache", "ddpkit")
-    return Path(base) / "checkpoints"
 
 
 def staging_folder(url: str, cache: str, environ: Mapping[str, str]) -> Path:
@@ -64,13 +58,13 @@ def pull_newest(folder: RemoteFolder, staging: Path) -> Path | None:
     """
     log = get_logger()
     remote = [info for info in remote_checkpoints(folder) if info.manifest is not None]
-    names = {info.path.name for info in remote}
+    names = {info.name for info in remote}
     for local in list_checkpoints(staging):
         if local.path.name not in names:
             target = set_aside(local.path, NOT_UPLOADED_SUFFIX)
             log.warning(f"set {local.path} aside as {target.name}: {folder.url} does not hold it complete")
     for info in reversed(remote):
-        name = info.path.name
+        name = info.name
         try:
             return fetch_into(folder, name, staging / name)
         except CheckpointError as e:

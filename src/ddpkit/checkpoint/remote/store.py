@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import UserError
 
-__all__ = ["RemoteFolder", "is_remote", "remote_folder"]
+__all__ = ["RemoteFolder", "default_cache", "is_remote", "remote_folder", "unreachable"]
 
 _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 """The package each common scheme needs, for the line that says to install it."""
@@ -79,3 +81,18 @@ def remote_folder(url: str | os.PathLike[str]) -> RemoteFolder:
             f"{text}: no file system is known for {scheme}://; use s3://, gs://, az://... or a local folder"
         ) from None
     return RemoteFolder(text, fs, path.rstrip("/"))
+
+
+def unreachable(folder: RemoteFolder, error: BaseException) -> str:
+    """One line for a store that refused or could not be reached: what it said, and what to check."""
+    said = " ".join(str(error).split())[:200] or type(error).__name__
+    return (
+        f"{folder.url} cannot be written ({type(error).__name__}: {said}); check the bucket's name, the store's "
+        "address (AWS_ENDPOINT_URL for S3), the credentials and their permissions, or write to a local folder"
+    )
+
+
+def default_cache(environ: Mapping[str, str]) -> Path:
+    """ddpkit's cache of checkpoints: ``$DDPKIT_CACHE/checkpoints``, else ``~/.cache/ddpkit/checkpoints``."""
+    base = environ.get("DDPKIT_CACHE") or os.path.join(environ.get("HOME") or str(Path.home()), ".cache", "ddpkit")
+    return Path(base) / "checkpoints"

@@ -12,14 +12,16 @@ import json
 import os
 import shutil
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, CheckpointInfo, verify_checkpoint
+from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, verify_checkpoint
 from ddpkit.checkpoint.disk.layout import BEST_PREFIX, NAME_PATTERN, STEP_PREFIX
-from ddpkit.checkpoint.remote.store import RemoteFolder, remote_folder
+from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, remote_folder
 
 __all__ = [
+    "RemoteCheckpoint",
     "delete_checkpoint",
     "fetch_into",
     "fetch_checkpoint",
@@ -36,10 +38,44 @@ def _folder(url: str | os.PathLike[str] | RemoteFolder) -> RemoteFolder:
     return url if isinstance(url, RemoteFolder) else remote_folder(url)
 
 
-def remote_checkpoints(url: str | os.PathLike[str] | RemoteFolder, prefix: str = STEP_PREFIX) -> list[CheckpointInfo]:
-    """The checkpoints under ``url`` named ``<prefix><step>``, oldest first, as :func:`list_checkpoints` gives a
-    local folder's: ``path`` is the checkpoint's URL (a ``Path`` of it), ``manifest`` None when it has none
-    (an upload in progress or cut off), ``problem`` when its manifest cannot be parsed."""
+@dataclass(frozen=True)
+class RemoteCheckpoint:
+    """A checkpoint in object storage as listed (complete or not): a local ``CheckpointInfo``'s facts, by URL."""
+
+    url: str
+    """The checkpoint's URL (``s3://bucket/run/step-000000120``)."""
+    global_step: int
+    """The step in its name."""
+    manifest: dict[str, Any] | None = field(default=None, compare=False)
+    """The parsed manifest, or None when it has none (an upload in progress or cut off)."""
+    problem: str = ""
+    """Why the manifest could not be parsed, if it exists but is damaged."""
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's name (``step-000000120``)."""
+        return self.url.rsplit("/", 1)[-1]
+
+    @property
+    def complete(self) -> bool:
+        """True when its manifest exists (damaged or not): its upload finished."""
+        return self.manifest is not None or bool(self.problem)
+
+    @property
+    def finite(self) -> bool:
+        """False when the manifest says its tensors hold NaN or infinity."""
+        return not (self.manifest and self.manifest.get("finite", True) is False)
+
+    @property
+    def size(self) -> int:
+        """Bytes of its files, as its manifest lists them (0 without one)."""
+        files = (self.manifest or {}).get("files", {})
+        return sum(int(facts.get("bytes", 0)) for facts in files.values())
+
+
+def remote_checkpoints(url: str | os.PathLike[str] | RemoteFolder, prefix: str = STEP_PREFIX) -> list[RemoteCheckpoint]:
+    """The checkpoints under ``url`` named ``<prefix><step>``, oldest first, as ``list_checkpoints`` gives a local
+    folder's; one without a manifest is listed too (incomplete)."""
     folder = _folder(url)
     folder.forget_listings()
     if not folder.fs.exists(folder.path):
@@ -57,7 +93,7 @@ def remote_checkpoints(url: str | os.PathLike[str] | RemoteFolder, prefix: str =
             pass
         except CheckpointError as e:
             problem = str(e)
-        found.append(CheckpointInfo(Path(folder.url_of(name)), int(match.group(2)), manifest, problem))
+        found.append(RemoteCheckpoint(folder.url_of(name), int(match.group(2)), manifest, problem))
     return sorted(found, key=lambda info: info.global_step)
 
 
@@ -88,8 +124,6 @@ def fetch_checkpoint(url: str | os.PathLike[str], cache_dir: Path | None = None,
         CheckpointError: no manifest (not a complete checkpoint), a file missing, truncated or changed;
             the message names the object and the fix.
     """
-    from ddpkit.checkpoint.remote.staging import default_cache
-
     text = os.fspath(url).rstrip("/")
     parent, _, name = text.rpartition("/")
     folder = remote_folder(parent)
@@ -205,8 +239,8 @@ def prune_remote(folder: RemoteFolder, keep: int, protect: str) -> list[str]:
     Older ``best-*`` ones go too, the one of ``protect``'s best mark excepted. Returns the deleted names."""
     infos = remote_checkpoints(folder)
     counted = [i for i in infos if i.manifest is not None and i.finite]
-    kept = {i.path.name for i in counted[-keep:]} | {protect}
-    deleted = [i.path.name for i in counted if i.path.name not in kept]
+    kept = {i.name for i in counted[-keep:]} | {protect}
+    deleted = [i.name for i in counted if i.name not in kept]
     for name in deleted:
         delete_checkpoint(folder, name)
     return deleted
@@ -215,5 +249,5 @@ def prune_remote(folder: RemoteFolder, keep: int, protect: str) -> list[str]:
 def prune_best(folder: RemoteFolder, newest: str) -> None:
     """Delete every ``best-*`` checkpoint under ``folder`` but ``newest`` (manifest first)."""
     for info in remote_checkpoints(folder, prefix=BEST_PREFIX):
-        if info.path.name != newest:
-            delete_checkpoint(folder, info.path.name)
+        if info.name != newest:
+            delete_checkpoint(folder, info.name)

@@ -31,14 +31,16 @@ from ddpkit.checkpoint.disk.storage import StorageError
 from ddpkit.checkpoint.disk.writer import CheckpointWriter, WriteRequest
 from ddpkit.checkpoint.remote.lease import RemoteLease
 from ddpkit.checkpoint.remote.staging import pull_newest
-from ddpkit.checkpoint.remote.store import RemoteFolder
+from ddpkit.checkpoint.remote.store import RemoteFolder, unreachable
 from ddpkit.checkpoint.remote.transfer import prune_best, prune_remote, remote_checkpoints, upload_checkpoint
 from ddpkit.log import get_logger
 
-__all__ = ["UPLOAD_TRIES", "RemoteWriter"]
+__all__ = ["BACKOFF_SECONDS", "UPLOAD_TRIES", "RemoteWriter"]
 
 UPLOAD_TRIES = 4
-"""Tries of one upload before ``on_write_error`` decides (waiting 1, 2, 4 s between them)."""
+"""Tries of one upload before ``on_write_error`` decides."""
+BACKOFF_SECONDS = 1.0
+"""The wait before the second try, doubled before each next one (1, 2, 4 s)."""
 
 
 class RemoteWriter:
@@ -51,7 +53,6 @@ class RemoteWriter:
         keep: complete checkpoints kept in the bucket.
         on_write_error: "stop" or "warn" once an upload failed every try.
         on_save: called with (staged folder, reason) once a checkpoint is uploaded (on the caller's thread).
-        backoff: seconds before the second try (doubling after each).
     """
 
     def __init__(
@@ -63,10 +64,9 @@ class RemoteWriter:
         keep: int,
         on_write_error: str,
         on_save: Callable[[Path, str], None],
-        backoff: float = 1.0,
     ) -> None:
         self.folder, self.keep, self.on_write_error, self.on_save = folder, keep, on_write_error, on_save
-        self.staging, self.backoff = staging, backoff
+        self.staging = staging
         self.local = local(self._staged)
         self.lease = RemoteLease(folder, fix="dir=... (checkpoint.dir=...)")
         self._uploads = BackgroundWriter()
@@ -86,7 +86,7 @@ class RemoteWriter:
         complete = [info for info in remote_checkpoints(self.folder) if info.complete]
         if complete:
             raise CheckpointError(
-                f"{self.folder.url} already holds checkpoints (newest: {complete[-1].path.name}); continue that "
+                f"{self.folder.url} already holds checkpoints (newest: {complete[-1].name}); continue that "
                 "run with resume=auto, or start a new one under another prefix"
             )
         pull_newest(self.folder, self.staging)  # staged leftovers of an earlier run set aside
@@ -155,7 +155,7 @@ class RemoteWriter:
 
     def _try(self, upload: Callable[[], None], name: str, reason: str) -> bool:
         """Run ``upload`` up to UPLOAD_TRIES times; then warn (False) or raise StorageError, per on_write_error."""
-        delay = self.backoff
+        delay = BACKOFF_SECONDS
         for attempt in range(1, UPLOAD_TRIES + 1):
             try:
                 upload()
@@ -165,16 +165,10 @@ class RemoteWriter:
             if attempt < UPLOAD_TRIES:
                 time.sleep(delay)
                 delay *= 2
-        message = (
-            f"could not upload checkpoint {name} to {self.folder.url} in {UPLOAD_TRIES} tries "
-            f"({type(error).__name__}: {_one_line(error)}); its staged copy stays in {self.staging}; check the "
-            "store's address, credentials and permissions, or write checkpoints to a local folder"
+        message = f"checkpoint {name} not uploaded in {UPLOAD_TRIES} tries (staged in {self.staging}): " + unreachable(
+            self.folder, error
         )
         if self.on_write_error == "warn" and reason != "preempted":
             get_logger().warning(f"{message} (training goes on: on_write_error=warn)")
             return False
         raise StorageError(message) from None
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:200]
