@@ -14,7 +14,7 @@ import shlex
 import pytest
 import torch
 
-from ddpkit.checkpoint import CheckpointInfo, remote_checkpoints
+from ddpkit.checkpoint import remote_checkpoints
 from ddpkit.checkpoint.manager.preemption import EXIT_PREEMPTED
 from ddpkit.commands.dispatch import main
 from ddpkit.keyvalue import parse
@@ -68,7 +68,7 @@ def _environ(s3, tmp_path) -> dict[str, str]:
     return {**s3.env, "DDPKIT_CACHE": str(tmp_path / "cache")}
 
 
-def _newest(s3, url: str) -> CheckpointInfo:  # noqa: F811  # s3: the server
+def _newest(s3, url: str):  # noqa: F811  # s3: the server; the newest complete RemoteCheckpoint
     with s3.environment():
         return [info for info in remote_checkpoints(url) if info.manifest is not None][-1]
 
@@ -116,7 +116,7 @@ def test_sigterm_then_the_printed_command_continues_from_the_bucket_to_the_unint
     with s3.environment():
         from ddpkit.checkpoint import local_checkpoint, verify_checkpoint
 
-        with local_checkpoint(f"{url}/checkpoints/{newest.path.name}") as (copy, _):
+        with local_checkpoint(newest.url) as (copy, _):
             weights = verify_checkpoint(copy)["model.pt"]
     assert_same_weights(weights, reference_weights(), "stopped by SIGTERM at step 6, continued from the bucket")
 
@@ -130,7 +130,7 @@ def test_checkpoints_and_export_read_the_run_s_url(stopped_and_continued, s3, tm
     assert listing.returncode == 0, listing.stderr
     lines = listing.stdout.splitlines()
     assert lines[0] == f"{url}/checkpoints:"
-    newest = _newest(s3, f"{url}/checkpoints").path.name
+    newest = _newest(s3, f"{url}/checkpoints").name
     assert any(line.startswith(newest) and line.endswith("ok, newest") for line in lines), listing.stdout
 
     exported = run_ddpkit("export", url, "out", cwd=tmp_path, env=env, timeout=120)

@@ -51,6 +51,7 @@ _PUBLIC = {
     "candidates": "ddpkit.checkpoint.manager.select",
     "check_resume": "ddpkit.checkpoint.manager.select",
     "restart_count": "ddpkit.checkpoint.manager.select",
+    "stored_checkpoints": "ddpkit.checkpoint.manager.select",
     # checkpoints of a diverged run (the trainer's rollback)
     "NONFINITE_SUFFIX": "ddpkit.checkpoint.disk.finite",
     "last_finite_checkpoint": "ddpkit.checkpoint.disk.finite",
@@ -99,6 +100,7 @@ if TYPE_CHECKING:
         candidates as candidates,
         check_resume as check_resume,
         restart_count as restart_count,
+        stored_checkpoints as stored_checkpoints,
     )
     from ddpkit.checkpoint.options import (
         RESUME_MODES as RESUME_MODES,

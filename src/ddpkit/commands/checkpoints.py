@@ -14,14 +14,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import parse
-
-if TYPE_CHECKING:
-    from ddpkit.checkpoint import CheckpointInfo
 
 
 @dataclasses.dataclass
@@ -88,22 +85,22 @@ def checkpoints_command(args: Sequence[str]) -> int:
     if not infos:
         print(f"no checkpoints in {root}")
         return 0
-    statuses = {info.path: _status(info, root, config.verify) for info in infos}
-    good = [i for i in infos if statuses[i.path] in ("ok", "complete (not verified)")]
-    steps = [i for i in infos if not i.path.name.startswith(BEST_PREFIX)]
+    statuses = {info.name: _status(info, config.verify) for info in infos}
+    good = [i for i in infos if statuses[i.name] in ("ok", "complete (not verified)")]
+    steps = [i for i in infos if not i.name.startswith(BEST_PREFIX)]
     newest_good = max((i for i in good if i in steps), key=lambda i: i.global_step, default=None)
     rows = [("checkpoint", "step", "epoch", "metric", "size", "digest", "status")]
     for info in infos:
         manifest = info.manifest or {}
-        status = statuses[info.path]
-        if info.path.name.startswith(BEST_PREFIX):
+        status = statuses[info.name]
+        if info.name.startswith(BEST_PREFIX):
             status += ", best"
         elif info is newest_good:
             status += ", newest"
         digest = checkpoint_digest(manifest) if manifest else "-"
         rows.append(
             (
-                info.path.name,
+                info.name,
                 str(info.global_step),
                 _epoch(manifest),
                 _metric(manifest),
@@ -127,13 +124,13 @@ def checkpoints_command(args: Sequence[str]) -> int:
     if newest is not None and newest is not newest_good:
         fallback = max(good, key=lambda i: i.global_step, default=None)
         then = (
-            f"resume=auto would continue from {fallback.path.name}"
+            f"resume=auto would continue from {fallback.name}"
             if fallback is not None
             else "no checkpoint here can be resumed"
         )
         print(
-            f"ddpkit: the newest checkpoint {newest.path.name} is not usable "
-            f"({statuses[newest.path].split(':')[0].split(' (')[0]}); {then}",
+            f"ddpkit: the newest checkpoint {newest.name} is not usable "
+            f"({statuses[newest.name].split(':')[0].split(' (')[0]}); {then}",
             file=sys.stderr,
         )
         return 1
@@ -168,7 +165,27 @@ def _check_digest(folder: str, digest: str) -> int:
     return 0
 
 
-def _listing(folder: str) -> tuple[str, list[CheckpointInfo]]:
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """One checkpoint of the listing, in a folder or in object storage."""
+
+    name: str
+    """Its name (``step-000000120``)."""
+    where: str
+    """Its folder, or its URL."""
+    global_step: int
+    manifest: dict[str, Any] | None
+    """Its manifest, None without one (incomplete)."""
+    problem: str
+    """Why its manifest cannot be read."""
+    unreadable: bool
+    """The folder or manifest cannot be read (permissions), rather than damaged."""
+    complete: bool
+    finite: bool
+    size: int
+
+
+def _listing(folder: str) -> tuple[str, list[Listed]]:
     """The checkpoints folder of ``folder`` (a run's folder or URL, or the checkpoints' own) and its checkpoints
     (``step-*``, then ``best-*``)."""
     from pathlib import Path
@@ -184,7 +201,11 @@ def _listing(folder: str) -> tuple[str, list[CheckpointInfo]]:
 
     if is_remote(folder):
         url = remote_root(folder)
-        return url, remote_checkpoints(url) + remote_checkpoints(url, prefix=BEST_PREFIX)
+        stored = remote_checkpoints(url) + remote_checkpoints(url, prefix=BEST_PREFIX)
+        return url, [
+            Listed(c.name, c.url, c.global_step, c.manifest, c.problem, False, c.complete, c.finite, c.size)
+            for c in stored
+        ]
     try:
         is_folder = Path(folder).is_dir()
     except OSError:
@@ -192,12 +213,18 @@ def _listing(folder: str) -> tuple[str, list[CheckpointInfo]]:
     if not is_folder:
         raise UserError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
     root = resolve_checkpoint_dir(folder)
-    return str(root), list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
+    found = list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
+    return str(root), [
+        Listed(
+            i.path.name, str(i.path), i.global_step, i.manifest, i.problem, i.unreadable, i.complete, i.finite, i.size
+        )
+        for i in found
+    ]
 
 
-def _status(info: CheckpointInfo, root: str, verify: bool) -> str:
-    """The status column of one checkpoint of ``root`` (a folder or a URL): ok, or why it is not usable."""
-    from ddpkit.checkpoint import CheckpointError, is_remote, local_checkpoint, verify_checkpoint
+def _status(info: Listed, verify: bool) -> str:
+    """The status column of one checkpoint: ok, or why it is not usable."""
+    from ddpkit.checkpoint import CheckpointError, local_checkpoint, verify_checkpoint
 
     if not info.complete:
         return "incomplete (no manifest: an interrupted write or a copy in progress; not used)"
@@ -209,7 +236,7 @@ def _status(info: CheckpointInfo, root: str, verify: bool) -> str:
         return "complete (not verified)"
     try:
         # A URL's checkpoint is downloaded, each file checked as it arrives, then loaded as a local one is.
-        with local_checkpoint(f"{root}/{info.path.name}" if is_remote(root) else info.path) as (local, name):
+        with local_checkpoint(info.where) as (local, name):
             try:
                 verify_checkpoint(local)
             except CheckpointError as e:

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ddpkit import FolderLock
-from ddpkit.checkpoint import candidates, restart_count
+from ddpkit.checkpoint import restart_count, stored_checkpoints
 from ddpkit.errors import UserError
 from ddpkit.train.config import RUNS_DIR, TrainConfig
 
@@ -51,7 +51,9 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
     if cfg.resume == "auto" or restart_count(environ):
         newest = newest_run(series)
         # continued only where there is a checkpoint to continue from: else its files are another run's
-        if newest is not None and (restart_count(environ) or candidates(cfg.checkpoint.dir or newest / "checkpoints")):
+        if newest is not None and (
+            restart_count(environ) or stored_checkpoints(cfg.checkpoint.dir or newest / "checkpoints")
+        ):
             return newest
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     folder, n = series / stamp, 1

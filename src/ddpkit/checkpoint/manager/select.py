@@ -56,10 +56,10 @@ def restart_count(environ: Mapping[str, str]) -> int:
     return max((int(c) for c in counts if c.strip().isdigit()), default=0)
 
 
-def holds_checkpoints(root: str | Path, complete: list[CheckpointInfo]) -> CheckpointError:
-    """The error for a fresh start into a folder that already holds checkpoints."""
+def holds_checkpoints(root: str | Path, newest: str) -> CheckpointError:
+    """The error for a fresh start into a folder (or URL) that already holds checkpoints, the newest named ``newest``."""
     return CheckpointError(
-        f"{root} already holds checkpoints (newest: {complete[-1].path.name}); continue that run with "
+        f"{root} already holds checkpoints (newest: {newest}); continue that run with "
         "resume=auto, or start a new one in another folder (output_dir=... or checkpoint.dir=...)"
     )
 
@@ -67,9 +67,16 @@ def holds_checkpoints(root: str | Path, complete: list[CheckpointInfo]) -> Check
 def candidates(root: str | Path) -> list[CheckpointInfo]:
     """The complete (or unreadable) ``step-*`` and ``best-*`` checkpoints of ``root``, oldest first; at one
     step, the ``best-*`` before the ``step-*`` (its hard-linked twin), so the ``step-*`` is tried first."""
-    listing = remote_checkpoints if is_remote(root) else list_checkpoints  # a URL: the bucket's checkpoints
-    found = [i for i in listing(root) + listing(root, prefix=BEST_PREFIX) if i.complete]
+    found = [i for i in list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX) if i.complete]
     return sorted(found, key=lambda info: (info.global_step, not info.path.name.startswith(BEST_PREFIX)))
+
+
+def stored_checkpoints(root: str | Path) -> list[str]:
+    """The names of :func:`candidates`, in its order, for a folder or a URL (the store's listing)."""
+    if not is_remote(root):
+        return [info.path.name for info in candidates(root)]
+    found = [c for c in remote_checkpoints(root) + remote_checkpoints(root, prefix=BEST_PREFIX) if c.complete]
+    return [c.name for c in sorted(found, key=lambda c: (c.global_step, not c.name.startswith(BEST_PREFIX)))]
 
 
 def check_resume(root: str | Path, resume: str) -> None:
@@ -80,9 +87,9 @@ def check_resume(root: str | Path, resume: str) -> None:
             ``resume=PATH`` that is not a complete checkpoint.
     """
     if resume == "never":
-        complete = candidates(root)
+        complete = stored_checkpoints(root)  # a URL's too: the trainer checks before launch
         if complete:
-            raise holds_checkpoints(root, complete)
+            raise holds_checkpoints(root, complete[-1])
     elif resume != "auto":
         read_manifest(resume)
 
@@ -106,7 +113,7 @@ def choose_checkpoint(root: str | Path, resume: str, restarts: int = 0) -> tuple
         resume = "auto"
     if resume == "never":
         if complete:
-            raise holds_checkpoints(root, complete)
+            raise holds_checkpoints(root, complete[-1].path.name)
         set_aside_incomplete(infos)
         return None, None
     if resume == "auto":

@@ -62,7 +62,7 @@ def _newest_fetched(root: str, url: str, tmp: Path) -> Path:
     """The newest complete checkpoint under ``root`` (of the user's ``url``) that verifies, fetched into ``tmp``."""
     problems = []
     for info in reversed(remote_checkpoints(root)):
-        name = info.path.name
+        name = info.name
         if info.manifest is None:
             problems.append(f"{name} is incomplete (no manifest)")
             continue
