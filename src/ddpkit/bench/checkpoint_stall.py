@@ -22,6 +22,15 @@ the model is sharded over the workers (``prepare_model(shard=True)``) and
 each save writes every worker's shards (torch.distributed.checkpoint); rank 0
 prints the line, and the files compared are every worker's shards and the
 other files (DCP's index holds a save's own id, so it differs).
+
+T16, ``s3=true``: the same loop with the checkpoints in a bucket of moto's S3
+server, started on loopback as a process of its own
+(:mod:`ddpkit.bench.s3_server`). A Checkpointer on a URL stages each checkpoint
+locally, as on disk, and uploads it in the background; the synchronous kind
+waits for the upload right after the save (as a loop that saved to the bucket
+directly would), the background kind waits at the window's end (where the next
+save would). Last, the objects of one uploaded checkpoint are compared with
+the files of a local save of the same state (:mod:`ddpkit.bench.s3_objects`).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from torch import nn
 
 from ddpkit.bench.s3_objects import same_objects
 from ddpkit.bench.s3_server import loopback_s3
+from ddpkit.bench.system import machine_info
 from ddpkit.checkpoint import MANIFEST, Checkpointer, read_manifest
 from ddpkit.keyvalue import ConfigError, check_choice, parse
 
@@ -198,6 +208,7 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     lost = {mode: median[mode] - median["none"] for mode in ("sync", "async")}
     return {
         "target": "T16" if cfg.s3 else "T10",
+        "machine": machine_info(),
         "config": dataclasses.asdict(cfg),
         "parameters": sum(_numel(p) for p in model.parameters()),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
