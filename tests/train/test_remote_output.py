@@ -8,8 +8,11 @@ with the weights of the uninterrupted (local) run, bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from ddpkit.checkpoint.manager.preemption import EXIT_PREEMPTED
 from ddpkit.commands.dispatch import main
 from ddpkit.keyvalue import parse
 from ddpkit.train.config import TrainConfig, parse_train_config, with_remote_checkpoints
-from tests.cli_runner import run_ddpkit
+from tests.cli_runner import PYTHONPATH, run_ddpkit
 from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY, s3  # noqa: F401  # s3: the session's server (a fixture)
 from tests.train.checkpoint_helpers import CLI_TOTAL_STEPS, CLI_WORDS, assert_same_weights, reference_weights
 
@@ -33,6 +36,25 @@ def test_an_output_dir_url_keeps_the_checkpoints_there_and_the_run_s_files_in_a_
     assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/b-x", "s3://other/ckpt")
     cfg = parse(TrainConfig, ["output_dir=runs/a", "checkpoint.dir=s3://ckpt/a"])
     assert with_remote_checkpoints(cfg) == cfg  # a local output_dir stays as it is
+
+
+def test_missing_s3fs_is_one_line_naming_the_extra(tmp_path):
+    # As where s3fs is not installed: a None in sys.modules makes its import fail.
+    code = "import sys; sys.modules['s3fs'] = None; from ddpkit.commands.dispatch import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "train", "nproc=2", *TINY, "output_dir=s3://bucket/run"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == "error: output_dir=s3://bucket/run needs s3fs, which is not installed: pip install 'ddpkit[s3]'\n"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -53,6 +75,11 @@ def test_an_output_dir_url_keeps_the_checkpoints_there_and_the_run_s_files_in_a_
         (["output_dir=file:///tmp/run"], "error: output_dir=file:///tmp/run: give a local folder as its path"),
         (["data_dir=s3://bucket/fashion"], "error: data_dir=s3://bucket/fashion: the dataset is read from a local"),
         (["checkpoint.cache=s3://b/c"], "error: checkpoint.cache=s3://b/c: checkpoints are staged in a local folder"),
+        (
+            ["resume=s3://b/run/checkpoints/step-000000048"],
+            "error: resume=s3://b/run/checkpoints/step-000000048: resume=auto with the checkpoints' prefix as "
+            "checkpoint.dir (or output_dir) continues from its newest verified checkpoint;",
+        ),
     ],
 )
 def test_a_url_where_it_cannot_work_is_one_line_and_nothing_is_created(tmp_path, monkeypatch, capsys, words, message):
@@ -151,3 +178,17 @@ def test_the_credentials_are_in_no_file_the_run_wrote(stopped_and_continued):
         if path.is_file():
             data = path.read_bytes()
             assert ACCESS_KEY.encode() not in data and SECRET_KEY.encode() not in data, path
+
+
+@pytest.mark.slow
+def test_init_from_a_run_s_url_starts_from_its_newest_verified_checkpoint(stopped_and_continued, s3, tmp_path):  # noqa: F811
+    _, url, _, continued = stopped_and_continued
+    assert continued is not None and continued.returncode == 0
+    words = [w for w in CLI_WORDS if not w.startswith(("nproc=", "epochs=", "checkpoint."))]
+    out = run_ddpkit(
+        "train", *words, "nproc=1", "epochs=1", "checkpoint.enabled=false", f"init_from={url}", "output_dir=new",
+        cwd=tmp_path, env=_environ(s3, tmp_path), timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    newest = _newest(s3, f"{url}/checkpoints").name
+    assert f"init_from {url}/checkpoints/{newest}: loaded 4 tensor(s)" in out.stderr, out.stderr[-3000:]
