@@ -5,6 +5,7 @@
   taken as complete, and the run ends bit-equal to an uninterrupted one;
 - a SIGTERM, then the same command again on another machine (an empty staging cache): bit-equal;
 - a sharded run resumed from the bucket at another world size;
+- two nodes that share no disk, each staging into its own folder: preempted, then resumed bit-equal;
 - a run on a prefix another live run holds: refused in one line, nothing written;
 - the credentials, given in the environment as botocore reads them, appear in nothing the runs wrote: the run
   folders, the staging caches, the output and every object in the bucket.
@@ -24,6 +25,7 @@ import torch
 from ddpkit.checkpoint.remote.lease import LEASE_FILE
 from ddpkit.names import EXIT_PREEMPTED, EXIT_USER_ERROR
 from tests.helpers.launch_in_process import Commands
+from tests.helpers.local_nodes import run_two_local_nodes
 from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY, s3
 
 __all__ = ["s3"]
@@ -142,3 +144,17 @@ def test_the_credentials_are_in_nothing_the_runs_wrote(runs):
     found = [where for where, data in written.items() if any(secret in data for secret in secrets)]
     assert not found, f"the credentials were written to {found}"
     assert socket.gethostname()  # the lease names the host, never the key
+
+
+def test_two_nodes_that_share_no_disk_resume_from_the_bucket_bit_equal(runs, s3, tmp_path):
+    url = f"s3://{s3.bucket()}/nodes"
+    env = {**s3.env, "NODE_CACHE": str(tmp_path / "first" / "node-{node}")}
+    first = run_two_local_nodes(LOOP, url, "final.pt", cwd=tmp_path, env={**env, "PREEMPT_AT": "7"})
+    assert [done.returncode for done in first] == [EXIT_PREEMPTED] * 2, first[0].stderr + first[1].stderr
+    env["NODE_CACHE"] = str(tmp_path / "again" / "node-{node}")
+    again = run_two_local_nodes(LOOP, url, "final.pt", cwd=tmp_path, env=env)
+    assert [done.returncode for done in again] == [0, 0], again[0].stderr + again[1].stderr
+    # Node 1 staged the checkpoint node 0 chose into its own folder.
+    assert list((tmp_path / "again" / "node-1").glob("step-*/manifest.json"))
+    expected = _final(runs, "reference")
+    _assert_bit_equal(expected, torch.load(tmp_path / "final.pt", weights_only=True))

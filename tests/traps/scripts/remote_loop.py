@@ -9,6 +9,7 @@ Test hooks, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0):
     KILL_MID_UPLOAD=n  rank 0 sends itself SIGKILL right after ckpt.step() of global step n, which staged
                        that step's checkpoint and started its upload
     PREEMPT_AT=n       rank 1 sends itself SIGTERM after global step n (a scheduler's notice)
+NODE_CACHE=FOLDER: the staging folder (checkpoint cache=), "{node}" in it replaced by the node's rank.
 At the end rank 0 saves the model's state_dict to FINAL_PT.
 """
 
@@ -35,8 +36,17 @@ torch.manual_seed(0)
 model = ddpkit.prepare_model(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 2)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+# NODE_CACHE (e.g. cache-{node}): each node's own staging folder, as on machines that share no disk.
+cache = os.environ.get("NODE_CACHE", "").format(node=ctx.node_rank)
 ckpt = ddpkit.Checkpointer(
-    url, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, every_steps=2, on_epoch_end=False
+    url,
+    model=model,
+    optimizer=optimizer,
+    scheduler=scheduler,
+    loader=loader,
+    every_steps=2,
+    on_epoch_end=False,
+    cache=cache,
 )
 start = ckpt.resume("auto")
 print(f"rank {ctx.rank}: start epoch={start.epoch} step_in_epoch={start.step_in_epoch}", flush=True)

@@ -26,7 +26,7 @@ from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.remote.staging import checkpoint_root
+from ddpkit.checkpoint.remote.staging import checkpoint_root, stage_checkpoint
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -209,6 +209,7 @@ class Checkpointer:
             resume_choice(resume),
             select.restart_count(self.environ),
             before=self._saving.before_choosing,
+            stage=lambda path: stage_checkpoint(self.remote, self.root, path),
             rank=self.rank,
             world_size=self.world_size,
         )

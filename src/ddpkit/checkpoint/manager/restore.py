@@ -104,6 +104,7 @@ def choose_and_load(
     before: Callable[[], None],
     rank: int,
     world_size: int,
+    stage: Callable[[Path], Path] = lambda path: path,
 ) -> tuple[Path | None, dict[str, Any]]:
     """Rank 0 chooses the checkpoint to resume; every rank learns it and holds its files (a collective).
 
@@ -114,6 +115,8 @@ def choose_and_load(
         before: run on rank 0 before it chooses (the writes in flight are finished).
         rank: this process's rank.
         world_size: the number of ranks.
+        stage: run on the other ranks before they read the checkpoint: where it is on their node (a remote
+            folder's copy in their staging folder).
 
     Returns:
         The checkpoint (None: a fresh start) and its files by name with ``"manifest"`` ({} for a fresh start).
@@ -129,6 +132,8 @@ def choose_and_load(
     if not chosen:
         return None, {}
     path = Path(chosen)
+    if rank != 0:
+        path = stage(path)
     # Rank 0 verified the files moments ago; the others read them.
     loaded = found["loaded"] if found.get("loaded") is not None else load_files(path)
     return path, loaded

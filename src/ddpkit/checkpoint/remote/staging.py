@@ -5,7 +5,8 @@ Checkpoints for a URL are written into a local folder first, exactly as on disk,
 ``$DDPKIT_CACHE/checkpoints/<name>-<hash of the URL>``, else the same under ``~/.cache/ddpkit``: one per
 URL, so that two prefixes never share one.
 
-Before a resume chooses (:func:`pull_newest`), the staging folder is made to hold what the bucket holds: the
+Every node stages its own copy: rank 0 the one it chooses, the other nodes' ranks the same one once rank 0
+has chosen (:func:`stage_checkpoint`), unless the cache folder is shared. Before a resume chooses (:func:`pull_newest`), the staging folder is made to hold what the bucket holds: the
 bucket is the truth. A staged checkpoint the bucket does not hold complete (its upload was cut off) is set
 aside as ``.not-uploaded``, never deleted (it may be the only copy); the newest complete checkpoint in the
 bucket is downloaded and verified unless the same one is staged already; one that does not verify is
@@ -19,12 +20,14 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from filelock import FileLock
+
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints, set_aside
 from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, is_remote, remote_folder
 from ddpkit.checkpoint.remote.transfer import fetch_into, remote_checkpoints
 from ddpkit.log import get_logger
 
-__all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "pull_newest", "staging_folder"]
+__all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "pull_newest", "stage_checkpoint", "staging_folder"]
 
 NOT_UPLOADED_SUFFIX = ".not-uploaded"
 """The suffix of a staged checkpoint set aside because the bucket does not hold it complete."""
@@ -72,3 +75,20 @@ def pull_newest(folder: RemoteFolder, staging: Path) -> Path | None:
             if (staging / name / MANIFEST).exists():  # a staged copy of another write of that step: not this one
                 set_aside(staging / name, NOT_UPLOADED_SUFFIX)
     return None
+
+
+def stage_checkpoint(folder: RemoteFolder | None, staging: Path, chosen: Path) -> Path:
+    """On a rank other than 0: the checkpoint rank 0 chose (``chosen``, in rank 0's staging folder), staged in
+    this rank's ``staging`` folder; ``chosen`` itself for a local folder.
+
+    A node whose staging folder is not rank 0's (each node's own cache) downloads it, verified; the ranks
+    of one node take turns (a file lock), so one of them downloads and the others find it there. (A sharded
+    run's ranks write their shards into their own node's staging folder: across nodes, it needs
+    ``checkpoint.cache=`` on a folder every node sees.)
+    """
+    path = staging / chosen.name
+    if folder is None or path == chosen:  # rank 0's node: rank 0 has just staged and verified it
+        return chosen
+    staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with FileLock(str(staging / f".{path.name}.fetch.lock")):
+        return fetch_into(folder, path.name, path)  # a copy staged earlier is used if its manifest is the same
