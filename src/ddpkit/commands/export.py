@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 from ddpkit.commands.checkpoints import split_paths
 from ddpkit.commands.help import CommandHelp
+from ddpkit.errors import UserError
 from ddpkit.keyvalue import check_choice, parse
+from ddpkit.train.storage_url import url_scheme
 
 
 @dataclasses.dataclass
@@ -58,6 +60,8 @@ def export_command(args: Sequence[str]) -> int:
 
     (checkpoint, out), words = split_paths(args, EXPORT_HELP, 2)
     config = parse(ExportConfig, words)
+    if url_scheme(out):
+        raise UserError(f"OUT={out}: the export is written to a local folder; export there, then copy it to the store")
     folder = export_checkpoint(checkpoint, out, config.readable_by)
     source = json.loads((folder / "model.json").read_text())["source"]["checkpoint"]
     print(f"exported {source} to {folder} (model.pt, model.json)")

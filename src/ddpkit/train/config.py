@@ -224,6 +224,11 @@ class TrainConfig(LaunchOptions):
         )
 
 
+def local_run_folder(url: str) -> Path:
+    """The local folder of the run files of a run whose ``output_dir`` is ``url``: runs/<bucket>-<prefix>."""
+    return RUNS_DIR / remote_run_name(url)
+
+
 def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with an ``output_dir`` URL split: the checkpoints at ``<URL>/checkpoints`` (unless ``checkpoint.dir``
     names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>-<prefix>``.
@@ -237,7 +242,7 @@ def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
     checkpoints = cfg.checkpoint.dir or cfg.output_dir.rstrip("/") + "/checkpoints"
     return dataclasses.replace(
         cfg,
-        output_dir=str(RUNS_DIR / remote_run_name(cfg.output_dir)),
+        output_dir=str(local_run_folder(cfg.output_dir)),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=checkpoints),
     )
 
