@@ -30,6 +30,8 @@ from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY, s3
 
 __all__ = ["s3"]
 
+pytestmark = pytest.mark.slow  # ten launches and two two-node jobs: started first (tests/conftest.py)
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LOOP, SHARDED = SCRIPTS / "remote_loop.py", SCRIPTS / "ckptsafe_sharded.py"
 
@@ -105,7 +107,9 @@ def test_rank_0_killed_mid_upload_and_restarted_ends_bit_equal_without_taking_th
 def test_a_sigterm_then_the_same_command_on_another_machine_ends_bit_equal(runs):
     first, again = runs["preempted"], runs["preempted_again"]
     assert first.returncode == EXIT_PREEMPTED, _log(first)
-    step = int(re.search(r"preempted by SIGTERM after global step (\d+): checkpoint ", _log(first)).group(1))
+    said = re.search(r"preempted by SIGTERM after global step (\d+): checkpoint (\S+) is complete", _log(first))
+    step = int(said.group(1))
+    assert said.group(2) == f"s3://{runs['bucket']}/preempted/step-{step:09d}"
     assert f"checkpoint step-{step:09d} uploaded to s3://" in _log(first)
     assert "another-machine/checkpoints/preempted-" in _log(again) and f"step-{step:09d} (global step {step}" in (
         _log(again)

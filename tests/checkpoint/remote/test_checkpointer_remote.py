@@ -168,8 +168,25 @@ def test_the_lease_is_renewed_while_its_run_lives(s3):
     key = f"{bucket}/run/{LEASE_FILE}"
     with s3.environment():
         lease = RemoteLease(remote_folder(f"s3://{bucket}/run"), lease_seconds=0.4).acquire()
-        first = json.loads(s3.fs.cat_file(key))["renewed"]
-        time.sleep(0.5)
-        renewed = json.loads(s3.fs.cat_file(key))["renewed"]
+        first = renewed = json.loads(s3.fs.cat_file(key))["renewed"]
+        deadline = time.monotonic() + 10  # every 0.1 s; a loaded machine may delay the first renewals
+        while renewed == first and time.monotonic() < deadline:
+            time.sleep(0.1)
+            renewed = json.loads(s3.fs.cat_file(key))["renewed"]
         lease.release()
     assert renewed > first
+
+
+def test_resume_given_a_checkpoints_url_stages_it_and_refuses_an_older_one_as_on_disk(s3, tmp_path):
+    url = f"s3://{s3.bucket()}/run"
+    with s3.environment():
+        _run(url, tmp_path / "first", 4)
+        model, optimizer = _parts()
+        ckpt = _checkpointer(url, tmp_path / "second", model, optimizer)
+        start = ckpt.resume(f"{url}/step-000000004")
+        ckpt.close()
+        ckpt = _checkpointer(url, tmp_path / "third", *_parts())
+        with pytest.raises(CheckpointError, match=r"holds checkpoints newer than resume=.*step-000000002"):
+            ckpt.resume(f"{url}/step-000000002")
+        ckpt.close()
+    assert start.global_step == 4 and start.path == tmp_path / "second" / "step-000000004"

@@ -3,6 +3,7 @@ every file verified on the way down, pruning manifest-first, and the lease that 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddpkit
 from ddpkit.checkpoint import (
     CheckpointError,
     FolderInUseError,
@@ -50,6 +52,21 @@ def test_is_remote_tells_urls_of_other_file_systems_from_local_paths(path, remot
 def test_a_scheme_no_file_system_knows_is_one_line_naming_what_to_use():
     with pytest.raises(UserError, match=r"^nosuch://b/run: no file system is known for nosuch://; use s3://"):
         remote_folder("nosuch://b/run")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_a_store_whose_library_is_missing_is_one_line_naming_the_package(tmp_path):
+    with pytest.raises(UserError, match=r"^gs://b/run: gs:// needs gcsfs; install it, or write to a local folder$"):
+        ddpkit.Checkpointer("gs://b/run", model=torch.nn.Linear(2, 2), cache=str(tmp_path))
+
+
+def test_a_url_that_pathlib_folded_is_refused_in_one_line_instead_of_making_a_folder_named_s3(tmp_path):
+    with pytest.raises(UserError) as refused:
+        ddpkit.Checkpointer(Path("s3://bucket/run"), model=torch.nn.Linear(2, 2))
+    assert str(refused.value) == (
+        "checkpoint folder s3:/bucket/run is the URL s3://bucket/run with its // folded into / (pathlib.Path does "
+        "that); pass the URL as a string"
+    )
 
 
 def test_an_uploaded_checkpoint_is_listed_complete_and_fetched_verified(s3, tmp_path):
@@ -152,3 +169,18 @@ def test_a_lease_its_holder_stopped_renewing_is_taken_over(s3):
         holder = json.loads(s3.fs.cat_file(f"{bucket}/run/{LEASE_FILE}"))
         lease.release()
     assert holder["host"] != "gone-node" and holder["token"] != "t"
+
+
+def test_a_restarted_worker_waits_for_its_predecessors_lease_on_another_host_to_lapse(s3):
+    bucket = s3.bucket()
+    now = time.time()
+    held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 2.0}
+    s3.fs.pipe_file(f"{bucket}/run/{LEASE_FILE}", json.dumps(held).encode())
+    with s3.environment():
+        folder = remote_folder(f"s3://{bucket}/run")
+        with pytest.raises(FolderInUseError, match="host lost-node, pid 7"):
+            RemoteLease(folder, lease_seconds=2.0).acquire()  # a new run: refused at once
+        lease = RemoteLease(folder, lease_seconds=2.0).acquire(restarted=True)
+        waited = time.time() - now
+        lease.release()
+    assert waited >= 2.0

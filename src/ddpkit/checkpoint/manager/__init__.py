@@ -23,7 +23,9 @@ The parts, each documented where it lives (the manual's docs/guides/checkpoints.
   :mod:`~ddpkit.checkpoint.manager.contents`; on disk: :mod:`~ddpkit.checkpoint.disk.writer`
   (:mod:`~ddpkit.checkpoint.sharded.state` for a sharded model), :mod:`~ddpkit.checkpoint.disk.format`;
 - resuming: :mod:`~ddpkit.checkpoint.manager.select` (which one), :mod:`~ddpkit.checkpoint.manager.restore`;
-- the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`.
+- the options: :class:`~ddpkit.checkpoint.options.CheckpointOptions`;
+- in object storage (``ddpkit.Checkpointer("s3://bucket/prefix/run", ...)``): the same checkpoints staged
+  on disk and uploaded in the background, :mod:`ddpkit.checkpoint.remote`.
 
 Saving is collective: every rank calls ``step()``/``save()`` at the same
 points and rank 0 writes (every rank its shards, for a sharded model); a save

@@ -183,7 +183,7 @@ class Checkpointer:
         Args:
             resume: "auto" (the newest checkpoint that verifies, else a fresh
                 start), "never" (a fresh start; refused if the folder holds
-                checkpoints) or the path of one checkpoint; True means "auto"
+                checkpoints) or the path (or URL) of one checkpoint; True means "auto"
                 and False "never" (an argparse ``--resume`` flag). A restarted
                 worker (elastic restart, Slurm requeue) always resumes the newest.
             first_epoch: the number of the first epoch on a fresh start (1 for
@@ -343,11 +343,11 @@ class Checkpointer:
 
     def _exit_preempted(self, signum: int) -> None:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
-        name = signal_name(signum)
+        name, where = signal_name(signum), str(self.last_path)
+        if self.remote is not None and self.last_path is not None:  # uploaded: where the next run finds it
+            where = self.remote.url_of(self.last_path.name)
         if self.rank == 0:
-            say_preempted(
-                name, self.global_step, self.last_path, self.continue_hint, self.options.requeue, self.environ
-            )
+            say_preempted(name, self.global_step, where, self.continue_hint, self.options.requeue, self.environ)
         self._preempted = True
         self.close()
         raise Preempted(name, str(self.last_path))
@@ -410,7 +410,8 @@ class Checkpointer:
     def set_on_save(self, callback: Callable[[Path, str], None] | None) -> None:
         """Call ``callback(path, reason)`` on rank 0 after each checkpoint is written, from now on (None: stop).
 
-        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``.
+        With ``async_save`` it is called once the write is complete: at the next save, ``wait()`` or ``close()``;
+        for a URL, once the checkpoint is uploaded (``path``: its staged copy).
         """
         self._on_save = callback
 

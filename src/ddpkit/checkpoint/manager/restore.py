@@ -101,7 +101,7 @@ def choose_and_load(
     choice: str,
     restart: int,
     *,
-    before: Callable[[], None],
+    before: Callable[[str], str],
     rank: int,
     world_size: int,
     stage: Callable[[Path], Path] = lambda path: path,
@@ -112,7 +112,8 @@ def choose_and_load(
         root: the checkpoints folder.
         choice: "auto", "never" or the path of one checkpoint (:func:`ddpkit.checkpoint.manager.select.choose_checkpoint`).
         restart: the restart count (a restarted worker resumes the newest).
-        before: run on rank 0 before it chooses (the writes in flight are finished).
+        before: run on rank 0 with ``choice`` before it chooses (the writes in flight are finished); returns
+            the choice to make (a remote checkpoint's URL: its staged copy).
         rank: this process's rank.
         world_size: the number of ranks.
         stage: run on the other ranks before they read the checkpoint: where it is on their node (a remote
@@ -124,8 +125,7 @@ def choose_and_load(
     found: dict[str, Any] = {}
 
     def choose() -> str:
-        before()
-        path, found["loaded"] = select.choose_checkpoint(root, choice, restart)
+        path, found["loaded"] = select.choose_checkpoint(root, before(choice), restart)
         return str(path) if path else ""
 
     chosen = on_rank_zero(choose, rank, world_size)

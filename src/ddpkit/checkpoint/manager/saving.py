@@ -219,13 +219,15 @@ class CheckpointSave:
         self._folder_checked = False  # rank 0: by a resume, or the first save's check_resume(root, "never")
         self._extras_checked = False
 
-    def before_choosing(self) -> None:
-        """Rank 0, before a resume chooses its checkpoint: the writes in flight done; for a remote folder, the
-        newest complete checkpoint there staged (:func:`ddpkit.checkpoint.remote.staging.pull_newest`)."""
+    def before_choosing(self, choice: str) -> str:
+        """Rank 0, before a resume makes ``choice`` (never, auto, a checkpoint): the writes in flight done; for a
+        remote folder, its newest complete checkpoint staged, and a checkpoint's URL replaced by its staged copy
+        (:meth:`ddpkit.checkpoint.remote.writer.RemoteWriter.pull`). Returns the choice to make."""
         if isinstance(self.writer, RemoteWriter):
-            self.writer.pull()
-        elif self.writer is not None:
+            return self.writer.pull(choice)
+        if self.writer is not None:
             self.writer.wait()
+        return choice
 
     def folder_checked(self) -> None:
         """The folder was checked already (a resume chose from it): the first save does not check it again."""

@@ -12,7 +12,7 @@ the other is refused in one line::
 The holder rewrites the object every ``LEASE_SECONDS / 4`` while it lives and deletes it at the end. A
 holder that died without deleting it (SIGKILL, a lost node) stops renewing it: once ``LEASE_SECONDS`` have
 passed since its last renewal the next run takes the lease over, and a restarted worker on the same host
-takes it over at once when the holder's process is gone. A store without conditional creates (fsspec
+takes it over at once when the holder's process is gone (on another host, once the lease lapses). A store without conditional creates (fsspec
 file systems other than s3fs may lack ``"xb"``) gets the same lease written after a check, which two runs
 starting within the same second can both pass.
 """
@@ -67,7 +67,7 @@ class RemoteLease:
 
         Args:
             restarted: this is a restarted worker: a holder on this host whose process is gone is its
-                predecessor, taken over at once.
+                predecessor, taken over at once; one on another host is waited for until its lease lapses.
 
         Raises:
             FolderInUseError: another live run holds it (the message names it and the fix).
@@ -82,7 +82,12 @@ class RemoteLease:
             raise StorageError(unreachable(self.folder, e)) from None
         if not created:
             holder = self._read()
-            if holder is None or not self._lapsed(holder, restarted):
+            # A restarted worker on another host waits for its predecessor's lease to lapse.
+            deadline = time.monotonic() + (self.lease_seconds * 1.25 if restarted else 0)
+            while holder is not None and not self._lapsed(holder, restarted) and time.monotonic() < deadline:
+                time.sleep(min(5.0, self.lease_seconds / 4))
+                holder = self._read()
+            if holder is not None and not self._lapsed(holder, restarted):
                 raise FolderInUseError(self._refusal(holder))
             get_logger().warning(
                 f"{self.folder.url}: taking over the lease of a run that is gone ({describe_holder(holder)})"

@@ -23,8 +23,9 @@ from pathlib import Path
 from filelock import FileLock
 
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, list_checkpoints, set_aside
-from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, is_remote, remote_folder
+from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, folded_url, is_remote, remote_folder
 from ddpkit.checkpoint.remote.transfer import fetch_into, remote_checkpoints
+from ddpkit.errors import UserError
 from ddpkit.log import get_logger
 
 __all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "pull_newest", "stage_checkpoint", "staging_folder"]
@@ -46,8 +47,17 @@ def checkpoint_root(
     dir: str | os.PathLike[str], cache: str, environ: Mapping[str, str]
 ) -> tuple[Path, RemoteFolder | None]:
     """Where a Checkpointer given ``dir`` writes: the folder itself, or for a URL its staging folder and the
-    remote folder (:func:`staging_folder`; ``cache``: ``checkpoint.cache=``)."""
+    remote folder (:func:`staging_folder`; ``cache``: ``checkpoint.cache=``).
+
+    Raises:
+        UserError: ``dir`` is a URL that ``pathlib.Path`` folded (``s3:/bucket/run``); the line says so.
+    """
     if not is_remote(dir):
+        if url := folded_url(dir):  # a local folder named "s3:" is never what was meant
+            raise UserError(
+                f"checkpoint folder {os.fspath(dir)} is the URL {url} with its // folded into / (pathlib.Path "
+                "does that); pass the URL as a string"
+            )
         return Path(dir), None
     remote = remote_folder(dir)
     return staging_folder(remote.url, cache, environ), remote

@@ -10,7 +10,7 @@ from typing import Any
 
 from ddpkit.errors import UserError
 
-__all__ = ["RemoteFolder", "default_cache", "is_remote", "remote_folder", "unreachable"]
+__all__ = ["RemoteFolder", "default_cache", "folded_url", "is_remote", "remote_folder", "unreachable"]
 
 _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 """The package each common scheme needs, for the line that says to install it."""
@@ -23,6 +23,15 @@ def _scheme(path: str | os.PathLike[str]) -> str:
     if not sep or not head or not head[0].isalpha() or not all(c.isalnum() or c in "+-." for c in head):
         return ""
     return head.lower()
+
+
+def folded_url(path: str | os.PathLike[str]) -> str:
+    """The URL a local path was made from when ``pathlib`` folded its ``//`` (``Path("s3://b/run")`` is
+    ``s3:/b/run``), else "": a path whose first part is a known store's scheme and a colon."""
+    head, sep, rest = os.fspath(path).partition(":/")
+    if sep and not rest.startswith("/") and head.lower() in _INSTALL:
+        return f"{head}://{rest}"
+    return ""
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:

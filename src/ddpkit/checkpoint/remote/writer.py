@@ -31,8 +31,14 @@ from ddpkit.checkpoint.disk.storage import StorageError
 from ddpkit.checkpoint.disk.writer import CheckpointWriter, WriteRequest
 from ddpkit.checkpoint.remote.lease import RemoteLease
 from ddpkit.checkpoint.remote.staging import pull_newest
-from ddpkit.checkpoint.remote.store import RemoteFolder, unreachable
-from ddpkit.checkpoint.remote.transfer import prune_best, prune_remote, remote_checkpoints, upload_checkpoint
+from ddpkit.checkpoint.remote.store import RemoteFolder, is_remote, remote_folder, unreachable
+from ddpkit.checkpoint.remote.transfer import (
+    fetch_into,
+    prune_best,
+    prune_remote,
+    remote_checkpoints,
+    upload_checkpoint,
+)
 from ddpkit.log import get_logger
 
 __all__ = ["BACKOFF_SECONDS", "UPLOAD_TRIES", "RemoteWriter"]
@@ -91,10 +97,16 @@ class RemoteWriter:
             )
         pull_newest(self.folder, self.staging)  # staged leftovers of an earlier run set aside
 
-    def pull(self) -> None:
-        """Before a resume chooses: the uploads in flight done, the newest complete remote checkpoint staged."""
+    def pull(self, choice: str) -> str:
+        """Before a resume makes ``choice``: the uploads in flight done, the newest complete remote checkpoint
+        staged; returns the choice with a checkpoint's URL (``resume="s3://.../step-000000120"``) replaced by its
+        staged, verified copy."""
         self.wait()
         pull_newest(self.folder, self.staging)
+        if not is_remote(choice):
+            return choice
+        parent, _, name = choice.rstrip("/").rpartition("/")
+        return str(fetch_into(remote_folder(parent), name, self.staging / name))
 
     # -- CheckpointWriter --------------------------------------------------------------
 
