@@ -75,11 +75,6 @@ def test_missing_s3fs_is_one_line_naming_the_extra(tmp_path):
         (["output_dir=file:///tmp/run"], "error: output_dir=file:///tmp/run: give a local folder as its path"),
         (["data_dir=s3://bucket/fashion"], "error: data_dir=s3://bucket/fashion: the dataset is read from a local"),
         (["checkpoint.cache=s3://b/c"], "error: checkpoint.cache=s3://b/c: checkpoints are staged in a local folder"),
-        (
-            ["resume=s3://b/run/checkpoints/step-000000048"],
-            "error: resume=s3://b/run/checkpoints/step-000000048: resume=auto with the checkpoints' prefix as "
-            "checkpoint.dir (or output_dir) continues from its newest verified checkpoint;",
-        ),
     ],
 )
 def test_a_url_where_it_cannot_work_is_one_line_and_nothing_is_created(tmp_path, monkeypatch, capsys, words, message):
@@ -192,3 +187,24 @@ def test_init_from_a_run_s_url_starts_from_its_newest_verified_checkpoint(stoppe
     assert out.returncode == 0, out.stderr[-3000:]
     newest = _newest(s3, f"{url}/checkpoints").name
     assert f"init_from {url}/checkpoints/{newest}: loaded 4 tensor(s)" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_resume_from_one_checkpoint_s_url_continues_it_into_another_prefix(stopped_and_continued, s3, tmp_path):  # noqa: F811
+    _, url, _, continued = stopped_and_continued
+    assert continued is not None and continued.returncode == 0
+    newest = _newest(s3, f"{url}/checkpoints")
+    env = _environ(s3, tmp_path)
+    words = [w for w in CLI_WORDS if not w.startswith("epochs=")]
+    missing = run_ddpkit("train", *words, "epochs=3", f"output_dir={url}-more", f"resume={url}/checkpoints/step-000000099",
+                         cwd=tmp_path, env=env, timeout=120)  # fmt: skip
+    assert missing.returncode == 2 and missing.stderr == (
+        f"error: resume={url}/checkpoints/step-000000099 is not a complete checkpoint: it has no manifest.json in the "
+        "store; pass a checkpoint's URL (e.g. .../checkpoints/step-000000120), or resume=auto\n"
+    )
+    out = run_ddpkit("train", *words, "epochs=3", f"output_dir={url}-more", f"resume={newest.url}",
+                     cwd=tmp_path, env=env, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    # (the line names the checkpoint's staged copy, verified against the manifest it was downloaded with)
+    assert f"/{newest.name} (global step {CLI_TOTAL_STEPS}: 2 epoch(s) complete)" in out.stderr, out.stderr[-3000:]
+    assert _newest(s3, f"{url}-more/checkpoints").global_step == CLI_TOTAL_STEPS * 3 // 2

@@ -2,9 +2,9 @@
 
 Checkpoints may live in object storage through fsspec (``s3://bucket/prefix``, ``gs://...``, ``az://...``
 where the file system's library is installed): ``checkpoint.dir``, ``output_dir`` (its checkpoints; the run's
-own files stay in a local folder, see :func:`ddpkit.train.config.with_remote_checkpoints`) and ``init_from=URL``.
-``resume=auto`` continues from such a place; ``resume=PATH``, the dataset folder and the staging cache are local
-folders: a URL there is refused, with the way to do it.
+own files stay in a local folder, see :func:`ddpkit.train.config.with_remote_checkpoints`), ``resume=URL`` of one
+checkpoint and ``init_from=URL``. The dataset folder and the staging cache are local folders: a URL there is
+refused, with the way to do it.
 
 A URL is refused in one line when its scheme is not a file system fsspec knows, when it names no bucket, or
 when the file system's library is missing (``pip install 'ddpkit[s3]'`` for S3). Without these checks a URL
@@ -80,8 +80,6 @@ def check_storage_url(option: str, url: str) -> None:
 LOCAL_ONLY = {
     "data_dir": "the dataset is read from a local folder; copy it there first (e.g. aws s3 sync) and pass that folder",
     "checkpoint.cache": "checkpoints are staged in a local folder before their upload; pass a local folder",
-    "resume": "resume=auto with the checkpoints' prefix as checkpoint.dir (or output_dir) continues from its newest "
-    "verified checkpoint; for an older one, copy it to a local folder and pass that folder",
 }
 """The options that name a place and take no URL, and why."""
 

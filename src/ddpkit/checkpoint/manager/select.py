@@ -37,6 +37,7 @@ from ddpkit.checkpoint.disk.format import (
     BEST_PREFIX,
     CORRUPT_SUFFIX,
     INCOMPLETE_SUFFIX,
+    MANIFEST,
     UNREADABLE_SUFFIX,
     CheckpointError,
     CheckpointInfo,
@@ -45,7 +46,7 @@ from ddpkit.checkpoint.disk.format import (
     set_aside,
     verify_checkpoint,
 )
-from ddpkit.checkpoint.remote.store import is_remote
+from ddpkit.checkpoint.remote.store import is_remote, remote_folder
 from ddpkit.checkpoint.remote.transfer import remote_checkpoints
 from ddpkit.log import get_logger
 
@@ -90,6 +91,13 @@ def check_resume(root: str | Path, resume: str) -> None:
         complete = stored_checkpoints(root)  # a URL's too: the trainer checks before launch
         if complete:
             raise holds_checkpoints(root, complete[-1])
+    elif is_remote(resume):
+        folder = remote_folder(resume)
+        if not folder.fs.exists(folder.join(MANIFEST)):
+            raise CheckpointError(
+                f"resume={resume} is not a complete checkpoint: it has no {MANIFEST} in the store; pass a "
+                "checkpoint's URL (e.g. .../checkpoints/step-000000120), or resume=auto"
+            )
     elif resume != "auto":
         read_manifest(resume)
 
