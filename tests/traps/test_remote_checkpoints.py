@@ -4,6 +4,8 @@
 - rank 0 SIGKILLed while its checkpoint uploads, restarted (max_restarts=1): the checkpoint cut off is never
   taken as complete, and the run ends bit-equal to an uninterrupted one;
 - a SIGTERM, then the same command again on another machine (an empty staging cache): bit-equal;
+- a corrupted and a truncated object in the bucket: refused in one line, the checkpoint before it resumed,
+  and the run ends bit-equal;
 - a sharded run resumed from the bucket at another world size;
 - two nodes that share no disk, each staging into its own folder: preempted, then resumed bit-equal;
 - a run on a prefix another live run holds: refused in one line, nothing written;
@@ -76,8 +78,21 @@ def runs(s3, tmp_path_factory) -> dict:
         holder = {"host": "node7", "pid": 4121, "since": time.time(), "command": "ddpkit train", "token": "live"}
         s3.fs.pipe_file(f"{bucket}/held/{LEASE_FILE}", json.dumps({**holder, "renewed": time.time()}).encode())
         results["held"] = run("held", "nproc=2", str(LOOP), f"{url}/held", "final.pt")
+        # The finished runs' last checkpoint (step 15) damaged in the bucket; the same command on an empty cache.
+        for name, prefix, damage in (("corrupted", "reference", _flip_byte), ("truncated", "killed", _halve)):
+            key = f"{bucket}/{prefix}/step-000000015/model.pt"
+            s3.fs.pipe_file(key, damage(s3.fs.cat_file(key)))
+            results[name] = run(name, "nproc=2", str(LOOP), f"{url}/{prefix}", "final.pt")
         results["objects"] = {path: s3.fs.cat_file(path) for path in s3.fs.find(bucket)}
     return results
+
+
+def _flip_byte(data: bytes) -> bytes:
+    return data[:-20] + bytes([data[-20] ^ 1]) + data[-19:]
+
+
+def _halve(data: bytes) -> bytes:
+    return data[: len(data) // 2]
 
 
 def _log(out) -> str:
@@ -116,6 +131,17 @@ def test_a_sigterm_then_the_same_command_on_another_machine_ends_bit_equal(runs)
     )
     assert again.returncode == 0, _log(again)
     _assert_bit_equal(_final(runs, "reference"), _final(runs, "preempted"))
+
+
+@pytest.mark.parametrize("name, prefix", [("corrupted", "reference"), ("truncated", "killed")])
+def test_a_damaged_object_is_refused_in_one_line_and_the_previous_checkpoint_ends_the_run_bit_equal(runs, name, prefix):
+    out = runs[name]
+    assert out.returncode == 0, _log(out)
+    url = f"s3://{runs['bucket']}/{prefix}/step-000000015"
+    what = "is damaged: its SHA-256 does not match" if name == "corrupted" else "is truncated or damaged: "
+    assert f"resume=auto: skipping checkpoint {url}: {url}/model.pt {what}" in _log(out)
+    assert "rank 0: start epoch=2 step_in_epoch=4" in out.stdout  # step 14, the one before
+    _assert_bit_equal(_final(runs, "reference"), _final(runs, name))
 
 
 def test_a_sharded_run_resumes_from_the_bucket_at_another_world_size(runs):

@@ -82,6 +82,16 @@ def test_an_uploaded_checkpoint_is_listed_complete_and_fetched_verified(s3, tmp_
     assert torch.equal(torch.load(copy / "model.pt")["w"], torch.full((64,), 4.0))
 
 
+def test_a_staged_copy_damaged_since_its_download_is_downloaded_again(s3, tmp_path):
+    url = f"s3://{s3.bucket()}/run"
+    with s3.environment():
+        upload_checkpoint(_checkpoint(tmp_path / "local", 4), url)
+        copy = fetch_checkpoint(f"{url}/step-000000004", tmp_path / "cache")
+        (copy / "model.pt").write_bytes(b"damaged on this disk")
+        again = fetch_checkpoint(f"{url}/step-000000004", tmp_path / "cache")
+    assert again == copy and torch.equal(torch.load(again / "model.pt")["w"], torch.full((64,), 4.0))
+
+
 def test_a_checkpoint_whose_manifest_is_not_uploaded_is_incomplete_and_refused(s3, tmp_path):
     bucket = s3.bucket()
     local = _checkpoint(tmp_path / "local", 2)
@@ -173,14 +183,14 @@ def test_a_lease_its_holder_stopped_renewing_is_taken_over(s3):
 
 def test_a_restarted_worker_waits_for_its_predecessors_lease_on_another_host_to_lapse(s3):
     bucket = s3.bucket()
-    now = time.time()
-    held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 2.0}
-    s3.fs.pipe_file(f"{bucket}/run/{LEASE_FILE}", json.dumps(held).encode())
     with s3.environment():
-        folder = remote_folder(f"s3://{bucket}/run")
+        folder = remote_folder(f"s3://{bucket}/run")  # its client made before the clock starts
+        now = time.time()
+        held = {"host": "lost-node", "pid": 7, "since": now, "token": "t", "renewed": now, "lease_seconds": 4.0}
+        folder.fs.pipe_file(folder.join(LEASE_FILE), json.dumps(held).encode())
         with pytest.raises(FolderInUseError, match="host lost-node, pid 7"):
-            RemoteLease(folder, lease_seconds=2.0).acquire()  # a new run: refused at once
-        lease = RemoteLease(folder, lease_seconds=2.0).acquire(restarted=True)
+            RemoteLease(folder, lease_seconds=4.0).acquire()  # a new run: refused at once
+        lease = RemoteLease(folder, lease_seconds=4.0).acquire(restarted=True)
         waited = time.time() - now
         lease.release()
-    assert waited >= 2.0
+    assert waited >= 4.0

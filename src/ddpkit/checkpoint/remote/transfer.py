@@ -112,7 +112,8 @@ def fetch_checkpoint(url: str | os.PathLike[str], cache_dir: Path | None = None,
 
     The manifest is read first; each file it lists is downloaded and checked against its size and SHA-256
     as it arrives; only then is the copy renamed into place (a cut-off download leaves no folder that looks
-    complete). A local copy already there with the same manifest is verified and used as it is.
+    complete). A local copy already there with the same manifest is verified and used as it is (downloaded
+    again when it does not verify).
 
     Args:
         url: the checkpoint's URL.
@@ -143,8 +144,11 @@ def fetch_into(folder: RemoteFolder, name: str, target: Path) -> Path:
         ) from None
     manifest = _parse_manifest(manifest_bytes, folder.url_of(name))
     if (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == manifest_bytes:
-        verify_checkpoint(target, load=False)
-        return target
+        try:
+            verify_checkpoint(target, load=False)
+            return target
+        except CheckpointError:
+            pass  # the local copy was damaged since: downloaded again below, replacing it
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     staging = target.with_name(f".{target.name}.fetch-{uuid.uuid4().hex[:8]}")
     staging.mkdir(mode=0o700)
