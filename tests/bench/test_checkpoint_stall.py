@@ -30,3 +30,17 @@ def test_a_bad_option_is_one_line_naming_the_fix(word, words_in_error) -> None:
     with pytest.raises(SystemExit) as stopped:
         main([word])
     assert str(stopped.value).startswith("error: ") and words_in_error in str(stopped.value)
+
+
+@pytest.mark.timeout(300)
+def test_the_s3_stall_benchmark_uploads_to_its_own_loopback_server_and_finds_the_objects_identical(tmp_path) -> None:
+    words = ["s3=true", "rounds=1", "width=64", "io=32", "batch_size=8", "every_steps=2", f"folder={tmp_path}"]
+    result = run_ddpkit("run", "nproc=1", "-m", "ddpkit.bench.checkpoint_stall", *words, cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    report = json.loads(line)
+    assert report["target"] == "T16" and report["world_size"] == 1
+    assert all(len(report["windows_s"][kind]) == 1 for kind in ("none", "sync", "async"))
+    assert report["files_identical"] is True  # every object of the uploaded checkpoint equals the local save's file
+    assert not any(tmp_path.glob("ddpkit-stall-*"))  # its staged checkpoints are gone
+    assert "T16 round 1: none" in result.stderr

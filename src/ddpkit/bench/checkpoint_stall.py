@@ -22,6 +22,15 @@ the model is sharded over the workers (``prepare_model(shard=True)``) and
 each save writes every worker's shards (torch.distributed.checkpoint); rank 0
 prints the line, and the files compared are every worker's shards and the
 other files (DCP's index holds a save's own id, so it differs).
+
+T16, ``s3=true``: the same loop with the checkpoints in a bucket of moto's S3
+server, started on loopback as a process of its own
+(:mod:`ddpkit.bench.s3_server`). A Checkpointer on a URL stages each checkpoint
+locally, as on disk, and uploads it in the background; the synchronous kind
+waits for the upload right after the save (as a loop that saved to the bucket
+directly would), the background kind waits at the window's end (where the next
+save would). Last, the objects of one uploaded checkpoint are compared with
+the files of a local save of the same state (:mod:`ddpkit.bench.s3_objects`).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +52,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ddpkit.bench.s3_objects import same_objects
+from ddpkit.bench.s3_server import loopback_s3
+from ddpkit.bench.system import machine_info
 from ddpkit.checkpoint import MANIFEST, Checkpointer, read_manifest
 from ddpkit.keyvalue import ConfigError, check_choice, parse
 
@@ -69,9 +81,14 @@ class StallConfig:
     """Shard the model over the workers of ``ddpkit run`` (FSDP2) and save sharded checkpoints."""
     device: str = "cpu"
     """Where the model trains: ``cpu``, or ``cuda`` (T10 on a GPU; the worker's GPU with ``shard=true``)."""
+    s3: bool = False
+    """T16: the checkpoints go to a bucket of a loopback S3 server (moto's, started here); a synchronous save
+    waits for its upload, a background one uploads while the next steps run."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda"))
+        if self.s3 and self.shard:
+            raise ConfigError("s3=true times one process's uploads; drop shard=true (or s3=true)")
 
 
 def _model(cfg: StallConfig) -> nn.Module:
@@ -85,11 +102,18 @@ def _model(cfg: StallConfig) -> nn.Module:
     )
 
 
-def _window(cfg: StallConfig, model: nn.Module, optimizer: Any, batch: Any, ckpt: Checkpointer | None) -> float:
-    """Seconds of one window: a save (with ``ckpt``), ``every_steps`` steps, the write's end (async)."""
+def _window(
+    cfg: StallConfig, model: nn.Module, optimizer: Any, batch: Any, ckpt: Checkpointer | None, wait_first: bool
+) -> float:
+    """Seconds of one window: a save (with ``ckpt``), ``every_steps`` steps, the write's end (async).
+
+    ``wait_first``: the write (a remote checkpoint's upload) is waited for before the steps: a synchronous save.
+    """
     start = time.perf_counter()
     if ckpt is not None:
         ckpt.save("every_steps")
+        if wait_first:
+            ckpt.wait()
     for _ in range(cfg.every_steps):
         F.mse_loss(model(batch[0]), batch[1]).backward()
         optimizer.step()
@@ -147,35 +171,44 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     batch = torch.randn(cfg.batch_size, cfg.io, device=device), torch.randn(cfg.batch_size, cfg.io, device=device)
     windows: dict[str, list[float]] = {mode: [] for mode in MODES}
-    with _folder(cfg) as tmp:
+    with _folder(cfg) as tmp, _places(cfg, tmp) as place:
         ckpts = {
             mode: Checkpointer(
-                Path(tmp) / mode,
+                place(mode),
                 model=model,
                 optimizer=optimizer,
                 on_epoch_end=False,
                 keep=1,
                 preempt_signals=(),
-                async_save=mode == "async",
+                # On a URL both kinds stage alike; they differ in when the upload is waited for.
+                async_save=mode == "async" and not cfg.s3,
+                cache=str(Path(tmp) / f"staging-{mode}") if cfg.s3 else "",
             )
             for mode in ("sync", "async")
         }
+        wait_first = {"none": False, "sync": cfg.s3, "async": False}
         for mode in MODES:  # warm-up: first allocations, first writes
-            _window(cfg, model, optimizer, batch, ckpts.get(mode))
+            _window(cfg, model, optimizer, batch, ckpts.get(mode), wait_first[mode])
         for round_index in range(cfg.rounds):
             for mode in MODES:
-                windows[mode].append(_window(cfg, model, optimizer, batch, ckpts.get(mode)))
+                windows[mode].append(_window(cfg, model, optimizer, batch, ckpts.get(mode), wait_first[mode]))
             print(
-                f"T10 round {round_index + 1}: " + ", ".join(f"{m} {windows[m][-1]:.2f}s" for m in MODES),
+                f"{'T16' if cfg.s3 else 'T10'} round {round_index + 1}: "
+                + ", ".join(f"{m} {windows[m][-1]:.2f}s" for m in MODES),
                 file=sys.stderr,
             )
         for ckpt in ckpts.values():
             ckpt.close()
-        identical = _same_files(model, optimizer, Path(tmp))
+        if cfg.s3:
+            identical = same_objects(model, optimizer, Path(tmp), place("same-remote"))
+        else:
+            identical = _same_files(model, optimizer, Path(tmp))
         state_bytes = sum(p.stat().st_size for p in (Path(tmp) / "same-sync").rglob("*") if p.suffix != ".json")
     median = {mode: statistics.median(windows[mode]) for mode in MODES}
     lost = {mode: median[mode] - median["none"] for mode in ("sync", "async")}
     return {
+        "target": "T16" if cfg.s3 else "T10",
+        "machine": machine_info(),
         "config": dataclasses.asdict(cfg),
         "parameters": sum(_numel(p) for p in model.parameters()),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -191,6 +224,17 @@ def checkpoint_stall(cfg: StallConfig) -> dict[str, Any]:
 def _numel(parameter: torch.Tensor) -> int:
     """Elements of the whole parameter (a sharded one's global shape)."""
     return parameter.shape.numel()
+
+
+@contextlib.contextmanager
+def _places(cfg: StallConfig, tmp: str) -> Iterator[Callable[[str], str]]:
+    """Where each Checkpointer writes, by name: a folder under ``tmp``, or (s3=true) a prefix of a bucket of a
+    loopback S3 server started for the block."""
+    if not cfg.s3:
+        yield lambda name: str(Path(tmp) / name)
+        return
+    with loopback_s3() as bucket:
+        yield lambda name: f"{bucket}/stall/{name}"
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ _PUBLIC = {
     "candidates": "ddpkit.checkpoint.manager.select",
     "check_resume": "ddpkit.checkpoint.manager.select",
     "restart_count": "ddpkit.checkpoint.manager.select",
+    "stored_checkpoints": "ddpkit.checkpoint.manager.select",
     # checkpoints of a diverged run (the trainer's rollback)
     "NONFINITE_SUFFIX": "ddpkit.checkpoint.disk.finite",
     "last_finite_checkpoint": "ddpkit.checkpoint.disk.finite",
@@ -60,6 +61,8 @@ _PUBLIC = {
     "remote_checkpoints": "ddpkit.checkpoint.remote.transfer",
     "fetch_checkpoint": "ddpkit.checkpoint.remote.transfer",
     "upload_checkpoint": "ddpkit.checkpoint.remote.transfer",
+    "local_checkpoint": "ddpkit.checkpoint.publishing.remote_source",
+    "remote_root": "ddpkit.checkpoint.publishing.remote_source",
     # the room on disk (the trainer's metrics file)
     "format_bytes": "ddpkit.checkpoint.disk.storage",
     "free_bytes": "ddpkit.checkpoint.disk.storage",
@@ -97,6 +100,7 @@ if TYPE_CHECKING:
         candidates as candidates,
         check_resume as check_resume,
         restart_count as restart_count,
+        stored_checkpoints as stored_checkpoints,
     )
     from ddpkit.checkpoint.options import (
         RESUME_MODES as RESUME_MODES,
@@ -104,6 +108,10 @@ if TYPE_CHECKING:
         resume_choice as resume_choice,
     )
     from ddpkit.checkpoint.publishing.export import export_checkpoint as export_checkpoint
+    from ddpkit.checkpoint.publishing.remote_source import (
+        local_checkpoint as local_checkpoint,
+        remote_root as remote_root,
+    )
     from ddpkit.checkpoint.publishing.transfer import TransferReport as TransferReport, apply_transfer as apply_transfer
     from ddpkit.checkpoint.remote.store import is_remote as is_remote
     from ddpkit.checkpoint.remote.transfer import (

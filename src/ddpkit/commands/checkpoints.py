@@ -3,6 +3,7 @@
 ::
 
     ddpkit checkpoints runs/latest                       # or runs/latest/checkpoints
+    ddpkit checkpoints s3://my-bucket/run                # a run's checkpoints in object storage
     ddpkit checkpoints runs/latest/checkpoints/step-000000120 digest=9f86d081...
 
 torch is imported only when a command runs, so ``ddpkit --help`` stays quick.
@@ -45,9 +46,10 @@ CHECKPOINTS_HELP = CommandHelp(
     "not usable; 'newest' tags the one resume=auto would take. With digest=..., check one checkpoint against the "
     "digest recorded when it was written.",
     schema="ddpkit.commands.checkpoints:CheckpointsConfig",
-    positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder"),),
+    positional=(("DIR", "a run's folder (e.g. runs/latest) or its checkpoints folder, or their URL (s3://...)"),),
     examples=(
         "ddpkit checkpoints runs/latest",
+        "ddpkit checkpoints s3://my-bucket/run",
         "ddpkit checkpoints runs/latest verify=false",
         "ddpkit checkpoints runs/latest/checkpoints/step-000000120 digest=9f86d081...",
     ),
@@ -65,82 +67,40 @@ def split_paths(args: Sequence[str], help: CommandHelp, num_positional: int) -> 
 def checkpoints_command(args: Sequence[str]) -> int:
     """``ddpkit checkpoints DIR``: one line per checkpoint: step, epoch, metric, size, whether it verifies.
 
+    DIR may be a URL (``s3://bucket/run``): its checkpoints are listed from the store, and each is
+    downloaded into a temporary folder to be verified (``verify=false`` reads only the manifests).
     Exits 1 (after the table, with one line on stderr) when the newest ``step-*`` folder is not a good
     checkpoint (incomplete, corrupt, unreadable or of non-finite weights): "newest" tags the newest one
     that is, the one ``resume=auto`` takes.
     """
     import sys
-    from pathlib import Path
 
-    from ddpkit.checkpoint import (
-        BEST_PREFIX,
-        CheckpointError,
-        checkpoint_digest,
-        has_manifest,
-        list_checkpoints,
-        resolve_checkpoint_dir,
-        verify_checkpoint,
-    )
+    from ddpkit.checkpoint import BEST_PREFIX, checkpoint_digest
 
     (folder,), words = split_paths(args, CHECKPOINTS_HELP, 1)
     config = parse(CheckpointsConfig, words)
-    verify = config.verify
     if config.digest:
-        if not has_manifest(folder):
-            raise UserError(
-                f"{folder} is not a checkpoint: digest=... checks one checkpoint; pass its folder "
-                "(e.g. runs/latest/checkpoints/step-000000120)"
-            )
-        try:
-            verify_checkpoint(folder, digest=config.digest)
-        except CheckpointError as e:
-            print(f"ddpkit: {e}", file=sys.stderr)
-            return 1
-        print(f"{folder}: ok, every file verifies and matches the digest {config.digest.lower()}")
-        return 0
-    try:
-        is_folder = Path(folder).is_dir()
-    except OSError:
-        is_folder = True  # not searchable: list_checkpoints says so in one line
-    if not is_folder:
-        raise UserError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
-    root = resolve_checkpoint_dir(folder)
-    infos = list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
+        return _check_digest(folder, config.digest)
+    root, infos = _listing(folder)
     if not infos:
         print(f"no checkpoints in {root}")
         return 0
-    statuses = {}
-    for info in infos:
-        if not info.complete:
-            status = "incomplete (no manifest: an interrupted write or a copy in progress; not used)"
-        elif info.problem:
-            status = ("UNREADABLE: " if info.unreadable else "CORRUPT: ") + info.problem
-        elif not info.finite:
-            status = "NON-FINITE weights (NaN or infinity; not used)"
-        elif verify:
-            try:
-                verify_checkpoint(info.path)
-                status = "ok"
-            except CheckpointError as e:
-                status = ("UNREADABLE: " if "cannot be read" in str(e) else "CORRUPT: ") + str(e)
-        else:
-            status = "complete (not verified)"
-        statuses[info.path] = status
-    good = [i for i in infos if statuses[i.path] in ("ok", "complete (not verified)")]
-    steps = [i for i in infos if not i.path.name.startswith(BEST_PREFIX)]
+    statuses = {info.name: _status(info, config.verify) for info in infos}
+    good = [i for i in infos if statuses[i.name] in ("ok", "complete (not verified)")]
+    steps = [i for i in infos if not i.name.startswith(BEST_PREFIX)]
     newest_good = max((i for i in good if i in steps), key=lambda i: i.global_step, default=None)
     rows = [("checkpoint", "step", "epoch", "metric", "size", "digest", "status")]
     for info in infos:
         manifest = info.manifest or {}
-        status = statuses[info.path]
-        if info.path.name.startswith(BEST_PREFIX):
+        status = statuses[info.name]
+        if info.name.startswith(BEST_PREFIX):
             status += ", best"
         elif info is newest_good:
             status += ", newest"
         digest = checkpoint_digest(manifest) if manifest else "-"
         rows.append(
             (
-                info.path.name,
+                info.name,
                 str(info.global_step),
                 _epoch(manifest),
                 _metric(manifest),
@@ -164,17 +124,126 @@ def checkpoints_command(args: Sequence[str]) -> int:
     if newest is not None and newest is not newest_good:
         fallback = max(good, key=lambda i: i.global_step, default=None)
         then = (
-            f"resume=auto would continue from {fallback.path.name}"
+            f"resume=auto would continue from {fallback.name}"
             if fallback is not None
             else "no checkpoint here can be resumed"
         )
         print(
-            f"ddpkit: the newest checkpoint {newest.path.name} is not usable "
-            f"({statuses[newest.path].split(':')[0].split(' (')[0]}); {then}",
+            f"ddpkit: the newest checkpoint {newest.name} is not usable "
+            f"({statuses[newest.name].split(':')[0].split(' (')[0]}); {then}",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def _check_digest(folder: str, digest: str) -> int:
+    """``digest=...``: 0 when every file of the checkpoint ``folder`` (a folder or a URL) verifies and matches."""
+    import sys
+
+    from ddpkit.checkpoint import CheckpointError, has_manifest, is_remote, local_checkpoint, verify_checkpoint
+
+    if not is_remote(folder) and not has_manifest(folder):
+        raise UserError(
+            f"{folder} is not a checkpoint: digest=... checks one checkpoint; pass its folder "
+            "(e.g. runs/latest/checkpoints/step-000000120)"
+        )
+    try:
+        with local_checkpoint(folder) as (local, name):
+            if is_remote(folder) and name != folder.rstrip("/"):  # a URL of a run, not of one checkpoint
+                raise UserError(
+                    f"{folder} is not a checkpoint: digest=... checks one checkpoint; pass its URL (e.g. {name})"
+                )
+            try:
+                verify_checkpoint(local, digest=digest)
+            except CheckpointError as e:
+                raise CheckpointError(str(e).replace(str(local), name)) from None  # the URL, not the download's
+    except CheckpointError as e:
+        print(f"ddpkit: {e}", file=sys.stderr)
+        return 1
+    print(f"{folder}: ok, every file verifies and matches the digest {digest.lower()}")
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """One checkpoint of the listing, in a folder or in object storage."""
+
+    name: str
+    """Its name (``step-000000120``)."""
+    where: str
+    """Its folder, or its URL."""
+    global_step: int
+    manifest: dict[str, Any] | None
+    """Its manifest, None without one (incomplete)."""
+    problem: str
+    """Why its manifest cannot be read."""
+    unreadable: bool
+    """The folder or manifest cannot be read (permissions), rather than damaged."""
+    complete: bool
+    finite: bool
+    size: int
+
+
+def _listing(folder: str) -> tuple[str, list[Listed]]:
+    """The checkpoints folder of ``folder`` (a run's folder or URL, or the checkpoints' own) and its checkpoints
+    (``step-*``, then ``best-*``)."""
+    from pathlib import Path
+
+    from ddpkit.checkpoint import (
+        BEST_PREFIX,
+        is_remote,
+        list_checkpoints,
+        remote_checkpoints,
+        remote_root,
+        resolve_checkpoint_dir,
+    )
+
+    if is_remote(folder):
+        url = remote_root(folder)
+        stored = remote_checkpoints(url) + remote_checkpoints(url, prefix=BEST_PREFIX)
+        return url, [
+            Listed(c.name, c.url, c.global_step, c.manifest, c.problem, False, c.complete, c.finite, c.size)
+            for c in stored
+        ]
+    try:
+        is_folder = Path(folder).is_dir()
+    except OSError:
+        is_folder = True  # not searchable: list_checkpoints says so in one line
+    if not is_folder:
+        raise UserError(f"{folder} is not a folder; pass a checkpoints folder or an output_dir")
+    root = resolve_checkpoint_dir(folder)
+    found = list_checkpoints(root) + list_checkpoints(root, prefix=BEST_PREFIX)
+    return str(root), [
+        Listed(
+            i.path.name, str(i.path), i.global_step, i.manifest, i.problem, i.unreadable, i.complete, i.finite, i.size
+        )
+        for i in found
+    ]
+
+
+def _status(info: Listed, verify: bool) -> str:
+    """The status column of one checkpoint: ok, or why it is not usable."""
+    from ddpkit.checkpoint import CheckpointError, local_checkpoint, verify_checkpoint
+
+    if not info.complete:
+        return "incomplete (no manifest: an interrupted write or a copy in progress; not used)"
+    if info.problem:
+        return ("UNREADABLE: " if info.unreadable else "CORRUPT: ") + info.problem
+    if not info.finite:
+        return "NON-FINITE weights (NaN or infinity; not used)"
+    if not verify:
+        return "complete (not verified)"
+    try:
+        # A URL's checkpoint is downloaded, each file checked as it arrives, then loaded as a local one is.
+        with local_checkpoint(info.where) as (local, name):
+            try:
+                verify_checkpoint(local)
+            except CheckpointError as e:
+                raise CheckpointError(str(e).replace(str(local), name)) from None  # the URL, not the download's
+        return "ok"
+    except CheckpointError as e:
+        return ("UNREADABLE: " if "cannot be read" in str(e) else "CORRUPT: ") + str(e)
 
 
 def _epoch(manifest: dict[str, Any]) -> str:

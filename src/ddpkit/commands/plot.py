@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ddpkit.commands.help import CommandHelp
 from ddpkit.keyvalue import parse
+from ddpkit.train.config import local_run_folder
+from ddpkit.train.storage_url import url_scheme
 
 PLOT_HELP = CommandHelp(
     usage="ddpkit plot RUN_DIR [RUN_DIR ...] [key=value ...]",
@@ -31,6 +33,11 @@ def plot_command(args: Sequence[str]) -> int:
     cfg = parse(PlotConfig, [word for word in args if _is_config_word(word)])
     if not folders:
         raise PlotError("ddpkit plot needs a run folder (the output_dir of ddpkit train), e.g. ddpkit plot runs/latest")
+    for folder in folders:
+        if url_scheme(folder):  # output_dir=URL kept only the checkpoints there; metrics.jsonl stayed local
+            raise PlotError(
+                f"{folder}: a run's metrics stay in its local folder; ddpkit plot {local_run_folder(folder)}"
+            )
     runs = label_runs([read_run(Path(folder)) for folder in folders])
     output = Path(cfg.output) if cfg.output else default_output(runs)
     draw(runs, cfg, output)

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ddpkit.commands.help import CommandHelp
 from ddpkit.commands.launching import (
@@ -30,10 +29,7 @@ from ddpkit.keyvalue import peek
 from ddpkit.launchers.failure import LaunchError
 from ddpkit.names import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from ddpkit.train.config import TRAIN_OPTION_GROUPS, TrainConfig, parse_train_config
-
-if TYPE_CHECKING:
-    from ddpkit.checkpoint import CheckpointInfo
-
+from ddpkit.train.storage_url import url_scheme
 
 TRAIN_EXIT_STATUSES = exit_statuses(
     "the last line prints the command that continues: the same words with output_dir=<the run's folder> resume=auto "
@@ -190,25 +186,33 @@ def _stack_files_in(folder: Path | None) -> Iterator[None]:
         del os.environ[STACK_DIR_VARIABLE]
 
 
-def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: CheckpointInfo | None) -> str:
-    """One line: ``newest``, the run's newest complete checkpoint, and the command that continues from it."""
+def _how_to_continue(cfg: TrainConfig, args: Sequence[str], newest: tuple[str, int] | None) -> str:
+    """One line: ``newest``, the run's newest complete checkpoint (path, global step), and the command that
+    continues from it."""
     if not cfg.output_dir:  # a node other than node 0, which holds the run folder
         return "node 0 names the newest checkpoint; to continue, run the same commands with resume=auto on every node"
     if newest is None:
         return f"no checkpoint was written; run {shlex.join(['ddpkit', 'train', *args])} to start again"
+    given = peek(args, "output_dir") or ""
+    # An output_dir URL stays as given: it names the checkpoints' place and, from it, the same local folder.
     words = [w for w in args if not w.startswith(("resume=", "output_dir="))]
-    words += [f"output_dir={cfg.output_dir}", "resume=auto"]
+    words += [f"output_dir={given if url_scheme(given) else cfg.output_dir}", "resume=auto"]
     command = "ddpkit train " + " ".join(shlex.quote(word) for word in words)
-    return f"checkpoint {newest.path} (global step {newest.global_step}) is complete; continue with: {command}"
+    return f"checkpoint {newest[0]} (global step {newest[1]}) is complete; continue with: {command}"
 
 
-def _newest_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
-    from ddpkit.checkpoint import list_checkpoints
+def _newest_checkpoint(cfg: TrainConfig) -> tuple[str, int] | None:
+    """The run's newest complete checkpoint (its path, or URL, and its global step), if any."""
+    from ddpkit.checkpoint import is_remote, list_checkpoints, remote_checkpoints
     from ddpkit.train.run import checkpoint_root
 
     if not cfg.output_dir:  # another node's launcher: the run folder is node 0's
         return None
-    complete = [info for info in list_checkpoints(checkpoint_root(cfg)) if info.complete]
+    root = checkpoint_root(cfg)
+    if is_remote(root):
+        stored = [(c.url, c.global_step) for c in remote_checkpoints(root) if c.complete]
+        return stored[-1] if stored else None
+    complete = [(str(info.path), info.global_step) for info in list_checkpoints(root) if info.complete]
     return complete[-1] if complete else None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import ClassVar
 
 from ddpkit.checkpoint import CheckpointOptions, resume_choice
@@ -24,7 +25,10 @@ from ddpkit.keyvalue import (
 from ddpkit.launchers.options import LaunchOptions
 from ddpkit.names import GRAD_SYNC_MODES, PREEMPTION_SIGNALS, TASKS
 from ddpkit.tracking.backends import BACKENDS
+from ddpkit.train.storage_url import check_url_options, remote_run_name, url_scheme
 
+RUNS_DIR = Path("runs")
+"""Where the run folders go, relative to the current folder (``ddpkit.train.run_folder``)."""
 LR_SCHEDULES = ("constant", "step", "cosine", "onecycle")
 """Values of TrainConfig.lr_schedule."""
 LOGGERS = ("jsonl", *sorted(set(BACKENDS) - {"jsonl"}))
@@ -56,7 +60,8 @@ class CheckpointConfig(CheckpointOptions):
     enabled: bool = True
     """Write checkpoints (and handle preemption signals); false turns both off."""
     dir: str = ""
-    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it."""
+    """Folder of the checkpoints; empty means <output_dir>/checkpoints. Every node must see it. A URL
+    (s3://BUCKET/PREFIX, or another fsspec store whose library is installed) keeps them in object storage."""
 
     def check(self) -> None:
         """The Checkpointer's checks, and best_metric among the metrics the trainer reports."""
@@ -157,7 +162,8 @@ class TrainConfig(LaunchOptions):
     output_dir: str = option("", group="output")
     """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
     runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
-    runs/latest points to; with resume=auto, the newest run of this model and dataset."""
+    runs/latest points to; with resume=auto, the newest run of this model and dataset. A URL (s3://BUCKET/PREFIX):
+    the checkpoints go to <URL>/checkpoints and the run's other files to the local folder runs/<BUCKET>-<PREFIX>."""
     log_every: int = option(50, group="output", counted=True)
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     logger: str = option("jsonl", group="output")
@@ -208,14 +214,46 @@ class TrainConfig(LaunchOptions):
         self.resume = resume_choice(self.resume)
         if not self.resume:
             raise ConfigError("resume='' is not valid; use resume=never, resume=auto or resume=PATH of a checkpoint")
+        places = ("output_dir", "data_dir", "init_from", "resume")
+        check_url_options(
+            {
+                **{name: getattr(self, name) for name in places},
+                "checkpoint.dir": self.checkpoint.dir,
+                "checkpoint.cache": self.checkpoint.cache,
+            }
+        )
+
+
+def local_run_folder(url: str) -> Path:
+    """The local folder of the run files of a run whose ``output_dir`` is ``url``: runs/<bucket>-<prefix>."""
+    return RUNS_DIR / remote_run_name(url)
+
+
+def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with an ``output_dir`` URL split: the checkpoints at ``<URL>/checkpoints`` (unless ``checkpoint.dir``
+    names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>-<prefix>``.
+
+    Those files are appended to line by line and read by local tools (``ddpkit plot``, TensorBoard): they stay
+    on this machine, and only the checkpoints, which a restart on another machine needs, go to the store.
+    The same URL always gives the same local folder, so the same command run again continues the run.
+    """
+    if not url_scheme(cfg.output_dir):
+        return cfg
+    checkpoints = cfg.checkpoint.dir or cfg.output_dir.rstrip("/") + "/checkpoints"
+    return dataclasses.replace(
+        cfg,
+        output_dir=str(local_run_folder(cfg.output_dir)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=checkpoints),
+    )
 
 
 def parse_train_config(args: Sequence[str]) -> TrainConfig:
-    """TrainConfig from words, with the chosen model's recipe as defaults."""
+    """TrainConfig from words, with the chosen model's recipe as defaults; an ``output_dir`` URL split into
+    ``checkpoint.dir`` there and a local run folder (:func:`with_remote_checkpoints`)."""
     from ddpkit import get_model_spec  # deferred: the registry imports torch
 
     model = peek(args, "model", TrainConfig) or TrainConfig.model
-    return parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe))
+    return with_remote_checkpoints(parse(TrainConfig, args, presets=dict(get_model_spec(model).recipe)))
 
 
 TRAIN_OPTION_GROUPS = tuple((title, option_names(TrainConfig, group=title)) for title in TRAIN_GROUP_TITLES)

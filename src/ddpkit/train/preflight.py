@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ddpkit import allocator, get_model_spec
-from ddpkit.checkpoint import RESUME_MODES, candidates, check_resume, restart_count
+from ddpkit.checkpoint import RESUME_MODES, check_resume, restart_count, stored_checkpoints
 from ddpkit.comm.registry import resolve_allreduce
 from ddpkit.comm.shm import segment_bytes
 from ddpkit.data.datasets import FASHION_MNIST, MNIST, dataset_function, dataset_names
@@ -102,7 +102,7 @@ def _resumes(cfg: TrainConfig) -> bool:
     """Whether the run continues one: a checkpoint's path, resume=auto with a checkpoint, or a restarted job."""
     if restart_count(os.environ) or cfg.resume not in RESUME_MODES:
         return True
-    return cfg.resume == "auto" and bool(candidates(checkpoint_root(cfg)))
+    return cfg.resume == "auto" and bool(stored_checkpoints(checkpoint_root(cfg)))  # a URL: the bucket's
 
 
 def _check_shared_memory(cfg: TrainConfig) -> None:

@@ -66,12 +66,13 @@ from ddpkit.errors import exit_status
 from ddpkit.gc_pause import import_paused
 from ddpkit.launchers.failure import FAILURE_DIR_VARIABLE, record_for_launcher
 from ddpkit.log import get_logger, setup_logging
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import TrainConfig, with_remote_checkpoints
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
 from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import SETTINGS, apply_changed_rates, base_rates, build_scheduler
 from ddpkit.train.state import TrainState
+from ddpkit.train.storage_url import url_scheme
 from ddpkit.train.task import resolve_task
 
 EVAL_BATCH_PER_WORKER = 2000
@@ -111,8 +112,10 @@ def data_options(cfg: TrainConfig) -> DataOptions:
     )
 
 
-def checkpoint_root(cfg: TrainConfig) -> Path:
-    """The run's checkpoints folder: checkpoint.dir, else <output_dir>/checkpoints."""
+def checkpoint_root(cfg: TrainConfig) -> str | Path:
+    """The run's checkpoints folder: checkpoint.dir (a URL as it is), else <output_dir>/checkpoints."""
+    if url_scheme(cfg.checkpoint.dir):
+        return cfg.checkpoint.dir  # a Path would make s3://b/run s3:/b/run, a local folder
     return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
 
 
@@ -327,6 +330,8 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
             f"master {ctx.env.master_addr}:{ctx.env.master_port}, backend {ctx.backend}, device {ctx.device}"
         )
         log.info("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
+        if url_scheme(cfg.checkpoint.dir):
+            log.info(f"checkpoints in {cfg.checkpoint.dir}; the run's own files in the local folder {cfg.output_dir}")
         summary = _train(cfg, ctx, export_dir)  # its trainer is gone on return, before the group is left below
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
@@ -388,7 +393,8 @@ def _lock_run_folder(cfg: TrainConfig, ctx: Context) -> list[FolderLock]:
     (A collective when world_size > 1: rank 0's outcome is broadcast, so no rank trains on alone.)
     """
     folders = [Path(cfg.output_dir)]
-    if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(folders[0].resolve()):
+    local = cfg.checkpoint.dir and not url_scheme(cfg.checkpoint.dir)  # a URL's prefix: the Checkpointer's lock
+    if local and not Path(cfg.checkpoint.dir).resolve().is_relative_to(folders[0].resolve()):
         folders.append(Path(cfg.checkpoint.dir))
     locks: list[FolderLock] = []
     box = ["", ""]  # (the error's kind, its message)
@@ -420,6 +426,7 @@ def _with_run_folder(cfg: TrainConfig, ctx: Context) -> TrainConfig:
     On one node every rank has the same ``output_dir`` (the launcher's or the command line's), or none.
     Across nodes ranks may differ (ddpkit's launchers on nodes other than node 0 plan no folder): rank 0's wins.
     """
+    cfg = with_remote_checkpoints(cfg)  # a TrainConfig built in code rather than parsed from words
     if cfg.output_dir and ctx.env.is_single_node:
         return cfg
     box = [""]

@@ -31,12 +31,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ddpkit import FolderLock
-from ddpkit.checkpoint import candidates, restart_count
+from ddpkit.checkpoint import restart_count, stored_checkpoints
 from ddpkit.errors import UserError
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import RUNS_DIR, TrainConfig
 
-RUNS_DIR = Path("runs")
-"""Where the run folders go, relative to the current folder."""
 LATEST = RUNS_DIR / "latest"
 """Symbolic link to the newest run's folder."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -54,7 +52,7 @@ def plan_run_folder(cfg: TrainConfig, environ: Mapping[str, str], now: float | N
         newest = newest_run(series)
         # continued only where there is a checkpoint to continue from: else its files are another run's
         if newest is not None and (
-            restart_count(environ) or candidates(Path(cfg.checkpoint.dir or newest / "checkpoints"))
+            restart_count(environ) or stored_checkpoints(cfg.checkpoint.dir or newest / "checkpoints")
         ):
             return newest
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))

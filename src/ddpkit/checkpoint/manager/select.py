@@ -37,6 +37,7 @@ from ddpkit.checkpoint.disk.format import (
     BEST_PREFIX,
     CORRUPT_SUFFIX,
     INCOMPLETE_SUFFIX,
+    MANIFEST,
     UNREADABLE_SUFFIX,
     CheckpointError,
     CheckpointInfo,
@@ -45,6 +46,8 @@ from ddpkit.checkpoint.disk.format import (
     set_aside,
     verify_checkpoint,
 )
+from ddpkit.checkpoint.remote.store import is_remote, remote_folder
+from ddpkit.checkpoint.remote.transfer import remote_checkpoints
 from ddpkit.log import get_logger
 
 
@@ -54,10 +57,10 @@ def restart_count(environ: Mapping[str, str]) -> int:
     return max((int(c) for c in counts if c.strip().isdigit()), default=0)
 
 
-def holds_checkpoints(root: Path, complete: list[CheckpointInfo]) -> CheckpointError:
-    """The error for a fresh start into a folder that already holds checkpoints."""
+def holds_checkpoints(root: str | Path, newest: str) -> CheckpointError:
+    """The error for a fresh start into a folder (or URL) that already holds checkpoints, the newest named ``newest``."""
     return CheckpointError(
-        f"{root} already holds checkpoints (newest: {complete[-1].path.name}); continue that run with "
+        f"{root} already holds checkpoints (newest: {newest}); continue that run with "
         "resume=auto, or start a new one in another folder (output_dir=... or checkpoint.dir=...)"
     )
 
@@ -69,6 +72,14 @@ def candidates(root: str | Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda info: (info.global_step, not info.path.name.startswith(BEST_PREFIX)))
 
 
+def stored_checkpoints(root: str | Path) -> list[str]:
+    """The names of :func:`candidates`, in its order, for a folder or a URL (the store's listing)."""
+    if not is_remote(root):
+        return [info.path.name for info in candidates(root)]
+    found = [c for c in remote_checkpoints(root) + remote_checkpoints(root, prefix=BEST_PREFIX) if c.complete]
+    return [c.name for c in sorted(found, key=lambda c: (c.global_step, not c.name.startswith(BEST_PREFIX)))]
+
+
 def check_resume(root: str | Path, resume: str) -> None:
     """Fail early, before any worker starts, when ``resume`` cannot work (the workers check again, fully).
 
@@ -77,9 +88,16 @@ def check_resume(root: str | Path, resume: str) -> None:
             ``resume=PATH`` that is not a complete checkpoint.
     """
     if resume == "never":
-        complete = candidates(root)
+        complete = stored_checkpoints(root)  # a URL's too: the trainer checks before launch
         if complete:
-            raise holds_checkpoints(Path(root), complete)
+            raise holds_checkpoints(root, complete[-1])
+    elif is_remote(resume):
+        folder = remote_folder(resume)
+        if not folder.fs.exists(folder.join(MANIFEST)):
+            raise CheckpointError(
+                f"resume={resume} is not a complete checkpoint: it has no {MANIFEST} in the store; pass a "
+                "checkpoint's URL (e.g. .../checkpoints/step-000000120), or resume=auto"
+            )
     elif resume != "auto":
         read_manifest(resume)
 
@@ -103,7 +121,7 @@ def choose_checkpoint(root: str | Path, resume: str, restarts: int = 0) -> tuple
         resume = "auto"
     if resume == "never":
         if complete:
-            raise holds_checkpoints(root, complete)
+            raise holds_checkpoints(root, complete[-1].path.name)
         set_aside_incomplete(infos)
         return None, None
     if resume == "auto":

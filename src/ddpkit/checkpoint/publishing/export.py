@@ -41,8 +41,10 @@ from ddpkit.checkpoint.disk.format import (
 )
 from ddpkit.checkpoint.options import READABLE_BY
 from ddpkit.checkpoint.publishing.export_folder import EXPORT_FORMAT, EXPORT_INFO, WEIGHTS, read_export
+from ddpkit.checkpoint.publishing.remote_source import local_checkpoint
 from ddpkit.checkpoint.publishing.sharded_export import sharded_weights
 from ddpkit.checkpoint.publishing.transfer import newest_verified
+from ddpkit.checkpoint.remote.store import is_remote
 from ddpkit.checkpoint.sharded.state import sharded_names
 from ddpkit.errors import UserError, check_choice
 
@@ -52,7 +54,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
 
     Args:
         checkpoint: a checkpoint folder, or a checkpoints folder / output_dir
-            (its newest verified checkpoint).
+            (its newest verified checkpoint); or such a checkpoint's or run's URL (``s3://...``).
         out: the export folder (created; an earlier export there is replaced).
         readable_by: user, group or all: who may read the files.
 
@@ -64,13 +66,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
         ValueError: ``out`` exists and is not an export, or a bad ``readable_by``.
     """
     check_choice("readable_by", readable_by, tuple(READABLE_BY))
-    mode = READABLE_BY[readable_by]
-    source = Path(checkpoint)
+    with local_checkpoint(checkpoint) as (local, name):  # a URL's checkpoint: downloaded and verified
+        return _export(local, name if is_remote(checkpoint) else "", Path(out), READABLE_BY[readable_by])
+
+
+def _export(source: Path, url: str, out: Path, mode: int) -> Path:
+    """:func:`export_checkpoint` of the local ``source`` (downloaded from ``url``, when not empty)."""
     if not has_manifest(source):
         source = newest_verified(source)
     verify_checkpoint(source, load=False)  # every file checksummed, as resume does; the weights loaded below
     manifest = read_manifest(source)
-    out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_INFO).exists())):
         raise UserError(f"{out} exists and is not a ddpkit export; choose a new or empty folder for the export")
     out.mkdir(parents=True, exist_ok=True, mode=folder_mode(mode))
@@ -89,7 +94,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, readable_by: str 
         "files": {WEIGHTS: weights},
         "num_parameters": num_parameters,
         "source": {
-            "checkpoint": str(source.resolve()),
+            "checkpoint": url or str(source.resolve()),
             "global_step": manifest.get("global_step"),
             "completed_epochs": manifest.get("completed_epochs"),
             "metrics": manifest.get("metrics", {}),

@@ -1,8 +1,8 @@
 """Starting a new model from trained weights: ``init_from=PATH`` and ``freeze=...``.
 
 ``init_from`` takes the weights of a checkpoint folder, a checkpoints folder
-(its newest verified checkpoint), an export (``ddpkit export``) or a file
-holding a state_dict, and copies into the new model every tensor whose name
+(its newest verified checkpoint), an export (``ddpkit export``), a file
+holding a state_dict, or the URL of a checkpoint or run in object storage, and copies into the new model every tensor whose name
 and shape match. The rest is reported, never silently dropped:
 
 - *missing*: in the model, not in the file (they keep their fresh initialisation);
@@ -37,6 +37,7 @@ from ddpkit.checkpoint.disk.format import (
     verify_checkpoint,
 )
 from ddpkit.checkpoint.publishing.export_folder import EXPORT_INFO, read_export
+from ddpkit.checkpoint.publishing.remote_source import local_checkpoint
 from ddpkit.checkpoint.publishing.sharded_export import full_weights
 from ddpkit.checkpoint.sharded.state import sharded_names
 from ddpkit.errors import UserError
@@ -224,8 +225,8 @@ def apply_transfer(model: nn.Module, init_from: str | Path = "", freeze: str = "
     Args:
         model: the new model (not yet wrapped).
         init_from: a checkpoint folder, a checkpoints folder or run folder (its
-            newest verified checkpoint), an export (``ddpkit export``) or a
-            ``.pt`` file of a state_dict; every tensor whose name and shape
+            newest verified checkpoint), an export (``ddpkit export``), a
+            ``.pt`` file of a state_dict, or such a checkpoint's or run's URL (``s3://...``); every tensor whose name and shape
             match is copied, the rest is reported. "" copies nothing.
         freeze: comma-separated prefixes of parameter names not to train
             (``"0,2"``, ``"encoder"``); "" freezes nothing.
@@ -239,7 +240,8 @@ def apply_transfer(model: nn.Module, init_from: str | Path = "", freeze: str = "
     """
     report = TransferReport(source="")
     if init_from:
-        report = load_matching(model, read_weights(init_from), str(init_from))
+        with local_checkpoint(init_from) as (local, name):  # a URL's checkpoint: downloaded and verified
+            report = load_matching(model, read_weights(local), name)
     if freeze:
         report = TransferReport(**{**report.__dict__, "frozen": freeze_parameters(model, freeze)})
     return report
