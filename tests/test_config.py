@@ -190,7 +190,7 @@ def test_the_help_groups_and_the_count_limits_come_from_each_options_declaration
     grouped = [name for _, names in TRAIN_OPTION_GROUPS for name in names]
     assert sorted(grouped) == sorted(field.name for field in dataclasses.fields(TrainConfig))  # each in one group
     assert [title for title, _ in TRAIN_OPTION_GROUPS] == list(TRAIN_GROUP_TITLES)
-    assert {"nproc", "nnodes", "max_restarts", "epochs"} <= set(option_names(TrainConfig, counted=True))
+    assert {"nproc", "max_restarts", "epochs"} <= set(option_names(TrainConfig, counted=True))
     assert all(field.metadata[GROUP] for field in dataclasses.fields(TrainConfig))
     with pytest.raises(ConfigError, match="^max_restarts=2000000000 is more than any run can do"):
         parse(TrainConfig, ["max_restarts=2000000000"])

@@ -239,10 +239,49 @@ def init(
     return _context
 
 
+NODES_CHANGED_VARIABLE = "DDPKIT_NODES_CHANGED_FILE"
+"""The file in which the agent of an elastic ``ddpkit run``/``ddpkit train`` writes, at each round, which nodes
+left or joined since the round before ("node 10.0.0.2 left"; empty: none), for :func:`nodes_change_line`."""
+
+
+def nodes_change(environ: Mapping[str, str]) -> str:
+    """Which nodes left or joined before this round of an elastic ddpkit launch ('node B left'), else ''."""
+    path = environ.get(NODES_CHANGED_VARIABLE, "")
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read().strip()
+    except OSError:  # no file: not an elastic ddpkit launch, or its first round
+        return ""
+
+
+def nodes_change_line(environ: Mapping[str, str], saved_world_size: int, world_size: int, global_step: int) -> str:
+    """The line of a resume in an elastic job whose size changed, else ''.
+
+    ``node X left; continuing on K nodes, W workers, from step S``: the
+    nodes by name under ddpkit's launcher, by count under torchrun's (whose
+    agents do not say which node went). K is torchelastic's GROUP_WORLD_SIZE.
+    """
+    nodes = environ.get("GROUP_WORLD_SIZE")
+    if nodes is None or saved_world_size == world_size:
+        return ""
+    change = nodes_change(environ)
+    if not change:
+        per_node = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        count = abs(saved_world_size - world_size) // per_node or 1
+        change = f"{count} node(s) {'left' if world_size < saved_world_size else 'joined'}"
+    return (
+        f"{change}; continuing on {nodes} nodes, {world_size} workers, from step {global_step} "
+        "(the same global batch and sample order)"
+    )
+
+
 def _say_restart(environ: Mapping[str, str], rank: int) -> None:
-    """On rank 0 of a restarted round (torchrun's, ddpkit run's), one line: which restart this is."""
+    """On rank 0 of a restarted round (torchrun's, ddpkit run's), one line: which restart this is.
+
+    None when nodes left or joined: the resume says so (:func:`nodes_change_line`).
+    """
     restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart and rank == 0:
+    if restart and rank == 0 and not nodes_change(environ):
         limit = environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
         get_logger().warning(
             f"restart {restart} of {limit}: the workers were started again after a failure; "

@@ -44,7 +44,11 @@ def run_console_script(*words: str, cwd: Path) -> subprocess.CompletedProcess:
         (["-mjson.tool", "x"], (RunConfig(), ScriptTarget(module="json.tool", args=("x",)))),
         (
             ["nnodes=2", "node_rank=1", "master_addr=node0", "master_port=29500", "a.py"],
-            (RunConfig(nnodes=2, node_rank=1, master_addr="node0", master_port=29500), ScriptTarget(path="a.py")),
+            (RunConfig(nnodes="2", node_rank=1, master_addr="node0", master_port=29500), ScriptTarget(path="a.py")),
+        ),
+        (
+            ["nnodes=1:4", "master_addr=login1", "master_port=29500", "rdzv_id=job7", "a.py"],
+            (RunConfig(nnodes="1:4", master_addr="login1", master_port=29500, rdzv_id="job7"), ScriptTarget("a.py")),
         ),
     ],
 )
@@ -71,6 +75,23 @@ def test_words_before_the_script_are_ddpkits(tmp_path, monkeypatch, words, expec
         (["run", "nprocs=2", "a.py"], "error: unknown config key 'nprocs' (did you mean 'nproc'?)"),
         (["run", "folder.py"], "error: script 'folder.py' is a folder, not a Python file"),
         (["run", "nnodes=2", "master_port=29500", "a.py"], "error: nnodes=2 needs master_addr=HOST"),
+        (
+            ["run", "nnodes=1:2", "master_port=29500", "a.py"],
+            "error: nnodes=1:2 needs master_addr=HOST, the host name or address of the host of the rendezvous store",
+        ),
+        (
+            ["run", "nnodes=1:2", "node_rank=1", "master_addr=h", "master_port=29500", "a.py"],
+            "error: node_rank=1 is not used with nnodes=1:2: the nodes of an elastic job agree on their ranks; "
+            "leave node_rank out",
+        ),
+        (
+            ["run", "nnodes=3:2", "a.py"],
+            "error: nnodes=3:2 is not valid: MIN > MAX; use nnodes=MIN:MAX with MIN <= MAX (e.g. 1:4)",
+        ),
+        (
+            ["run", "nnodes=1:2:3", "a.py"],
+            "error: nnodes=1:2:3 is not valid; use nnodes=N (N nodes) or nnodes=MIN:MAX (elastic, e.g. nnodes=1:4)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys, words, message):

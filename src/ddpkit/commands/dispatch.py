@@ -25,6 +25,7 @@ from ddpkit.commands.launching import failed_status
 from ddpkit.commands.plot import PLOT_HELP
 from ddpkit.commands.run import RUN_HELP
 from ddpkit.commands.slurm import SLURM_HELP
+from ddpkit.commands.store import STORE_HELP
 from ddpkit.commands.train import TRAIN_HELP
 from ddpkit.errors import UserError, exit_status
 from ddpkit.launchers.failure import LaunchError, record_for_launcher
@@ -59,6 +60,11 @@ COMMANDS: dict[str, Command] = {
         "ddpkit.commands.bench:bench_command", BENCH_HELP, "benchmarks: bench train | bench comm | bench scaling"
     ),
     "slurm": Command("ddpkit.commands.slurm:main", SLURM_HELP, "write or submit an sbatch script for a training job"),
+    "store": Command(
+        "ddpkit.commands.store:store_command",
+        STORE_HELP,
+        "serve the rendezvous store of elastic jobs (nnodes=MIN:MAX) on a machine that stays up",
+    ),
     "doctor": Command(
         "ddpkit.commands.doctor:doctor_command",
         DOCTOR_HELP,

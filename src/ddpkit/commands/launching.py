@@ -76,11 +76,16 @@ def launch_spec(config: TrainConfig | RunConfig, **options: Any) -> LaunchSpec:
     from ddpkit.launchers.local import LaunchSpec
     from ddpkit.launchers.options import shown_ranks
 
+    nodes = config.nodes
     return LaunchSpec(
         config.nproc,
         config.master_port,
         config.max_restarts,
-        nnodes=config.nnodes,
+        nnodes=nodes.min_nodes,
+        elastic=nodes.elastic,
+        max_nodes=nodes.max_nodes,
+        rdzv_id=config.rdzv_id,
+        rdzv_last_call=config.rdzv_last_call,
         node_rank=config.node_rank,
         master_addr=config.master_addr,
         show_ranks=shown_ranks(config.show_ranks),
@@ -103,10 +108,14 @@ def launch(spec: LaunchSpec, fn: Callable[..., object], *args: object) -> tuple[
     """
     import signal
 
+    from ddpkit.launchers.elastic import StoreLost
     from ddpkit.launchers.local import StoppedBySignal, launch_local
 
     try:
         launch_local(spec, fn, *args)
+    except StoreLost as e:  # an elastic job's store went with its host: no node can go on
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_WORKER_FAILED, ""
     except LaunchError as e:
         if e.failure.exitcode in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
             return e.failure.exitcode, ""

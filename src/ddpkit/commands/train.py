@@ -82,7 +82,7 @@ def train_command(args: Sequence[str]) -> int:
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
     here = detect_environment(os.environ).source == "local"  # else one worker of torchrun, srun or mpirun
-    workers = [peek(words, key) or "1" for key in ("nproc", "nnodes")]
+    workers = [(peek(words, key) or "1").split(":")[-1] for key in ("nproc", "nnodes")]  # nnodes=MIN:MAX: MAX
     if not (here and all(n.isdigit() for n in workers) and max(map(int, workers)) > 1):
         return _train(words, args, here)
     with worker_server():  # its imports run beside this process's own (parsing the config imports torch)
@@ -109,12 +109,12 @@ def _train(words: Sequence[str], args: Sequence[str], here: bool) -> int:
         return 0
     if cfg.node_rank == 0:  # the other nodes' workers take node 0's run folder (ddpkit.train.run)
         cfg = dataclasses.replace(cfg, output_dir=str(plan_run_folder(cfg, os.environ)))
-    check_before_launch(cfg, cfg.nproc * cfg.nnodes)
+    check_before_launch(cfg, cfg.nproc * cfg.nodes.max_nodes)
     warn_if_oversubscribed(cfg.nproc, cfg.device)
     if cfg.output_dir:
         claim_run_folder(Path(cfg.output_dir))
     try:
-        if cfg.nproc == 1 and cfg.nnodes == 1 and not cfg.max_restarts:
+        if cfg.nproc == 1 and cfg.nnodes == "1" and not cfg.max_restarts:
             run_worker(cfg, export_dir)  # in this process
             return 0
         from ddpkit.launchers.output import default_log_dir

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
 # server (ddpkit.launchers.server) before this process imports torch itself.
+from ddpkit.distributed import NODES_CHANGED_VARIABLE
 from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
 from ddpkit.launchers.failure import (
@@ -107,7 +108,16 @@ class LaunchSpec:
     """Signals, besides SIGTERM, SIGINT, SIGHUP and SIGQUIT, that the agent passes on to the workers
     (then waits for them, then stops them) instead of dying of them: the preemption signals."""
     nnodes: int = 1
-    """Machines of the job, each running a launcher with its own node_rank."""
+    """Machines of the job, each running a launcher with its own node_rank; the fewest, when ``elastic``."""
+    elastic: bool = False
+    """Nodes may leave and join (torch's dynamic rendezvous, :mod:`ddpkit.launchers.elastic`) between
+    ``nnodes`` and ``max_nodes``."""
+    max_nodes: int = 0
+    """With ``elastic``: the most nodes of the job."""
+    rdzv_id: str = ""
+    """With ``elastic``: the job's name in the rendezvous store (empty: $SLURM_JOB_ID, else from the endpoint)."""
+    rdzv_last_call: float = 30.0
+    """With ``elastic``: seconds a rendezvous waits for more nodes once ``nnodes`` are there."""
     node_rank: int = 0
     """This machine's index among the nnodes; node 0 hosts the rendezvous."""
     master_addr: str = ""
@@ -202,13 +212,19 @@ def _in_a_thread_of_its_own(call: Callable[..., Any], *args: Any) -> Any:
 
 
 def _launch_config(spec: LaunchSpec) -> LaunchConfig:
-    """torch's LaunchConfig for ``spec``: one node's loopback rendezvous, or several nodes' static one."""
+    """torch's LaunchConfig for ``spec``: one node's loopback rendezvous, several nodes' static one, or an
+    elastic one."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    rendezvous = _static_rendezvous(spec) if spec.nnodes > 1 else _loopback_rendezvous(spec)
+    from ddpkit.launchers import elastic
+
+    if spec.elastic:
+        rendezvous = elastic.elastic_rendezvous(spec)
+    else:
+        rendezvous = _static_rendezvous(spec) if spec.nnodes > 1 else _loopback_rendezvous(spec)
     return LaunchConfig(
         nproc_per_node=spec.nproc,
-        max_restarts=spec.max_restarts,
+        max_restarts=elastic.restarts(spec),
         monitor_interval=spec.monitor_interval,
         start_method=spec.start_method,
         **rendezvous,
@@ -348,6 +364,7 @@ def _launch_recording_failures(
                 environ_restored(),
                 _fresh_store_per_restart(),
                 environ_set(FAILURE_DIR_VARIABLE, failure_dir),
+                environ_set(NODES_CHANGED_VARIABLE, os.path.join(failure_dir, "nodes-changed")),
                 ctrl_c_passed_on(failure_dir) as ctrl_c,
                 signals_passed_on(names if forked else (), failure_dir),
                 ddpkit_agent() as report,

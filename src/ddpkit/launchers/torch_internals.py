@@ -79,8 +79,10 @@ class HookedAgent(LocalElasticAgent):
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        limit = worker_group.spec.max_restarts
-        self.restarting(limit - self._remaining_restarts, limit)
+        # torch also restarts a healthy group, without counting it, when nodes wait to join (elastic)
+        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            limit = worker_group.spec.max_restarts
+            self.restarting(limit - self._remaining_restarts, limit)
         super()._restart_workers(worker_group)
 
     def _exit_barrier(self) -> None:

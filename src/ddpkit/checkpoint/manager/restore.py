@@ -12,6 +12,7 @@ larger world size) gets a stream of its own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from ddpkit.checkpoint.ranks import on_rank_zero
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state, seed_everything
 from ddpkit.checkpoint.sharded.state import ShardedState, sharded_names
 from ddpkit.data.position import LoaderPosition
+from ddpkit.distributed import nodes_change_line
 from ddpkit.log import get_logger
 
 __all__ = [
@@ -334,7 +336,11 @@ def log_resume(
     ``steps_per_epoch``: a torch DataLoader's length (``loader=``), which counts the epochs without a position.
     """
     log = get_logger()
-    if saved_world_size != world_size:
+    # An elastic job that lost or gained a node says so in one line; any other change of size, in detail.
+    elastic = nodes_change_line(os.environ, saved_world_size, world_size, global_step) if position else ""
+    if elastic:
+        log.warning(elastic)
+    elif saved_world_size != world_size:
         log.warning(world_size_line(path.name, saved_world_size, world_size, position is not None))
     epoch, step = resume_point
     if position is None and steps_per_epoch is not None:
