@@ -45,18 +45,44 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ddpkit.errors import UserError
-
-if TYPE_CHECKING:
-    from ddpkit.launchers.sbatch import SbatchSpec
 
 ELASTIC_MAX_RESTARTS = 3
 """torchrun's --max-restarts in an elastic job that does not set max_restarts: the losses of nodes it survives."""
 
 KEEP_STEP_ALIVE = "--no-kill --kill-on-bad-exit=0 --wait=0"
 """srun's options that keep a step running when one of its nodes fails or one of its launchers ends."""
+
+
+
+class SbatchSpec(Protocol):
+    """What this module reads of :class:`ddpkit.launchers.sbatch.SbatchSpec` (which imports this module)."""
+
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def min_nodes(self) -> int: ...
+    @property
+    def tasks_per_node(self) -> int: ...
+    @property
+    def cpus_per_task(self) -> int: ...
+    @property
+    def launch_mode(self) -> str: ...
+    @property
+    def command(self) -> tuple[str, ...]: ...
+    @property
+    def train_args(self) -> tuple[str, ...]: ...
+    @property
+    def python(self) -> str: ...
+    @property
+    def max_restarts(self) -> int: ...
+    @property
+    def stage_data_from(self) -> str: ...
+    @property
+    def stage_data_key(self) -> str: ...
+
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
 _NODE_RANGE = re.compile(r"\s*(\d+)\s*[-:]\s*(\d+)\s*")
