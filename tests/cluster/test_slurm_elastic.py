@@ -20,7 +20,6 @@ import json
 import re
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 

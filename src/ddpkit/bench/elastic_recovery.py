@@ -10,10 +10,12 @@ newest checkpoint. Each run is one of two launches of the same training
 loop:
 
 - ``ddpkit``: ``ddpkit run nnodes=1:2 nproc=1 master_addr=A master_port=P``
-  of a script holding its state in a ``ddpkit.Checkpointer``;
+  of a script with a ``ddpkit.DataLoader`` and a ``ddpkit.Checkpointer``
+  (an elastic launch allows one restart per node that may leave);
 - ``torchrun``: ``torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d
-  --rdzv-endpoint=A:P --max-restarts=3`` of a plain script that saves and
-  loads its own checkpoint, as torchrun's elastic tutorial does (A gets
+  --rdzv-endpoint=A:P --max-restarts=3`` of a plain script (DDP, a
+  DistributedSampler) that saves and loads its own checkpoint, as torchrun's
+  elastic tutorial does (A gets
   ``--rdzv-conf=is_host=1`` and each node ``--local-addr``: both namespaces
   share one host name, so torch cannot tell from it which agent serves the
   store, nor where the other node's workers are; and ``GLOO_SOCKET_IFNAME``
@@ -47,6 +49,8 @@ found only by timeouts (the collective timeout, the rendezvous heartbeat).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import signal
@@ -72,30 +76,56 @@ _COMMON = """\
 import json, os, sys, time
 T0 = time.time()
 EVENTS, STEPS, KEEP = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ROUND = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # new in every rendezvous round
 
 
 def event(name, **fields):
     # One JSON line per event, appended and flushed at once: the process may be SIGKILLed at any time.
-    line = json.dumps({"event": name, "t": time.time(), "pid": os.getpid(), **fields})
+    line = json.dumps({"event": name, "t": time.time(), "pid": os.getpid(), "round": ROUND, **fields})
     with open(EVENTS, "a") as f:
         f.write(line + "\\n")
 
 
-event("start", started=T0, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+event("start", started=T0)
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import TensorDataset
+
+NUM_SAMPLES, GLOBAL_BATCH = 1280, 32  # 40 steps an epoch at any world size
+generator = torch.Generator().manual_seed(5)
+x = torch.randn(NUM_SAMPLES, 64, generator=generator)
+dataset = TensorDataset(x, (x[:, :10].argmax(1)), torch.arange(NUM_SAMPLES))
+
+
+def network():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def train_step(model, optimizer, xb, yb, step):
+    try:
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    except Exception as e:
+        event("failed", step=step, error=type(e).__name__)
+        raise
 """
 
 TORCHRUN_SCRIPT = (
     _COMMON
     + """
+from torch.utils.data import DataLoader, DistributedSampler
+
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 event("init", rank=rank, world_size=world_size)
-torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+model = nn.parallel.DistributedDataParallel(network())
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+sampler = DistributedSampler(dataset, shuffle=True, seed=3)
+loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
 path, step = os.path.join(KEEP, "checkpoint.pt"), 0
 if os.path.exists(path):  # torchrun's elastic tutorial: every (re)start loads the newest checkpoint
     state = torch.load(path)
@@ -103,28 +133,26 @@ if os.path.exists(path):  # torchrun's elastic tutorial: every (re)start loads t
     optimizer.load_state_dict(state["optimizer"])
     step = state["step"]
 event("loaded", step=step)
-generator = torch.Generator().manual_seed(rank)
+epoch, skip = divmod(step, len(loader))  # the position, counted in batches of this world size
 while step < STEPS:
-    x, y = torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator)
-    try:
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    except Exception as e:
-        event("failed", step=step, error=type(e).__name__)
-        raise
-    step += 1
-    if rank == 0 and step % 5 == 0:
-        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                   path + ".tmp")
-        os.replace(path + ".tmp", path)
-    event("step", step=step, world_size=world_size)
-    time.sleep(0.05)
+    sampler.set_epoch(epoch)
+    for i, (xb, yb, indices) in enumerate(loader):
+        if i < skip or step >= STEPS:
+            continue
+        train_step(model, optimizer, xb, yb, step)
+        step += 1
+        if rank == 0 and step % 5 == 0:
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        event("step", step=step, epoch=epoch, world_size=world_size, indices=indices.tolist())
+        time.sleep(0.05)
+    epoch, skip = epoch + 1, 0
 dist.destroy_process_group()
 """
 )
-"""The plain script torchrun runs: DDP, its own checkpoint every 5 steps, loaded at every start."""
+"""The plain script torchrun runs: DDP, a DistributedSampler, its own checkpoint every 5 steps, loaded at every
+start, skipping the batches of the epoch it had trained."""
 
 DDPKIT_SCRIPT = (
     _COMMON
@@ -133,30 +161,28 @@ import ddpkit
 
 ctx = ddpkit.init()
 event("init", rank=ctx.rank, world_size=ctx.world_size)
-torch.manual_seed(0)
-model = ddpkit.prepare_model(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+model = ddpkit.prepare_model(network())
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-ckpt = ddpkit.Checkpointer(KEEP, model=model, optimizer=optimizer, every_steps=5)
+loader = ddpkit.DataLoader(dataset, global_batch_size=GLOBAL_BATCH, shuffle=True, seed=3)
+ckpt = ddpkit.Checkpointer(KEEP, model=model, optimizer=optimizer, loader=loader, every_steps=5)
 start = ckpt.resume("auto")
 event("loaded", step=ckpt.global_step)
-generator = torch.Generator().manual_seed(ctx.rank)
-while ckpt.global_step < STEPS:
-    x, y = torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator)
-    try:
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    except Exception as e:
-        event("failed", step=ckpt.global_step, error=type(e).__name__)
-        raise
-    ckpt.step()
-    event("step", step=ckpt.global_step, world_size=ctx.world_size)
-    time.sleep(0.05)
+for epoch in range(start.epoch, STEPS):
+    loader.set_epoch(epoch)
+    for xb, yb, indices in loader:
+        if ckpt.global_step >= STEPS:
+            break
+        train_step(model, optimizer, xb, yb, ckpt.global_step)
+        ckpt.step()
+        event("step", step=ckpt.global_step, epoch=epoch, world_size=ctx.world_size, indices=indices.tolist())
+        time.sleep(0.05)
+    if ckpt.global_step >= STEPS:
+        break
+    ckpt.epoch_end()
 ckpt.close()
 """
 )
-"""The same loop under ddpkit: its state in a ddpkit.Checkpointer saving every 5 steps."""
+"""The same loop as a ddpkit user writes it: a ddpkit.DataLoader and a ddpkit.Checkpointer saving every 5 steps."""
 
 
 @dataclass(frozen=True)
@@ -170,10 +196,15 @@ class RecoverySpec:
     timeout: float = 240.0
     """Seconds one run may take before it counts as hung."""
     port: int = 29640
-    """Rendezvous port on node A."""
+    """Rendezvous port on node A: free there, as every run makes its namespaces anew (each its own ports)."""
+    last_call: int = 30
+    """Seconds a rendezvous waits for more nodes once the fewest are there (torch's last_call_timeout, its default
+    and ddpkit's): given to both launches, ``rdzv_last_call=`` and ``--rdzv-conf=last_call_timeout=``."""
 
 
-def command(launch: str, host: Host, store: Host, script: Path, events: Path, keep: Path, spec: RecoverySpec) -> list[str]:
+def command(
+    launch: str, host: Host, store: Host, script: Path, events: Path, keep: Path, spec: RecoverySpec
+) -> list[str]:
     """The launcher command of ``launch`` on ``host``, the store being on ``store``."""
     program = [str(script), str(events), str(spec.steps), str(keep)]
     if launch == "torchrun":
@@ -181,11 +212,12 @@ def command(launch: str, host: Host, store: Host, script: Path, events: Path, ke
         return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={store.address}:{spec.port}", "--rdzv-id=t15",
-            f"--rdzv-conf=is_host={is_host}", f"--local-addr={host.address}", "--max-restarts=3", *program,
+            f"--rdzv-conf=is_host={is_host},last_call_timeout={spec.last_call}", f"--local-addr={host.address}",
+            "--max-restarts=3", *program,
         ]  # fmt: skip
     return [
         sys.executable, "-m", "ddpkit", "run", "nnodes=1:2", "nproc=1", f"master_addr={store.address}",
-        f"master_port={spec.port}", "max_restarts=3", *program,
+        f"master_port={spec.port}", f"rdzv_last_call={spec.last_call}", *program,
     ]  # fmt: skip
 
 
@@ -231,15 +263,32 @@ def recovery_parts(events: Sequence[Mapping[str, Any]], killed_at: float) -> dic
     return parts
 
 
-def run_once(launch: str, spec: RecoverySpec, folder: Path) -> dict[str, Any]:
-    """One run of ``launch`` on two fresh emulated nodes, node B killed mid-run; its parts and outcome."""
+def each_sample_once(events: Sequence[Mapping[str, Any]], num_samples: int = 1280) -> bool:
+    """Whether every sample of each epoch was trained exactly once by the steps that count (every node's events).
+
+    A global step counts as the rendezvous round that trained it last did it (a step redone after a restart
+    replaces the lost one); an epoch before the last must hold every one of ``num_samples`` samples.
+    """
+    steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["t"])
+    last_round = {e["step"]: e["round"] for e in steps}
+    counts: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for e in steps:
+        if e["round"] == last_round[e["step"]]:
+            counts[e["epoch"]].update(e["indices"])
+    return all(
+        set(c.values()) <= {1} and (epoch == max(counts) or len(c) == num_samples) for epoch, c in counts.items()
+    )
+
+
+def run_once(launch: str, spec: RecoverySpec, folder: Path, addresses: tuple[str, str] = ADDRESSES) -> dict[str, Any]:
+    """One run of ``launch`` on two fresh emulated nodes (at ``addresses``), node B killed mid-run; its parts."""
     folder.mkdir(parents=True)
     script = folder / "train.py"
     script.write_text(DDPKIT_SCRIPT if launch == "ddpkit" else TORCHRUN_SCRIPT)
     keep = folder / "checkpoints"
     keep.mkdir()
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
-    with two_hosts(ADDRESSES) as (a, b):
+    with two_hosts(addresses) as (a, b):
         procs = {}
         for name, host in (("a", a), ("b", b)):
             argv = command(launch, host, a, script, folder / f"events-{name}.jsonl", keep, spec)
@@ -268,6 +317,7 @@ def run_once(launch: str, spec: RecoverySpec, folder: Path) -> dict[str, Any]:
     except ValueError as e:
         row["error"] = str(e)
     row["final_world_size"] = next((e["world_size"] for e in reversed(events) if e["event"] == "step"), None)
+    row["each_sample_once"] = each_sample_once(events + read_events(folder / "events-b.jsonl"))
     return row
 
 
@@ -312,7 +362,10 @@ def summarize_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, flo
     out: dict[str, dict[str, float | None]] = {}
     for launch in sorted({row["launch"] for row in rows}):
         good = [row for row in rows if row["launch"] == launch and row["returncode"] == 0 and "total" in row]
-        medians: dict[str, float | None] = {"runs": float(len(good))}
+        medians: dict[str, float | None] = {
+            "runs": float(len(good)),
+            "each_sample_once": float(sum(bool(row.get("each_sample_once")) for row in good)),
+        }
         for part in (*PARTS, "total", "steps_redone"):
             values = [row[part] for row in good if row.get(part) is not None]
             medians[part] = round(statistics.median(values), 3) if values else None
@@ -331,7 +384,7 @@ def build_report(rows: Sequence[Mapping[str, Any]], spec: RecoverySpec, command_
     return {
         **machine_info(),
         "command": command_line,
-        "spec": {"steps": spec.steps, "kill_after": spec.kill_after, "timeout": spec.timeout},
+        "spec": dataclasses.asdict(spec),
         "commands": {launch: _shown(launch, spec) for launch in LAUNCHES},
         "medians": medians,
         "ratio_ddpkit_over_torchrun": ratio,
@@ -364,18 +417,23 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "| part | " + " | ".join(launches) + " |",
         "|---|" + "---|" * len(launches),
     ]
-    for part in (*PARTS, "total", "steps_redone", "runs"):
+    labels = {"runs": "runs ending with rc 0", "each_sample_once": "of those, each sample of an epoch once"}
+    for part in (*PARTS, "total", "steps_redone", "runs", "each_sample_once"):
         cells = [_cell(medians[launch].get(part)) for launch in launches]
-        lines.append(f"| {part.replace('_', ' ')} | " + " | ".join(cells) + " |")
+        lines.append(f"| {labels.get(part, part.replace('_', ' '))} | " + " | ".join(cells) + " |")
     lines += ["", f"Ratio ddpkit / torchrun (median totals): {_cell(ratio)}", "", "Commands (on node B):", ""]
     lines += [f"- {launch}: `{report['commands'][launch]}`" for launch in launches]
-    lines += ["", "| round | launch | rc | total s | " + " | ".join(PARTS) + " | note |", "|---" * (5 + len(PARTS)) + "|"]
+    lines += [
+        "",
+        "| round | launch | rc | total s | " + " | ".join(PARTS) + " | each sample once | note |",
+        "|---" * (6 + len(PARTS)) + "|",
+    ]
     for row in report["runs"]:
         cells = [_cell(row.get(part)) for part in PARTS]
         lines.append(
             f"| {row['round']} | {row['launch']} | {row['returncode']} | {_cell(row.get('total'))} | "
             + " | ".join(cells)
-            + f" | {row.get('error', '')} |"
+            + f" | {row.get('each_sample_once', '-')} | {row.get('error', '')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -56,7 +56,6 @@ KEEP_STEP_ALIVE = "--no-kill --kill-on-bad-exit=0 --wait=0"
 """srun's options that keep a step running when one of its nodes fails or one of its launchers ends."""
 
 
-
 class SbatchSpec(Protocol):
     """What this module reads of :class:`ddpkit.launchers.sbatch.SbatchSpec` (which imports this module)."""
 
