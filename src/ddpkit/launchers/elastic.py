@@ -87,8 +87,11 @@ class StoreLost(RuntimeError):
 def restarts(spec: LaunchSpec) -> int:
     """The failed rounds torch's agent may restart: ``max_restarts``, plus MAX - MIN for an elastic job.
 
-    Each survivor's agent counts the round that failed when a node left, so
-    a job that may go down from MAX nodes to MIN needs that many more.
+    torch's agent restarts a round only while it has restarts left, and it
+    counts the round that failed when a node left; ddpkit's agent gives that
+    restart back once the rendezvous shows a node fewer
+    (:class:`~ddpkit.launchers.torch_internals.HookedAgent`), so a job of
+    ``max_restarts=0`` still needs one in hand: MAX - MIN of them.
     """
     return spec.max_restarts + (spec.max_nodes - spec.nnodes if spec.elastic else 0)
 

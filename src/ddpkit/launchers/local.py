@@ -67,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 
 # torch is imported inside launch_local: `ddpkit train` starts the worker
 # server (ddpkit.launchers.server) before this process imports torch itself.
-from ddpkit.distributed import NODES_CHANGED_VARIABLE
 from ddpkit.env.ports import free_port
 from ddpkit.errors import UserError
 from ddpkit.launchers.failure import (
@@ -349,6 +348,7 @@ def _launch_recording_failures(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from ddpkit.distributed import NODES_CHANGED_VARIABLE
     from ddpkit.launchers.agent import ddpkit_agent
     from ddpkit.launchers.torch_internals import SignalException
 

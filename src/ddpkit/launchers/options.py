@@ -104,10 +104,10 @@ def check_nodes(nnodes: str, node_rank: int, master_addr: str, master_port: int)
 
 
 ELASTIC_RESTARTS_NOTE = (
-    "with nnodes=MIN:MAX each node that leaves also costs one restart, so an elastic launch allows "
-    "max_restarts + MAX - MIN"
+    "with nnodes=MIN:MAX the workers also restart, at the new size, whenever a node leaves or joins, "
+    "which costs no restart, and up to max_restarts + MAX - MIN failures of the workers themselves are restarted"
 )
-"""How an elastic launch counts restarts (torch's agent counts a round that failed because a node left)."""
+"""How an elastic launch counts restarts (torch's agent restarts a round a node left as a failed one)."""
 
 
 @dataclasses.dataclass

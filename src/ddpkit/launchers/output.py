@@ -246,6 +246,8 @@ class RankLogs(LogsSpecs):
         self.log_dir = log_dir
         self.error_dir = error_dir
         self.tee = tee
+        self.rounds = 0
+        """The rounds of workers started so far (the first, and each restart)."""
 
     @property
     def root_log_dir(self) -> str:
@@ -254,9 +256,11 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """The files of this round's workers (``envs``: their variables by local rank, extended here)."""
         dest = LogsDest()
+        # Counted here, not by TORCHELASTIC_RESTART_COUNT: an elastic job's agent starts a new round without
+        # counting a restart when a node joins, and two rounds must not share (and show twice) one set of files.
+        restart, self.rounds = self.rounds, self.rounds + 1
         for local_rank, env in envs.items():
             rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             stdout, stderr = log_files(self.log_dir, rank, restart)
             stdout.parent.mkdir(parents=True, exist_ok=True)  # (in this launch's own folder: claim_log_dir)
             dest.stdouts[local_rank], dest.stderrs[local_rank] = "", ""  # (no redirection by torch)

@@ -16,7 +16,8 @@ these still exists, with the expected signature, on the installed torch.
   torch's agent would wait for their values forever.
 - ``LocalElasticAgent._restart_workers`` and its ``_remaining_restarts``:
   overridden to say, once per restart, which rank failed and which restart
-  this is.
+  this is, and to give back the restart of a round that failed because a
+  node left an elastic job.
 - ``LocalElasticAgent._exit_barrier``, ``_store`` and ``_worker_group``:
   overridden so that node 0's agent, which serves the store, waits for the
   other agents to leave the barrier.
@@ -80,10 +81,19 @@ class HookedAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch also restarts a healthy group, without counting it, when nodes wait to join (elastic)
-        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            limit = worker_group.spec.max_restarts
-            self.restarting(limit - self._remaining_restarts, limit)
-        super()._restart_workers(worker_group)
+        failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        nodes_before = worker_group.group_world_size or 0
+        limit = worker_group.spec.max_restarts
+        restart = limit - self._remaining_restarts
+        super()._restart_workers(worker_group)  # stop the workers, meet the other nodes, start the workers
+        if not failed:
+            return
+        if (worker_group.group_world_size or 0) < nodes_before:
+            # A node left: the round failed for that, not for a fault of the workers here; like a node that
+            # joins (which torch does not count), it costs no restart. The workers' resume says it.
+            self._remaining_restarts += 1
+            return
+        self.restarting(restart, limit)
 
     def _exit_barrier(self) -> None:
         super()._exit_barrier()

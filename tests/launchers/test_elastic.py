@@ -1,0 +1,140 @@
+"""The parts of an elastic launch (``nnodes=MIN:MAX``) that need no second node: the words, the restarts, the
+names of the nodes that changed, the line a resumed rank 0 says, and ``ddpkit store``.
+
+Two nodes, lost, joined, preempted, and the store's host lost: tests/cluster/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.distributed import NODES_CHANGED_VARIABLE, nodes_change_line
+from ddpkit.env.ports import free_port
+from ddpkit.keyvalue import ConfigError
+from ddpkit.launchers.elastic import nodes_change, restarts, run_id
+from ddpkit.launchers.local import LaunchSpec
+from ddpkit.launchers.options import Nodes, parse_nodes
+from tests.cli_runner import PYTHONPATH
+
+
+@pytest.mark.parametrize(
+    "words,nodes",
+    [("1", Nodes(1, 1, False)), ("4", Nodes(4, 4, False)), ("1:4", Nodes(1, 4, True)), ("2:2", Nodes(2, 2, True))],
+)
+def test_nnodes_is_n_or_min_max_as_torchruns(words, nodes):
+    assert parse_nodes(words) == nodes
+
+
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        ("0:2", "nnodes=0 is not valid; it must be > 0"),
+        ("3:2", "nnodes=3:2 is not valid: MIN > MAX"),
+        ("a:b", "nnodes=a:b is not valid; use nnodes=N (N nodes) or nnodes=MIN:MAX"),
+        ("1:", "nnodes=1: is not valid; use nnodes=N"),
+    ],
+)
+def test_other_nnodes_are_one_line(words, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        parse_nodes(words)
+
+
+def test_an_elastic_launch_keeps_one_restart_in_hand_per_node_that_may_leave():
+    static = LaunchSpec(1, 29500, max_restarts=2, nnodes=2, master_addr="h")
+    elastic = LaunchSpec(1, 29500, max_restarts=0, nnodes=1, elastic=True, max_nodes=3, master_addr="h")
+    assert (restarts(static), restarts(elastic)) == (2, 2)
+
+
+def test_the_run_id_is_the_given_one_else_the_slurm_job_else_the_endpoints():
+    spec = LaunchSpec(1, 29500, nnodes=1, elastic=True, max_nodes=2, master_addr="login1")
+    assert run_id(spec, {}) == "ddpkit-login1-29500"
+    assert run_id(spec, {"SLURM_JOB_ID": "77"}) == "77"
+    assert run_id(LaunchSpec(1, 29500, elastic=True, max_nodes=2, rdzv_id="mine"), {"SLURM_JOB_ID": "77"}) == "mine"
+
+
+@pytest.mark.parametrize(
+    "before,after,change",
+    [
+        (["a", "b"], ["a"], "node b left"),
+        (["a"], ["b", "a"], "node b joined"),
+        (["a", "b", "c"], ["a"], "nodes b, c left"),
+        (["a", "b"], ["a", "c"], "node b left and node c joined"),
+        (["h", "h"], ["h"], "node h left"),  # two nodes of one address (launchers on one machine)
+        (["a", "b"], ["b", "a"], ""),  # the ranks changed, not the nodes
+    ],
+)
+def test_the_nodes_that_changed_are_named(before, after, change):
+    assert nodes_change(before, after) == change
+
+
+def test_rank_0_says_in_one_line_who_left_how_many_remain_and_the_step(tmp_path):
+    changed = tmp_path / "nodes-changed"
+    changed.write_text("node 10.0.0.2 left")
+    environ = {NODES_CHANGED_VARIABLE: str(changed), "GROUP_WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert nodes_change_line(environ, 4, 2, 40) == (
+        "node 10.0.0.2 left; continuing on 1 nodes, 2 workers, from step 40 (the same global batch and sample order)"
+    )
+    torchrun = {"GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # its agents do not say which node
+    assert nodes_change_line(torchrun, 2, 4, 8).startswith("1 node(s) joined; continuing on 2 nodes, 4 workers")
+    assert nodes_change_line(environ, 2, 2, 40) == ""  # the same size: a restart, said otherwise
+    assert nodes_change_line({}, 4, 2, 40) == ""  # not torchelastic's workers: the world size line says it
+
+
+def _store(*words: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", "store", *words],
+        env={"PYTHONPATH": PYTHONPATH},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_ddpkit_store_needs_a_port():
+    result = _store()
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error: port=0 is not valid; pass the TCP port the nodes give as master_port (e.g. port=29500)\n"
+    )
+
+
+def test_ddpkit_store_on_a_taken_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _store(f"port={port}", "host=127.0.0.1")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"error: cannot serve on 127.0.0.1:{port} (Address already in use); choose another port, or stop what "
+        "serves it\n"
+    )
+
+
+def test_ddpkit_store_serves_until_sigterm():
+    port = free_port()
+    store = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "store", f"port={port}", "host=127.0.0.1"],
+        env={"PYTHONPATH": PYTHONPATH},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert store.stderr is not None
+        first = store.stderr.readline()
+        assert first.startswith(f"ddpkit store: serving the rendezvous store on 127.0.0.1:{port}; start each node")
+        from torch.distributed import TCPStore
+
+        client = TCPStore("127.0.0.1", port, None, False)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        store.terminate()
+        assert store.wait(timeout=30) == 0
+        assert store.stderr.read() == "ddpkit store: stopped by SIGTERM\n"
+    finally:
+        store.kill()
