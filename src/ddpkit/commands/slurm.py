@@ -11,6 +11,7 @@ submitted); ``train.KEY=VALUE`` says so explicitly, and every word after
         launch=torchrun preempt_signal=USR1 model=mlp epochs=5
     ddpkit slurm ... output_script=train.sbatch      # write it
     ddpkit slurm ... submit=true                     # sbatch it, print the job id
+    ddpkit slurm nodes=1-4 tasks_per_node=2 model=cnn  # elastic: goes on while one node is left
 
 The environment is the virtual environment ddpkit runs from unless
 ``venv``, ``modules`` or ``apptainer`` says otherwise. The former

@@ -45,6 +45,10 @@ writes or submits it. The script has four parts, in this order:
 
          mpirun -np N*T --map-by ppr:T:node --bind-to none python -m ddpkit train ...
 
+An elastic job (``min_nodes``: ``ddpkit slurm nodes=MIN-MAX``) asks for a
+node range, survives the loss of nodes and starts one launcher per node:
+:mod:`ddpkit.launchers.sbatch_elastic`.
+
 Preemption (``preempt_signal``, e.g. "USR1"): the script asks Slurm for
 ``--signal=B:USR1@<grace>``, i.e. the signal goes to the *batch shell*
 ``grace`` seconds before the time limit. A trap in the shell passes it to
