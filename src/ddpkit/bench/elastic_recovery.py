@@ -33,7 +33,8 @@ detection       kill -> a survivor's step fails (its collective errs)
 rendezvous      -> a new worker process starts (the launcher noticed,
                 stopped its workers, met the others again, spawned)
 restart         -> its process group is ready (imports, gloo)
-checkpoint      -> the newest checkpoint is loaded
+checkpoint      -> the model, optimizer and loader are built and the
+                newest checkpoint is loaded
 first step      -> its first optimizer step after the loss ends
 ==============  =====================================================
 
