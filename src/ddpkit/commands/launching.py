@@ -55,6 +55,16 @@ def warn_if_oversubscribed(nproc: int, device: str) -> None:
         print(f"ddpkit: warning: {crowded}", file=sys.stderr)
 
 
+def quiet_cpp_logs(elastic: bool) -> dict[str, str]:
+    """The variables that quiet torch's C++ warnings in the launcher of an elastic job, unless the user set them.
+
+    Its agent's store client logs every closed connection (a node that left, the store's host lost) as a warning
+    with a C++ stack, before ddpkit can say in one line what happened; c10 reads TORCH_CPP_LOG_LEVEL once, when
+    torch is imported.
+    """
+    return {"TORCH_CPP_LOG_LEVEL": "ERROR"} if elastic and "TORCH_CPP_LOG_LEVEL" not in os.environ else {}
+
+
 @contextlib.contextmanager
 def environ_set(variables: Mapping[str, str]) -> Iterator[None]:
     """``variables`` in os.environ for the block, the environment as it was after it."""

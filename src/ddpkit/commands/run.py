@@ -15,7 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpkit.commands.help import HELP_WORDS, CommandHelp, render_help
-from ddpkit.commands.launching import environ_set, exit_statuses, launch, launch_spec, warn_if_oversubscribed
+from ddpkit.commands.launching import (
+    environ_set,
+    exit_statuses,
+    launch,
+    launch_spec,
+    quiet_cpp_logs,
+    warn_if_oversubscribed,
+)
 from ddpkit.launchers.script import RunConfig, ScriptTarget, parse_run_command, wants_run_help
 from ddpkit.names import DEFAULT_PREEMPT_SIGNALS, EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -33,7 +40,11 @@ RUN_HELP = CommandHelp(
         ("SCRIPT.py [ARGS ...]", "the script each worker runs, with its arguments"),
         ("-m MODULE [ARGS ...]", "or a module, as python -m runs it"),
     ),
-    examples=("ddpkit run nproc=2 train.py --lr 0.1", "ddpkit run nproc=2 max_restarts=1 -m mypackage.train"),
+    examples=(
+        "ddpkit run nproc=2 train.py --lr 0.1",
+        "ddpkit run nproc=2 max_restarts=1 -m mypackage.train",
+        "ddpkit run nproc=4 nnodes=1:4 master_addr=login1 master_port=29500 train.py   # elastic: on each node",
+    ),
     exit_statuses=RUN_EXIT_STATUSES,
 )
 
@@ -86,7 +97,8 @@ def run_words(args: Sequence[str]) -> list[str]:
 
 def _run_script(config: RunConfig, target: ScriptTarget) -> int:
     """``ddpkit run`` once its words are parsed: describe, launch ``target`` as the workers, say how it ended."""
-    import torch
+    with environ_set(quiet_cpp_logs(config.nodes.elastic)):  # read once, at torch's import; not the workers'
+        import torch
 
     from ddpkit.launchers.output import default_log_dir
     from ddpkit.launchers.script import describe, run_script, worker_environ

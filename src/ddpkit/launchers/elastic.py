@@ -40,9 +40,9 @@ import collections
 import ipaddress
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # TCPStore's home: torch.distributed re-exports it without listing it, so the type checker misses it there.
 from torch._C._distributed_c10d import Store, TCPStore
@@ -62,11 +62,13 @@ from ddpkit.errors import UserError
 from ddpkit.launchers.torch_internals import parse_rendezvous_endpoint
 from ddpkit.served_store import ServedStore, listen_address
 
-if TYPE_CHECKING:
-    from ddpkit.launchers.local import LaunchSpec
-
 BACKEND = "ddpkit-elastic"
 """The rendezvous backend name to pass as ``rdzv_backend``; its endpoint: the store's ``host:port``."""
+KEEP_ALIVE_INTERVAL_S = 1
+"""Seconds between two heartbeats of each agent in the rendezvous store."""
+KEEP_ALIVE_MAX_ATTEMPTS = 5
+"""Heartbeats an agent may miss before the others take its node for gone (5 s: a node SIGKILLed is seen sooner
+by its peers' collectives; a busy agent's heartbeat thread still beats within it)."""
 NODE_KEY = "ddpkit/node/"
 """Prefix of the keys (in each round's part of the store) under which each agent writes its node's name."""
 
@@ -84,8 +86,8 @@ class StoreLost(RuntimeError):
         )
 
 
-def restarts(spec: LaunchSpec) -> int:
-    """The failed rounds torch's agent may restart: ``max_restarts``, plus MAX - MIN for an elastic job.
+def restarts(max_restarts: int, min_nodes: int, max_nodes: int) -> int:
+    """The failed rounds torch's agent may restart in an elastic job: ``max_restarts`` + MAX - MIN.
 
     torch's agent restarts a round only while it has restarts left, and it
     counts the round that failed when a node left; ddpkit's agent gives that
@@ -93,33 +95,40 @@ def restarts(spec: LaunchSpec) -> int:
     (:class:`~ddpkit.launchers.torch_internals.HookedAgent`), so a job of
     ``max_restarts=0`` still needs one in hand: MAX - MIN of them.
     """
-    return spec.max_restarts + (spec.max_nodes - spec.nnodes if spec.elastic else 0)
+    return max_restarts + max_nodes - min_nodes
 
 
-def run_id(spec: LaunchSpec, environ: dict[str, str] | os._Environ[str]) -> str:
+def run_id(rdzv_id: str, master_addr: str, master_port: int, environ: Mapping[str, str]) -> str:
     """The job's name in the store: ``rdzv_id``, else $SLURM_JOB_ID, else one made of the endpoint."""
-    return spec.rdzv_id or environ.get("SLURM_JOB_ID", "") or f"ddpkit-{spec.master_addr}-{spec.master_port}"
+    return rdzv_id or environ.get("SLURM_JOB_ID", "") or f"ddpkit-{master_addr}-{master_port}"
 
 
-def elastic_rendezvous(spec: LaunchSpec) -> dict[str, Any]:
-    """This machine's part in an elastic job: torch's LaunchConfig fields of the dynamic rendezvous."""
-    local_addr = source_address_for(spec.master_addr)
+def elastic_rendezvous(
+    master_addr: str, master_port: int, nodes: tuple[int, int], rdzv_id: str, last_call: float, timeout: float
+) -> dict[str, Any]:
+    """This machine's part in an elastic job of ``nodes`` (MIN, MAX): torch's LaunchConfig fields of the
+    dynamic rendezvous, its store at ``master_addr:master_port``."""
+    local_addr = source_address_for(master_addr)
     if local_addr is None:
         raise UserError(
-            f"master_addr={spec.master_addr} does not resolve on this node or no route leads to it; pass the "
+            f"master_addr={master_addr} does not resolve on this node or no route leads to it; pass the "
             "host name or address of the rendezvous store's host, as every node reaches it"
         )
     register()
     return dict(
-        min_nodes=spec.nnodes,
-        max_nodes=spec.max_nodes,
-        run_id=run_id(spec, os.environ),
+        min_nodes=nodes[0],
+        max_nodes=nodes[1],
+        run_id=run_id(rdzv_id, master_addr, master_port, os.environ),
         rdzv_backend=BACKEND,
-        rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
+        rdzv_endpoint=f"{master_addr}:{master_port}",
         rdzv_configs={
-            "join_timeout": int(spec.rendezvous_timeout),
-            "last_call_timeout": spec.rdzv_last_call,
-            "timeout": int(spec.rendezvous_timeout),
+            "join_timeout": int(timeout),
+            "last_call_timeout": last_call,
+            "timeout": int(timeout),
+            # A node that left is dropped from the rendezvous once its agent missed this many heartbeats: the
+            # survivors' next round waits that long for it (torch's default: 3 of every 5 s, 15 s).
+            "keep_alive_interval": KEEP_ALIVE_INTERVAL_S,
+            "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPTS,
         },
         # The address the other nodes' workers reach this one at, when its agent is group rank 0 (torch would
         # take the host name, which names loopback on many hosts).

@@ -217,13 +217,18 @@ def _launch_config(spec: LaunchSpec) -> LaunchConfig:
 
     from ddpkit.launchers import elastic
 
+    max_restarts = spec.max_restarts
     if spec.elastic:
-        rendezvous = elastic.elastic_rendezvous(spec)
+        nodes = (spec.nnodes, spec.max_nodes)
+        rendezvous = elastic.elastic_rendezvous(
+            spec.master_addr, spec.master_port, nodes, spec.rdzv_id, spec.rdzv_last_call, spec.rendezvous_timeout
+        )
+        max_restarts = elastic.restarts(spec.max_restarts, *nodes)
     else:
         rendezvous = _static_rendezvous(spec) if spec.nnodes > 1 else _loopback_rendezvous(spec)
     return LaunchConfig(
         nproc_per_node=spec.nproc,
-        max_restarts=elastic.restarts(spec),
+        max_restarts=max_restarts,
         monitor_interval=spec.monitor_interval,
         start_method=spec.start_method,
         **rendezvous,
@@ -364,7 +369,11 @@ def _launch_recording_failures(
                 environ_restored(),
                 _fresh_store_per_restart(),
                 environ_set(FAILURE_DIR_VARIABLE, failure_dir),
-                environ_set(NODES_CHANGED_VARIABLE, os.path.join(failure_dir, "nodes-changed")),
+                (
+                    environ_set(NODES_CHANGED_VARIABLE, os.path.join(failure_dir, "nodes-changed"))
+                    if spec.elastic
+                    else contextlib.nullcontext()
+                ),
                 ctrl_c_passed_on(failure_dir) as ctrl_c,
                 signals_passed_on(names if forked else (), failure_dir),
                 ddpkit_agent() as report,

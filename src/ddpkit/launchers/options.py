@@ -138,8 +138,9 @@ class LaunchOptions:
         "are taken in, and the workers resume from the newest checkpoint at each change.",
         group="distributed",
     )
-    node_rank: int = option(0, help="This machine's index among the nnodes, 0 on the master (static nnodes=N only).",
-                            group="distributed")
+    node_rank: int = option(
+        0, help="This machine's index among the nnodes, 0 on the master (static nnodes=N only).", group="distributed"
+    )
     master_addr: str = option(
         "",
         help="With nnodes > 1: host name or address of node 0 (e.g. its container name), the same on every node; "

@@ -50,7 +50,7 @@ from ddpkit.keyvalue import ConfigError, check_choice, parse
 from ddpkit.launchers.options import LaunchOptions
 
 USAGE = (
-    "usage: ddpkit run [nproc=N] [device=auto|cpu] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R master_addr=HOST] "
+    "usage: ddpkit run [nproc=N] [device=auto|cpu] [max_restarts=K] [master_port=P] [nnodes=N node_rank=R | nnodes=MIN:MAX] [master_addr=HOST] "
     "SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 )
 

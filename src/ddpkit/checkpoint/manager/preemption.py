@@ -45,6 +45,7 @@ handles SIGINT itself (see :mod:`ddpkit.launchers.signals`).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import NODES_CHANGED_VARIABLE
 from ddpkit.log import get_logger
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -83,6 +85,11 @@ def exit_status(signal_name: str) -> int:
 def preempted_line(signal_name: str, global_step: int, checkpoint: object, continue_hint: str) -> str:
     """Rank 0's last line after a preemption checkpoint: the signal, the step, the checkpoint, the status, what next."""
     what = "interrupted (Ctrl-C)" if signal_name == "SIGINT" else f"preempted by {signal_name}"
+    if os.environ.get(NODES_CHANGED_VARIABLE) and signal_name != "SIGINT":  # an elastic ddpkit launch's worker
+        continue_hint = (
+            "the nodes of this elastic job that stay go on from it by themselves, at their new size (a node "
+            "that left rejoins with the same command)"
+        )
     return (
         f"{what} after global step {global_step}: checkpoint {checkpoint} is complete; "
         f"exiting with status {exit_status(signal_name)}; {continue_hint}"
