@@ -420,7 +420,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     ]
     labels = {"runs": "runs ending with rc 0", "each_sample_once": "of those, each sample of an epoch once"}
     for part in (*PARTS, "total", "steps_redone", "runs", "each_sample_once"):
-        cells = [_cell(medians[launch].get(part)) for launch in launches]
+        counted = part in ("steps_redone", *labels)
+        cells = [_cell(medians[launch].get(part), whole=counted) for launch in launches]
         lines.append(f"| {labels.get(part, part.replace('_', ' '))} | " + " | ".join(cells) + " |")
     lines += ["", f"Ratio ddpkit / torchrun (median totals): {_cell(ratio)}", "", "Commands (on node B):", ""]
     lines += [f"- {launch}: `{report['commands'][launch]}`" for launch in launches]
@@ -439,7 +440,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, whole: bool = False) -> str:
     if value is None:
         return "-"
+    if whole:
+        return f"{value:g}"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
