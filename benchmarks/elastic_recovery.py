@@ -31,7 +31,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternated pairs of runs")
     parser.add_argument("--launches", default=",".join(LAUNCHES), help=f"comma-separated, of {', '.join(LAUNCHES)}")
     parser.add_argument(
-        "--last-call", type=int, default=30, help="seconds a rendezvous waits for more nodes (both launches; torch's 30)"
+        "--last-call",
+        type=int,
+        default=30,
+        help="seconds a rendezvous waits for more nodes (both launches; torch's 30)",
     )
     parser.add_argument("--name", required=True, help="file name of the results under benchmarks/, without suffix")
     args = parser.parse_args()
