@@ -11,6 +11,7 @@ submitted); ``train.KEY=VALUE`` says so explicitly, and every word after
         launch=torchrun preempt_signal=USR1 model=mlp epochs=5
     ddpkit slurm ... output_script=train.sbatch      # write it
     ddpkit slurm ... submit=true                     # sbatch it, print the job id
+    ddpkit slurm nodes=1-4 tasks_per_node=2 model=cnn  # elastic: goes on while one node is left
 
 The environment is the virtual environment ddpkit runs from unless
 ``venv``, ``modules`` or ``apptainer`` says otherwise. The former
@@ -36,6 +37,7 @@ from ddpkit.commands.help import CommandHelp
 from ddpkit.errors import UserError
 from ddpkit.keyvalue import ConfigError, check_choice, parse
 from ddpkit.launchers.sbatch import ENV_MODES, LAUNCH_MODES, SbatchSpec, SlurmResources, render_sbatch
+from ddpkit.launchers.sbatch_elastic import split_node_range
 from ddpkit.train.config import TrainConfig
 
 SBATCH_MISSING = "sbatch not found: install Slurm's client or run without submit=true"
@@ -52,8 +54,12 @@ class SlurmConfig(SlurmResources):
     :class:`~ddpkit.launchers.sbatch.SbatchSpec`; the rest says how to launch and what to do with the script.
     """
 
+    min_nodes: int = 0
+    """Elastic job: the fewest nodes it goes on with when others fail; nodes=MIN-MAX (or MIN:MAX) sets both;
+    0: exactly nodes."""
     launch: str = "srun"
-    """How workers start: srun (a task per worker), torchrun (one per node) or mpirun (OpenMPI ranks)."""
+    """How workers start: srun (a task per worker; in an elastic job, ddpkit's launcher per node), torchrun
+    (one per node) or mpirun (OpenMPI ranks)."""
     env: str = "auto"
     """Software environment: venv, modules or apptainer; auto: apptainer with apptainer=, modules with only
     modules=, else venv."""
@@ -109,6 +115,7 @@ SLURM_HELP = CommandHelp(
         "ddpkit slurm nodes=2 tasks_per_node=4 gpus_per_node=4 time=2:00:00 model=cnn epochs=5",
         'ddpkit slurm nodes=2 tasks_per_node=2 launch=mpirun command="python train.py" submit=true',
         "ddpkit slurm launch=torchrun preempt_signal=USR1 output_script=train.sbatch",
+        "ddpkit slurm nodes=2-4 tasks_per_node=4 requeue=true model=cnn   # elastic: goes on while 2 nodes are left",
     ),
 )
 """What ``ddpkit slurm --help`` shows."""
@@ -200,6 +207,7 @@ def spec_from_config(config: SlurmConfig, train_args: Sequence[str], unread: Seq
         python=config.python,
         command=_command_words(config.command),
         max_restarts=max_restarts,
+        min_nodes=config.min_nodes,
     )
 
 
@@ -252,7 +260,7 @@ def main(argv: Sequence[str]) -> int:
         UserError: bad input, or sbatch missing with submit=true.
     """
     own, train, unread = split_words(argv)
-    config = parse(SlurmConfig, own)
+    config = parse(SlurmConfig, split_node_range(own))
     spec = spec_from_config(config, train, unread)
     for warning in node_local_warnings(spec):
         print(warning, file=sys.stderr)

@@ -45,6 +45,10 @@ writes or submits it. The script has four parts, in this order:
 
          mpirun -np N*T --map-by ppr:T:node --bind-to none python -m ddpkit train ...
 
+An elastic job (``min_nodes``: ``ddpkit slurm nodes=MIN-MAX``) asks for a
+node range, survives the loss of nodes and starts one launcher per node:
+:mod:`ddpkit.launchers.sbatch_elastic`.
+
 Preemption (``preempt_signal``, e.g. "USR1"): the script asks Slurm for
 ``--signal=B:USR1@<grace>``, i.e. the signal goes to the *batch shell*
 ``grace`` seconds before the time limit. A trap in the shell passes it to
@@ -84,6 +88,7 @@ from dataclasses import dataclass
 
 from ddpkit.env.ports import JOB_PORT_BASE, JOB_PORT_SPAN
 from ddpkit.errors import UserError
+from ddpkit.launchers.sbatch_elastic import elastic_directives, elastic_launcher, validate_elastic
 from ddpkit.launchers.slurm_time import time_limit_seconds
 
 LAUNCH_MODES = ("srun", "torchrun", "mpirun")
@@ -115,7 +120,7 @@ class SlurmResources:
     """
 
     nodes: int = 1
-    """Number of nodes (--nodes)."""
+    """Number of nodes (--nodes); the most nodes of an elastic job (see min_nodes)."""
     tasks_per_node: int = 1
     """Workers per node: Slurm tasks, torchrun processes or MPI ranks (--ntasks-per-node)."""
     gpus_per_node: int = 0
@@ -181,7 +186,10 @@ class SbatchSpec(SlurmResources):
     command: tuple[str, ...] = ()
     """Program each worker runs instead of ``python -m ddpkit train``, e.g. ("python", "my_train.py")."""
     max_restarts: int = 0
-    """Times torchrun restarts the workers of a node after a failure (launch_mode torchrun only)."""
+    """Times torchrun restarts the workers of a node after a failure (launch_mode torchrun, or an elastic job)."""
+    min_nodes: int = 0
+    """Elastic job: the fewest nodes it runs on, going on when others fail (:mod:`~ddpkit.launchers.sbatch_elastic`);
+    0: exactly ``nodes``."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -214,7 +222,8 @@ def _shebang(spec: SbatchSpec) -> str:
 
 
 def _directives(spec: SbatchSpec) -> list[str]:
-    out = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.tasks_per_node}"]
+    nodes = elastic_directives(spec) if spec.min_nodes else [f"--nodes={spec.nodes}"]
+    out = [f"--job-name={spec.job_name}", *nodes, f"--ntasks-per-node={spec.tasks_per_node}"]
     if spec.gpus_per_node:
         out.append(f"--gpus-per-node={spec.gpus_per_node}")
     out.append(f"--cpus-per-task={spec.cpus_per_task}")
@@ -309,6 +318,11 @@ def _launcher(spec: SbatchSpec) -> list[str]:
     """The launch command as lines joined by backslash-newlines."""
     container = _container_prefix(spec)
     n, t, c = spec.nodes, spec.tasks_per_node, spec.cpus_per_task
+    # torchrun ignores the preemption signal (see the module docstring).
+    sig = spec.preempt_signal
+    ignore = f'bash -c \'trap "" {sig}; exec "$@"\' ignore-{sig} ' if sig else ""
+    if spec.min_nodes:
+        return elastic_launcher(spec, container, ignore)
     # srun reads no --cpus-per-task from sbatch's environment (Slurm 22.05 to 23.02),
     # so every step states its own.
     if spec.launch_mode == "srun":
@@ -317,9 +331,6 @@ def _launcher(spec: SbatchSpec) -> list[str]:
             f"    {container}{_worker_command(spec)}",
         ]
     if spec.launch_mode == "torchrun":
-        # torchrun ignores the preemption signal (see the module docstring).
-        sig = spec.preempt_signal
-        ignore = f'bash -c \'trap "" {sig}; exec "$@"\' ignore-{sig} ' if sig else ""
         if spec.command:
             worker = "--no-python " + _worker_command(spec)
         else:
@@ -402,11 +413,12 @@ def _validate(spec: SbatchSpec) -> None:
         raise UserError(f"launch_mode={spec.launch_mode!r} is unknown; choose one of: {', '.join(LAUNCH_MODES)}")
     if not isinstance(spec.max_restarts, int) or spec.max_restarts < 0:
         raise UserError(f"max_restarts={spec.max_restarts!r} must be an integer >= 0")
-    if spec.max_restarts and spec.launch_mode != "torchrun":
+    if spec.max_restarts and spec.launch_mode != "torchrun" and not spec.min_nodes:
         raise UserError(
             f"max_restarts={spec.max_restarts} needs launch=torchrun: srun and mpirun do not restart a job's "
             "workers; pass launch=torchrun, or requeue=true to have Slurm start the job again from its checkpoint"
         )
+    validate_elastic(spec)
     if spec.env_mode not in ENV_MODES:
         raise UserError(f"env_mode={spec.env_mode!r} is unknown; choose one of: {', '.join(ENV_MODES)}")
     for name in ("job_name", "partition", "account", "qos", "output", "error", "project_root"):
