@@ -217,12 +217,16 @@ def _newest_checkpoint(cfg: TrainConfig) -> tuple[str, int] | None:
 
 
 def _elastic_run_folder(cfg: TrainConfig) -> Path:
-    """``runs/<model>-<dataset>/elastic-<run id>``: the run folder of an elastic job, which every node names alike
-    without talking (node 0, which names it in a static job, is whichever node the rendezvous makes it, and may
-    change at each round), and a node that joins later, or the job run again, continues."""
+    """``runs/<model>-<dataset>/elastic-<run id>`` (``slurm-<job id>`` in a Slurm job): the run folder of an elastic
+    job, which every node names alike without talking (node 0, which names it in a static job, is whichever node
+    the rendezvous makes it, and may change at each round), and a node that joins later, or the job run again,
+    continues."""
     from ddpkit.launchers.elastic import run_id
     from ddpkit.train.run_folder import plan_run_folder
 
-    series = plan_run_folder(cfg, os.environ).parent  # runs/<model>-<dataset>
+    planned = plan_run_folder(cfg, os.environ)
+    if os.environ.get("SLURM_JOB_ID") and not cfg.rdzv_id:  # slurm-<job id>, as a static job's: a requeue continues
+        return planned
+    series = planned.parent  # runs/<model>-<dataset>
     name = run_id(cfg.rdzv_id, cfg.master_addr, cfg.master_port, os.environ)
     return series / f"elastic-{name.replace('/', '-').replace(':', '-')}"
