@@ -1,7 +1,8 @@
 """benchmarks/s3_upload_cpu.py (an upload's CPU seconds, client against loopback S3 server): a smoke run.
 
-The committed result uploads 288 MiB three times; here 16 MiB twice (enough for each side to count CPU time in its clock's 10 ms ticks) check that the script starts its
-server, uploads, reads both processes' CPU time and writes its JSON.
+The committed result uploads 288 MiB three times; here 16 MiB twice (enough for each side's CPU time to
+show in the clock's 10 ms ticks) check that the script starts its server, uploads, reads both processes'
+CPU time and writes its JSON.
 """
 
 from __future__ import annotations
