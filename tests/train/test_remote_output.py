@@ -31,11 +31,16 @@ TINY = ["dataset=synthetic", "synthetic_samples=256", "batch_size=32", "epochs=1
 
 def test_an_output_dir_url_keeps_the_checkpoints_there_and_the_run_s_files_in_a_local_folder():
     cfg = parse_train_config(["output_dir=s3://ckpt/team/run1/"])
-    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/ckpt-team-run1", "s3://ckpt/team/run1/checkpoints")
+    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/ckpt/team/run1", "s3://ckpt/team/run1/checkpoints")
     cfg = parse_train_config(["output_dir=s3://b/x", "checkpoint.dir=s3://other/ckpt"])  # named: kept
-    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/b-x", "s3://other/ckpt")
+    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/b/x", "s3://other/ckpt")
     cfg = parse(TrainConfig, ["output_dir=runs/a", "checkpoint.dir=s3://ckpt/a"])
     assert with_remote_checkpoints(cfg) == cfg  # a local output_dir stays as it is
+
+
+def test_urls_whose_parts_join_alike_keep_their_run_files_in_two_local_folders():
+    folders = [parse_train_config([f"output_dir={url}"]).output_dir for url in ("s3://a-b/c", "s3://a/b-c")]
+    assert folders == ["runs/a-b/c", "runs/a/b-c"]
 
 
 def test_missing_s3fs_is_one_line_naming_the_extra(tmp_path):

@@ -99,10 +99,12 @@ def check_url_options(values: dict[str, str]) -> None:
 
 
 def remote_run_name(url: str) -> str:
-    """The name of the local folder of a run whose ``output_dir`` is ``url``: its bucket and prefix, joined by '-'.
+    """The name, under ``runs/``, of the local folder of a run whose ``output_dir`` is ``url``: its bucket, then
+    its prefix, one folder each.
 
-    ``s3://ckpt/team/run1`` -> ``ckpt-team-run1``: the same URL gives the same folder, so the same command
-    run again (``resume=auto``) finds the run's local files.
+    ``s3://ckpt/team/run1`` -> ``ckpt/team/run1``: the same URL gives the same folder, so the same command run
+    again (``resume=auto``) finds the run's local files; ``s3://a-b/c`` and ``s3://a/b-c`` give two folders.
     """
     path = url[len(url_scheme(url)) + 3 :]
-    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", ".", part).strip(".") for part in path.split("/") if part) or "run"
+    parts = [re.sub(r"[^A-Za-z0-9._-]+", ".", part).strip(".") for part in path.split("/")]
+    return "/".join(part for part in parts if part) or "run"
