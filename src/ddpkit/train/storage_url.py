@@ -40,8 +40,6 @@ _NOT_STORAGE = frozenset(
         "memory",
     }
 )
-S3_EXTRA = "pip install 'ddpkit[s3]'"
-"""The install line of S3 support (s3fs)."""
 
 
 def url_scheme(value: str) -> str:
@@ -72,9 +70,10 @@ def check_storage_url(option: str, url: str) -> None:
     try:
         get_filesystem_class(scheme)
     except ImportError:
-        library = str(known_implementations[scheme]["class"]).split(".")[0]
-        fix = S3_EXTRA if scheme in ("s3", "s3a") else f"pip install {library}"
-        raise UserError(f"{option}={url} needs {library}, which is not installed: {fix}") from None
+        # Deferred as fsspec is: ``ddpkit train --help`` reads this module, and the checkpoint package imports torch.
+        from ddpkit.checkpoint.remote.store import missing_library
+
+        raise UserError(f"{option}={url} {missing_library(scheme)}") from None
 
 
 LOCAL_ONLY = {
