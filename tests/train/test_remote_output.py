@@ -135,7 +135,7 @@ def test_sigterm_then_the_printed_command_continues_from_the_bucket_to_the_unint
     assert continued is not None and continued.returncode == 0, (continued or stopped).stderr[-3000:]
     assert f"uploaded to {url}/checkpoints/" in continued.stderr
     # The run's own files are local, under the folder the URL names; nothing under a folder called s3:
-    local = folder / "runs" / f"{url[len('s3://') :].replace('/', '-')}"
+    local = folder / "runs" / url[len("s3://") :]
     assert (local / "metrics.jsonl").is_file() and (local / "summary.json").is_file()
     assert not (local / "checkpoints").exists() and not (folder / "s3:").exists()
     newest = _newest(s3, f"{url}/checkpoints")
@@ -168,6 +168,19 @@ def test_checkpoints_and_export_read_the_run_s_url(stopped_and_continued, s3, tm
     assert info["source"]["global_step"] == CLI_TOTAL_STEPS
     weights = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert_same_weights(weights, reference_weights(), "exported from the bucket")
+
+
+@pytest.mark.slow
+def test_checkpoints_of_the_run_s_local_folder_says_where_its_checkpoints_are(stopped_and_continued, s3):  # noqa: F811
+    folder, url, _, continued = stopped_and_continued
+    assert continued is not None and continued.returncode == 0
+    local = f"runs/{url[len('s3://') :]}"
+    listing = run_ddpkit("checkpoints", local, cwd=folder, env=_environ(s3, folder), timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout == (
+        f"no checkpoints in {local}: this run keeps them in {url}/checkpoints; list them with ddpkit checkpoints "
+        f"{url}/checkpoints\n"
+    )
 
 
 @pytest.mark.slow
