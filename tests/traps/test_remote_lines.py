@@ -38,8 +38,9 @@ def test_a_url_run_names_its_checkpoints_by_url_in_every_line(s3, tmp_path):
     said = re.search(r"preempted by SIGTERM after global step (\d+): checkpoint (\S+) is complete", outputs["first"])
     assert said and said.group(2) == f"{url}/step-{int(said.group(1)):09d}", outputs["first"]
     assert f"resumed from {said.group(2)} (global step {said.group(1)}: " in outputs["again"]
-    assert f"{url} already holds checkpoints (newest: step-000000015); continue that run with resume=auto" in (
-        outputs["fresh"]
+    assert (
+        f"{url} already holds checkpoints (newest: step-000000015); continue that run with resume=auto"
+        in (outputs["fresh"])
     )
     assert list(cache.rglob("step-*/manifest.json")), "the checkpoints were staged in the cache"
     staged = [name for name, text in outputs.items() if str(cache) in text]

@@ -140,7 +140,8 @@ def checkpoints_command(args: Sequence[str]) -> int:
 def _none_in(root: str, folder: str) -> str:
     """The line for a folder without checkpoints: for the local folder of a run whose checkpoints are in a store,
     where they are (the URL ``ddpkit train`` recorded there) and the command that lists them."""
-    from ddpkit.checkpoint.remote.store import is_remote, recorded_url
+    from ddpkit.checkpoint import is_remote
+    from ddpkit.train.run_folder import recorded_url
 
     url = "" if is_remote(folder) else recorded_url(folder)
     if url:

@@ -60,7 +60,6 @@ from ddpkit import (
     prepare_model,
     seed_everything,
 )
-from ddpkit.checkpoint.remote.store import URL_FILE
 from ddpkit.datasets import DataOptions, load_datasets
 from ddpkit.distributed import control_device, exit_process
 from ddpkit.errors import exit_status
@@ -70,7 +69,7 @@ from ddpkit.log import get_logger, setup_logging
 from ddpkit.train.config import TrainConfig, with_remote_checkpoints
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
-from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
+from ddpkit.train.run_folder import URL_FILE, claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import SETTINGS, apply_changed_rates, base_rates, build_scheduler
 from ddpkit.train.state import TrainState
 from ddpkit.train.storage_url import url_scheme
@@ -390,7 +389,7 @@ def _launcher_name(ctx: Context) -> str:
 
 
 def _record_checkpoints_url(folder: Path, url: str) -> None:
-    """Write ``url`` in the run folder's :data:`~ddpkit.checkpoint.remote.store.URL_FILE`."""
+    """Write ``url`` in the run folder's :data:`~ddpkit.train.run_folder.URL_FILE`."""
     path = folder / URL_FILE
     try:
         path.write_text(url.rstrip("/") + "\n")

@@ -71,7 +71,7 @@ def check_storage_url(option: str, url: str) -> None:
         get_filesystem_class(scheme)
     except ImportError:
         # Deferred as fsspec is: ``ddpkit train --help`` reads this module, and the checkpoint package imports torch.
-        from ddpkit.checkpoint.remote.store import missing_library
+        from ddpkit.checkpoint import missing_library
 
         raise UserError(f"{option}={url} {missing_library(scheme)}") from None
 

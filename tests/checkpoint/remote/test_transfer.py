@@ -57,7 +57,10 @@ def test_a_scheme_no_file_system_knows_is_one_line_naming_what_to_use():
 
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
 def test_a_store_whose_library_is_missing_is_one_line_naming_the_package(tmp_path):
-    with pytest.raises(UserError, match=r"^gs://b/run needs gcsfs, which is not installed: pip install gcsfs; or write to a local folder$"):
+    with pytest.raises(
+        UserError,
+        match=r"^gs://b/run needs gcsfs, which is not installed: pip install gcsfs; or write to a local folder$",
+    ):
         ddpkit.Checkpointer("gs://b/run", model=torch.nn.Linear(2, 2), cache=str(tmp_path))
 
 

@@ -12,13 +12,11 @@ from ddpkit.errors import UserError
 
 __all__ = [
     "S3_EXTRA",
-    "URL_FILE",
     "RemoteFolder",
     "default_cache",
     "folded_url",
     "is_remote",
     "missing_library",
-    "recorded_url",
     "remote_folder",
     "unreachable",
 ]
@@ -27,18 +25,6 @@ _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "a
 """The package each common store's scheme needs: a path whose first part is one of them is a folded URL."""
 S3_EXTRA = "pip install 'ddpkit[s3]'"
 """The install line of S3 support (s3fs)."""
-
-
-URL_FILE = "checkpoints.url"
-"""The file in a run's local folder that holds the URL of the run's checkpoints, when they are in a store."""
-
-
-def recorded_url(folder: str | os.PathLike[str]) -> str:
-    """The URL of the checkpoints of the run whose local folder is ``folder`` (its :data:`URL_FILE`), else ""."""
-    try:
-        return (Path(folder) / URL_FILE).read_text().strip()
-    except OSError:  # none (a local run's folder), or not readable: nothing recorded
-        return ""
 
 
 def missing_library(scheme: str) -> str:
