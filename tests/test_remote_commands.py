@@ -89,6 +89,6 @@ def test_export_of_a_url_to_a_url_and_plot_of_a_url_are_one_line_each(tmp_path, 
     )
     assert main(["plot", "s3://bucket/team/run"]) == 2
     assert capsys.readouterr().err == (
-        "error: s3://bucket/team/run: a run's metrics stay in its local folder; ddpkit plot runs/bucket-team-run\n"
+        "error: s3://bucket/team/run: a run's metrics stay in its local folder; ddpkit plot runs/bucket/team/run\n"
     )
     assert list(tmp_path.iterdir()) == []

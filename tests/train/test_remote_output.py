@@ -31,11 +31,16 @@ TINY = ["dataset=synthetic", "synthetic_samples=256", "batch_size=32", "epochs=1
 
 def test_an_output_dir_url_keeps_the_checkpoints_there_and_the_run_s_files_in_a_local_folder():
     cfg = parse_train_config(["output_dir=s3://ckpt/team/run1/"])
-    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/ckpt-team-run1", "s3://ckpt/team/run1/checkpoints")
+    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/ckpt/team/run1", "s3://ckpt/team/run1/checkpoints")
     cfg = parse_train_config(["output_dir=s3://b/x", "checkpoint.dir=s3://other/ckpt"])  # named: kept
-    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/b-x", "s3://other/ckpt")
+    assert (cfg.output_dir, cfg.checkpoint.dir) == ("runs/b/x", "s3://other/ckpt")
     cfg = parse(TrainConfig, ["output_dir=runs/a", "checkpoint.dir=s3://ckpt/a"])
     assert with_remote_checkpoints(cfg) == cfg  # a local output_dir stays as it is
+
+
+def test_urls_whose_parts_join_alike_keep_their_run_files_in_two_local_folders():
+    folders = [parse_train_config([f"output_dir={url}"]).output_dir for url in ("s3://a-b/c", "s3://a/b-c")]
+    assert folders == ["runs/a-b/c", "runs/a/b-c"]
 
 
 def test_missing_s3fs_is_one_line_naming_the_extra(tmp_path):
@@ -130,7 +135,7 @@ def test_sigterm_then_the_printed_command_continues_from_the_bucket_to_the_unint
     assert continued is not None and continued.returncode == 0, (continued or stopped).stderr[-3000:]
     assert f"uploaded to {url}/checkpoints/" in continued.stderr
     # The run's own files are local, under the folder the URL names; nothing under a folder called s3:
-    local = folder / "runs" / f"{url[len('s3://') :].replace('/', '-')}"
+    local = folder / "runs" / url[len("s3://") :]
     assert (local / "metrics.jsonl").is_file() and (local / "summary.json").is_file()
     assert not (local / "checkpoints").exists() and not (folder / "s3:").exists()
     newest = _newest(s3, f"{url}/checkpoints")
@@ -163,6 +168,19 @@ def test_checkpoints_and_export_read_the_run_s_url(stopped_and_continued, s3, tm
     assert info["source"]["global_step"] == CLI_TOTAL_STEPS
     weights = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert_same_weights(weights, reference_weights(), "exported from the bucket")
+
+
+@pytest.mark.slow
+def test_checkpoints_of_the_run_s_local_folder_says_where_its_checkpoints_are(stopped_and_continued, s3):  # noqa: F811
+    folder, url, _, continued = stopped_and_continued
+    assert continued is not None and continued.returncode == 0
+    local = f"runs/{url[len('s3://') :]}"
+    listing = run_ddpkit("checkpoints", local, cwd=folder, env=_environ(s3, folder), timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout == (
+        f"no checkpoints in {local}: this run keeps them in {url}/checkpoints; list them with ddpkit checkpoints "
+        f"{url}/checkpoints\n"
+    )
 
 
 @pytest.mark.slow

@@ -126,9 +126,8 @@ def test_a_sigterm_then_the_same_command_on_another_machine_ends_bit_equal(runs)
     step = int(said.group(1))
     assert said.group(2) == f"s3://{runs['bucket']}/preempted/step-{step:09d}"
     assert f"checkpoint step-{step:09d} uploaded to s3://" in _log(first)
-    assert "another-machine/checkpoints/preempted-" in _log(again) and f"step-{step:09d} (global step {step}" in (
-        _log(again)
-    )
+    assert f"resumed from s3://{runs['bucket']}/preempted/step-{step:09d} (global step {step}: " in _log(again)
+    assert list((runs["root"] / "cache" / "another-machine" / "checkpoints").glob("preempted-*/step-*"))
     assert again.returncode == 0, _log(again)
     _assert_bit_equal(_final(runs, "reference"), _final(runs, "preempted"))
 

@@ -58,6 +58,7 @@ _PUBLIC = {
     "nonfinite_tensors": "ddpkit.checkpoint.disk.finite",
     # checkpoints in object storage (ddpkit train's output_dir=s3://..., ddpkit checkpoints and export of a URL)
     "is_remote": "ddpkit.checkpoint.remote.store",
+    "missing_library": "ddpkit.checkpoint.remote.store",
     "remote_checkpoints": "ddpkit.checkpoint.remote.transfer",
     "fetch_checkpoint": "ddpkit.checkpoint.remote.transfer",
     "upload_checkpoint": "ddpkit.checkpoint.remote.transfer",
@@ -113,7 +114,7 @@ if TYPE_CHECKING:
         remote_root as remote_root,
     )
     from ddpkit.checkpoint.publishing.transfer import TransferReport as TransferReport, apply_transfer as apply_transfer
-    from ddpkit.checkpoint.remote.store import is_remote as is_remote
+    from ddpkit.checkpoint.remote.store import is_remote as is_remote, missing_library as missing_library
     from ddpkit.checkpoint.remote.transfer import (
         fetch_checkpoint as fetch_checkpoint,
         remote_checkpoints as remote_checkpoints,

@@ -83,7 +83,7 @@ def checkpoints_command(args: Sequence[str]) -> int:
         return _check_digest(folder, config.digest)
     root, infos = _listing(folder)
     if not infos:
-        print(f"no checkpoints in {root}")
+        print(_none_in(root, folder))
         return 0
     statuses = {info.name: _status(info, config.verify) for info in infos}
     good = [i for i in infos if statuses[i.name] in ("ok", "complete (not verified)")]
@@ -135,6 +135,18 @@ def checkpoints_command(args: Sequence[str]) -> int:
         )
         return 1
     return 0
+
+
+def _none_in(root: str, folder: str) -> str:
+    """The line for a folder without checkpoints: for the local folder of a run whose checkpoints are in a store,
+    where they are (the URL ``ddpkit train`` recorded there) and the command that lists them."""
+    from ddpkit.checkpoint import is_remote
+    from ddpkit.train.run_folder import recorded_url
+
+    url = "" if is_remote(folder) else recorded_url(folder)
+    if url:
+        return f"no checkpoints in {root}: this run keeps them in {url}; list them with ddpkit checkpoints {url}"
+    return f"no checkpoints in {root}"
 
 
 def _check_digest(folder: str, digest: str) -> int:

@@ -163,7 +163,7 @@ class TrainConfig(LaunchOptions):
     """Folder of this run (metrics.jsonl, summary.json, checkpoints/); empty: a new folder
     runs/<model>-<dataset>/<date-time> (runs/<model>-<dataset>/slurm-<job id> in a Slurm job), which
     runs/latest points to; with resume=auto, the newest run of this model and dataset. A URL (s3://BUCKET/PREFIX):
-    the checkpoints go to <URL>/checkpoints and the run's other files to the local folder runs/<BUCKET>-<PREFIX>."""
+    the checkpoints go to <URL>/checkpoints and the run's other files to the local folder runs/<BUCKET>/<PREFIX>."""
     log_every: int = option(50, group="output", counted=True)
     """Optimizer steps between metric lines (metrics.jsonl) and progress-bar updates."""
     logger: str = option("jsonl", group="output")
@@ -225,13 +225,13 @@ class TrainConfig(LaunchOptions):
 
 
 def local_run_folder(url: str) -> Path:
-    """The local folder of the run files of a run whose ``output_dir`` is ``url``: runs/<bucket>-<prefix>."""
+    """The local folder of the run files of a run whose ``output_dir`` is ``url``: runs/<bucket>/<prefix>."""
     return RUNS_DIR / remote_run_name(url)
 
 
 def with_remote_checkpoints(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with an ``output_dir`` URL split: the checkpoints at ``<URL>/checkpoints`` (unless ``checkpoint.dir``
-    names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>-<prefix>``.
+    names a place), the run's own files (logs, metrics.jsonl, summary.json, trackers) in ``runs/<bucket>/<prefix>``.
 
     Those files are appended to line by line and read by local tools (``ddpkit plot``, TensorBoard): they stay
     on this machine, and only the checkpoints, which a restart on another machine needs, go to the store.

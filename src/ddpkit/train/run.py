@@ -69,7 +69,7 @@ from ddpkit.log import get_logger, setup_logging
 from ddpkit.train.config import TrainConfig, with_remote_checkpoints
 from ddpkit.train.loop import Trainer, build_optimizer, global_batch_size
 from ddpkit.train.metrics_file import write_error
-from ddpkit.train.run_folder import claim_run_folder, lock_wait_seconds, plan_run_folder
+from ddpkit.train.run_folder import URL_FILE, claim_run_folder, lock_wait_seconds, plan_run_folder
 from ddpkit.train.schedule import SETTINGS, apply_changed_rates, base_rates, build_scheduler
 from ddpkit.train.state import TrainState
 from ddpkit.train.storage_url import url_scheme
@@ -332,6 +332,8 @@ def run_worker(cfg: TrainConfig, export_dir: str = "") -> dict[str, Any]:
         log.info("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
         if url_scheme(cfg.checkpoint.dir):
             log.info(f"checkpoints in {cfg.checkpoint.dir}; the run's own files in the local folder {cfg.output_dir}")
+            if ctx.is_main_process:  # for ddpkit checkpoints given this folder: where the checkpoints are
+                _record_checkpoints_url(Path(cfg.output_dir), cfg.checkpoint.dir)
         summary = _train(cfg, ctx, export_dir)  # its trainer is gone on return, before the group is left below
         if ctx.is_main_process:
             path = Path(cfg.output_dir) / "summary.json"
@@ -384,6 +386,15 @@ def _launcher_name(ctx: Context) -> str:
     if ctx.env.source == "torchrun" and FAILURE_DIR_VARIABLE in os.environ:
         return "ddpkit launcher"
     return ctx.env.source
+
+
+def _record_checkpoints_url(folder: Path, url: str) -> None:
+    """Write ``url`` in the run folder's :data:`~ddpkit.train.run_folder.URL_FILE`."""
+    path = folder / URL_FILE
+    try:
+        path.write_text(url.rstrip("/") + "\n")
+    except OSError as e:
+        raise write_error(path, e) from None
 
 
 def _lock_run_folder(cfg: TrainConfig, ctx: Context) -> list[FolderLock]:

@@ -132,6 +132,18 @@ def _check_writable(folder: Path) -> None:
     os.unlink(probe)
 
 
+URL_FILE = "checkpoints.url"
+"""The file in a run's local folder that holds the URL of the run's checkpoints, when they are in a store."""
+
+
+def recorded_url(folder: str | os.PathLike[str]) -> str:
+    """The URL of the checkpoints of the run whose local folder is ``folder`` (its :data:`URL_FILE`), else ""."""
+    try:
+        return (Path(folder) / URL_FILE).read_text().strip()
+    except OSError:  # none (a local run's folder), or not readable: nothing recorded
+        return ""
+
+
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "logs", ".ddpkit.lock")
 """What a run leaves in its folder: a folder holding one of these holds a run."""
 

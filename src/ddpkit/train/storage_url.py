@@ -40,8 +40,6 @@ _NOT_STORAGE = frozenset(
         "memory",
     }
 )
-S3_EXTRA = "pip install 'ddpkit[s3]'"
-"""The install line of S3 support (s3fs)."""
 
 
 def url_scheme(value: str) -> str:
@@ -72,9 +70,10 @@ def check_storage_url(option: str, url: str) -> None:
     try:
         get_filesystem_class(scheme)
     except ImportError:
-        library = str(known_implementations[scheme]["class"]).split(".")[0]
-        fix = S3_EXTRA if scheme in ("s3", "s3a") else f"pip install {library}"
-        raise UserError(f"{option}={url} needs {library}, which is not installed: {fix}") from None
+        # Deferred as fsspec is: ``ddpkit train --help`` reads this module, and the checkpoint package imports torch.
+        from ddpkit.checkpoint import missing_library
+
+        raise UserError(f"{option}={url} {missing_library(scheme)}") from None
 
 
 LOCAL_ONLY = {
@@ -99,10 +98,12 @@ def check_url_options(values: dict[str, str]) -> None:
 
 
 def remote_run_name(url: str) -> str:
-    """The name of the local folder of a run whose ``output_dir`` is ``url``: its bucket and prefix, joined by '-'.
+    """The name, under ``runs/``, of the local folder of a run whose ``output_dir`` is ``url``: its bucket, then
+    its prefix, one folder each.
 
-    ``s3://ckpt/team/run1`` -> ``ckpt-team-run1``: the same URL gives the same folder, so the same command
-    run again (``resume=auto``) finds the run's local files.
+    ``s3://ckpt/team/run1`` -> ``ckpt/team/run1``: the same URL gives the same folder, so the same command run
+    again (``resume=auto``) finds the run's local files; ``s3://a-b/c`` and ``s3://a/b-c`` give two folders.
     """
     path = url[len(url_scheme(url)) + 3 :]
-    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", ".", part).strip(".") for part in path.split("/") if part) or "run"
+    parts = [re.sub(r"[^A-Za-z0-9._-]+", ".", part).strip(".") for part in path.split("/")]
+    return "/".join(part for part in parts if part) or "run"

@@ -25,6 +25,7 @@ from ddpkit.checkpoint.remote.lease import LEASE_FILE, RemoteLease
 from ddpkit.checkpoint.remote.store import remote_folder
 from ddpkit.checkpoint.remote.transfer import prune_remote
 from ddpkit.errors import UserError
+from ddpkit.train.storage_url import check_storage_url
 
 
 def _checkpoint(root: Path, step: int) -> Path:
@@ -56,8 +57,24 @@ def test_a_scheme_no_file_system_knows_is_one_line_naming_what_to_use():
 
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
 def test_a_store_whose_library_is_missing_is_one_line_naming_the_package(tmp_path):
-    with pytest.raises(UserError, match=r"^gs://b/run: gs:// needs gcsfs; install it, or write to a local folder$"):
+    with pytest.raises(
+        UserError,
+        match=r"^gs://b/run needs gcsfs, which is not installed: pip install gcsfs; or write to a local folder$",
+    ):
         ddpkit.Checkpointer("gs://b/run", model=torch.nn.Linear(2, 2), cache=str(tmp_path))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_the_trainer_s_check_and_the_checkpointer_name_a_missing_library_alike():
+    with pytest.raises(UserError) as checked:
+        check_storage_url("checkpoint.dir", "gs://b/run")
+    with pytest.raises(UserError) as opened:
+        remote_folder("gs://b/run")
+    hint = "needs gcsfs, which is not installed: pip install gcsfs"
+    assert (str(checked.value), str(opened.value)) == (
+        f"checkpoint.dir=gs://b/run {hint}",
+        f"gs://b/run {hint}; or write to a local folder",
+    )
 
 
 def test_a_url_that_pathlib_folded_is_refused_in_one_line_instead_of_making_a_folder_named_s3(tmp_path):

@@ -9,6 +9,7 @@ Test hooks, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0):
     KILL_MID_UPLOAD=n  rank 0 sends itself SIGKILL right after ckpt.step() of global step n, which staged
                        that step's checkpoint and started its upload
     PREEMPT_AT=n       rank 1 sends itself SIGTERM after global step n (a scheduler's notice)
+RESUME=never|auto  what ckpt.resume() is given (auto by default).
 NODE_CACHE=FOLDER: the staging folder (checkpoint cache=), "{node}" in it replaced by the node's rank.
 At the end rank 0 saves the model's state_dict to FINAL_PT.
 """
@@ -48,7 +49,7 @@ ckpt = ddpkit.Checkpointer(
     on_epoch_end=False,
     cache=cache,
 )
-start = ckpt.resume("auto")
+start = ckpt.resume(os.environ.get("RESUME", "auto"))
 print(f"rank {ctx.rank}: start epoch={start.epoch} step_in_epoch={start.step_in_epoch}", flush=True)
 for epoch in range(start.epoch, 3):
     sampler.set_epoch(epoch)

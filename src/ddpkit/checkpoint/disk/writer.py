@@ -103,6 +103,7 @@ class FolderWriter:
         on_write_error: "stop" (raise StorageError) or "warn" (log, go on) when a write fails.
         needed_bytes: the expected size of a checkpoint, for a failed write's message.
         on_save: called with (path, reason) once a checkpoint is complete (on this thread).
+        shown: how its lines name a checkpoint (a staged one: the URL it is uploaded to).
     """
 
     def __init__(
@@ -115,9 +116,11 @@ class FolderWriter:
         on_write_error: str,
         needed_bytes: Callable[[], int],
         on_save: Callable[[Path, str], None],
+        shown: Callable[[Path], str] = str,
     ):
         self.root, self.mode, self.keep = root, mode, keep
         self.on_write_error, self.needed_bytes, self.on_save = on_write_error, needed_bytes, on_save
+        self.shown = shown
         self._background = BackgroundWriter() if async_save else None
         self._buffers: list[Any] = []  # the copy's storages, reused by the next save once its write is done
 
@@ -171,14 +174,14 @@ class FolderWriter:
         prune(self.root, self.keep, protect=path)
         if marker:
             get_logger().warning(
-                f"checkpoint {path} ({request.reason}) holds NaN or infinity ({', '.join(marker['nonfinite_tensors'])}): "
+                f"checkpoint {self.shown(path)} ({request.reason}) holds NaN or infinity ({', '.join(marker['nonfinite_tensors'])}): "
                 "it is kept apart, never counted toward keep, and resume=auto continues from the newest finite one; "
                 "lower the learning rate or check the data"
             )
         else:
             # The digest, kept elsewhere (a log, a tracker), later shows the checkpoint unchanged (ddpkit checkpoints).
             digest = checkpoint_digest(read_manifest(path))
-            get_logger().info(f"checkpoint {path} ({request.why}{how}), digest {digest}")
+            get_logger().info(f"checkpoint {self.shown(path)} ({request.why}{how}), digest {digest}")
 
     def _saved(self, path: Path | None, reason: str) -> None:
         if path is not None:

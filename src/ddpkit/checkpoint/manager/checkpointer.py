@@ -26,7 +26,7 @@ from ddpkit.checkpoint.manager.schedule import Save, SaveSchedule
 from ddpkit.checkpoint.objects import collect_objects, model_devices
 from ddpkit.checkpoint.options import CheckpointOptions, resume_choice, with_keywords
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero, rank_and_size
-from ddpkit.checkpoint.remote.staging import checkpoint_root, stage_checkpoint
+from ddpkit.checkpoint.remote.staging import checkpoint_root, shown_as_url, stage_checkpoint
 from ddpkit.data.position import LoaderPosition, PositionedLoader
 from ddpkit.distributed import control_device
 from ddpkit.errors import UserError, check_positive
@@ -96,6 +96,7 @@ class Checkpointer:
         self.environ = dict(os.environ if environ is None else environ)
         self.root, self.remote = checkpoint_root(dir, self.options.cache, self.environ)
         """The checkpoints folder (for a URL, the local folder they are staged in), and the remote folder or None."""
+        self._shown = shown_as_url(self.remote, self.root)  # a staged copy is named by its URL in every line
         if self.root.exists() and not self.root.is_dir():  # else found at the first save, an epoch later
             raise UserError(f"checkpoint folder {self.root} is a file; pass the path of a folder (or of a new one)")
         self.rank, self.world_size = rank_and_size(self.environ)
@@ -111,7 +112,7 @@ class Checkpointer:
         self.global_step = 0
         """Optimizer steps done since the start of training (counted by ``step()``)."""
         self.last_path: Path | None = None
-        """The checkpoint written (or resumed from) last."""
+        """The checkpoint written (or resumed from) last; for a URL, its staged copy (``remote.url_of(name)``)."""
         self.save_seconds = 0.0
         """Seconds spent saving so far (a loop that times training can leave them out)."""
         self._on_save: Callable[[Path, str], None] | None = None  # see set_on_save()
@@ -210,6 +211,7 @@ class Checkpointer:
             select.restart_count(self.environ),
             before=self._saving.before_choosing,
             stage=lambda path: stage_checkpoint(self.remote, self.root, path),
+            shown=self._shown,
             rank=self.rank,
             world_size=self.world_size,
         )
@@ -223,7 +225,7 @@ class Checkpointer:
             self.schedule.saved(self.global_step)
             self.metrics.written((restored.metrics, False))
             if self.rank == 0:
-                self.epochs.log_resume(path, restored, self.world_size)
+                self.epochs.log_resume(self._shown(path), restored, self.world_size)
         self.agreement.start(self.global_step)
         self.schedule.plan(self.global_step, self.agreement.next_step)
         if path is None:
@@ -343,9 +345,7 @@ class Checkpointer:
 
     def _exit_preempted(self, signum: int) -> None:
         self.wait()  # the preemption's checkpoint is complete before the process says so and exits
-        name, where = signal_name(signum), str(self.last_path)
-        if self.remote is not None and self.last_path is not None:  # uploaded: where the next run finds it
-            where = self.remote.url_of(self.last_path.name)
+        name, where = signal_name(signum), self._shown(str(self.last_path))  # uploaded: where the next run finds it
         if self.rank == 0:
             say_preempted(name, self.global_step, where, self.continue_hint, self.options.requeue, self.environ)
         self._preempted = True

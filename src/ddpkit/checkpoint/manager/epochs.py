@@ -70,7 +70,7 @@ class EpochCounter:
         self.completed_epochs, self.epoch_start_step = restored.completed_epochs, restored.epoch_start_step
         self.last_reason = restored.reason
 
-    def log_resume(self, path: Path, restored: Restored, world_size: int) -> None:
+    def log_resume(self, path: str | Path, restored: Restored, world_size: int) -> None:
         """Rank 0, once ``restored`` is taken: say where training continues (:func:`~.restore.log_resume`)."""
         log_resume(
             path,

@@ -107,6 +107,7 @@ def choose_and_load(
     rank: int,
     world_size: int,
     stage: Callable[[Path], Path] = lambda path: path,
+    shown: Callable[[Path], str] = str,
 ) -> tuple[Path | None, dict[str, Any]]:
     """Rank 0 chooses the checkpoint to resume; every rank learns it and holds its files (a collective).
 
@@ -120,6 +121,7 @@ def choose_and_load(
         world_size: the number of ranks.
         stage: run on the other ranks before they read the checkpoint: where it is on their node (a remote
             folder's copy in their staging folder).
+        shown: how rank 0's lines name a checkpoint or ``root`` (a remote folder's staged copy: its URL).
 
     Returns:
         The checkpoint (None: a fresh start) and its files by name with ``"manifest"`` ({} for a fresh start).
@@ -127,7 +129,7 @@ def choose_and_load(
     found: dict[str, Any] = {}
 
     def choose() -> str:
-        path, found["loaded"] = select.choose_checkpoint(root, before(choice), restart)
+        path, found["loaded"] = select.choose_checkpoint(root, before(choice), restart, shown)
         return str(path) if path else ""
 
     chosen = on_rank_zero(choose, rank, world_size)
@@ -321,7 +323,7 @@ def _mismatch(path: Path, saved: set[str], given: set[str]) -> str:
 
 
 def log_resume(
-    path: Path,
+    path: str | Path,
     *,
     global_step: int,
     resume_point: tuple[int, int],
@@ -339,6 +341,7 @@ def log_resume(
     a loop without a loader that never called ``epoch_end()`` has no epochs
     to speak of (it samples its batches, e.g. from the restored generators).
     ``steps_per_epoch``: a torch DataLoader's length (``loader=``), which counts the epochs without a position.
+    ``path``: the checkpoint as the lines name it (a remote one's URL).
     """
     log = get_logger()
     # An elastic job that lost or gained a node says so in one line; any other change of size, in detail.
@@ -346,7 +349,7 @@ def log_resume(
     if elastic:
         log.warning(elastic)
     elif saved_world_size != world_size:
-        log.warning(world_size_line(path.name, saved_world_size, world_size, position is not None))
+        log.warning(world_size_line(Path(path).name, saved_world_size, world_size, position is not None))
     epoch, step = resume_point
     if position is None and steps_per_epoch is not None:
         log.info(_by_length_line(path, global_step, epoch - first_epoch, step, steps_per_epoch, finished))
@@ -411,7 +414,7 @@ def world_size_line(name: str, saved_world_size: int, world_size: int, positione
     )
 
 
-def _by_length_line(path: Path, global_step: int, complete: int, step: int, length: int, finished: bool) -> str:
+def _by_length_line(path: str | Path, global_step: int, complete: int, step: int, length: int, finished: bool) -> str:
     """Where a loop over a torch DataLoader (``loader=``, counted by its length) continues."""
     if step >= length:
         where = (

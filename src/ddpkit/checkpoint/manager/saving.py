@@ -38,6 +38,7 @@ from ddpkit.checkpoint.manager.contents import checkpoint_files, config_texts, m
 from ddpkit.checkpoint.objects import is_collective, state_to_agree, tensor_digest
 from ddpkit.checkpoint.options import READABLE_BY, CheckpointOptions
 from ddpkit.checkpoint.ranks import default_store, on_rank_zero
+from ddpkit.checkpoint.remote.staging import shown_as_url
 from ddpkit.checkpoint.remote.store import RemoteFolder
 from ddpkit.checkpoint.remote.writer import RemoteWriter
 from ddpkit.checkpoint.rng import capture_rng_state
@@ -101,6 +102,7 @@ def make_writer(
             "on_write_error": options.on_write_error,
             "needed_bytes": lambda: checkpoint_bytes(root, objects, world_size),
             "on_save": on_save,
+            "shown": shown_as_url(remote, root),  # a staged checkpoint: named by its URL
         }
         if shards is not None:
             return ShardedWriter(root, staged=shards.staged, async_save=async_save, **settings)

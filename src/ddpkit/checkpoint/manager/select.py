@@ -28,7 +28,7 @@ Only rank 0 runs these functions; the Checkpointer shares the outcome.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +102,16 @@ def check_resume(root: str | Path, resume: str) -> None:
         read_manifest(resume)
 
 
-def choose_checkpoint(root: str | Path, resume: str, restarts: int = 0) -> tuple[Path | None, dict[str, Any] | None]:
+def choose_checkpoint(
+    root: str | Path, resume: str, restarts: int = 0, shown: Callable[[Path], str] = str
+) -> tuple[Path | None, dict[str, Any] | None]:
     """The checkpoint to resume from and its verified, loaded files (None, None: start fresh).
 
     Args:
         root: the checkpoints folder.
         resume: never, auto or the path of a checkpoint.
         restarts: how often the job was restarted (see the module docstring).
+        shown: how the lines name a checkpoint or ``root`` (a remote folder's staged copy: its URL).
 
     Raises:
         CheckpointError: see the module docstring; the message says what to do.
@@ -117,25 +120,27 @@ def choose_checkpoint(root: str | Path, resume: str, restarts: int = 0) -> tuple
     infos = list_checkpoints(root)
     complete = candidates(root)
     if restarts and resume != "auto" and complete:
-        get_logger().info(f"restart {restarts}: resuming from the newest checkpoint in {root}")
+        get_logger().info(f"restart {restarts}: resuming from the newest checkpoint in {shown(root)}")
         resume = "auto"
     if resume == "never":
         if complete:
-            raise holds_checkpoints(root, complete[-1].path.name)
+            raise holds_checkpoints(shown(root), complete[-1].path.name)
         set_aside_incomplete(infos)
         return None, None
     if resume == "auto":
-        return _newest_good(root, infos, complete)
-    return _strict(root, Path(resume), infos)
+        return _newest_good(root, infos, complete, shown)
+    return _strict(root, Path(resume), infos, shown)
 
 
-def _strict(root: Path, path: Path, infos: list[CheckpointInfo]) -> tuple[Path, dict[str, Any]]:
+def _strict(
+    root: Path, path: Path, infos: list[CheckpointInfo], shown: Callable[[Path], str]
+) -> tuple[Path, dict[str, Any]]:
     loaded = verify_checkpoint(path)
     step = loaded["manifest"]["global_step"]
     newer = [i for i in infos if i.complete and i.global_step > step and i.path.resolve() != path.resolve()]
     if newer:
         raise CheckpointError(
-            f"{root} holds checkpoints newer than resume={path} ({newer[-1].path.name}); resuming "
+            f"{shown(root)} holds checkpoints newer than resume={shown(path)} ({newer[-1].path.name}); resuming "
             "from the older one there would mix two runs: move the newer ones away, "
             "or write this run's checkpoints to another folder"
         )
@@ -144,7 +149,7 @@ def _strict(root: Path, path: Path, infos: list[CheckpointInfo]) -> tuple[Path, 
 
 
 def _newest_good(
-    root: Path, infos: list[CheckpointInfo], complete: list[CheckpointInfo]
+    root: Path, infos: list[CheckpointInfo], complete: list[CheckpointInfo], shown: Callable[[Path], str]
 ) -> tuple[Path | None, dict[str, Any] | None]:
     log = get_logger()
     bad: list[tuple[CheckpointInfo, str]] = []
@@ -162,24 +167,24 @@ def _newest_good(
         if bad:
             what = {CORRUPT_SUFFIX: "corrupt", UNREADABLE_SUFFIX: "unreadable", NONFINITE_SUFFIX: "non-finite"}
             log.warning(
-                f"resume=auto: newest checkpoint {bad[0][0].path} is {what[bad[0][1]]}; "
-                f"using the previous good one, {info.path}"
+                f"resume=auto: newest checkpoint {shown(bad[0][0].path)} is {what[bad[0][1]]}; "
+                f"using the previous good one, {shown(info.path)}"
             )
             for info_bad, suffix in bad:
                 _set_aside(info_bad.path, suffix)
         if info.path.name.startswith(BEST_PREFIX):
             log.warning(
                 f"resume=auto: no complete step-* checkpoint is newer than {info.path.name}; "
-                f"resuming from the best checkpoint {info.path}"
+                f"resuming from the best checkpoint {shown(info.path)}"
             )
         set_aside_incomplete([i for i in infos if i.global_step > info.global_step])
         return info.path, loaded
     if bad:
         raise CheckpointError(
-            f"no checkpoint in {root} verifies ({', '.join(i.path.name for i, _ in bad)} are not usable); "
+            f"no checkpoint in {shown(root)} verifies ({', '.join(i.path.name for i, _ in bad)} are not usable); "
             "restore them from a backup, or start over with resume=never in another folder"
         )
-    log.info(f"resume=auto: no checkpoint in {root} yet; starting from the beginning")
+    log.info(f"resume=auto: no checkpoint in {shown(root)} yet; starting from the beginning")
     set_aside_incomplete(infos)
     return None, None
 

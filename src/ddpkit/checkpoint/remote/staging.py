@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from filelock import FileLock
@@ -28,7 +28,14 @@ from ddpkit.checkpoint.remote.transfer import fetch_into, remote_checkpoints
 from ddpkit.errors import UserError
 from ddpkit.log import get_logger
 
-__all__ = ["NOT_UPLOADED_SUFFIX", "checkpoint_root", "pull_newest", "stage_checkpoint", "staging_folder"]
+__all__ = [
+    "NOT_UPLOADED_SUFFIX",
+    "checkpoint_root",
+    "pull_newest",
+    "shown_as_url",
+    "stage_checkpoint",
+    "staging_folder",
+]
 
 NOT_UPLOADED_SUFFIX = ".not-uploaded"
 """The suffix of a staged checkpoint set aside because the bucket does not hold it complete."""
@@ -61,6 +68,19 @@ def checkpoint_root(
         return Path(dir), None
     remote = remote_folder(dir)
     return staging_folder(remote.url, cache, environ), remote
+
+
+def shown_as_url(folder: RemoteFolder | None, staging: Path) -> Callable[[str | os.PathLike[str]], str]:
+    """How the lines a user reads name a checkpoint or the checkpoints folder: for a remote ``folder``, a path in
+    its ``staging`` folder as the URL it stands for (``s3://bucket/run/step-000000007``), since that is where the
+    checkpoint lives and where the next run finds it; any other path as it is."""
+
+    def shown(path: str | os.PathLike[str]) -> str:
+        if folder is None or not Path(path).is_relative_to(staging):
+            return os.fspath(path)
+        return folder.url_of(*Path(path).relative_to(staging).parts)
+
+    return shown
 
 
 def pull_newest(folder: RemoteFolder, staging: Path) -> Path | None:

@@ -10,10 +10,30 @@ from typing import Any
 
 from ddpkit.errors import UserError
 
-__all__ = ["RemoteFolder", "default_cache", "folded_url", "is_remote", "remote_folder", "unreachable"]
+__all__ = [
+    "S3_EXTRA",
+    "RemoteFolder",
+    "default_cache",
+    "folded_url",
+    "is_remote",
+    "missing_library",
+    "remote_folder",
+    "unreachable",
+]
 
 _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-"""The package each common scheme needs, for the line that says to install it."""
+"""The package each common store's scheme needs: a path whose first part is one of them is a folded URL."""
+S3_EXTRA = "pip install 'ddpkit[s3]'"
+"""The install line of S3 support (s3fs)."""
+
+
+def missing_library(scheme: str) -> str:
+    """The end of the line for a URL whose file system's library is not installed: what it needs and the install
+    line (``needs s3fs, which is not installed: pip install 'ddpkit[s3]'``); ``scheme`` is one fsspec knows."""
+    from fsspec.registry import known_implementations  # type: ignore[import-untyped]  # fsspec ships no types
+
+    library = _INSTALL.get(scheme) or str(known_implementations[scheme]["class"]).split(".")[0]
+    return f"needs {library}, which is not installed: {S3_EXTRA if library == 's3fs' else f'pip install {library}'}"
 
 
 def _scheme(path: str | os.PathLike[str]) -> str:
@@ -82,9 +102,7 @@ def remote_folder(url: str | os.PathLike[str]) -> RemoteFolder:
     try:
         fs, path = fsspec.core.url_to_fs(text)
     except ImportError:
-        package = _INSTALL.get(scheme, f"the fsspec file system for {scheme}://")
-        extra = " (pip install 'ddpkit[s3]')" if package == "s3fs" else ""
-        raise UserError(f"{text}: {scheme}:// needs {package}; install it{extra}, or write to a local folder") from None
+        raise UserError(f"{text} {missing_library(scheme)}; or write to a local folder") from None
     except ValueError:
         raise UserError(
             f"{text}: no file system is known for {scheme}://; use s3://, gs://, az://... or a local folder"
