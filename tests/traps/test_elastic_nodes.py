@@ -9,9 +9,11 @@ tests/cluster/test_elastic.py add nothing to what these tests look at: the lines
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,25 +68,46 @@ def test_a_node_that_joins_is_said_as_a_join_not_as_a_preemption(tmp_path):
     assert said.count("node 127.0.0.1 joined; continuing on 2 nodes, 2 workers, from step ") == 1, said[-4000:]
 
 
-def _steps_done(folder: Path) -> int:
-    """The global steps the run in ``folder`` has finished, from the checkpoints it wrote (0 before the first)."""
-    names = [p.name for p in (folder / "checkpoints").glob("step-*")] if folder.is_dir() else []
-    return max((int(name.split("-")[1].split(".")[0]) for name in names), default=0)
+def _wait_for_store(port: int) -> None:
+    """Wait until the first launcher serves the rendezvous store at 127.0.0.1:``port``."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no store at 127.0.0.1:{port} within {WAIT:g}s")
+
+
+def _trained_by_two(folder: Path) -> bool:
+    """Whether the run in ``folder`` has written a checkpoint at world size 2 (both nodes train)."""
+    for manifest in (folder / "checkpoints").glob("step-*/manifest.json"):
+        try:
+            if json.loads(manifest.read_text())["world_size"] == 2:
+                return True
+        except (OSError, ValueError):  # pruned, or being written, as it was read
+            pass
+    return False
 
 
 @pytest.mark.timeout(240)
 def test_ddpkit_train_goes_on_alone_when_the_other_node_is_lost(tmp_path):
     env = worker_environment(OMP_NUM_THREADS="1")
-    words = [f"master_port={free_port()}", "rdzv_last_call=1", "rdzv_id=lost-test", "dataset=synthetic"]
-    words += ["synthetic_samples=20000", "batch_size=16", "epochs=2", "progress=false", "threads=1"]
-    words += ["checkpoint.every_steps=20"]
-    nodes = [start_launcher("train", words, tmp_path, env) for _ in range(2)]
+    port = free_port()
+    words = [f"master_port={port}", "rdzv_last_call=1", "rdzv_id=lost-test", "dataset=synthetic"]
+    words += ["synthetic_samples=64000", "batch_size=16", "epochs=2", "progress=false", "threads=1"]
+    words += ["checkpoint.every_steps=200"]  # each checkpoint stays a while (keep=2)
+    # resume=auto: B's launcher may start once A has written checkpoints into the run folder both share (B would be
+    # refused its folder without it, resume=never being the default).
+    words += ["resume=auto"]
+    nodes = [start_launcher("train", words, tmp_path, env)]
     folder = tmp_path / "runs" / "mlp-synthetic" / "elastic-lost-test"
     try:
+        _wait_for_store(port)  # A serves the store: the node lost is B, which is its client
+        nodes.append(start_launcher("train", words, tmp_path, env))
         deadline = time.monotonic() + WAIT
-        while _steps_done(folder) < 40 and time.monotonic() < deadline:  # both nodes train (a checkpoint or two)
+        while not _trained_by_two(folder) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _steps_done(folder) >= 40, "no checkpoint within the wait"
+        assert _trained_by_two(folder), "no checkpoint of both nodes within the wait"
         kill_node(nodes[1])  # mid-epoch: B's launcher and worker, as a machine that dies
         lost_rc, _ = finish(nodes[1])
         rc, err = finish(nodes[0], timeout=150)
