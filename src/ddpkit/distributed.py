@@ -242,6 +242,9 @@ def init(
 NODES_CHANGED_VARIABLE = "DDPKIT_NODES_CHANGED_FILE"
 """The file in which the agent of an elastic ``ddpkit run``/``ddpkit train`` writes, at each round, which nodes
 left or joined since the round before ("node 10.0.0.2 left"; empty: none), for :func:`nodes_change_line`."""
+NODES_JOINING = "nodes are joining"
+"""What the agent writes in that file just before it stops its workers (SIGTERM) for nodes waiting to join: the
+workers' checkpoint on that signal is no preemption, and :func:`nodes_joining` lets them say so."""
 
 
 def nodes_change(environ: Mapping[str, str]) -> str:
@@ -252,6 +255,11 @@ def nodes_change(environ: Mapping[str, str]) -> str:
             return file.read().strip()
     except OSError:  # no file: not an elastic ddpkit launch, or its first round
         return ""
+
+
+def nodes_joining(environ: Mapping[str, str]) -> bool:
+    """Whether this elastic ddpkit launch's agent is stopping the workers to take in nodes that wait to join."""
+    return nodes_change(environ) == NODES_JOINING
 
 
 def nodes_change_line(environ: Mapping[str, str], saved_world_size: int, world_size: int, global_step: int) -> str:

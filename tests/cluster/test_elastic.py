@@ -143,6 +143,9 @@ def test_a_node_lost_joined_and_preempted_the_job_goes_on(netns_hosts: TwoHosts,
     said = err_a + preempted_err  # rank 0 speaks, on whichever node the rendezvous made it
     assert said.count(f"node {b.address} left; continuing on 1 nodes, 1 workers, from step ") == 2, said[-4000:]
     assert said.count(f"node {b.address} joined; continuing on 2 nodes, 2 workers, from step ") == 1, said[-4000:]
+    # B's return stopped A's worker with SIGTERM, which is no preemption: the one preemption said is B's notice.
+    assert said.count("a node is joining this elastic job: the workers stopped after global step ") == 1, said[-4000:]
+    assert said.count("preempted by SIGTERM after global step ") == 1, said[-4000:]
     # After the notice the whole job checkpointed at one step, which A continued from without B.
     last_left = re.findall(
         rf"node {re.escape(b.address)} left; continuing on 1 nodes, 1 workers, from step (\d+)", said

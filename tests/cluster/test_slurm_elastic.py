@@ -81,7 +81,7 @@ def test_a_node_range_writes_an_elastic_job_with_ddpkits_launcher_on_each_node(n
     assert launch_lines(script) == (
         'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=6 '
         "--no-kill --kill-on-bad-exit=0 --wait=0 "
-        'env -u SLURM_PROCID python -m ddpkit train nnodes=1:2 nproc=2 master_addr="$MASTER_ADDR" '
+        'python -m ddpkit train nnodes=1:2 nproc=2 master_addr="$MASTER_ADDR" '
         'master_port="$MASTER_PORT" model=mlp'
     )
 

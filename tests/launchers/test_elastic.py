@@ -139,3 +139,15 @@ def test_ddpkit_store_serves_until_sigterm():
         assert store.stderr.read() == "ddpkit store: stopped by SIGTERM\n"
     finally:
         store.kill()
+
+
+def test_a_node_joining_is_no_preemption_and_requeues_nothing(tmp_path, monkeypatch, caplog):
+    from ddpkit.checkpoint.manager.preemption import say_preempted
+    from ddpkit.distributed import NODES_JOINING
+
+    changed = tmp_path / "nodes-changed"
+    changed.write_text(NODES_JOINING)  # what the agent writes before it stops the workers for a node that joins
+    monkeypatch.setenv(NODES_CHANGED_VARIABLE, str(changed))
+    say_preempted("SIGTERM", 12, "ckpt/step-000000012", "run the same command again", True, {})
+    (line,) = caplog.messages  # the line, and no requeue (which would end every node's part of the job)
+    assert line.startswith("a node is joining this elastic job: the workers stopped after global step 12 with "), line

@@ -85,9 +85,13 @@ def train_command(args: Sequence[str]) -> int:
 
     # Inside SageMaker: its folders and hyperparameters first, then the arguments, --key value accepted.
     words = train_words(os.environ) + key_value_words(os.environ, args)
-    here = detect_environment(os.environ).source == "local"  # else one worker of torchrun, srun or mpirun
+    source = detect_environment(os.environ).source
+    elastic = ":" in (peek(words, "nnodes") or "")
+    # Else one worker of torchrun, srun or mpirun. An elastic job's srun task (ddpkit slurm's script) is a node's
+    # launcher, not a worker: its ranks come from the rendezvous, not from the task's SLURM_PROCID.
+    here = source == "local" or (elastic and source == "slurm")
     workers = [(peek(words, key) or "1").split(":")[-1] for key in ("nproc", "nnodes")]  # nnodes=MIN:MAX: MAX
-    elastic = here and ":" in (peek(words, "nnodes") or "")
+    elastic = here and elastic
     if not (here and all(n.isdigit() for n in workers) and max(map(int, workers)) > 1):
         _import_torch(elastic)
         return _train(words, args, here)

@@ -11,6 +11,9 @@ it builds :class:`DdpkitAgent` instead, which:
   the store while another agent still reads the barrier's answer from it,
   which then prints c10d's "Failed to recv ... Did the remote server
   shutdown or crash?" with a C++ stack after a job that succeeded;
+- tells the workers that nodes are joining an elastic job before it stops
+  them for that (:func:`~ddpkit.launchers.elastic.write_nodes_change`), so
+  their checkpoint on that SIGTERM is not announced as a preemption;
 - notes how each worker ended when a signal stopped it, in the launch's
   :class:`AgentReport`, for :class:`~ddpkit.launchers.local.StoppedBySignal`;
 - takes a worker that exited with status 0 without returning (``os._exit(0)``)
@@ -34,6 +37,8 @@ from typing import Any
 from torch.distributed.distributed_c10d import Store
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 
+from ddpkit.distributed import NODES_JOINING
+from ddpkit.launchers.elastic import write_nodes_change
 from ddpkit.launchers.torch_internals import HookedAgent, agent_for_launch
 
 AGENTS_LEFT_KEY = "ddpkit/agents_left_exit_barrier"
@@ -72,6 +77,9 @@ class DdpkitAgent(HookedAgent):
             file=sys.stderr,
             flush=True,
         )
+
+    def stopping_for_joining_nodes(self) -> None:
+        write_nodes_change(NODES_JOINING)
 
     def left_exit_barrier(self, store: Store, group_rank: int, group_world_size: int) -> None:
         if group_world_size < 2:

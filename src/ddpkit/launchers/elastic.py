@@ -24,6 +24,10 @@ client. What torch's agents do with it, unchanged:
 - a node that joins waits at the rendezvous; the running agents see it
   waiting, stop their workers (SIGTERM: a ddpkit.Checkpointer writes a
   checkpoint on it) and meet it in a new round, which costs no restart.
+  Before that SIGTERM, ddpkit's agent writes
+  :data:`ddpkit.distributed.NODES_JOINING` where the workers read the
+  nodes' changes, so that rank 0 says a node is joining, not that the job
+  was preempted.
 
 ddpkit adds the node's names: each agent writes its address into each
 round's keys and reads the others'; a change from the round before
@@ -154,7 +158,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         except (RendezvousConnectionError, RuntimeError, OSError) as e:
             raise self._lost_or(e) from e
         if self._names is not None:
-            _write_change(nodes_change(self._names, names))
+            write_nodes_change(nodes_change(self._names, names))
         self._names = names
         return info
 
@@ -223,7 +227,7 @@ def nodes_change(before: Sequence[str], after: Sequence[str]) -> str:
     return " and ".join(parts)
 
 
-def _write_change(change: str) -> None:
+def write_nodes_change(change: str) -> None:
     """Put ``change`` where this launch's workers read it (nothing outside a ddpkit launch)."""
     path = os.environ.get(NODES_CHANGED_VARIABLE)
     if path:

@@ -162,12 +162,9 @@ def elastic_launcher(spec: SbatchSpec, container: str, ignore_signal: str) -> li
     endpoint = 'master_addr="$MASTER_ADDR" master_port="$MASTER_PORT"'
     # ddpkit's options come before the program: after it, ddpkit run passes every word to the program.
     program = f"{_words(command[1:], spec.train_args)}{staged}".strip()
-    # `ddpkit train` in an srun task takes itself for one worker of the step (ddpkit.env.slurm reads the task's
-    # SLURM_PROCID); the launcher of a node is not one: it starts the node's workers.
-    unset = "" if spec.command else "env -u SLURM_PROCID "
     return [
         *lines,
-        f"    {container}{unset}{shlex.quote(spec.python)} -m ddpkit {command[0]} {launch} {endpoint}",
+        f"    {container}{shlex.quote(spec.python)} -m ddpkit {command[0]} {launch} {endpoint}",
         *([f"    {program}"] if program else []),
     ]
 

@@ -16,8 +16,9 @@ these still exists, with the expected signature, on the installed torch.
   torch's agent would wait for their values forever.
 - ``LocalElasticAgent._restart_workers`` and its ``_remaining_restarts``:
   overridden to say, once per restart, which rank failed and which restart
-  this is, and to give back the restart of a round that failed because a
-  node left an elastic job.
+  this is, to give back the restart of a round that failed because a
+  node left an elastic job, and to tell the workers, before torch stops
+  them, that nodes are joining.
 - ``LocalElasticAgent._exit_barrier``, ``_store`` and ``_worker_group``:
   overridden so that node 0's agent, which serves the store, waits for the
   other agents to leave the barrier.
@@ -50,7 +51,7 @@ __all__ = ["HookedAgent", "SignalException", "agent_for_launch", "parse_rendezvo
 
 
 class HookedAgent(LocalElasticAgent):
-    """torch's local agent with ddpkit's changes behind four public hooks, for a subclass to fill.
+    """torch's local agent with ddpkit's changes behind five public hooks, for a subclass to fill.
 
     The overrides of torch's private methods live here; what they do for
     ddpkit lives in the hooks (:mod:`ddpkit.launchers.agent`).
@@ -61,6 +62,9 @@ class HookedAgent(LocalElasticAgent):
 
     def restarting(self, restart: int, max_restarts: int) -> None:
         """Called before the group is restarted, for the ``restart``-th time of ``max_restarts``."""
+
+    def stopping_for_joining_nodes(self) -> None:
+        """Called when nodes wait to join an elastic job, just before torch's agent stops the healthy workers."""
 
     def left_exit_barrier(self, store: Store, group_rank: int, group_world_size: int) -> None:
         """Called when this agent has passed torch's exit barrier, with the rendezvous store."""
@@ -85,6 +89,8 @@ class HookedAgent(LocalElasticAgent):
         nodes_before = worker_group.group_world_size or 0
         limit = worker_group.spec.max_restarts
         restart = limit - self._remaining_restarts
+        if not failed:
+            self.stopping_for_joining_nodes()
         super()._restart_workers(worker_group)  # stop the workers, meet the other nodes, start the workers
         if not failed:
             return

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import NODES_CHANGED_VARIABLE
+from ddpkit.distributed import NODES_CHANGED_VARIABLE, nodes_joining
 from ddpkit.log import get_logger
 from ddpkit.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -84,6 +84,11 @@ def exit_status(signal_name: str) -> int:
 
 def preempted_line(signal_name: str, global_step: int, checkpoint: object, continue_hint: str) -> str:
     """Rank 0's last line after a preemption checkpoint: the signal, the step, the checkpoint, the status, what next."""
+    if signal_name != "SIGINT" and nodes_joining(os.environ):  # the agent stops the workers to take a node in
+        return (
+            f"a node is joining this elastic job: the workers stopped after global step {global_step} with "
+            f"checkpoint {checkpoint}, and the job continues from it at its new size"
+        )
     what = "interrupted (Ctrl-C)" if signal_name == "SIGINT" else f"preempted by {signal_name}"
     if os.environ.get(NODES_CHANGED_VARIABLE) and signal_name != "SIGINT":  # an elastic ddpkit launch's worker
         continue_hint = (
@@ -212,7 +217,7 @@ def say_preempted(
 ) -> None:
     """Rank 0, after a preemption's checkpoint: :func:`preempted_line`, then the job requeued if ``requeue``."""
     get_logger().warning(preempted_line(signal_name, global_step, checkpoint, continue_hint))
-    if requeue:
+    if requeue and not nodes_joining(os.environ):  # a node joining is no end of the job: nothing to requeue
         get_logger().warning(requeue_slurm_job(environ))
 
 
