@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from ddpkit.commands.launching import environ_set
 from ddpkit.env.ports import free_port
 
 ACCESS_KEY = "AKIADDPKITTESTKEY0001"
@@ -70,16 +71,8 @@ class S3Server:
     @contextlib.contextmanager
     def environment(self) -> Iterator[None]:
         """:attr:`env` set in this process for the block (for a library call made here)."""
-        before = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)
-        try:
+        with environ_set(self.env):
             yield
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -36,8 +36,25 @@ _CHUNK = 1 << 20
 # -- finding and verifying ----------------------------------------------------
 
 
+class ManifestFacts:
+    """What a listed checkpoint's manifest says, wherever the checkpoint is (a folder, or a URL in a store)."""
+
+    manifest: dict[str, Any] | None
+    problem: str
+
+    @property
+    def complete(self) -> bool:
+        """True when a manifest marks the write as finished (or one is there but cannot be read)."""
+        return self.manifest is not None or bool(self.problem)
+
+    @property
+    def finite(self) -> bool:
+        """False when the manifest says the checkpoint's tensors hold NaN or infinity (``"finite": false``)."""
+        return not (self.manifest and self.manifest.get("finite", True) is False)
+
+
 @dataclass(frozen=True)
-class CheckpointInfo:
+class CheckpointInfo(ManifestFacts):
     """A checkpoint folder as found on disk (complete or not)."""
 
     path: Path
@@ -51,16 +68,6 @@ class CheckpointInfo:
 
     unreadable: bool = False
     """True when the folder or its manifest cannot be read (permissions, I/O error): ``problem`` says why."""
-
-    @property
-    def complete(self) -> bool:
-        """True when a manifest marks the write as finished (or one is there but cannot be read)."""
-        return self.manifest is not None or bool(self.problem)
-
-    @property
-    def finite(self) -> bool:
-        """False when the manifest says the checkpoint's tensors hold NaN or infinity (``"finite": false``)."""
-        return not (self.manifest and self.manifest.get("finite", True) is False)
 
     @property
     def size(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ddpkit.checkpoint.disk.format import MANIFEST, CheckpointError, verify_checkpoint
 from ddpkit.checkpoint.disk.layout import BEST_PREFIX, NAME_PATTERN, STEP_PREFIX
+from ddpkit.checkpoint.disk.reading import ManifestFacts
 from ddpkit.checkpoint.remote.store import RemoteFolder, default_cache, remote_folder
 
 __all__ = [
@@ -39,7 +40,7 @@ def _folder(url: str | os.PathLike[str] | RemoteFolder) -> RemoteFolder:
 
 
 @dataclass(frozen=True)
-class RemoteCheckpoint:
+class RemoteCheckpoint(ManifestFacts):
     """A checkpoint in object storage as listed (complete or not): a local ``CheckpointInfo``'s facts, by URL."""
 
     url: str
@@ -55,16 +56,6 @@ class RemoteCheckpoint:
     def name(self) -> str:
         """The checkpoint's name (``step-000000120``)."""
         return self.url.rsplit("/", 1)[-1]
-
-    @property
-    def complete(self) -> bool:
-        """True when its manifest exists (damaged or not): its upload finished."""
-        return self.manifest is not None or bool(self.problem)
-
-    @property
-    def finite(self) -> bool:
-        """False when the manifest says its tensors hold NaN or infinity."""
-        return not (self.manifest and self.manifest.get("finite", True) is False)
 
     @property
     def size(self) -> int:
